@@ -1,0 +1,26 @@
+"""A standalone, vectorised implementation of an RL engine's model input/output preparation.
+
+See ``shared/CONTRACT.md`` for the contract; ``LMHeadEngine`` and ``ValueHeadEngine`` are
+drop-ins for verl's FSDP engines' ``prepare_model_inputs``/``prepare_model_outputs``.
+"""
+
+from .engines import LMHeadEngine, ValueHeadEngine
+from .errors import (BatchMismatchError, FlagTypeError, NestedLayoutError, PrepError, ShapeError,
+                     TemperatureError, UnsupportedConfigError)
+from .flags import BatchFlags
+from .inputs import prepare_model_inputs
+from .logits import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
+from .outputs import prepare_model_outputs, prepare_value_outputs
+from .padding import (build_attention_mask_from_nested, left_right_2_no_padding, no_padding_2_padding,
+                      response_from_nested, response_to_nested)
+from .settings import EngineSettings
+
+__all__ = [
+    "LMHeadEngine", "ValueHeadEngine", "EngineSettings", "BatchFlags",
+    "prepare_model_inputs", "prepare_model_outputs", "prepare_value_outputs",
+    "build_attention_mask_from_nested", "no_padding_2_padding", "left_right_2_no_padding",
+    "response_from_nested", "response_to_nested",
+    "logprobs_from_logits", "entropy_from_logits", "sum_pi_squared_from_logits",
+    "PrepError", "NestedLayoutError", "BatchMismatchError", "ShapeError", "TemperatureError",
+    "UnsupportedConfigError", "FlagTypeError",
+]

@@ -1,0 +1,140 @@
+"""Jagged-layout checks and the index arithmetic every other module shares.
+
+A micro-batch's geometry is read once into a :class:`SequenceLayout` (offsets,
+lengths, batch size, ``total_nnz``, ``max_seq_len``) with a single host sync.
+Every conversion between the packed row, the dense ``(B, L)`` batch and nested
+tensors is an index computation here: no Python loop over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .errors import BatchMismatchError, NestedLayoutError, ShapeError
+
+__all__ = [
+    "SequenceLayout",
+    "require_jagged",
+    "nested_from_values",
+    "dense_from_jagged",
+]
+
+
+def require_jagged(tensor: object, key: str, *, ragged_dim: int = 1) -> torch.Tensor:
+    """``tensor`` if it is a jagged nested tensor ragged at ``ragged_dim``, else raise."""
+    if not isinstance(tensor, torch.Tensor):
+        raise NestedLayoutError(f"{key!r} must be a jagged nested tensor, got {type(tensor).__name__}")
+    if not tensor.is_nested:
+        raise NestedLayoutError(
+            f"{key!r} must be a jagged nested tensor (torch.nested, layout=torch.jagged), "
+            f"got a dense tensor of shape {tuple(tensor.shape)}")
+    if tensor.layout != torch.jagged:
+        raise NestedLayoutError(f"{key!r} must use layout=torch.jagged, got {tensor.layout}")
+    actual = getattr(tensor, "_ragged_idx", 1)
+    if actual != ragged_dim:
+        raise NestedLayoutError(
+            f"{key!r} has shape {tuple(tensor.shape)} ragged at dim {actual}; expected the ragged "
+            f"dimension at dim {ragged_dim} (build 3-D position ids with "
+            "nested_tensor_from_jagged(values, offsets, jagged_dim=2))")
+    return tensor
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Geometry of one jagged batch: where each sequence starts and how long it is."""
+
+    offsets: torch.Tensor  # (B + 1,) int64, on the values' device
+    batch_size: int
+    total_nnz: int
+    max_seq_len: int
+    min_seq_len: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, key: str, *, ragged_dim: int = 1) -> "SequenceLayout":
+        """Read and check the layout of the jagged tensor stored under ``key``."""
+        tensor = require_jagged(tensor, key, ragged_dim=ragged_dim)
+        values = tensor.values()
+        offsets = tensor.offsets().to(device=values.device, dtype=torch.int64)
+        batch_size = offsets.numel() - 1
+        if batch_size < 1:
+            raise ShapeError(f"{key!r} is an empty batch (offsets {offsets.tolist()})")
+        lengths = offsets.diff()
+        # One host sync for every scalar we need.
+        first, last, lo, hi = torch.stack([offsets[0], offsets[-1], lengths.min(), lengths.max()]).tolist()
+        stored = values.shape[ragged_dim - 1]
+        if first != 0 or lo < 0:
+            raise NestedLayoutError(f"{key!r} has malformed offsets: must start at 0 and not decrease")
+        if last != stored:
+            raise NestedLayoutError(
+                f"{key!r}: offsets end at {last} but values hold {stored} tokens "
+                f"(values shape {tuple(values.shape)})")
+        return cls(offsets=offsets, batch_size=batch_size, total_nnz=last, max_seq_len=hi, min_seq_len=lo)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` int64 sequence lengths."""
+        return self.offsets.diff()
+
+    @cached_property
+    def token_row(self) -> torch.Tensor:
+        """``(total_nnz,)``: the sequence each packed token belongs to."""
+        rows = torch.arange(self.batch_size, device=self.offsets.device)
+        return torch.repeat_interleave(rows, self.lengths, output_size=self.total_nnz)
+
+    @cached_property
+    def token_pos(self) -> torch.Tensor:
+        """``(total_nnz,)``: each packed token's position inside its sequence."""
+        start = self.offsets[:-1].index_select(0, self.token_row)
+        return torch.arange(self.total_nnz, device=self.offsets.device) - start
+
+    @cached_property
+    def dense_index(self) -> torch.Tensor:
+        """``(total_nnz,)``: each packed token's flat index in a ``(B, max_seq_len)`` batch."""
+        return self.token_row * self.max_seq_len + self.token_pos
+
+    def expect_same_batch(self, other: "SequenceLayout", key: str, *, what: str = "lengths") -> None:
+        if other.batch_size != self.batch_size:
+            raise BatchMismatchError(
+                f"{key!r} has batch size {other.batch_size}, input_ids has {self.batch_size}")
+        if what == "lengths" and not torch.equal(other.offsets, self.offsets):
+            raise BatchMismatchError(
+                f"{key!r} sequence lengths {other.lengths.tolist()} differ from input_ids "
+                f"lengths {self.lengths.tolist()}")
+
+    def mask(self, max_seq_len: int | None = None) -> torch.Tensor:
+        """``(B, L)`` int32: 1 where ``t < n_i``."""
+        width = self.max_seq_len if max_seq_len is None else int(max_seq_len)
+        if width < self.max_seq_len:
+            raise ShapeError(f"max_seq_len={width} is shorter than the longest sequence ({self.max_seq_len})")
+        positions = torch.arange(width, device=self.offsets.device)
+        return (positions.unsqueeze(0) < self.lengths.unsqueeze(1)).to(torch.int32)
+
+
+def nested_from_values(values: torch.Tensor, layout: SequenceLayout, key: str) -> torch.Tensor:
+    """A jagged nested tensor with ``layout``'s offsets over ``values`` (ragged along dim 0)."""
+    if values.shape[0] != layout.total_nnz:
+        raise ShapeError(
+            f"{key!r} has {values.shape[0]} tokens (shape {tuple(values.shape)}), "
+            f"the batch has total_nnz={layout.total_nnz}")
+    return torch.nested.nested_tensor_from_jagged(values, layout.offsets.to(values.device))
+
+
+def dense_from_jagged(values: torch.Tensor, layout: SequenceLayout, pad_value: float | int,
+                      *, token_dim: int = 0) -> torch.Tensor:
+    """Right-pad packed ``values`` into a dense ``(B, max_seq_len, *rest)`` batch.
+
+    With ``token_dim=1`` (values ``(C, total)``, e.g. mRoPE positions) the result is
+    ``(C, B, max_seq_len)``.
+    """
+    if token_dim == 1:
+        channels = values.shape[0]
+        out = values.new_full((channels, layout.batch_size * layout.max_seq_len), pad_value)
+        out.index_copy_(1, layout.dense_index, values)
+        return out.view(channels, layout.batch_size, layout.max_seq_len)
+    rest = tuple(values.shape[1:])
+    out = values.new_full((layout.batch_size * layout.max_seq_len, *rest), pad_value)
+    out.index_copy_(0, layout.dense_index, values)
+    return out.view(layout.batch_size, layout.max_seq_len, *rest)

@@ -1,0 +1,109 @@
+"""Per-token quantities computed from logits, and the temperature rule.
+
+Everything here works on *packed rows*: ``logits`` of shape ``(N, V)`` for the N
+real tokens of a batch (the caller selects them first). Results are float32
+whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import TemperatureError
+
+__all__ = [
+    "TEMPERATURE_FLOOR",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "sum_pi_squared_from_logits",
+    "token_statistics",
+    "sample_temperature",
+    "scalar_temperature",
+]
+
+TEMPERATURE_FLOOR = 1e-8
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[label]`` along the last dim, float32, shape ``labels.shape``."""
+    logits = logits.float()
+    picked = logits.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` along the last dim, float32."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``sum(softmax(logits) ** 2)`` along the last dim, float32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return (probs * probs).sum(-1)
+
+
+def _chunk_statistics(scaled: torch.Tensor, labels: torch.Tensor | None, entropy: bool,
+                      sum_pi_squared: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    lse = torch.logsumexp(scaled, dim=-1)
+    if labels is not None:
+        out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if entropy or sum_pi_squared:
+        probs = torch.exp(scaled - lse.unsqueeze(-1))
+        if entropy:
+            out["entropy"] = lse - (probs * scaled).sum(-1)
+        if sum_pi_squared:
+            out["sum_pi_squared"] = (probs * probs).sum(-1)
+    return out
+
+
+def token_statistics(scaled: torch.Tensor, labels: torch.Tensor | None, *, entropy: bool,
+                     sum_pi_squared: bool, chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+    """``log_probs`` (when ``labels`` is given), ``entropy`` and ``sum_pi_squared`` of ``scaled``.
+
+    ``scaled`` is ``(N, V)`` float32 (already divided by temperature). With
+    ``chunk_size`` the rows are processed in chunks to bound the temporaries.
+    """
+    if chunk_size is None or scaled.shape[0] <= chunk_size:
+        return _chunk_statistics(scaled, labels, entropy, sum_pi_squared)
+    label_chunks = labels.split(chunk_size) if labels is not None else None
+    parts = [
+        _chunk_statistics(rows, None if label_chunks is None else label_chunks[i], entropy, sum_pi_squared)
+        for i, rows in enumerate(scaled.split(chunk_size))
+    ]
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
+def scalar_temperature(value: Any) -> float | None:
+    """The temperature as one float when it is a single value, else ``None``."""
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 and value.dim() == 0 else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def sample_temperature(value: Any, batch_size: int, device: torch.device) -> torch.Tensor:
+    """``(B,)`` float32 per-sample temperatures from a float or a ``(B,)`` tensor; checked."""
+    if value is None:
+        raise TemperatureError("micro-batch has no 'temperature' (a float or a (B,) tensor)")
+    scalar = scalar_temperature(value)
+    if scalar is not None:
+        temps = torch.full((batch_size,), scalar, dtype=torch.float32, device=device)
+    elif isinstance(value, torch.Tensor):
+        if value.is_nested or value.dim() != 1 or value.shape[0] != batch_size:
+            raise TemperatureError(
+                f"'temperature' must be a float or a ({batch_size},) tensor, got shape "
+                f"{tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TemperatureError(f"'temperature' must be real-valued, got {value.dtype}")
+        temps = value.to(device=device, dtype=torch.float32)
+    else:
+        raise TemperatureError(f"'temperature' must be a float or a tensor, got {type(value).__name__}")
+    if not bool(torch.isfinite(temps).all() & (temps > 0).all()):
+        raise TemperatureError(f"'temperature' must be finite and > 0, got {temps.tolist()}")
+    return temps
