@@ -35,9 +35,8 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` along the last dim, float32."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -53,9 +52,12 @@ def _chunk_statistics(scaled: torch.Tensor, labels: torch.Tensor | None, entropy
     if labels is not None:
         out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     if entropy or sum_pi_squared:
-        probs = torch.exp(scaled - lse.unsqueeze(-1))
+        # -sum(p * log p), not lse - sum(p * logits): the latter cancels catastrophically in
+        # float32 when logits are large (low temperature).
+        log_p = scaled - lse.unsqueeze(-1)
+        probs = log_p.exp()
         if entropy:
-            out["entropy"] = lse - (probs * scaled).sum(-1)
+            out["entropy"] = -(probs * log_p).sum(-1)
         if sum_pi_squared:
             out["sum_pi_squared"] = (probs * probs).sum(-1)
     return out

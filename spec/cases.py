@@ -1,0 +1,140 @@
+"""The structure of a test case: lengths, splits, flags, temperatures and a seed.
+
+Cases hold no tensors. :mod:`spec.materialize` makes the tensors from ``seed`` so
+a failing case shrinks to a few small integers and prints as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS"]
+
+#: Keys the suite's top-K distillation processor can produce (verl's names).
+DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
+                     "overlap_token_advantage")
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One micro-batch and the engine configuration it runs under."""
+
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+    vocab: int = 16
+    #: one float (stored as a flag) or one value per sample (a ``(B,)`` tensor)
+    temperature: float | tuple[float, ...] = 1.0
+    mrope: bool = False
+    use_remove_padding: bool = True
+    calculate_entropy: bool = False
+    calculate_sum_pi_squared: bool = False
+    #: keys of the top-K distillation processor; empty = distillation off
+    distillation_keys: tuple[str, ...] = ()
+    distillation_only: bool = False
+    use_fused_kernels: bool = False
+    topk: int = 2
+    pad_token_id: int = 0
+    max_response_len: int | None = None
+    sp_size: int = 1
+    pad_to_length: int | None = None
+    head: str = "lm"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
+            raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
+        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
+            raise ValueError("prompt and response lengths must be >= 1")
+
+    # -- derived structure ---------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens))
+
+    @property
+    def total_nnz(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def distillation_use_topk(self) -> bool:
+        return bool(self.distillation_keys)
+
+    @property
+    def per_sample_temperature(self) -> bool:
+        return isinstance(self.temperature, tuple)
+
+    def temperatures(self) -> tuple[float, ...]:
+        if isinstance(self.temperature, tuple):
+            return self.temperature
+        return (float(self.temperature),) * self.batch_size
+
+    @property
+    def response_width(self) -> int:
+        return self.max_response_len if self.max_response_len is not None else max(self.response_lens)
+
+    @property
+    def mode(self) -> str:
+        return "packed" if self.use_remove_padding else "padded"
+
+    def with_(self, **changes: object) -> "EngineCase":
+        return replace(self, **changes)
+
+    def subset(self, rows: list[int]) -> "EngineCase":
+        """The same case restricted to (and reordered as) ``rows``."""
+        temps = self.temperature
+        if isinstance(temps, tuple):
+            temps = tuple(temps[i] for i in rows)
+        return replace(self, prompt_lens=tuple(self.prompt_lens[i] for i in rows),
+                       response_lens=tuple(self.response_lens[i] for i in rows), temperature=temps)
+
+    def __repr__(self) -> str:
+        parts = [f"p={list(self.prompt_lens)}", f"r={list(self.response_lens)}", f"V={self.vocab}",
+                 f"T={list(self.temperature) if isinstance(self.temperature, tuple) else self.temperature}",
+                 self.mode]
+        flags = [name for name, on in (
+            ("mrope", self.mrope), ("entropy", self.calculate_entropy),
+            ("sum_pi_squared", self.calculate_sum_pi_squared), ("distillation_only", self.distillation_only),
+            ("fused", self.use_fused_kernels)) if on]
+        parts += flags
+        if self.distillation_keys:
+            parts.append(f"topk={self.topk}:{','.join(self.distillation_keys)}")
+        if self.pad_token_id:
+            parts.append(f"pad_token_id={self.pad_token_id}")
+        if self.max_response_len is not None:
+            parts.append(f"max_response_len={self.max_response_len}")
+        if self.sp_size > 1:
+            parts.append(f"sp={self.sp_size}")
+        if self.pad_to_length:
+            parts.append(f"bucket={self.pad_to_length}")
+        if self.head != "lm":
+            parts.append(f"head={self.head}")
+        parts.append(f"seed={self.seed}")
+        return "EngineCase(" + " ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class DenseCase:
+    """A dense left-right padded batch, as a trainer hands it to ``left_right_2_no_padding``."""
+
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+    prompt_width: int
+    response_width: int
+    mrope: bool = False
+    topk: int = 0  # 0 = no teacher tensors
+    mask_holes: bool = False  # zeros inside the response mask (multi-turn tool output)
+    seed: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    def __repr__(self) -> str:
+        extra = (" mrope" if self.mrope else "") + (f" topk={self.topk}" if self.topk else "") + (
+            " holes" if self.mask_holes else "")
+        return (f"DenseCase(p={list(self.prompt_lens)} r={list(self.response_lens)} "
+                f"P={self.prompt_width} R={self.response_width}{extra} seed={self.seed})")

@@ -1,0 +1,157 @@
+"""Runs one case through an engine under test, end to end, with the model stand-in.
+
+micro-batch -> engine.prepare_model_inputs -> toy model -> poisoned padding ->
+engine.prepare_model_outputs. Sequence parallelism is simulated with one engine per
+rank and an all-gather across threads; the model sees the whole packed row, as
+Ulysses attention does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+
+from .cases import EngineCase
+from .engines import EngineUnderTest
+from .materialize import materialize
+from .oracle import TopKProcessor
+from .toy_model import ToyCausalLM
+
+__all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for"]
+
+#: what fills every padded logit slot and the packed tail: nothing of it may reach an output
+POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
+
+
+class ThreadedAllGather:
+    """An in-process all-gather among ``world`` ranks running in threads."""
+
+    def __init__(self, world: int, timeout: float = 60.0):
+        self.world = world
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+
+    def member(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def all_gather(local: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = local
+            self.barrier.wait()
+            gathered = torch.cat([s for s in self.slots], dim=0)  # type: ignore[misc]
+            self.barrier.wait()
+            return gathered
+        return all_gather
+
+
+def model_for(case: EngineCase, device: str) -> ToyCausalLM:
+    return ToyCausalLM(case.vocab, seed=case.seed, out_dim=1 if case.head == "value" else None, device=device)
+
+
+@dataclass
+class Run:
+    case: EngineCase
+    device: str
+    micro_batch: TensorDict
+    snapshot: TensorDict
+    model: ToyCausalLM
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # one per rank
+    output_args: list[dict[str, Any]] = field(default_factory=list)
+    model_outputs: list[Any] = field(default_factory=list)  # what each rank was handed
+    model_output_snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
+    rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if case.sp_size > 1:
+        settings.update(sp_size=case.sp_size, sp_rank=rank, all_gather=gather.member(rank))
+    if case.pad_to_length:
+        settings["pad_to_length"] = case.pad_to_length
+    return settings
+
+
+def _poison_padded(tensor: torch.Tensor, case: EngineCase, value: float) -> torch.Tensor:
+    lens = torch.tensor(case.seq_lens, device=tensor.device)
+    cols = torch.arange(tensor.shape[1], device=tensor.device)
+    pad = (cols.unsqueeze(0) >= lens.unsqueeze(1))
+    pad = pad.view(*pad.shape, *([1] * (tensor.dim() - 2)))
+    return tensor.masked_fill(pad, value)
+
+
+def _poison_tail(tensor: torch.Tensor, total: int, value: float) -> torch.Tensor:
+    out = tensor.clone()
+    out[:, total:] = value
+    return out
+
+
+def _fields(out: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
+
+
+def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,
+                poison: float) -> list[SimpleNamespace]:
+    """Run the model once over the whole batch; hand each rank its slice with the padding poisoned."""
+    if not case.use_remove_padding:
+        (mi,) = inputs
+        out = model(**mi)
+        return [SimpleNamespace(**{k: _poison_padded(v, case, poison) for k, v in _fields(out).items()})]
+    joined = dict(inputs[0])
+    for key in ("input_ids", "position_ids", "shift_labels"):
+        if key in joined:
+            joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
+    out = model(**joined)
+    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _fields(out).items()}
+    widths = [mi["input_ids"].shape[-1] for mi in inputs]
+    per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
+    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}) for r in range(len(inputs))]
+
+
+def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return results
+
+
+def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
+            micro_batch: TensorDict | None = None, stop_after_inputs: bool = False) -> Run:
+    """Run ``case`` through ``engine``; exceptions from the engine propagate."""
+    mb = materialize(case, device) if micro_batch is None else micro_batch
+    run = Run(case, device, mb, mb.clone(), model_for(case, device))
+    gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
+    engines = [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
+    for eng in engines:
+        model_inputs, output_args = eng.prepare_model_inputs(mb)
+        run.inputs.append(model_inputs)
+        run.output_args.append(output_args)
+    if stop_after_inputs:
+        return run
+    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison])
+    run.model_output_snapshots = [{k: v.clone() for k, v in _fields(o).items()} for o in run.model_outputs]
+    processor = TopKProcessor(case.distillation_keys) if case.distillation_use_topk else None
+    calls = [
+        (lambda eng=eng, r=r: eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor))
+        for r, eng in enumerate(engines)
+    ]
+    run.rank_outputs = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    run.outputs = run.rank_outputs[0]
+    return run

@@ -1,0 +1,10 @@
+"""The invariant catalogue: every rule of the contract, each with a stable ID, in one place.
+
+``CATALOGUE`` maps IDs to :class:`InvariantInfo`. The checks live in the modules
+below, grouped by what they look at.
+"""
+
+from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
+from .core import CATALOGUE, Ctx, InvariantInfo
+
+__all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

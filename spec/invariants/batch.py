@@ -1,0 +1,151 @@
+"""Invariants across runs: sequence parallelism, bucket, batch order and composition, devices, mutation,
+and the configurations the contract makes errors."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from ..harness import execute
+from .core import Ctx, close, fail, invariant, per_seq
+from .outputs import _compare
+
+PACKED = ("packed",)
+
+
+def _tensor_items(td: TensorDict) -> dict[str, object]:
+    out = {}
+    for key in td.keys():
+        value = td.get(key)
+        if isinstance(value, torch.Tensor):
+            out[key] = ("nested", value.values().clone(), value.offsets().clone()) if value.is_nested else value
+        else:
+            out[key] = getattr(value, "data", value)
+    return out
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@invariant("INV-SP-001", "sequence-parallel size 2, 3 or 4 changes nothing in the outputs", contract=7,
+           modes=PACKED, needs=("sp",),
+           adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False))
+def sp_invariance(ctx: Ctx) -> None:
+    single = ctx.rerun(ctx.case.with_(sp_size=1)).outputs
+    for r, outputs in enumerate(ctx.run.rank_outputs):
+        _compare(outputs, single, ctx.case, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
+
+
+@invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
+           modes=PACKED, needs=("bucket",),
+           adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
+                                    distillation_only=False))
+def bucket_invariance(ctx: Ctx) -> None:
+    plain = ctx.rerun(ctx.case.with_(pad_to_length=None)).outputs
+    _compare(ctx.run.outputs, plain, ctx.case, f"bucket={ctx.case.pad_to_length} vs none")
+
+
+@invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8)
+def permutation(ctx: Ctx) -> None:
+    b = ctx.case.batch_size
+    perm = list(range(b))[::-1] if b > 1 else [0]
+    perm = perm[1:] + perm[:1] if b > 2 else perm
+    index = torch.tensor(perm)
+    shuffled = execute(ctx.engine, ctx.case.subset(perm), ctx.device,
+                       micro_batch=ctx.run.micro_batch[index.to(ctx.device)])
+    for key, value in ctx.run.outputs.items():
+        base, moved = per_seq(value), per_seq(shuffled.outputs[key])
+        for new, old in enumerate(perm):
+            x, y = moved[new], base[old]
+            if key == "log_probs":
+                x, y = x[:-1], y[:-1]
+            close(x, y, f"{key!r} of sample {old} after permutation {perm}")
+
+
+@invariant("INV-BATCH-002", "a batch's outputs equal those of its halves run separately (concatenation)",
+           contract=8, adjust=lambda c: c if c.batch_size > 1 else c.with_(
+               prompt_lens=c.prompt_lens * 2, response_lens=c.response_lens * 2,
+               temperature=c.temperature * 2 if isinstance(c.temperature, tuple) else c.temperature))
+def concatenation(ctx: Ctx) -> None:
+    b = ctx.case.batch_size
+    halves = [list(range(b // 2)), list(range(b // 2, b))]
+    for rows in halves:
+        part = execute(ctx.engine, ctx.case.subset(rows), ctx.device,
+                       micro_batch=ctx.run.micro_batch[torch.tensor(rows, device=ctx.device)])
+        for key, value in ctx.run.outputs.items():
+            whole, alone = per_seq(value), per_seq(part.outputs[key])
+            for j, i in enumerate(rows):
+                x, y = alone[j], whole[i]
+                if key == "log_probs":
+                    x, y = x[:-1], y[:-1]
+                close(x, y, f"{key!r} of sample {i} run in the sub-batch {rows}")
+
+
+@invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9, needs=("cuda",))
+def cpu_cuda_agree(ctx: Ctx) -> None:
+    on_cpu = execute(ctx.engine, ctx.case, "cpu").outputs
+    on_cuda = execute(ctx.engine, ctx.case, "cuda").outputs
+    _compare(on_cuda, on_cpu, ctx.case, "cuda vs cpu")
+
+
+@invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10)
+def batch_not_mutated(ctx: Ctx) -> None:
+    before, after = _tensor_items(ctx.run.snapshot), _tensor_items(ctx.run.micro_batch)
+    if set(before) != set(after):
+        fail(f"micro-batch keys changed: {sorted(before)} -> {sorted(after)}")
+    for key in before:
+        if not _same(before[key], after[key]):
+            fail(f"micro-batch {key!r} was modified in place")
+
+
+@invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged",
+           contract=10)
+def logits_not_mutated(ctx: Ctx) -> None:
+    for r, (out, snap) in enumerate(zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)):
+        for key, before in snap.items():
+            now = getattr(out, key)
+            if not torch.equal(now.nan_to_num(1.0), before.nan_to_num(1.0)):
+                fail(f"rank {r}: model output {key!r} was modified in place by prepare_model_outputs")
+
+
+def _expect_error(ctx: Ctx, case, what: str) -> None:
+    try:
+        execute(ctx.engine, case, ctx.device)
+    except Exception:  # noqa: BLE001 - any exception is a rejection; impl's types are tested elsewhere
+        return
+    fail(f"{what} was accepted silently; the contract makes it an error")
+
+
+@invariant("INV-ERR-001", "a pad mode other than no_padding is rejected", contract=10, modes=("any",))
+def rejects_pad_mode(ctx: Ctx) -> None:
+    from ..materialize import PadMode, materialize
+
+    mb = materialize(ctx.case, ctx.device)
+    mb.set_non_tensor("pad_mode", PadMode.RIGHT if ctx.case.seed % 2 else PadMode.LEFT_RIGHT)
+    try:
+        execute(ctx.engine, ctx.case, ctx.device, micro_batch=mb)
+    except Exception:  # noqa: BLE001
+        return
+    fail(f"pad_mode={mb['pad_mode']!r} was accepted silently")
+
+
+@invariant("INV-ERR-002", "a static bucket together with top-K distillation is rejected", contract=10,
+           modes=("packed",), needs=("bucket", "distillation"),
+           adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, sp_size=1, use_fused_kernels=False,
+                                    distillation_keys=c.distillation_keys or ("student_mass",)))
+def rejects_bucket_with_topk(ctx: Ctx) -> None:
+    _expect_error(ctx, ctx.case, f"bucket={ctx.case.pad_to_length} with top-K distillation")
+
+
+@invariant("INV-ERR-003", "fused kernels with a per-sample temperature tensor are rejected", contract=10,
+           needs=("fused",),
+           adjust=lambda c: c.with_(use_fused_kernels=True, calculate_sum_pi_squared=False, distillation_keys=(),
+                                    distillation_only=False,
+                                    temperature=tuple(0.5 + 0.5 * i for i in range(c.batch_size))))
+def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
+    _expect_error(ctx, ctx.case, "use_fused_kernels with a per-sample temperature tensor")

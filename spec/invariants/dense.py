@@ -1,0 +1,97 @@
+"""Invariants on left_right_2_no_padding: a dense trainer batch to the nested form."""
+
+from __future__ import annotations
+
+import torch
+
+from ..materialize import materialize_dense
+from .core import Ctx, fail, invariant
+
+L2N = ("left_right_2_no_padding",)
+
+
+def _convert(ctx: Ctx):
+    dense = materialize_dense(ctx.case, ctx.device)
+    before = {k: dense.get(k).clone() for k in dense.keys()}
+    out = ctx.helper("left_right_2_no_padding")(dense)
+    return dense, before, out
+
+
+
+def _nested_rows(value: torch.Tensor) -> list[torch.Tensor]:
+    return [t.cpu() for t in value.unbind()]
+
+
+@invariant("INV-DENSE-001", "left_right_2_no_padding: nested input_ids hold exactly the unmasked tokens",
+           contract=10, kind="dense", modes=("any",), needs=L2N)
+def dense_ids(ctx: Ctx) -> None:
+    _, before, out = _convert(ctx)
+    ids = out["input_ids"]
+    if not ids.is_nested:
+        fail(f"input_ids is not nested: shape {tuple(ids.shape)}")
+    want = [row[m.bool()].cpu() for row, m in zip(before["input_ids"], before["attention_mask"])]
+    got = _nested_rows(ids)
+    if len(got) != len(want) or any(not torch.equal(g, w) for g, w in zip(got, want)):
+        fail(f"nested input_ids {[g.tolist() for g in got]}, expected {[w.tolist() for w in want]}")
+
+
+@invariant("INV-DENSE-002", "left_right_2_no_padding: position_ids nested (B, j) or (B, 4, j) ragged on the "
+           "last dim (also when all lengths are equal or B = 1), values kept", contract=10, kind="dense",
+           modes=("any",), needs=L2N)
+def dense_positions(ctx: Ctx) -> None:
+    _, before, out = _convert(ctx)
+    pos = out["position_ids"]
+    mask = before["attention_mask"].bool()
+    lens = mask.sum(1).tolist()
+    if ctx.case.mrope:
+        if pos.dim() != 3 or getattr(pos, "_ragged_idx", 1) != 2 or pos.shape[1] != 4:
+            fail(f"mRoPE position_ids have shape {tuple(pos.shape)} ragged at dim "
+                 f"{getattr(pos, '_ragged_idx', '?')}, expected (B, 4, j) ragged at dim 2 (lengths {lens})")
+        want = [row[:, m].cpu() for row, m in zip(before["position_ids"], mask)]
+    else:
+        want = [row[m].cpu() for row, m in zip(before["position_ids"], mask)]
+    got = _nested_rows(pos)
+    if any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
+        fail(f"position_ids {[g.tolist() for g in got]}, expected {[w.tolist() for w in want]}")
+
+
+@invariant("INV-DENSE-003", "left_right_2_no_padding: loss_mask carries the response mask of each valid "
+           "response token (holes included)", contract=10, kind="dense", modes=("any",), needs=L2N)
+def dense_loss_mask(ctx: Ctx) -> None:
+    _, before, out = _convert(ctx)
+    width = before["response_mask"].shape[1]
+    valid = before["attention_mask"][:, -width:].bool()
+    want = [row[m].cpu() for row, m in zip(before["response_mask"], valid)]
+    loss = out["loss_mask"]
+    got = _nested_rows(loss) if loss.is_nested else [row[m].cpu() for row, m in zip(loss, valid)]
+    if any(g.shape != w.shape or not torch.equal(g.to(w.dtype), w) for g, w in zip(got, want)):
+        fail(f"loss_mask {[g.tolist() for g in got]}, expected {[w.tolist() for w in want]}")
+
+
+@invariant("INV-DENSE-004", "left_right_2_no_padding: teacher top-K tensors become nested (B, j, K) over the "
+           "same tokens", contract=10, kind="dense", modes=("any",), needs=L2N)
+def dense_teacher(ctx: Ctx) -> None:
+    if not ctx.case.topk:
+        return
+    _, before, out = _convert(ctx)
+    mask = before["attention_mask"].bool()
+    for key in ("teacher_ids", "teacher_logprobs"):
+        value = out[key]
+        if not value.is_nested or value.dim() != 3:
+            fail(f"{key} has shape {tuple(value.shape)}, expected nested (B, j, K)")
+        want = [row[m].cpu() for row, m in zip(before[key], mask)]
+        got = _nested_rows(value)
+        if any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
+            fail(f"{key} rows differ from the unmasked teacher rows")
+
+
+@invariant("INV-MUT-003", "left_right_2_no_padding leaves its input TensorDict intact", contract=10,
+           kind="dense", modes=("any",), needs=L2N)
+def dense_not_mutated(ctx: Ctx) -> None:
+    dense, before, _ = _convert(ctx)
+    if set(dense.keys()) != set(before):
+        fail(f"input keys changed: {sorted(before)} -> {sorted(dense.keys())}")
+    for key, value in before.items():
+        now = dense.get(key)
+        if not isinstance(now, torch.Tensor) or now.is_nested or not torch.equal(now, value):
+            fail(f"input {key!r} was replaced or modified")

@@ -1,0 +1,85 @@
+"""Invariants on the response slice helpers: no_padding_2_padding and the nested variants."""
+
+from __future__ import annotations
+
+import torch
+
+from .core import Ctx, close, fail, invariant
+
+NP2P = ("no_padding_2_padding",)
+
+
+def _no_distillation_only(case):
+    return case.with_(distillation_only=False)
+
+
+@invariant("INV-SLICE-001", "no_padding_2_padding(log_probs) has shape (B, max_response_len)", contract=2,
+           needs=NP2P, adjust=_no_distillation_only)
+def slice_shape(ctx: Ctx) -> None:
+    sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
+    want = (ctx.case.batch_size, ctx.case.response_width)
+    if tuple(sliced.shape) != want:
+        fail(f"no_padding_2_padding gave shape {tuple(sliced.shape)}, expected {want} "
+             f"(responses {list(ctx.case.response_lens)}, max_response_len flag {ctx.case.max_response_len})")
+
+
+@invariant("INV-SLICE-002", "sliced log_probs equal the oracle's log-prob of each response token, zero past r_i",
+           contract=2, needs=NP2P, adjust=_no_distillation_only)
+def slice_values(ctx: Ctx) -> None:
+    sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
+    close(sliced, ctx.expected.response_log_probs(ctx.case), "response log_probs (B, max_response_len)")
+
+
+def _poisoned_per_token(ctx: Ctx, trailing: tuple[int, ...] = ()):
+    """A nested per-token tensor: finite where a response token is scored, NaN everywhere else."""
+    case = ctx.case
+    gen = torch.Generator().manual_seed(case.seed)
+    values = torch.full((case.total_nnz, *trailing), float("nan"))
+    starts = torch.tensor((0, *case.seq_lens)).cumsum(0)
+    want = torch.zeros(case.batch_size, case.response_width, *trailing)
+    for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
+        chunk = torch.randn(r, *trailing, generator=gen)
+        values[starts[i] + p - 1: starts[i] + p - 1 + r] = chunk
+        want[i, :r] = chunk
+    nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
+    return nested, want
+
+
+@invariant("INV-SLICE-003", "the slice reads exactly e_i - r_i - 1 .. e_i - 2 and pads with exact zeros "
+           "(NaN elsewhere never leaks), also with trailing dims", contract=4, modes=("any",), needs=NP2P)
+def slice_reads_only_responses(ctx: Ctx) -> None:
+    for trailing in ((), (3,)):
+        nested, want = _poisoned_per_token(ctx, trailing)
+        got = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
+        if tuple(got.shape) != tuple(want.shape):
+            fail(f"no_padding_2_padding shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if not bool(torch.isfinite(got).all()):
+            fail(f"no_padding_2_padding read a non-response position (NaN leaked): {got.tolist()}")
+        if not torch.equal(got.cpu(), want):
+            fail(f"no_padding_2_padding gave {got.tolist()}, expected {want.tolist()}")
+
+
+@invariant("INV-SLICE-004", "response_from_nested gives the slice's rows without padding", contract=2,
+           modes=("any",), needs=("response_from_nested",))
+def response_from_nested_rows(ctx: Ctx) -> None:
+    nested, want = _poisoned_per_token(ctx)
+    got = ctx.helper("response_from_nested")(nested, ctx.batch["response_mask"])
+    rows = [t.cpu() for t in got.unbind()]
+    for i, r in enumerate(ctx.case.response_lens):
+        if rows[i].shape != (r,) or not torch.equal(rows[i], want[i, :r]):
+            fail(f"response_from_nested row {i} is {rows[i].tolist()}, expected {want[i, :r].tolist()}")
+
+
+@invariant("INV-SLICE-005", "response_to_nested(padded responses) == response_from_nested(per-token) "
+           "(round trip through the padded response shape)", contract=2, modes=("any",),
+           needs=("response_from_nested", "response_to_nested", "no_padding_2_padding"))
+def response_round_trip(ctx: Ctx) -> None:
+    nested, _ = _poisoned_per_token(ctx)
+    mask = ctx.batch["response_mask"]
+    padded = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
+    back = ctx.helper("response_to_nested")(padded, mask)
+    direct = ctx.helper("response_from_nested")(nested, mask)
+    if not (back.is_nested and torch.equal(back.offsets().cpu(), mask.offsets().cpu())):
+        fail(f"response_to_nested returned shape {tuple(back.shape)}, expected nested over the responses")
+    close(back.values(), direct.values(), "response_to_nested(no_padding_2_padding(x)) vs response_from_nested(x)",
+          atol=0, rtol=0)

@@ -1,0 +1,121 @@
+"""Tensors from a case's structure: a seeded ``torch.Generator``, nothing else."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from tensordict import TensorDict
+
+from .cases import DenseCase, EngineCase
+
+__all__ = ["jagged", "materialize", "materialize_dense", "PadMode", "MROPE_AXES"]
+
+MROPE_AXES = 4
+
+
+class PadMode(str, Enum):
+    """A stand-in for verl's ``DatasetPadMode``: a ``str`` Enum, as verl passes it."""
+
+    RIGHT = "right"
+    LEFT_RIGHT = "left_right"
+    NO_PADDING = "no_padding"
+
+
+def _offsets(lens: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor((0, *lens), dtype=torch.int64, device=device).cumsum(0)
+
+
+def jagged(values: torch.Tensor, lens: tuple[int, ...], *, jagged_dim: int = 1) -> torch.Tensor:
+    """A nested jagged tensor over ``values`` split by ``lens`` (checked here, not at unbind)."""
+    axis = jagged_dim - 1
+    if values.shape[axis] != sum(lens):
+        raise ValueError(f"values have {values.shape[axis]} tokens along dim {axis}, lengths sum to {sum(lens)}")
+    return torch.nested.nested_tensor_from_jagged(values, _offsets(lens, values.device), jagged_dim=jagged_dim)
+
+
+def _positions(lens: tuple[int, ...], device) -> torch.Tensor:
+    return torch.cat([torch.arange(n, device=device) for n in lens])
+
+
+def mrope_positions(positions: torch.Tensor) -> torch.Tensor:
+    """``(4, n)`` multi-axis positions from ``(n,)``: axis a is ``pos + a`` (axis 0 restarts at 0)."""
+    return positions.unsqueeze(0) + torch.arange(MROPE_AXES, device=positions.device).unsqueeze(1)
+
+
+def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorDict:
+    """The micro-batch of ``case``: nested tensors, temperature and flags."""
+    gen = torch.Generator().manual_seed(case.seed)
+    lens = case.seq_lens
+    ids = torch.randint(0, case.vocab, (case.total_nnz,), generator=gen)
+    seq_of = torch.repeat_interleave(torch.arange(case.batch_size), torch.tensor(lens))
+    pos = _positions(lens, "cpu")
+    is_prompt = pos < torch.tensor(case.prompt_lens)[seq_of]
+    loss_mask = (torch.rand(int((~is_prompt).sum()), generator=gen) < 0.8).to(torch.int64)
+    data = {
+        "input_ids": jagged(ids, lens),
+        "position_ids": jagged(mrope_positions(pos), lens, jagged_dim=2) if case.mrope else jagged(pos, lens),
+        "prompts": jagged(ids[is_prompt], case.prompt_lens),
+        "responses": jagged(ids[~is_prompt], case.response_lens),
+        "loss_mask": jagged(loss_mask, case.response_lens),
+        "response_mask": jagged(loss_mask.clone(), case.response_lens),
+    }
+    if case.per_sample_temperature:
+        data["temperature"] = torch.tensor(case.temperatures(), dtype=torch.float32)
+    if case.distillation_use_topk:
+        teacher_ids = torch.randint(0, case.vocab, (case.total_nnz, case.topk), generator=gen)
+        teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
+        data["teacher_ids"] = jagged(teacher_ids, lens)
+        data["teacher_logprobs"] = jagged(teacher_lp, lens)
+    td = TensorDict({k: (v.to(device) if not v.is_nested else _nested_to(v, device)) for k, v in data.items()},
+                    batch_size=[case.batch_size], device=None)
+    if not case.per_sample_temperature:
+        td.set_non_tensor("temperature", float(case.temperature))
+    flags = {
+        "use_remove_padding": case.use_remove_padding,
+        "pad_mode": PadMode.NO_PADDING,
+        "use_fused_kernels": case.use_fused_kernels,
+        "pad_token_id": case.pad_token_id,
+        "calculate_entropy": case.calculate_entropy,
+        "calculate_sum_pi_squared": case.calculate_sum_pi_squared,
+        "distillation_use_topk": case.distillation_use_topk,
+        "distillation_only": case.distillation_only,
+    }
+    if case.max_response_len is not None:
+        flags["max_response_len"] = case.max_response_len
+    for key, value in flags.items():
+        td.set_non_tensor(key, value)
+    return td
+
+
+def _nested_to(tensor: torch.Tensor, device) -> torch.Tensor:
+    ragged = getattr(tensor, "_ragged_idx", 1)
+    return torch.nested.nested_tensor_from_jagged(tensor.values().to(device), tensor.offsets().to(device),
+                                                  jagged_dim=ragged)
+
+
+def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> TensorDict:
+    """A dense left-right padded batch: ``input_ids``, ``attention_mask``, ``response_mask``,
+    ``position_ids`` (``(B, S)`` or ``(B, 4, S)``) and optional teacher ``(B, S, K)``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    batch, pw, rw = case.batch_size, case.prompt_width, case.response_width
+    seq = pw + rw
+    cols = torch.arange(seq)
+    plen = torch.tensor(case.prompt_lens).unsqueeze(1)
+    rlen = torch.tensor(case.response_lens).unsqueeze(1)
+    attn = ((cols >= pw - plen) & (cols < pw + rlen)).to(torch.int64)
+    input_ids = torch.randint(1, 50, (batch, seq), generator=gen) * attn  # padding holds 0
+    response_mask = attn[:, pw:].clone()
+    if case.mask_holes:
+        holes = torch.rand(batch, rw, generator=gen) < 0.3
+        response_mask = response_mask * (~holes)
+    # positions as a trainer computes them: cumsum of the mask, 0 on the padding
+    pos = (attn.cumsum(1) - 1).clamp(min=0) * attn
+    position_ids = (pos.unsqueeze(1) + torch.arange(MROPE_AXES).view(1, -1, 1) * attn.unsqueeze(1)
+                    if case.mrope else pos)
+    data = {"input_ids": input_ids, "attention_mask": attn, "response_mask": response_mask,
+            "position_ids": position_ids}
+    if case.topk:
+        data["teacher_ids"] = torch.randint(0, 50, (batch, seq, case.topk), generator=gen)
+        data["teacher_logprobs"] = torch.randn(batch, seq, case.topk, generator=gen)
+    return TensorDict({k: v.to(device) for k, v in data.items()}, batch_size=[batch])

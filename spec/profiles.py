@@ -1,0 +1,38 @@
+"""Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE`` (default ``default``).
+
+``ci`` is derandomized with no deadline and enough examples that every planted bug
+is caught on every run; ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Verbosity, settings
+
+__all__ = ["PROFILES", "load_profile", "DEFAULT_PROFILE"]
+
+DEFAULT_PROFILE = "default"
+_QUIET_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+PROFILES = {
+    "default": dict(max_examples=40, deadline=None, suppress_health_check=_QUIET_CHECKS),
+    "dev": dict(max_examples=10, deadline=None, suppress_health_check=_QUIET_CHECKS),
+    "ci": dict(max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
+               suppress_health_check=_QUIET_CHECKS),
+    "cuda": dict(max_examples=200, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),
+    "debug": dict(max_examples=10, deadline=None, verbosity=Verbosity.verbose, print_blob=True,
+                  suppress_health_check=_QUIET_CHECKS),
+}
+
+for _name, _kwargs in PROFILES.items():
+    settings.register_profile(_name, **_kwargs)
+
+
+def load_profile(name: str | None = None) -> str:
+    """Load ``name`` (else ``$HYPOTHESIS_PROFILE``, else ``default``); return its name."""
+    chosen = name or os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE
+    if chosen not in PROFILES:
+        raise ValueError(f"unknown hypothesis profile {chosen!r}; choose from {sorted(PROFILES)}")
+    settings.load_profile(chosen)
+    return chosen

@@ -1,0 +1,66 @@
+"""A tiny deterministic causal model that honours the attention mask and packed boundaries.
+
+Token t's output depends on its own id and position and on the mean embedding of the
+tokens it may attend to: earlier tokens of the same sequence that the attention mask
+keeps. Packed rows (no mask) are split into sequences where the (first-axis) position
+restarts at 0, as packed flash-attention models do. A wrong mask or wrong boundaries
+change the logits, as they changed verl's KL.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["ToyCausalLM"]
+
+
+class ToyCausalLM:
+    def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None, hidden: int = 8,
+                 max_pos: int = 97, device: torch.device | str = "cpu") -> None:
+        gen = torch.Generator().manual_seed(10_007 + seed)
+        self.vocab = vocab
+        self.max_pos = max_pos
+        self.embed = torch.randn(vocab, hidden, generator=gen).to(device)
+        self.pos_embed = (0.5 * torch.randn(4, max_pos, hidden, generator=gen)).to(device)
+        self.proj = (2.0 * torch.randn(hidden, out_dim or vocab, generator=gen)).to(device)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(R, n, out)`` float32 logits for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
+
+        Computed in float64 and rounded once, so the logits of a sequence do not depend on
+        how it was batched (packed, padded or alone) beyond that rounding.
+        """
+        x = self.embed[input_ids].double()
+        axes = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
+        pos = sum(self.pos_embed[a][axes[a] % self.max_pos] for a in range(axes.shape[0])).double()
+        keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(x.dtype).unsqueeze(-1)
+        total = torch.cumsum(x * keep, dim=1)
+        count = torch.cumsum(keep, dim=1)
+        if attention_mask is None:  # packed: a sequence starts where the position restarts at 0
+            steps = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            start = torch.cummax(torch.where(axes[0] == 0, steps, torch.zeros_like(steps)), dim=1).values
+            before = (start - 1).clamp(min=0).unsqueeze(-1)
+            has_before = (start > 0).unsqueeze(-1).to(x.dtype)
+            total = total - has_before * torch.gather(total, 1, before.expand_as(total))
+            count = count - has_before * torch.gather(count, 1, before.expand_as(count))
+        ctx = total / count.clamp(min=1.0)
+        return (torch.tanh(x + pos + ctx) @ self.proj.double()).float()
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
+                 shift_labels: torch.Tensor | None = None, return_dict: bool = True,
+                 **_ignored: object) -> SimpleNamespace:
+        """HF-style call. With ``temperature`` (fused kernels) it also returns ``log_probs`` and
+        ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row."""
+        logits = self.logits(input_ids, position_ids, attention_mask)
+        out = SimpleNamespace(logits=logits)
+        if temperature is not None:
+            labels = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)
+            scaled = logits / temperature
+            lsm = torch.log_softmax(scaled, dim=-1)
+            out.log_probs = lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            out.entropy = -(lsm.exp() * lsm).sum(-1)
+        return out
