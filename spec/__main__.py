@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
     verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
-    sub.add_parser("list", help="list the invariant catalogue")
+    listing = sub.add_parser("list", help="list the invariant catalogue")
+    listing.add_argument("--markdown", action="store_true", help="as the Markdown table of spec/README.md")
     sub.add_parser("engines", help="list the built-in engines")
     return parser
 
@@ -32,6 +33,9 @@ def _verify(args: argparse.Namespace) -> int:
     from .profiles import load_profile
 
     profile = load_profile(args.profile)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .report import failed, markdown, summary_line, write_reports
     from .runner import instances, run_invariant
     from hypothesis import Verbosity
@@ -64,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         from .invariants import CATALOGUE
 
+        if args.markdown:
+            print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
         for key in sorted(CATALOGUE):
             info = CATALOGUE[key]
-            print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
+            if args.markdown:
+                print(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
+                      f"{', '.join(info.needs) or '-'} |")
+            else:
+                print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
         return 0
     from .engines import builtin_engine_names
 

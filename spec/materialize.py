@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from .cases import DenseCase, EngineCase
 
-__all__ = ["jagged", "materialize", "materialize_dense", "PadMode", "MROPE_AXES"]
+__all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "PadMode", "MROPE_AXES"]
 
 MROPE_AXES = 4
 
@@ -67,8 +67,9 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
         teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
         data["teacher_ids"] = jagged(teacher_ids, lens)
         data["teacher_logprobs"] = jagged(teacher_lp, lens)
-    td = TensorDict({k: (v.to(device) if not v.is_nested else _nested_to(v, device)) for k, v in data.items()},
-                    batch_size=[case.batch_size], device=None)
+    if torch.device(device).type != "cpu":
+        data = {k: (_nested_to(v, device) if v.is_nested else v.to(device)) for k, v in data.items()}
+    td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))
     flags = {
@@ -119,3 +120,24 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
         data["teacher_ids"] = torch.randint(0, 50, (batch, seq, case.topk), generator=gen)
         data["teacher_logprobs"] = torch.randn(batch, seq, case.topk, generator=gen)
     return TensorDict({k: v.to(device) for k, v in data.items()}, batch_size=[batch])
+
+
+def select_rows(micro_batch: TensorDict, rows: list[int]) -> TensorDict:
+    """The samples ``rows`` of a micro-batch, in that order, flags kept.
+
+    Done key by key (TensorDict indexing of jagged tensors needs tensordict >= 0.15.3).
+    """
+    out = TensorDict({}, batch_size=[len(rows)])
+    for key in micro_batch.keys():
+        value = micro_batch.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            parts = value.unbind()
+            ragged = getattr(value, "_ragged_idx", 1)
+            picked = [parts[i] for i in rows]
+            lens = tuple(p.shape[ragged - 1] for p in picked)
+            out.set(key, jagged(torch.cat(picked, dim=ragged - 1), lens, jagged_dim=ragged))
+        elif isinstance(value, torch.Tensor):
+            out.set(key, value[torch.tensor(rows, device=value.device)])
+        else:
+            out.set_non_tensor(key, getattr(value, "data", value))
+    return out

@@ -1,5 +1,6 @@
 """Hypothesis profiles, chosen by ``HYPOTHESIS_PROFILE`` (default ``default``).
 
+Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
 is caught on every run; ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
 """
@@ -31,7 +32,8 @@ for _name, _kwargs in PROFILES.items():
 
 def load_profile(name: str | None = None) -> str:
     """Load ``name`` (else ``$HYPOTHESIS_PROFILE``, else ``default``); return its name."""
-    chosen = name or os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE
+    on_ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+    chosen = name or os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if on_ci else DEFAULT_PROFILE)
     if chosen not in PROFILES:
         raise ValueError(f"unknown hypothesis profile {chosen!r}; choose from {sorted(PROFILES)}")
     settings.load_profile(chosen)

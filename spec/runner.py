@@ -85,8 +85,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
-                  profile: str | None = None, **setting_overrides) -> Outcome:
-    """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides."""
+                  profile: str | None = None, shrink: bool = True, **setting_overrides) -> Outcome:
+    """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
+
+    ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
+    """
     outcome = Outcome(info.id, engine.name, mode, device, "pass")
     reason = skip_reason(info, engine, device)
     if reason:
@@ -110,7 +113,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
 
     parent = settings.get_profile(profile) if profile is not None else settings.default
     # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.
-    generated = tuple(p for p in parent.phases if p != Phase.explicit)
+    generated = tuple(p for p in parent.phases if p != Phase.explicit and (shrink or p != Phase.shrink))
     start = time.perf_counter()
     for phases in (generated, (Phase.explicit,)):
         try:

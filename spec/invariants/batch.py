@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from ..harness import execute
+from ..materialize import select_rows
 from .core import Ctx, close, fail, invariant, per_seq
 from .outputs import _compare
 
@@ -55,9 +56,8 @@ def permutation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     perm = list(range(b))[::-1] if b > 1 else [0]
     perm = perm[1:] + perm[:1] if b > 2 else perm
-    index = torch.tensor(perm)
     shuffled = execute(ctx.engine, ctx.case.subset(perm), ctx.device,
-                       micro_batch=ctx.run.micro_batch[index.to(ctx.device)])
+                       micro_batch=select_rows(ctx.run.micro_batch, perm))
     for key, value in ctx.run.outputs.items():
         base, moved = per_seq(value), per_seq(shuffled.outputs[key])
         for new, old in enumerate(perm):
@@ -76,7 +76,7 @@ def concatenation(ctx: Ctx) -> None:
     halves = [list(range(b // 2)), list(range(b // 2, b))]
     for rows in halves:
         part = execute(ctx.engine, ctx.case.subset(rows), ctx.device,
-                       micro_batch=ctx.run.micro_batch[torch.tensor(rows, device=ctx.device)])
+                       micro_batch=select_rows(ctx.run.micro_batch, rows))
         for key, value in ctx.run.outputs.items():
             whole, alone = per_seq(value), per_seq(part.outputs[key])
             for j, i in enumerate(rows):

@@ -1,0 +1,25 @@
+"""The generic test: every catalogue invariant x engine x padding mode x device.
+
+IDs read ``INV-MASK-001-impl-padded-cpu`` and are the same on every xdist worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spec.runner import run_invariant
+
+
+def test_invariant(instance) -> None:
+    info, engine, mode, device = instance
+    outcome = run_invariant(info, engine, mode, device)
+    if outcome.status == "skip":
+        pytest.skip(outcome.reason)
+    if outcome.status == "xfail":
+        pytest.xfail(f"known failure of {engine.name}: {outcome.reason} | {outcome.counterexample} -> {outcome.error}")
+    if outcome.status == "xpass":
+        pytest.fail(f"{info.id} is listed as a known failure of {engine.name} ({outcome.reason}) but passed: "
+                    "update the engine's known_failures")
+    assert outcome.status == "pass", (
+        f"{info.id} ({info.title}) fails on {engine.name} [{mode}, {device}]\n"
+        f"minimal counterexample: {outcome.counterexample}\n{outcome.error}")
