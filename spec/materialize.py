@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from .cases import DenseCase, EngineCase
 
-__all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "PadMode", "MROPE_AXES"]
+__all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
 MROPE_AXES = 4
 
@@ -67,8 +67,6 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
         teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
         data["teacher_ids"] = jagged(teacher_ids, lens)
         data["teacher_logprobs"] = jagged(teacher_lp, lens)
-    if torch.device(device).type != "cpu":
-        data = {k: (_nested_to(v, device) if v.is_nested else v.to(device)) for k, v in data.items()}
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))
@@ -86,7 +84,19 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
         flags["max_response_len"] = case.max_response_len
     for key, value in flags.items():
         td.set_non_tensor(key, value)
-    return td
+    return td if torch.device(device).type == "cpu" else move(td, device)
+
+
+def move(micro_batch: TensorDict, device: torch.device | str) -> TensorDict:
+    """A copy of ``micro_batch`` on ``device``, nested tensors rebuilt with their ragged dim."""
+    out = TensorDict({}, batch_size=micro_batch.batch_size)
+    for key in micro_batch.keys():
+        value = micro_batch.get(key)
+        if isinstance(value, torch.Tensor):
+            out.set(key, _nested_to(value, device) if value.is_nested else value.to(device))
+        else:
+            out.set_non_tensor(key, getattr(value, "data", value))
+    return out
 
 
 def _nested_to(tensor: torch.Tensor, device) -> torch.Tensor:

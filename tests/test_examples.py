@@ -290,3 +290,15 @@ def test_entropy_is_stable_at_low_temperature() -> None:
     logits = torch.tensor([[5000.0, 4990.0, 0.0]])
     want = -sum(q * math.log(q) for q in (1 / (1 + math.exp(-10)), math.exp(-10) / (1 + math.exp(-10))))
     assert impl.entropy_from_logits(logits).item() == pytest.approx(want, rel=1e-3)
+
+
+def test_temperature_is_clamped_below_at_1e_8() -> None:
+    mb = seed_batch()
+    _, oa = impl.LMHeadEngine().prepare_model_inputs(mb)
+    oa = {**oa, "temperature_rmpad": torch.zeros(8)}  # as a caller could hand it
+    logits = torch.zeros(1, 8, 9)
+    logits[0, :, 0] = 1e-9  # /1e-8 -> 0.1 on id 0, 0 elsewhere
+    out = impl.LMHeadEngine().prepare_model_outputs(SimpleNamespace(logits=logits), oa, mb)
+    labels = [2, 3, 4, 5, 6, 7, 8, 1]
+    want = [lsm([0.1] + [0.0] * 8, k) for k in labels]
+    assert torch.allclose(out["log_probs"].values(), torch.tensor(want), atol=1e-5)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from ..cases import DenseCase, EngineCase
 from ..engines import EngineUnderTest
-from ..harness import Run, execute
-from ..materialize import materialize
+from ..harness import Run, execute, model_for
+from ..materialize import materialize, move
 from ..oracle import Expected, expected
 from ..strategies import dense_cases, engine_cases
 
@@ -85,8 +85,9 @@ class Ctx:
 
     @cached_property
     def expected(self) -> Expected:
-        return expected(self.case, self.run.micro_batch.to("cpu") if self.device != "cpu" else self.run.micro_batch,
-                        self.run.model if self.device == "cpu" else _cpu_model(self.case))
+        if self.device == "cpu":
+            return expected(self.case, self.run.micro_batch, self.run.model)
+        return expected(self.case, move(self.run.micro_batch, "cpu"), model_for(self.case, "cpu"))
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -96,12 +97,6 @@ class Ctx:
         if fn is None:  # guarded by `needs`; reaching here is a suite bug
             raise RuntimeError(f"engine {self.engine.name} has no helper {name}")
         return fn
-
-
-def _cpu_model(case: EngineCase):
-    from ..harness import model_for
-
-    return model_for(case, "cpu")
 
 
 def fail(message: str) -> None:
