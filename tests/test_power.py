@@ -38,3 +38,9 @@ def test_seed_bugs_are_planted() -> None:
 def test_enough_planted_bugs() -> None:
     assert len(PLANTED) >= 12
     assert all(set(bug.caught_by) <= set(CATALOGUE) for bug in PLANTED.values())
+
+
+def test_every_invariant_is_shown_to_reject_a_planted_bug() -> None:
+    claimed = {inv for bug in PLANTED.values() for inv in bug.caught_by}
+    unclaimed = {key for key, info in CATALOGUE.items() if "cuda" not in info.needs} - claimed
+    assert not unclaimed, f"invariants no planted bug shows failing: {sorted(unclaimed)}"

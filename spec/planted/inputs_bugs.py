@@ -1,0 +1,210 @@
+"""Planted bugs in prepare_model_inputs: mask, labels, temperature, padding, config checks."""
+
+from __future__ import annotations
+
+import torch
+
+import impl
+from impl.flags import read_flag
+
+def _is_padded(mb) -> bool:
+    return not read_flag(mb, "use_remove_padding", True)
+
+
+def _lens(nested: torch.Tensor) -> torch.Tensor:
+    return nested.offsets().diff()
+
+
+class LossMaskAttention(impl.LMHeadEngine):
+    """verl #6278: the padded attention mask is built from the response-only loss_mask."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None:
+            width = mi["input_ids"].shape[1]
+            resp = _lens(mb["loss_mask"]).to(mi["input_ids"].device)
+            mi["attention_mask"] = (torch.arange(width, device=resp.device) < resp[:, None]).to(torch.int32)
+        return mi, oa
+
+
+class MaskOffByOne(impl.LMHeadEngine):
+    """The padded mask drops each sequence's last token (n_i - 1 ones)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None:
+            mask = mi["attention_mask"].clone()
+            lens = mask.sum(1)
+            mask[torch.arange(mask.shape[0]), (lens - 1).clamp(min=0)] = 0
+            mi["attention_mask"] = mask
+        return mi, oa
+
+
+class ShardRoll(impl.LMHeadEngine):
+    """Sequence parallel: labels are rolled within each rank's shard instead of the global row."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if self.settings.sp_size > 1 and "temperature_rmpad" in oa:
+            oa["input_ids_rmpad_rolled"] = torch.roll(mi["input_ids"][0], -1)
+            if "shift_labels" in mi:
+                mi["shift_labels"] = oa["input_ids_rmpad_rolled"].unsqueeze(0)
+        return mi, oa
+
+
+class FirstSampleTemperature(impl.LMHeadEngine):
+    """A per-sample temperature tensor is collapsed to its first value."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        for key in ("temperature_rmpad", "temperature"):
+            if isinstance(oa.get(key), torch.Tensor):
+                oa[key] = torch.full_like(oa[key], float(oa[key][0]))
+        return mi, oa
+
+
+class FusedTensorTemperatureAccepted(impl.LMHeadEngine):
+    """Fused kernels silently take the first value of a per-sample temperature tensor."""
+
+    def prepare_model_inputs(self, mb):
+        temp = mb.get("temperature", None) if "temperature" in mb.keys() else None
+        if read_flag(mb, "use_fused_kernels", False) and isinstance(temp, torch.Tensor) and temp.dim() == 1:
+            mb = mb.clone()
+            del mb["temperature"]
+            mb.set_non_tensor("temperature", float(temp[0]))
+        return super().prepare_model_inputs(mb)
+
+
+class BucketTopKAccepted(impl.LMHeadEngine):
+    """A static bucket is used with top-K distillation without complaint."""
+
+    def prepare_model_inputs(self, mb):
+        if self.settings.pad_to_length and read_flag(mb, "distillation_use_topk", False):
+            quiet = mb.clone()
+            quiet.set_non_tensor("distillation_use_topk", False)
+            return super().prepare_model_inputs(quiet)
+        return super().prepare_model_inputs(mb)
+
+
+class BucketPositionsContinue(impl.LMHeadEngine):
+    """The packed tail's positions continue the last sequence instead of restarting at 0."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        pad = oa.get("pad_size", 0)
+        if pad and self.settings.sp_size == 1:
+            pos = mi["position_ids"].clone()
+            last = pos[..., -pad - 1: -pad]
+            pos[..., -pad:] = last + torch.arange(1, pad + 1, device=pos.device)
+            mi["position_ids"] = pos
+        return mi, oa
+
+
+class MaskAsBool(impl.LMHeadEngine):
+    """The padded attention mask is a bool tensor instead of int32."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None:
+            mi["attention_mask"] = mi["attention_mask"].bool()
+        return mi, oa
+
+
+class PadWithZero(impl.LMHeadEngine):
+    """Padded input_ids are filled with 0 whatever pad_token_id says."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None:
+            mi["input_ids"] = mi["input_ids"].masked_fill(mi["attention_mask"] == 0, 0)
+        return mi, oa
+
+
+class MropePaddedNotTransposed(impl.LMHeadEngine):
+    """Padded mRoPE positions are left as (B, 4, L) instead of (4, B, L)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None and mi["position_ids"].dim() == 3:
+            mi["position_ids"] = mi["position_ids"].transpose(0, 1).contiguous()
+        return mi, oa
+
+
+class PackedPositionsGlobal(impl.LMHeadEngine):
+    """Packed positions run 0..total-1 over the whole row (sequences no longer restart at 0)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is None:
+            pos = mi["position_ids"]
+            start = self.settings.sp_rank * pos.shape[-1]
+            mi["position_ids"] = torch.arange(start, start + pos.shape[-1], device=pos.device).expand_as(pos).clone()
+        return mi, oa
+
+
+class LabelsNotRolled(impl.LMHeadEngine):
+    """The padded branch scores each token itself instead of the next one (no roll)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi["attention_mask"] is not None:
+            oa["input_ids_rmpad_rolled"] = mb["input_ids"].values().clone()
+        return mi, oa
+
+
+class WritesFlagIntoBatch(impl.LMHeadEngine):
+    """prepare_model_inputs records max_seq_len in the caller's micro-batch."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        mb.set_non_tensor("max_seq_len", int(_lens(mb["input_ids"]).max()))
+        return mi, oa
+
+
+def _as_no_padding(mb):
+    if read_flag(mb, "pad_mode", "no_padding") != "no_padding":
+        mb = mb.clone()
+        mb.set_non_tensor("pad_mode", "no_padding")
+    return mb
+
+
+class PadModeUnchecked(impl.LMHeadEngine):
+    """Any pad_mode is accepted and treated as no_padding."""
+
+    def prepare_model_inputs(self, mb):
+        return super().prepare_model_inputs(_as_no_padding(mb))
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        return super().prepare_model_outputs(output, oa, _as_no_padding(mb), logits_processor_func, **kw)
+
+
+class FusedTemperatureTensor(impl.LMHeadEngine):
+    """Fused kernels get the temperature as a (B,) tensor instead of one float."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if "return_dict" in mi:
+            mi["temperature"] = torch.full((len(_lens(mb["input_ids"])),), mi["temperature"])
+        return mi, oa
+
+
+class FloatTemperatureIgnored(impl.LMHeadEngine):
+    """A float temperature flag is ignored (only a tensor temperature is applied)."""
+
+    def prepare_model_inputs(self, mb):
+        temp = read_flag(mb, "temperature", 1.0)
+        if not isinstance(temp, torch.Tensor) and not read_flag(mb, "use_fused_kernels", False):
+            mb = mb.clone()
+            mb.set_non_tensor("temperature", 1.0)
+        return super().prepare_model_inputs(mb)
+
+
+class TemperatureBySortedLengths(impl.LMHeadEngine):
+    """Padded per-sample temperatures are taken in length-sorted order (as if the batch were sorted)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if "temperature" in oa:
+            order = torch.argsort(_lens(mb["input_ids"]), descending=True, stable=True)
+            oa["temperature"] = oa["temperature"][order.to(oa["temperature"].device)]
+        return mi, oa

@@ -1,0 +1,153 @@
+"""Planted bugs in prepare_model_outputs and the value head."""
+
+from __future__ import annotations
+
+import torch
+
+import impl
+from impl.flags import read_flag
+
+from .inputs_bugs import _is_padded
+
+
+class DropDistillationPadded(impl.LMHeadEngine):
+    """verl #6293: the padded branch forgets the logits processor's keys (KeyError downstream)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if _is_padded(mb):
+            out = {k: v for k, v in out.items() if k in ("log_probs", "entropy", "sum_pi_squared")}
+        return out
+
+
+class SumPiSquaredMissingPadded(impl.LMHeadEngine):
+    """The padded branch ignores calculate_sum_pi_squared."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if _is_padded(mb):
+            out.pop("sum_pi_squared", None)
+        return out
+
+
+class NoTemperaturePadded(impl.LMHeadEngine):
+    """The padded branch forgets to divide by temperature."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        if "temperature" in oa:
+            oa = {**oa, "temperature": torch.ones_like(oa["temperature"])}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class DoubleTemperature(impl.LMHeadEngine):
+    """The packed branch divides by temperature twice."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        if "temperature_rmpad" in oa:
+            oa = {**oa, "temperature_rmpad": oa["temperature_rmpad"] ** 2}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class StripPadFromHead(impl.LMHeadEngine):
+    """The packed tail padding is removed from the head of the row instead of the tail."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        pad = oa.get("pad_size", 0)
+        if pad and self.settings.sp_size == 1:
+            output = {k: torch.roll(v, -pad, dims=1) for k, v in vars(output).items() if isinstance(v, torch.Tensor)}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class GlobalMaxShift(impl.LMHeadEngine):
+    """'Numerical stability': the padded logits are shifted by their global max, padding included."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        if _is_padded(mb) and getattr(output, "logits", None) is not None:
+            logits = output.logits
+            output = {"logits": logits - logits.amax(dim=(1, 2), keepdim=True),
+                      **{k: v for k, v in vars(output).items() if k != "logits"}}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class MutateLogits(impl.LMHeadEngine):
+    """Temperature is applied in place on the model's logits (the caller's tensor changes)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        logits = getattr(output, "logits", None)
+        if logits is not None and not read_flag(mb, "use_fused_kernels", False):
+            if "temperature_rmpad" in oa:
+                logits[0].div_(oa["temperature_rmpad"].unsqueeze(-1))
+                oa = {**oa, "temperature_rmpad": torch.ones_like(oa["temperature_rmpad"])}
+            else:
+                logits.div_(oa["temperature"].view(-1, 1, 1))
+                oa = {**oa, "temperature": torch.ones_like(oa["temperature"])}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class ValueTrailingDim(impl.ValueHeadEngine):
+    """verl 0.7.1's value head: the padded branch keeps the trailing 1, (B, j, 1)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if _is_padded(mb):
+            v = out["values"]
+            out["values"] = torch.nested.nested_tensor_from_jagged(v.values().unsqueeze(-1), v.offsets())
+        return out
+
+
+class DenseOutputsPadded(impl.LMHeadEngine):
+    """The padded branch returns per-token outputs as dense (B, L) tensors, not nested."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if _is_padded(mb):
+            out = {k: torch.nested.to_padded_tensor(v, 0.0) for k, v in out.items()}
+        return out
+
+
+class OutputsFloat64(impl.LMHeadEngine):
+    """Outputs come back in float64."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        return {k: torch.nested.nested_tensor_from_jagged(v.values().double(), v.offsets()) for k, v in out.items()}
+
+
+class NanToNumThenGlobalShift(impl.LMHeadEngine):
+    """Padded logits: NaN scrubbed to 0, then shifted by the global max (huge padding wins)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        if _is_padded(mb) and getattr(output, "logits", None) is not None:
+            logits = output.logits.nan_to_num(0.0)
+            logits = logits - logits.amax()
+            output = {"logits": logits, **{k: v for k, v in vars(output).items() if k != "logits"}}
+        return super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+
+
+class IdentityShortcut(impl.LMHeadEngine):
+    """When every temperature is 1, log_probs return the raw logit of the label (no normalisation)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        temps = oa.get("temperature_rmpad", oa.get("temperature"))
+        logits = getattr(output, "logits", None)
+        if "log_probs" in out and logits is not None and bool((temps == 1).all()) and "temperature_rmpad" in oa \
+                and self.settings.sp_size == 1:
+            labels = oa["input_ids_rmpad_rolled"]
+            raw = logits[0].gather(-1, labels.unsqueeze(-1)).squeeze(-1)[: out["log_probs"].values().shape[0]]
+            out["log_probs"] = torch.nested.nested_tensor_from_jagged(raw.float(), out["log_probs"].offsets())
+        return out
+
+
+class SumPiNotSquared(impl.LMHeadEngine):
+    """sum_pi_squared returns sum(p) ** 2 instead of sum(p ** 2)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if "sum_pi_squared" in out and "entropy" in out:
+            v = out["sum_pi_squared"]
+            out["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(v.values().sqrt(), v.offsets())
+        elif "sum_pi_squared" in out:
+            v = out["sum_pi_squared"]
+            out["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(torch.ones_like(v.values()), v.offsets())
+        return out
