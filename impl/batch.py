@@ -39,7 +39,7 @@ class MicroBatchView:
         layout = SequenceLayout.of(input_ids, "input_ids")
         if input_ids.dim() != 2:
             raise NestedLayoutError(f"'input_ids' must be (B, j), got shape {tuple(input_ids.shape)}")
-        if input_ids.values().is_floating_point() or input_ids.values().is_complex():
+        if layout.values.is_floating_point() or layout.values.is_complex():
             raise NestedLayoutError(f"'input_ids' must hold integer ids, got {input_ids.dtype}")
         declared = tuple(micro_batch.batch_size)
         if declared and declared[0] != layout.batch_size:
@@ -48,7 +48,7 @@ class MicroBatchView:
         if layout.min_seq_len < 1:
             raise ShapeError(f"'input_ids' has an empty sequence (lengths {layout.lengths.tolist()})")
         raw_temperature = read_flag(micro_batch, "temperature", None)
-        device = input_ids.values().device
+        device = layout.values.device
         temperature = sample_temperature(raw_temperature, layout.batch_size, device)
         return cls(BatchFlags.from_batch(micro_batch), layout, input_ids, temperature,
                    scalar_temperature(raw_temperature))
@@ -64,4 +64,4 @@ class MicroBatchView:
                 raise NestedLayoutError(
                     f"'position_ids' must be (B, j) or (B, C, j), got shape {tuple(positions.shape)}")
         self.layout.expect_same_batch(layout, "position_ids")
-        return positions.values()
+        return layout.values

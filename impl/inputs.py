@@ -16,9 +16,9 @@ from .settings import EngineSettings
 __all__ = ["prepare_model_inputs", "rolled_labels"]
 
 
-def rolled_labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """The packed ids rolled left by one over the whole row: position k holds token k+1."""
-    return torch.roll(input_ids.values(), shifts=-1, dims=0)
+def rolled_labels(ids: torch.Tensor) -> torch.Tensor:
+    """The packed ids ``(total_nnz,)`` rolled left by one over the whole row: position k holds token k+1."""
+    return torch.roll(ids, shifts=-1, dims=0)
 
 
 def _check_config(view: MicroBatchView, settings: EngineSettings) -> None:
@@ -38,14 +38,14 @@ def prepare_model_inputs(micro_batch: TensorDictBase,
     view = MicroBatchView.of(micro_batch)
     _check_config(view, settings)
     positions = view.position_values(micro_batch)  # (total,) or (C, total)
-    rolled = rolled_labels(view.input_ids)
     layout = view.layout
+    rolled = rolled_labels(layout.values)
     output_args: dict[str, Any] = {}
 
     if view.flags.use_remove_padding:
         plan = RowPlan.make(layout.total_nnz, bucket=settings.pad_to_length,
                             sp_size=settings.sp_size, sp_rank=settings.sp_rank)
-        ids = plan.shard(view.input_ids.values(), 0).unsqueeze(0)
+        ids = plan.shard(layout.values, 0).unsqueeze(0)
         pos = plan.shard(positions, "arange").unsqueeze(-2)  # (1, n) or (C, 1, n)
         local_rolled = plan.shard(rolled, 0)
         token_temperature = view.temperature.index_select(0, layout.token_row)
@@ -63,7 +63,7 @@ def prepare_model_inputs(micro_batch: TensorDictBase,
             model_inputs["shift_labels"] = local_rolled.unsqueeze(0)
     else:
         model_inputs = {
-            "input_ids": dense_from_jagged(view.input_ids.values(), layout, view.flags.pad_token_id),
+            "input_ids": dense_from_jagged(layout.values, layout, view.flags.pad_token_id),
             "attention_mask": layout.mask(),
             "position_ids": dense_from_jagged(positions, layout, 0, token_dim=positions.dim() - 1),
         }

@@ -7,7 +7,8 @@ whatever the logits' dtype.
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Callable
 
 import torch
 
@@ -45,39 +46,50 @@ def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return (probs * probs).sum(-1)
 
 
-def _chunk_statistics(scaled: torch.Tensor, labels: torch.Tensor | None, entropy: bool,
-                      sum_pi_squared: bool) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    lse = torch.logsumexp(scaled, dim=-1)
-    if labels is not None:
-        out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    if entropy or sum_pi_squared:
-        # -sum(p * log p), not lse - sum(p * logits): the latter cancels catastrophically in
-        # float32 when logits are large (low temperature).
-        log_p = scaled - lse.unsqueeze(-1)
-        probs = log_p.exp()
-        if entropy:
-            out["entropy"] = -(probs * log_p).sum(-1)
-        if sum_pi_squared:
-            out["sum_pi_squared"] = (probs * probs).sum(-1)
-    return out
+#: Target size of one chunk of float32 logits rows: small enough to stay in cache.
+CHUNK_BYTES = 4 << 20
 
 
-def token_statistics(scaled: torch.Tensor, labels: torch.Tensor | None, *, entropy: bool,
-                     sum_pi_squared: bool, chunk_size: int | None = None) -> dict[str, torch.Tensor]:
-    """``log_probs`` (when ``labels`` is given), ``entropy`` and ``sum_pi_squared`` of ``scaled``.
+def _chunk_bounds(total: int, size: int) -> list[tuple[int, int]]:
+    starts = list(range(0, total, size)) or [0]
+    return list(itertools.pairwise(starts + [total]))
 
-    ``scaled`` is ``(N, V)`` float32 (already divided by temperature). With
-    ``chunk_size`` the rows are processed in chunks to bound the temporaries.
+
+def token_statistics(rows: Callable[[int, int], torch.Tensor], total: int, vocab: int,
+                     labels: torch.Tensor | None, *, entropy: bool, sum_pi_squared: bool,
+                     chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+    """``log_probs`` (when ``labels`` is given), ``entropy`` and ``sum_pi_squared``, each ``(total,)`` float32.
+
+    ``rows(start, stop)`` returns the temperature-scaled float32 logits ``(stop - start, V)`` of
+    those tokens. Rows are processed in chunks of ``chunk_size`` (default: about
+    :data:`CHUNK_BYTES` of logits), so the temporaries never exceed one chunk.
     """
-    if chunk_size is None or scaled.shape[0] <= chunk_size:
-        return _chunk_statistics(scaled, labels, entropy, sum_pi_squared)
-    label_chunks = labels.split(chunk_size) if labels is not None else None
-    parts = [
-        _chunk_statistics(rows, None if label_chunks is None else label_chunks[i], entropy, sum_pi_squared)
-        for i, rows in enumerate(scaled.split(chunk_size))
-    ]
-    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+    size = chunk_size or max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+    wanted = (["log_probs"] if labels is not None else []) + (["entropy"] if entropy else []) + (
+        ["sum_pi_squared"] if sum_pi_squared else [])
+    if not wanted:
+        return {}
+    device = labels.device if labels is not None else None
+    out: dict[str, torch.Tensor] = {}
+    # A loop over token chunks (not over sequences): bounded memory for any batch.
+    for start, stop in _chunk_bounds(total, size):
+        scaled = rows(start, stop)
+        if not out:
+            out = {key: torch.empty(total, dtype=torch.float32, device=device or scaled.device) for key in wanted}
+        lse = torch.logsumexp(scaled, dim=-1)
+        if labels is not None:
+            picked = scaled.gather(-1, labels[start:stop].unsqueeze(-1).long()).squeeze(-1)
+            torch.sub(picked, lse, out=out["log_probs"][start:stop])
+        if entropy or sum_pi_squared:
+            # -sum(p * log p), not lse - sum(p * logits): the latter cancels catastrophically in
+            # float32 when logits are large (low temperature).
+            log_p = scaled - lse.unsqueeze(-1)
+            probs = log_p.exp()
+            if entropy:
+                out["entropy"][start:stop] = -(probs * log_p).sum(-1)
+            if sum_pi_squared:
+                out["sum_pi_squared"][start:stop] = (probs * probs).sum(-1)
+    return out
 
 
 def scalar_temperature(value: Any) -> float | None:

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 
 from .batch import MicroBatchView
 from .errors import ShapeError, UnsupportedConfigError
+from .dense import padded_to_jagged
 from .layout import nested_from_values
 from .logits import TEMPERATURE_FLOOR, token_statistics
 from .sequence_parallel import RowPlan
@@ -58,8 +59,8 @@ class TokenRoute:
         else:
             self.rows = layout.total_nnz
 
-    def select(self, tensor: Any, key: str, trailing: int) -> torch.Tensor:
-        """The rows of ``tensor`` that hold real tokens: ``(rows, *rest)``."""
+    def check(self, tensor: Any, key: str, trailing: int) -> torch.Tensor:
+        """``tensor`` if it has the model-output shape of this mode, else raise."""
         layout = self.view.layout
         if not isinstance(tensor, torch.Tensor) or tensor.is_nested:
             raise ShapeError(f"model output {key!r} must be a dense tensor, got {type(tensor).__name__}")
@@ -68,10 +69,22 @@ class TokenRoute:
             mode = "packed" if self.packed else "padded"
             raise ShapeError(f"model output {key!r} has shape {tuple(tensor.shape)}; the {mode} mode "
                              f"expects {want + ('*',) * trailing}")
+        return tensor
+
+    def rows_between(self, tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Real-token rows ``start:stop`` (packed order) of a checked model output: a view when packed."""
+        if self.packed:
+            return tensor[0, start:stop]
+        layout = self.view.layout
+        flat = tensor.reshape(layout.batch_size * layout.max_seq_len, *tensor.shape[2:])
+        return flat.index_select(0, layout.dense_index[start:stop])
+
+    def select(self, tensor: Any, key: str, trailing: int) -> torch.Tensor:
+        """All real-token rows of a (small) model output: ``(rows, *rest)``."""
+        tensor = self.check(tensor, key, trailing)
         if self.packed:
             return tensor[0]
-        flat = tensor.reshape(layout.batch_size * layout.max_seq_len, *tensor.shape[2:])
-        return flat.index_select(0, layout.dense_index)
+        return padded_to_jagged(tensor, self.view.layout.offsets, self.rows)
 
     def finish(self, rows: torch.Tensor, key: str) -> torch.Tensor:
         """Per-token ``rows`` (this rank's, or the batch's) as a nested tensor over full sequences."""
@@ -146,20 +159,26 @@ def prepare_model_outputs(output: Any, output_args: Mapping[str, Any], micro_bat
             raise UnsupportedConfigError(
                 "calculate_sum_pi_squared / distillation_use_topk need output.logits, which fused kernels omit")
 
-    rows = route.select(logits, "logits", 1)
-    temperature = route.temperature(output_args).to(rows.device).clamp(min=TEMPERATURE_FLOOR)
-    scaled = rows.float() / temperature.unsqueeze(-1)
+    logits = route.check(logits, "logits", 1)
+    temperature = route.temperature(output_args).to(logits.device).clamp(min=TEMPERATURE_FLOOR)
     want_log_probs = not flags.distillation_only and not flags.use_fused_kernels
     labels = route.labels(output_args) if want_log_probs else None
     if labels is not None:
-        _check_vocab(labels, rows.shape[-1])
+        _check_vocab(labels, logits.shape[-1])
+    scaled = None
+    if flags.distillation_use_topk:  # the processor takes every scaled row at once
+        scaled = route.rows_between(logits, 0, route.rows).float() / temperature.unsqueeze(-1)
+        rows = lambda start, stop: scaled[start:stop]  # noqa: E731
+    else:  # chunk by chunk: only chunk-sized float32 temporaries, never a full copy of the logits
+        rows = lambda start, stop: (  # noqa: E731
+            route.rows_between(logits, start, stop).float() / temperature[start:stop].unsqueeze(-1))
     stats = token_statistics(
-        scaled, labels,
+        rows, route.rows, logits.shape[-1], labels,
         entropy=flags.calculate_entropy and not flags.use_fused_kernels,
         sum_pi_squared=flags.calculate_sum_pi_squared,
         chunk_size=settings.entropy_chunk_size)
     result.update({key: route.finish(value, key) for key, value in stats.items()})
-    if flags.distillation_use_topk:
+    if scaled is not None:
         result.update(_processor_outputs(logits_processor_func, scaled, micro_batch, route, set(result)))
     return result
 

@@ -1,8 +1,8 @@
 """Padding helpers: the attention mask, the response slice, and dense-to-nested conversion.
 
-The response slice rule lives here once (:func:`response_source_index`): the model's
-output at packed position k scores token k+1, so the response of sequence i, ending
-at ``e_i = cu_seqlens[i+1]`` with ``r_i`` tokens, is read from
+The response slice rule lives here once (:func:`_response_rows`): the model's output at
+packed position k scores token k+1, so the response of sequence i, ending at
+``e_i = cu_seqlens[i+1]`` with ``r_i`` tokens, is read from
 ``values[e_i - r_i - 1 : e_i - 1]``. It needs a prompt of at least one token.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
+from .dense import jagged_to_padded, padded_to_jagged
 from .errors import BatchMismatchError, NestedLayoutError, ShapeError
 from .flags import read_flag
 from .layout import SequenceLayout, nested_from_values, require_jagged
@@ -18,7 +19,6 @@ from .layout import SequenceLayout, nested_from_values, require_jagged
 __all__ = [
     "build_attention_mask_from_nested",
     "response_lengths",
-    "response_source_index",
     "no_padding_2_padding",
     "response_from_nested",
     "response_to_nested",
@@ -49,29 +49,32 @@ def response_lengths(data: TensorDictBase, device: torch.device) -> torch.Tensor
                    f"(or a nested 'response_mask'/'loss_mask'); keys: {sorted(data.keys())}")
 
 
-def response_source_index(seq_ends: torch.Tensor, resp_lens: torch.Tensor, row: torch.Tensor,
-                          pos: torch.Tensor) -> torch.Tensor:
-    """Packed index holding the output for response token ``pos`` of sequence ``row``."""
-    return seq_ends.index_select(0, row) - resp_lens.index_select(0, row) - 1 + pos
+def _response_rows(values: torch.Tensor, offsets: torch.Tensor, resp_lens: torch.Tensor, width: int,
+                   key: str) -> torch.Tensor:
+    """``(B, width, *)``: row i starts with the ``r_i`` outputs that score response i.
 
-
-def _check_prompts(seq_lens: torch.Tensor, resp_lens: torch.Tensor, key: str) -> int:
+    Entries past ``r_i`` are *not* cleared (they hold what follows in the packed row).
+    Rows are cut from one partition of the packed row, ``[s_i, s_{i+1})`` with
+    ``s_i = e_i - r_i - 1``, so a single jagged-to-dense pass does the gather.
+    """
+    seq_lens = offsets.diff()
     if seq_lens.shape != resp_lens.shape:
         raise BatchMismatchError(f"{key!r} holds {seq_lens.shape[0]} sequences but there are "
                                  f"{resp_lens.shape[0]} responses")
-    min_prompt, max_resp, min_resp = torch.stack(
-        [(seq_lens - resp_lens).min(), resp_lens.max(), resp_lens.min()]).tolist()
+    starts = offsets[1:] - resp_lens - 1
+    min_prompt, min_resp, first = torch.stack([(seq_lens - resp_lens).min(), resp_lens.min(), starts[0]]).tolist()
     if min_prompt < 1 or min_resp < 0:
         raise ShapeError(
             f"{key!r}: every sequence needs a prompt of >= 1 token before its response to slice the "
             f"response; sequence lengths {seq_lens.tolist()}, response lengths {resp_lens.tolist()}")
-    return max_resp
+    bounds = torch.cat([starts, offsets[-1:]]) - first
+    return jagged_to_padded(values[first:], bounds, width, 0)
 
 
 def _values_and_offsets(tensor: torch.Tensor, data: TensorDictBase, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(tensor, torch.Tensor) and tensor.is_nested:
         layout = SequenceLayout.of(tensor, key)
-        return tensor.values(), layout.offsets
+        return layout.values, layout.offsets
     if not isinstance(tensor, torch.Tensor):
         raise NestedLayoutError(f"{key!r} must be a tensor, got {type(tensor).__name__}")
     layout = SequenceLayout.of(data.get("input_ids"), "input_ids")
@@ -88,31 +91,25 @@ def no_padding_2_padding(tensor: torch.Tensor, data: TensorDictBase) -> torch.Te
     The width is the ``max_response_len`` flag if set, else ``max(r_i)``.
     """
     values, offsets = _values_and_offsets(tensor, data, "tensor")
-    seq_lens = offsets.diff()
     resp_lens = response_lengths(data, values.device)
-    longest = _check_prompts(seq_lens, resp_lens, "tensor")
     width = read_flag(data, "max_response_len", None)
     if width is None:
         width = read_flag(data, "max_response_length", None)
+    longest = int(resp_lens.max())
     width = longest if width is None else int(width)
     if width < longest:
         raise ShapeError(f"flag 'max_response_len'={width} is smaller than the longest response ({longest})")
-    batch = resp_lens.shape[0]
-    cols = torch.arange(width, device=values.device)
-    valid = cols.unsqueeze(0) < resp_lens.unsqueeze(1)  # (B, W)
-    src = (offsets[1:] - resp_lens - 1).unsqueeze(1) + cols.unsqueeze(0)
-    src = torch.where(valid, src, torch.zeros_like(src))
-    out = values.index_select(0, src.reshape(-1)).view(batch, width, *values.shape[1:])
-    return out.masked_fill(~valid.view(batch, width, *([1] * (values.dim() - 1))), 0)
+    out = _response_rows(values, offsets, resp_lens, width, "tensor")
+    past = torch.arange(width, device=values.device).unsqueeze(0) >= resp_lens.unsqueeze(1)  # (B, W)
+    return out.masked_fill_(past.view(*past.shape, *([1] * (values.dim() - 1))), 0)
 
 
 def response_from_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The response part of per-token outputs, nested ``(B, r_i, *)``."""
     layout = SequenceLayout.of(tensor, "tensor")
     responses = SequenceLayout.of(response_mask, "response_mask")
-    _check_prompts(layout.lengths, responses.lengths, "tensor")
-    src = response_source_index(layout.offsets[1:], responses.lengths, responses.token_row, responses.token_pos)
-    return nested_from_values(tensor.values().index_select(0, src), responses, "tensor")
+    rows = _response_rows(layout.values, layout.offsets, responses.lengths, responses.max_seq_len, "tensor")
+    return nested_from_values(padded_to_jagged(rows, responses.offsets, responses.total_nnz), responses, "tensor")
 
 
 def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -125,9 +122,8 @@ def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> tor
     if responses.max_seq_len > width:
         raise ShapeError(f"'tensor' has {width} response columns (shape {tuple(tensor.shape)}) but the "
                          f"longest response has {responses.max_seq_len} tokens")
-    flat = tensor.reshape(responses.batch_size * width, *tensor.shape[2:])
-    index = responses.token_row * width + responses.token_pos
-    return nested_from_values(flat.index_select(0, index.to(flat.device)), responses, "tensor")
+    values = padded_to_jagged(tensor, responses.offsets.to(tensor.device), responses.total_nnz)
+    return nested_from_values(values, responses, "tensor")
 
 
 def _dense(data: TensorDictBase, key: str, dims: tuple[int, ...]) -> torch.Tensor:

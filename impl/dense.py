@@ -1,0 +1,63 @@
+"""Fast conversions between jagged rows and dense padded batches.
+
+Both use torch's jagged kernels where the installed torch has them for the tensor's
+device (CPU kernels arrived after torch 2.4); otherwise an equivalent index-based path.
+The choice is probed once per (device type, direction) and cached.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+__all__ = ["jagged_to_padded", "padded_to_jagged"]
+
+
+@lru_cache(maxsize=None)
+def _has_kernel(device_type: str, name: str) -> bool:
+    op = getattr(torch.ops.aten, name, None)
+    if op is None:
+        return False
+    try:
+        if name == "_jagged_to_padded_dense_forward":
+            op(torch.zeros(2, 1, device=device_type), [torch.tensor([0, 1, 2], device=device_type)], [1], 0.0)
+        else:
+            op(torch.zeros(2, 1, 1, device=device_type), [torch.tensor([0, 1, 2], device=device_type)], 2)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+def _rows_and_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff(),
+                                   output_size=total)
+    return rows, torch.arange(total, device=offsets.device) - offsets[:-1].index_select(0, rows)
+
+
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, width: int, pad_value: float | int) -> torch.Tensor:
+    """``(B, width, *rest)``: row i holds ``values[offsets[i]:offsets[i+1]]`` cut to ``width``, then padding.
+
+    ``offsets`` must start at 0 and end at ``values.shape[0]``.
+    """
+    batch, rest = offsets.numel() - 1, tuple(values.shape[1:])
+    if _has_kernel(values.device.type, "_jagged_to_padded_dense_forward") and values.dtype != torch.bool:
+        flat = values.reshape(values.shape[0], -1)
+        dense = torch.ops.aten._jagged_to_padded_dense_forward(flat, [offsets], [width], float(pad_value))
+        return dense.view(batch, width, *rest)
+    rows, pos = _rows_and_positions(offsets, values.shape[0])
+    keep = pos < width
+    out = values.new_full((batch * width, *rest), pad_value)
+    out.index_copy_(0, (rows * width + pos)[keep], values[keep])
+    return out.view(batch, width, *rest)
+
+
+def padded_to_jagged(dense: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """``(total, *rest)``: the first ``offsets[i+1] - offsets[i]`` entries of each row of ``dense``."""
+    if _has_kernel(dense.device.type, "_padded_dense_to_jagged_forward") and dense.dtype != torch.bool:
+        rest = tuple(dense.shape[2:])
+        flat = dense.reshape(dense.shape[0], dense.shape[1], -1)
+        return torch.ops.aten._padded_dense_to_jagged_forward(flat, [offsets], total).view(total, *rest)
+    rows, pos = _rows_and_positions(offsets, total)
+    flat = dense.reshape(dense.shape[0] * dense.shape[1], *dense.shape[2:])
+    return flat.index_select(0, rows * dense.shape[1] + pos)
