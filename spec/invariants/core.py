@@ -79,6 +79,13 @@ class Ctx:
         return execute(self.engine, self.case, self.device)
 
     @cached_property
+    def inputs_run(self) -> Run:
+        """Only prepare_model_inputs (what input invariants look at): a later failure cannot mask theirs."""
+        if "run" in self.__dict__:
+            return self.run
+        return execute(self.engine, self.case, self.device, stop_after_inputs=True)
+
+    @cached_property
     def batch(self):
         """The micro-batch alone (for helper invariants that need no engine run)."""
         return materialize(self.case, self.device)

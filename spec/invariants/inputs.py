@@ -11,7 +11,7 @@ PACKED = ("packed",)
 
 
 def _values(ctx: Ctx, key: str) -> torch.Tensor:
-    return ctx.run.micro_batch[key].values()
+    return ctx.inputs_run.micro_batch[key].values()
 
 
 def _lens(ctx: Ctx) -> torch.Tensor:
@@ -21,7 +21,7 @@ def _lens(ctx: Ctx) -> torch.Tensor:
 @invariant("INV-MASK-001", "padded attention mask row i has exactly n_i leading ones (full sequence, "
            "not the response-only loss mask)", contract=1, modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
-    mask = ctx.run.inputs[0]["attention_mask"]
+    mask = ctx.inputs_run.inputs[0]["attention_mask"]
     if mask is None:
         fail("padded mode returned attention_mask=None")
     lens = _lens(ctx)
@@ -36,7 +36,7 @@ def mask_values(ctx: Ctx) -> None:
 
 @invariant("INV-MASK-002", "padded attention mask is int32 on the ids' device", contract=1, modes=PADDED)
 def mask_dtype_device(ctx: Ctx) -> None:
-    mi = ctx.run.inputs[0]
+    mi = ctx.inputs_run.inputs[0]
     mask, ids = mi["attention_mask"], mi["input_ids"]
     if mask.dtype != torch.int32:
         fail(f"attention_mask dtype is {mask.dtype}, expected torch.int32")
@@ -47,7 +47,7 @@ def mask_dtype_device(ctx: Ctx) -> None:
 @invariant("INV-MASK-003", "padded attention mask is (B, max_seq_len) and sums to total_nnz", contract=1,
            modes=PADDED)
 def mask_shape_sum(ctx: Ctx) -> None:
-    mask = ctx.run.inputs[0]["attention_mask"]
+    mask = ctx.inputs_run.inputs[0]["attention_mask"]
     want = (ctx.case.batch_size, max(ctx.case.seq_lens))
     if tuple(mask.shape) != want:
         fail(f"attention_mask shape {tuple(mask.shape)}, expected {want}")
@@ -74,8 +74,8 @@ def mask_helper(ctx: Ctx) -> None:
 @invariant("INV-INPUT-001", "padded input_ids hold each sequence then pad_token_id, (B, max_seq_len)",
            contract=1, modes=PADDED)
 def padded_ids(ctx: Ctx) -> None:
-    ids = ctx.run.inputs[0]["input_ids"].cpu()
-    rows = [t.cpu() for t in ctx.run.micro_batch["input_ids"].unbind()]
+    ids = ctx.inputs_run.inputs[0]["input_ids"].cpu()
+    rows = [t.cpu() for t in ctx.inputs_run.micro_batch["input_ids"].unbind()]
     width = max(ctx.case.seq_lens)
     want = torch.full((len(rows), width), ctx.case.pad_token_id, dtype=ids.dtype)
     for i, row in enumerate(rows):
@@ -87,8 +87,8 @@ def padded_ids(ctx: Ctx) -> None:
 @invariant("INV-POS-001", "padded position_ids are (B, L) or (4, B, L) (mRoPE), values kept, 0 on padding",
            contract=1, modes=PADDED)
 def padded_positions(ctx: Ctx) -> None:
-    pos = ctx.run.inputs[0]["position_ids"].cpu()
-    rows = [t.cpu() for t in ctx.run.micro_batch["position_ids"].unbind()]
+    pos = ctx.inputs_run.inputs[0]["position_ids"].cpu()
+    rows = [t.cpu() for t in ctx.inputs_run.micro_batch["position_ids"].unbind()]
     width = max(ctx.case.seq_lens)
     if ctx.case.mrope:
         want = torch.zeros(rows[0].shape[0], len(rows), width, dtype=pos.dtype)
@@ -104,14 +104,14 @@ def padded_positions(ctx: Ctx) -> None:
 
 
 def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
-    return torch.cat([mi[key].cpu() for mi in ctx.run.inputs], dim=dim)
+    return torch.cat([mi[key].cpu() for mi in ctx.inputs_run.inputs], dim=dim)
 
 
 @invariant("INV-POS-002", "packed inputs: ids (1, n), positions (1, n) or (4, 1, n), no mask; ranks' "
            "slices concatenate to the packed row", contract=5, modes=PACKED)
 def packed_inputs(ctx: Ctx) -> None:
     total = ctx.case.total_nnz
-    for r, mi in enumerate(ctx.run.inputs):
+    for r, mi in enumerate(ctx.inputs_run.inputs):
         if mi.get("attention_mask") is not None:
             fail(f"rank {r}: packed attention_mask must be None")
         ids, pos = mi["input_ids"], mi["position_ids"]
@@ -144,13 +144,13 @@ def packed_tail(ctx: Ctx) -> None:
         fail(f"packed row has {ids.shape[0]} tokens, expected {padded} (total_nnz={total}, "
              f"bucket={case.pad_to_length}, sp={case.sp_size})")
     pad = padded - total
-    reported = ctx.run.output_args[0].get("pad_size", 0)
+    reported = ctx.inputs_run.output_args[0].get("pad_size", 0)
     if int(reported) != pad:
         fail(f"output_args['pad_size'] is {reported}, expected {pad}")
     if pad:
         pos = _joined(ctx, "position_ids")
         tail_pos = (pos[0, 0] if case.mrope else pos[0])[total:]
-        temps = torch.cat([a["temperature_rmpad"].cpu() for a in ctx.run.output_args])[total:]
+        temps = torch.cat([a["temperature_rmpad"].cpu() for a in ctx.inputs_run.output_args])[total:]
         if bool((ids[total:] != 0).any()):
             fail(f"tail ids {ids[total:].tolist()}, expected zeros")
         if int(tail_pos[0]) != 0:
@@ -160,7 +160,7 @@ def packed_tail(ctx: Ctx) -> None:
 
 
 def _rolled(ctx: Ctx) -> torch.Tensor:
-    return torch.cat([a["input_ids_rmpad_rolled"].reshape(-1).cpu() for a in ctx.run.output_args])
+    return torch.cat([a["input_ids_rmpad_rolled"].reshape(-1).cpu() for a in ctx.inputs_run.output_args])
 
 
 def _check_labels(ctx: Ctx, where: str) -> None:
@@ -195,7 +195,7 @@ def labels_shard_edges(ctx: Ctx) -> None:
            contract=6, modes=PACKED, adjust=lambda c: c if c.use_fused_kernels else c.with_(
                temperature=tuple(0.5 + 0.25 * i for i in range(c.batch_size))))
 def temperature_rmpad(ctx: Ctx) -> None:
-    got = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in ctx.run.output_args])[: ctx.case.total_nnz]
+    got = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in ctx.inputs_run.output_args])[: ctx.case.total_nnz]
     want = torch.repeat_interleave(torch.tensor(ctx.case.temperatures(), dtype=torch.float32),
                                    torch.tensor(ctx.case.seq_lens))
     if not torch.allclose(got.float(), want):
@@ -207,7 +207,7 @@ def temperature_rmpad(ctx: Ctx) -> None:
            adjust=lambda c: c.with_(use_fused_kernels=True, temperature=c.temperatures()[0],
                                     distillation_keys=(), distillation_only=False, calculate_sum_pi_squared=False))
 def fused_inputs(ctx: Ctx) -> None:
-    for r, mi in enumerate(ctx.run.inputs):
+    for r, mi in enumerate(ctx.inputs_run.inputs):
         temp = mi.get("temperature")
         if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) \
                 or abs(float(temp) - ctx.case.temperatures()[0]) > 1e-6:
@@ -216,7 +216,7 @@ def fused_inputs(ctx: Ctx) -> None:
             fail(f"rank {r}: model_inputs['return_dict'] is {mi.get('return_dict')!r}, expected True")
         if ctx.case.use_remove_padding:
             labels = mi.get("shift_labels")
-            rolled = ctx.run.output_args[r]["input_ids_rmpad_rolled"].reshape(-1)
+            rolled = ctx.inputs_run.output_args[r]["input_ids_rmpad_rolled"].reshape(-1)
             if labels is None or tuple(labels.shape) != (1, rolled.shape[0]) \
                     or not torch.equal(labels[0].cpu(), rolled.cpu()):
                 fail(f"rank {r}: shift_labels {None if labels is None else labels.tolist()}, expected the "
