@@ -136,9 +136,11 @@ def _dense(data: TensorDictBase, key: str, dims: tuple[int, ...]) -> torch.Tenso
     return value
 
 
-def _runs_are_contiguous(mask: torch.Tensor, *, left_padded: bool) -> bool:
-    step = mask[:, 1:].int() - mask[:, :-1].int()
-    return bool((step >= 0).all()) if left_padded else bool((step <= 0).all())
+def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Flat indices of the runs ``[starts[i], starts[i] + lengths[i])``, back to back."""
+    before = lengths.cumsum(0) - lengths
+    shift = torch.repeat_interleave(starts - before, lengths, output_size=total)
+    return torch.arange(total, device=starts.device) + shift
 
 
 def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
@@ -164,34 +166,46 @@ def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
         raise BatchMismatchError(f"'response_mask' has shape {tuple(response_mask.shape)}, input_ids has "
                                  f"{(batch, seq)}; need 0 < R < S")
     mask = attention_mask.bool()
-    prompt_mask, resp_mask = mask[:, :-width], mask[:, -width:]
-    if not (_runs_are_contiguous(prompt_mask, left_padded=True)
-            and _runs_are_contiguous(resp_mask, left_padded=False)):
-        raise ShapeError("'attention_mask' must be left-padded over the prompt columns and right-padded "
-                         f"over the last {width} response columns")
-    lo_prompt, lo_resp = torch.stack([prompt_mask.sum(1).min(), resp_mask.sum(1).min()]).tolist()
+    prompt_width = seq - width
+    prompt_lens, resp_lens = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)
+    lo_prompt, lo_resp, n_prompt, n_resp = torch.stack(
+        [prompt_lens.min(), resp_lens.min(), prompt_lens.sum(), resp_lens.sum()]).tolist()
     if lo_prompt < 1 or lo_resp < 1:
         raise ShapeError("every row needs >= 1 prompt and >= 1 response token under 'attention_mask'; "
                          f"shortest prompt {lo_prompt}, shortest response {lo_resp}")
-    if bool((response_mask.bool() & ~resp_mask).any()):
+    # Row i's valid tokens must be the columns [P - p_i, P + r_i): left-padded prompt columns,
+    # right-padded response columns. All of those set, and no others (the counts match), is exactly that.
+    row_base = torch.arange(batch, device=mask.device) * seq
+    first = row_base + prompt_width - prompt_lens
+    index = _runs(first, prompt_lens + resp_lens, n_prompt + n_resp)
+    resp_index = _runs(row_base + prompt_width, resp_lens, n_resp)
+    resp_mask_index = _runs(torch.arange(batch, device=mask.device) * width, resp_lens, n_resp)
+    contiguous, stray = torch.stack([
+        mask.reshape(-1).index_select(0, index).all(),
+        (response_mask.bool() & ~mask[:, prompt_width:]).any()]).tolist()
+    if not contiguous:
+        raise ShapeError("'attention_mask' must be left-padded over the prompt columns and right-padded "
+                         f"over the last {width} response columns")
+    if stray:
         raise ShapeError("'response_mask' marks tokens that 'attention_mask' marks as padding")
 
-    def nested(values: torch.Tensor, select: torch.Tensor, jagged_dim: int = 1) -> torch.Tensor:
-        lengths = select.sum(1)
-        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        index = select.reshape(-1).nonzero().squeeze(1)
-        if jagged_dim == 2:  # (B, C, S) -> values (C, total)
-            flat = values.transpose(0, 1).reshape(values.shape[1], -1).index_select(1, index)
-        else:
-            flat = values.reshape(-1, *values.shape[2:]).index_select(0, index)
-        return torch.nested.nested_tensor_from_jagged(flat, offsets, jagged_dim=jagged_dim)
+    def nested(flat: torch.Tensor, lengths: torch.Tensor, jagged_dim: int = 1) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(flat, torch.nn.functional.pad(lengths.cumsum(0), (1, 0)),
+                                                      jagged_dim=jagged_dim)
 
+    def tokens(values: torch.Tensor, at: torch.Tensor = index) -> torch.Tensor:
+        """The tokens at flat (B * S) indices ``at`` of a ``(B, S, *)`` (or mRoPE ``(B, C, S)``) tensor."""
+        if values.dim() == 3 and values is position_ids:  # (B, C, S) -> (C, total)
+            return values.transpose(0, 1).reshape(values.shape[1], -1).index_select(1, at)
+        return values.reshape(-1, *values.shape[2:]).index_select(0, at)
+
+    seq_lens = prompt_lens + resp_lens
     out = data.copy()
-    out.set("input_ids", nested(input_ids, mask))
-    out.set("position_ids", nested(position_ids, mask, jagged_dim=2 if position_ids.dim() == 3 else 1))
-    out.set("prompts", nested(input_ids[:, :-width], prompt_mask))
-    out.set("responses", nested(input_ids[:, -width:], resp_mask))
-    loss_mask = nested(response_mask, resp_mask)
+    out.set("input_ids", nested(tokens(input_ids), seq_lens))
+    out.set("position_ids", nested(tokens(position_ids), seq_lens, jagged_dim=2 if position_ids.dim() == 3 else 1))
+    out.set("prompts", nested(tokens(input_ids, _runs(first, prompt_lens, n_prompt)), prompt_lens))
+    out.set("responses", nested(tokens(input_ids, resp_index), resp_lens))
+    loss_mask = nested(response_mask.reshape(-1).index_select(0, resp_mask_index), resp_lens)
     out.set("response_mask", loss_mask)
     out.set("loss_mask", loss_mask)
     for key in ("teacher_ids", "teacher_logprobs"):
@@ -199,7 +213,7 @@ def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
             teacher = _dense(data, key, (3,))
             if teacher.shape[:2] != (batch, seq):
                 raise BatchMismatchError(f"{key!r} has shape {tuple(teacher.shape)}, expected ({batch}, {seq}, K)")
-            out.set(key, nested(teacher, mask))
+            out.set(key, nested(tokens(teacher), seq_lens))
     out.set_non_tensor("max_seq_len", seq)
     out.set_non_tensor("max_response_len", width)
     return out

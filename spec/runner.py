@@ -126,7 +126,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             break
     outcome.seconds = time.perf_counter() - start
     outcome.examples = state["n"]
-    known = engine.known_failures.get(info.id)
+    known = engine.known_failures.get(f"{info.id}/{mode}") or engine.known_failures.get(info.id)
     if known:
         outcome.reason = known
         outcome.status = "xfail" if outcome.status == "fail" else "xpass"

@@ -69,11 +69,8 @@ MASK_INVARIANTS = frozenset({
 
 
 def known_key(invariant: str, mode: str | None = None) -> str:
-    """A key of ``known_failures``: ``ID`` (every mode) or ``ID/mode`` (that mode only).
-
-    ``spec.runner`` looks up ``ID`` only; ``ID/mode`` entries are honoured by
-    tests/test_verl_conformance.py and by a runner that also looks up ``f"{id}/{mode}"``.
-    """
+    """A key of ``known_failures``: ``ID`` (every mode) or ``ID/mode`` (that mode only); ``spec.runner``
+    looks up ``ID/mode`` first."""
     return invariant if mode is None else f"{invariant}/{mode}"
 
 

@@ -131,7 +131,7 @@ def packed_inputs(ctx: Ctx) -> None:
 
 
 @invariant("INV-PAD-001", "packed tail padding: length rounded up to the bucket then to sp, ids 0, "
-           "positions restart at 0, temperature 1, pad_size reported", contract=7, modes=PACKED,
+           "positions restart at 0, temperature 1, pad_size reported", contract=7, modes=PACKED, needs=("bucket",),
            adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
                                     distillation_only=False))
 def packed_tail(ctx: Ctx) -> None:
