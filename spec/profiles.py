@@ -19,7 +19,7 @@ _QUIET_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 PROFILES = {
     "default": dict(max_examples=40, deadline=None, suppress_health_check=_QUIET_CHECKS),
     "dev": dict(max_examples=10, deadline=None, suppress_health_check=_QUIET_CHECKS),
-    "ci": dict(max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
+    "ci": dict(max_examples=100, deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=_QUIET_CHECKS),
     "cuda": dict(max_examples=200, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),
     "debug": dict(max_examples=10, deadline=None, verbosity=Verbosity.verbose, print_blob=True,

@@ -222,3 +222,10 @@ def test_inputs_are_not_mutated_on_error() -> None:
     with pytest.raises(UnsupportedConfigError):
         ENGINE.prepare_model_inputs(mb)
     assert torch.equal(mb["input_ids"].values(), before)
+
+
+def test_response_count_differs_from_sequence_count() -> None:
+    tensor = torch.nested.nested_tensor_from_jagged(torch.zeros(8), torch.tensor([0, 5, 8]))
+    three = torch.nested.nested_tensor_from_jagged(torch.ones(3), torch.tensor([0, 1, 2, 3]))
+    with raises(BatchMismatchError, "2 sequences", "3 responses"):
+        impl.response_from_nested(tensor, three)
