@@ -48,7 +48,10 @@ def prepare_model_inputs(micro_batch: TensorDictBase,
         ids = plan.shard(layout.values, 0).unsqueeze(0)
         pos = plan.shard(positions, "arange").unsqueeze(-2)  # (1, n) or (C, 1, n)
         local_rolled = plan.shard(rolled, 0)
-        token_temperature = view.temperature.index_select(0, layout.token_row)
+        token_temperature = (
+            torch.full((layout.total_nnz,), view.scalar_temperature, dtype=torch.float32, device=rolled.device)
+            if view.scalar_temperature is not None
+            else torch.repeat_interleave(view.temperature, layout.lengths, output_size=layout.total_nnz))
         model_inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": None, "position_ids": pos}
         if settings.pass_cu_seqlens:
             cu = layout.offsets
