@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from .cases import EngineCase
 
 __all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "load_engine", "builtin_engine_names"]
 
@@ -33,17 +32,38 @@ class EngineUnderTest:
     def helper(self, name: str) -> Callable | None:
         return None
 
-    def unsupported(self, case: EngineCase) -> str | None:
-        """Why ``case`` cannot run on this engine, or None."""
+    def strategy_limits(self) -> dict[str, Any]:
+        """Strategy keyword arguments that keep drawn cases within what the engine supports."""
+        return {}
+
+    def lacks(self, feature: str) -> str | None:
+        """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``value``,
+        ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
+        if feature in HELPERS:
+            return None if self.helper(feature) is not None else f"engine {self.name} ships no {feature}"
+        if feature == "cuda":
+            import torch
+
+            return None if torch.cuda.is_available() else "no CUDA device"
         return None
 
     def __repr__(self) -> str:
         return f"<engine {self.name}>"
 
 
-class FactoryEngine(EngineUnderTest):
-    """Wraps ``factory(head=..., **settings) -> engine object`` (a user's engine).
+#: A setting the suite may ask for, and a value that probes whether an engine accepts it.
+_FEATURE_PROBES = {
+    "sp": {"sp_size": 2, "sp_rank": 0, "all_gather": lambda local: local},
+    "bucket": {"pad_to_length": 8},
+}
 
+
+class FactoryEngine(EngineUnderTest):
+    """A user's engine: a factory ``factory(head="lm"|"value", **settings) -> engine object``.
+
+    Also accepted in its place: an engine *class* (built as ``cls(**settings)``, LM head only)
+    or an engine *object* (used as is, no settings). A feature whose settings the factory
+    rejects, or a head it cannot build, is reported as lacking (skipped, with the reason).
     Helpers are looked up on the engine object, then on the factory's module.
     """
 
@@ -53,7 +73,26 @@ class FactoryEngine(EngineUnderTest):
         self.module = module
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
-        return self.factory(head=head, **settings)
+        target = self.factory
+        if hasattr(target, "prepare_model_inputs") and not isinstance(target, type):  # an engine object
+            if settings or head != "lm":
+                raise TypeError(f"{self.name} is one engine object: it takes no settings and has an LM head only")
+            return target
+        if isinstance(target, type):  # an engine class
+            if head != "lm":
+                raise TypeError(f"{self.name} is one engine class: it has an LM head only")
+            return target(**settings)
+        return target(head=head, **settings)
+
+    def lacks(self, feature: str) -> str | None:
+        probe = _FEATURE_PROBES.get(feature)
+        if probe is not None or feature == "value":
+            try:
+                self.make("value") if feature == "value" else self.make(**probe)
+            except Exception as exc:  # noqa: BLE001 - any refusal means the feature is not offered
+                return f"engine {self.name} cannot build {feature!r}: {type(exc).__name__}: {exc}"
+            return None
+        return super().lacks(feature)
 
     def helper(self, name: str) -> Callable | None:
         try:
@@ -82,7 +121,8 @@ def builtin_engine_names() -> list[str]:
 
 
 def load_engine(spec: str) -> EngineUnderTest:
-    """``impl``, ``verl``, ``planted:<bug>``, or ``module:attr`` (a factory or an EngineUnderTest)."""
+    """``impl``, ``verl``, ``planted:<bug>``, or ``module:attr`` (a factory, an engine class or
+    object, or an EngineUnderTest)."""
     if spec == "impl":
         return _impl()
     if spec == "verl":
@@ -100,27 +140,7 @@ def load_engine(spec: str) -> EngineUnderTest:
         return target
     if isinstance(target, type) and issubclass(target, EngineUnderTest):
         return target()
-    if callable(target):
+    if callable(target) or hasattr(target, "prepare_model_inputs"):
         return FactoryEngine(spec, target, module)
-    raise TypeError(f"{spec!r} is neither an EngineUnderTest nor a factory callable")
+    raise TypeError(f"{spec!r} is neither an EngineUnderTest, an engine class or object, nor a factory")
 
-
-def _strategy_limits(self: EngineUnderTest) -> dict[str, Any]:
-    """Strategy keyword arguments that keep drawn cases within what the engine supports."""
-    return {}
-
-
-def _lacks(self: EngineUnderTest, feature: str) -> str | None:
-    """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``value``,
-    ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
-    if feature in HELPERS:
-        return None if self.helper(feature) is not None else f"engine {self.name} ships no {feature}"
-    if feature == "cuda":
-        import torch
-
-        return None if torch.cuda.is_available() else "no CUDA device"
-    return None
-
-
-EngineUnderTest.strategy_limits = _strategy_limits  # type: ignore[attr-defined]
-EngineUnderTest.lacks = _lacks  # type: ignore[attr-defined]

@@ -45,3 +45,11 @@ def test_list_and_unknown_engine() -> None:
     bad = subprocess.run([sys.executable, "-m", "spec", "verify", "--engine", "nope"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown engine 'nope'" in bad.stderr
+
+
+def test_verify_engine_class_and_object(tmp_path: Path) -> None:
+    run = verify(tmp_path, "--engine", "tests.user_engines:MyEngine", "--only", "INV-SP-001")
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+    run = verify(tmp_path, "--engine", "tests.user_engines:ENGINE_OBJECT", "--only", "INV-SP-00")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("cannot build 'sp'") == 1 and "cannot build 'bucket'" in run.stdout
