@@ -37,6 +37,7 @@ class EngineCase:
     max_response_len: int | None = None
     sp_size: int = 1
     pad_to_length: int | None = None
+    pass_cu_seqlens: bool = False
     head: str = "lm"
     seed: int = 0
 
@@ -110,6 +111,8 @@ class EngineCase:
             parts.append(f"sp={self.sp_size}")
         if self.pad_to_length:
             parts.append(f"bucket={self.pad_to_length}")
+        if self.pass_cu_seqlens:
+            parts.append("cu_seqlens")
         if self.head != "lm":
             parts.append(f"head={self.head}")
         parts.append(f"seed={self.seed}")

@@ -37,8 +37,8 @@ class EngineUnderTest:
         return {}
 
     def lacks(self, feature: str) -> str | None:
-        """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``value``,
-        ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
+        """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``cu_seqlens``,
+        ``value``, ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
         if feature in HELPERS:
             return None if self.helper(feature) is not None else f"engine {self.name} ships no {feature}"
         if feature == "cuda":
@@ -55,6 +55,7 @@ class EngineUnderTest:
 _FEATURE_PROBES = {
     "sp": {"sp_size": 2, "sp_rank": 0, "all_gather": lambda local: local},
     "bucket": {"pad_to_length": 8},
+    "cu_seqlens": {"pass_cu_seqlens": True},
 }
 
 

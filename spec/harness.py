@@ -71,6 +71,8 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
         settings.update(sp_size=case.sp_size, sp_rank=rank, all_gather=gather.member(rank))
     if case.pad_to_length:
         settings["pad_to_length"] = case.pad_to_length
+    if case.pass_cu_seqlens:
+        settings["pass_cu_seqlens"] = True
     return settings
 
 

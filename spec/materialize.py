@@ -125,7 +125,9 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
     position_ids = (pos.unsqueeze(1) + torch.arange(MROPE_AXES).view(1, -1, 1) * attn.unsqueeze(1)
                     if case.mrope else pos)
     data = {"input_ids": input_ids, "attention_mask": attn, "response_mask": response_mask,
-            "position_ids": position_ids}
+            "position_ids": position_ids,
+            # as a trainer hands them over: dense, left-padded prompts and right-padded responses
+            "prompts": input_ids[:, :pw].clone(), "responses": input_ids[:, pw:].clone()}
     if case.topk:
         data["teacher_ids"] = torch.randint(0, 50, (batch, seq, case.topk), generator=gen)
         data["teacher_logprobs"] = torch.randn(batch, seq, case.topk, generator=gen)

@@ -51,7 +51,7 @@ def temperatures(batch_size: int, *, per_sample: bool | None = None):
 @st.composite
 def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: int = 8,
                  head: str = "lm", allow_sp: bool = True, allow_bucket: bool = True,
-                 allow_fused: bool = True, allow_distillation: bool = True,
+                 allow_fused: bool = True, allow_distillation: bool = True, allow_cu_seqlens: bool = True,
                  per_sample_temperature: bool | None = None) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
@@ -70,8 +70,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     packed = (not draw(st.booleans())) if mode is None else mode == "packed"
     # fused kernels in about a quarter of the cases
     fused = head == "lm" and allow_fused and draw(st.booleans()) and draw(st.booleans())
-    temperature = 1.0 if head == "value" else draw(
-        temperatures(batch, per_sample=False if fused else per_sample_temperature))
+    temperature = draw(temperatures(batch, per_sample=False if fused else per_sample_temperature))
     distill: tuple[str, ...] = ()
     if head == "lm" and allow_distillation and not fused and draw(st.booleans()):
         distill = tuple(draw(st.lists(st.sampled_from(DISTILLATION_KEYS), min_size=1, max_size=3, unique=True)))
@@ -100,6 +99,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         max_response_len=width,
         sp_size=sp,
         pad_to_length=bucket,
+        pass_cu_seqlens=packed and allow_cu_seqlens and draw(st.booleans()),
         head=head,
         seed=draw(st.integers(0, 2**16)),
     )

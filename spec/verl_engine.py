@@ -114,6 +114,7 @@ class VerlCapabilities:
     processor: bool  # prepare_model_outputs takes logits_processor_func (top-K distillation)
     bucket: bool  # static pad_to_length bucket
     sum_pi_squared: bool  # calculate_sum_pi_squared is read by prepare_model_outputs
+    cu_seqlens: bool  # the engine reads pass_packed_cu_seqlens (packed cu_seqlens in the model inputs)
     helpers: tuple[str, ...]  # padding helpers verl ships
     attention_utils_error: str | None  # why verl.utils.attention_utils cannot run here (0.7.1 without flash-attn)
 
@@ -146,9 +147,17 @@ def probe_verl() -> VerlCapabilities:
         processor="logits_processor_func" in inspect.signature(lm.prepare_model_outputs).parameters,
         bucket=hasattr(transformer_impl.FSDPEngine, "_get_packed_pad_size"),
         sum_pi_squared="calculate_sum_pi_squared" in source,
+        cu_seqlens="pass_packed_cu_seqlens" in _module_source(transformer_impl),
         helpers=tuple(name for name in HELPERS if callable(getattr(padding, name, None))),
         attention_utils_error=_attention_utils_error(),
     )
+
+
+def _module_source(module: Any) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
 
 
 class VerlEngineObject:
@@ -262,6 +271,8 @@ class VerlEngine(EngineUnderTest):
             return ("verl runs Ulysses sequence parallelism through a torch.distributed process group "
                     "(verl.utils.ulysses); the suite simulates ranks as threads with an all_gather seam "
                     "verl does not take, so sp > 1 is not run against verl")
+        if feature == "cu_seqlens" and not caps.cu_seqlens:
+            return f"verl {caps.version} never passes cu_seqlens to the model (no pass_packed_cu_seqlens)"
         if feature == "bucket" and not caps.bucket:
             return f"verl {caps.version} has no static pad_to_length bucket"
         if feature == "distillation" and not caps.processor:
@@ -273,6 +284,7 @@ class VerlEngine(EngineUnderTest):
     def strategy_limits(self) -> dict[str, Any]:  # type: ignore[override]
         caps = self.caps
         return {"allow_sp": False, "allow_bucket": caps.bucket, "allow_distillation": caps.processor,
+                "allow_cu_seqlens": caps.cu_seqlens,
                 **KNOWN_BUG_LIMITS.get(caps.version, {})}
 
     # -- engine objects and helpers -----------------------------------------------------------
@@ -281,6 +293,7 @@ class VerlEngine(EngineUnderTest):
         settings.pop("sp_rank", None)
         settings.pop("all_gather", None)
         bucket = settings.pop("pad_to_length", None)
+        cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
         if settings:
             raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
         if sp_size > 1:
@@ -295,7 +308,9 @@ class VerlEngine(EngineUnderTest):
         eng.compute_entropy_from_logits = self._verl_F.entropy_from_logits
         # read only for sp > 1 (vision_config) and by the value head (v_head absent: an HF token classifier)
         eng.module = SimpleNamespace(config=SimpleNamespace())
-        eng.pass_packed_cu_seqlens = False
+        if cu_seqlens and not self.caps.cu_seqlens:
+            raise NotImplementedError(self.lacks("cu_seqlens"))
+        eng.pass_packed_cu_seqlens = cu_seqlens
         if self.caps.bucket:
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1

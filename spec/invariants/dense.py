@@ -95,3 +95,20 @@ def dense_not_mutated(ctx: Ctx) -> None:
         now = dense.get(key)
         if not isinstance(now, torch.Tensor) or now.is_nested or not torch.equal(now, value):
             fail(f"input {key!r} was replaced or modified")
+
+
+@invariant("INV-DENSE-005", "left_right_2_no_padding then no_padding_2_padding: per-token outputs slice back "
+           "to the trainer's (B, R) response columns, holes in the response mask included", contract=2,
+           kind="dense", modes=("any",), needs=L2N + ("no_padding_2_padding",))
+def dense_round_trip(ctx: Ctx) -> None:
+    dense, before, out = _convert(ctx)
+    ids = out["input_ids"]
+    # a per-token "output" whose value at k is the id of token k + 1: its response slice is the responses
+    scored = torch.nested.nested_tensor_from_jagged(torch.roll(ids.values(), -1), ids.offsets())
+    sliced = ctx.helper("no_padding_2_padding")(scored, out)
+    width = before["response_mask"].shape[1]
+    valid = before["attention_mask"][:, -width:].bool()
+    want = before["input_ids"][:, -width:].masked_fill(~valid, 0)
+    if tuple(sliced.shape) != tuple(want.shape) or not torch.equal(sliced.cpu().to(want.dtype), want.cpu()):
+        fail(f"sliced responses {sliced.tolist()}, expected the dense responses {want.tolist()} "
+             f"(response mask {before['response_mask'].tolist()})")

@@ -221,3 +221,38 @@ def fused_inputs(ctx: Ctx) -> None:
                     or not torch.equal(labels[0].cpu(), rolled.cpu()):
                 fail(f"rank {r}: shift_labels {None if labels is None else labels.tolist()}, expected the "
                      f"rolled ids {rolled.tolist()} as (1, n)")
+
+
+@invariant("INV-LABEL-003", "the rolled labels are the whole packed row rolled left by one (the wrap at "
+           "each sequence end included), padded after the roll with 0", contract=5, modes=PACKED)
+def labels_whole_row(ctx: Ctx) -> None:
+    labels = _rolled(ctx)
+    ids = _values(ctx, "input_ids").cpu()
+    want = torch.roll(ids, -1)
+    total = ids.shape[0]
+    if labels.shape[0] < total or not torch.equal(labels[:total], want):
+        fail(f"input_ids_rmpad_rolled {labels[:total].tolist()}, expected the packed row rolled by one "
+             f"{want.tolist()} (the roll comes before any bucket or sequence-parallel padding)")
+    if bool((labels[total:] != 0).any()):
+        fail(f"labels of the tail padding are {labels[total:].tolist()}, expected zeros")
+
+
+@invariant("INV-CU-001", "with cu_seqlens passed: cu_seqlens = the input offsets (plus a final boundary "
+           "when padding was appended), integers on the ids' device, and a CPU copy", contract=1, modes=PACKED,
+           needs=("cu_seqlens",), adjust=lambda c: c.with_(pass_cu_seqlens=True))
+def cu_seqlens(ctx: Ctx) -> None:
+    case = ctx.case
+    offsets = torch.tensor((0, *case.seq_lens)).cumsum(0)
+    padded = _joined(ctx, "input_ids").shape[-1]
+    want = offsets if padded == case.total_nnz else torch.cat([offsets, torch.tensor([padded])])
+    for r, mi in enumerate(ctx.inputs_run.inputs):
+        cu, cu_cpu = mi.get("cu_seqlens"), mi.get("cu_seqlens_cpu")
+        if cu is None or cu_cpu is None:
+            fail(f"rank {r}: model_inputs lack cu_seqlens/cu_seqlens_cpu (keys {sorted(mi)})")
+        # The contract fixes no dtype (flash-attn wants int32, which impl gives; verl gives int64).
+        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != mi["input_ids"].device.type:
+            fail(f"rank {r}: cu_seqlens is {cu.dtype} on {cu.device}, expected integers on {mi['input_ids'].device}")
+        if cu_cpu.device.type != "cpu" or not torch.equal(cu.cpu().long(), want) \
+                or not torch.equal(cu_cpu.long(), want):
+            fail(f"rank {r}: cu_seqlens {cu.tolist()} (cpu copy {cu_cpu.tolist()} on {cu_cpu.device}), "
+                 f"expected {want.tolist()} for a packed row of {padded} tokens")

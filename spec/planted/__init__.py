@@ -90,6 +90,11 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                helpers=(("left_right_2_no_padding", H.left_right_loss_mask_ones),)),
     PlantedBug("left_right_drops_teacher", ("INV-DENSE-004",),
                helpers=(("left_right_2_no_padding", H.left_right_drops_teacher),)),
+    PlantedBug("left_right_drops_width_flag", ("INV-DENSE-005",),
+               helpers=(("left_right_2_no_padding", H.left_right_drops_width_flag),)),
+    PlantedBug("cu_seqlens_not_extended", ("INV-CU-001",), lm=I.CuSeqlensNotExtended),
+    PlantedBug("roll_after_padding", ("INV-LABEL-003",), lm=I.RollAfterPadding),
+    PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
 )}
 
 

@@ -108,3 +108,10 @@ def left_right_drops_teacher(data):
         if key in data.keys():
             out[key] = data[key]
     return out
+
+
+def left_right_drops_width_flag(data):
+    """left_right_2_no_padding does not record max_response_len: slices come back max(r_i) wide."""
+    out = impl.left_right_2_no_padding(data)
+    del out["max_response_len"]
+    return out

@@ -208,3 +208,26 @@ class TemperatureBySortedLengths(impl.LMHeadEngine):
             order = torch.argsort(_lens(mb["input_ids"]), descending=True, stable=True)
             oa["temperature"] = oa["temperature"][order.to(oa["temperature"].device)]
         return mi, oa
+
+
+class CuSeqlensNotExtended(impl.LMHeadEngine):
+    """cu_seqlens keeps the sequences' offsets only: the appended padding gets no final boundary."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if "cu_seqlens" in mi and oa.get("pad_size"):
+            mi["cu_seqlens"] = mi["cu_seqlens"][:-1]
+            mi["cu_seqlens_cpu"] = mi["cu_seqlens_cpu"][:-1]
+        return mi, oa
+
+
+class RollAfterPadding(impl.LMHeadEngine):
+    """The packed row is padded (bucket / sequence parallel) before it is rolled."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        pad = oa.get("pad_size", 0)
+        if pad and self.settings.sp_size == 1:
+            row = torch.cat([mb["input_ids"].values(), mi["input_ids"].new_zeros(pad)])
+            oa["input_ids_rmpad_rolled"] = torch.roll(row, -1)
+        return mi, oa

@@ -151,3 +151,16 @@ class SumPiNotSquared(impl.LMHeadEngine):
             v = out["sum_pi_squared"]
             out["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(torch.ones_like(v.values()), v.offsets())
         return out
+
+
+class ValueHeadDividesByTemperature(impl.ValueHeadEngine):
+    """The value head divides its output by the sampling temperature, like the LM head's logits."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        temps = read_flag(mb, "temperature", 1.0)
+        v = out["values"]
+        if isinstance(temps, torch.Tensor):
+            temps = torch.repeat_interleave(temps.float(), v.offsets().diff())
+        out["values"] = torch.nested.nested_tensor_from_jagged(v.values() / temps, v.offsets())
+        return out
