@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 
 from .errors import BatchMismatchError, NestedLayoutError, ShapeError
 from .flags import BatchFlags, read_flag
-from .layout import SequenceLayout, require_jagged
+from .layout import SequenceLayout
 from .logits import sample_temperature, scalar_temperature
 
 __all__ = ["MicroBatchView", "get_key"]
@@ -63,5 +63,5 @@ class MicroBatchView:
             if positions.dim() != 2:
                 raise NestedLayoutError(
                     f"'position_ids' must be (B, j) or (B, C, j), got shape {tuple(positions.shape)}")
-        self.layout.expect_same_batch(layout, "position_ids")
+        self.layout.expect_same_lengths(layout, "position_ids")
         return layout.values

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["jagged_to_padded", "padded_to_jagged"]
+__all__ = ["jagged_to_padded", "padded_to_jagged", "rows_and_positions"]
 
 
 @lru_cache(maxsize=None)
@@ -29,7 +29,8 @@ def _has_kernel(device_type: str, name: str) -> bool:
     return True
 
 
-def _rows_and_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_and_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(total,)`` each token's row and its position inside the row, for jagged ``offsets``."""
     rows = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff(),
                                    output_size=total)
     return rows, torch.arange(total, device=offsets.device) - offsets[:-1].index_select(0, rows)
@@ -45,7 +46,7 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, width: int, pa
         flat = values.reshape(values.shape[0], -1)
         dense = torch.ops.aten._jagged_to_padded_dense_forward(flat, [offsets], [width], float(pad_value))
         return dense.view(batch, width, *rest)
-    rows, pos = _rows_and_positions(offsets, values.shape[0])
+    rows, pos = rows_and_positions(offsets, values.shape[0])
     keep = pos < width
     out = values.new_full((batch * width, *rest), pad_value)
     out.index_copy_(0, (rows * width + pos)[keep], values[keep])
@@ -58,6 +59,6 @@ def padded_to_jagged(dense: torch.Tensor, offsets: torch.Tensor, total: int) -> 
         rest = tuple(dense.shape[2:])
         flat = dense.reshape(dense.shape[0], dense.shape[1], -1)
         return torch.ops.aten._padded_dense_to_jagged_forward(flat, [offsets], total).view(total, *rest)
-    rows, pos = _rows_and_positions(offsets, total)
+    rows, pos = rows_and_positions(offsets, total)
     flat = dense.reshape(dense.shape[0] * dense.shape[1], *dense.shape[2:])
     return flat.index_select(0, rows * dense.shape[1] + pos)

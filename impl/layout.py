@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from .dense import jagged_to_padded
+from .dense import jagged_to_padded, rows_and_positions
 from .errors import BatchMismatchError, NestedLayoutError, ShapeError
 
 __all__ = [
@@ -94,27 +94,26 @@ class SequenceLayout:
         return self.offsets.diff()
 
     @cached_property
+    def _rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows_and_positions(self.offsets, self.total_nnz)
+
+    @property
     def token_row(self) -> torch.Tensor:
         """``(total_nnz,)``: the sequence each packed token belongs to."""
-        rows = torch.arange(self.batch_size, device=self.offsets.device)
-        return torch.repeat_interleave(rows, self.lengths, output_size=self.total_nnz)
-
-    @cached_property
-    def token_pos(self) -> torch.Tensor:
-        """``(total_nnz,)``: each packed token's position inside its sequence."""
-        start = self.offsets[:-1].index_select(0, self.token_row)
-        return torch.arange(self.total_nnz, device=self.offsets.device) - start
+        return self._rows_and_positions[0]
 
     @cached_property
     def dense_index(self) -> torch.Tensor:
         """``(total_nnz,)``: each packed token's flat index in a ``(B, max_seq_len)`` batch."""
-        return self.token_row * self.max_seq_len + self.token_pos
+        rows, positions = self._rows_and_positions
+        return rows * self.max_seq_len + positions
 
-    def expect_same_batch(self, other: "SequenceLayout", key: str, *, what: str = "lengths") -> None:
+    def expect_same_lengths(self, other: "SequenceLayout", key: str) -> None:
+        """Raise unless ``other`` (read from ``key``) has the same sequences' lengths."""
         if other.batch_size != self.batch_size:
             raise BatchMismatchError(
                 f"{key!r} has batch size {other.batch_size}, input_ids has {self.batch_size}")
-        if what == "lengths" and not torch.equal(other.offsets, self.offsets):
+        if not torch.equal(other.offsets, self.offsets):
             raise BatchMismatchError(
                 f"{key!r} sequence lengths {other.lengths.tolist()} differ from input_ids "
                 f"lengths {self.lengths.tolist()}")

@@ -14,7 +14,7 @@ from tensordict import TensorDictBase
 from .dense import jagged_to_padded, padded_to_jagged
 from .errors import BatchMismatchError, NestedLayoutError, ShapeError
 from .flags import read_flag
-from .layout import SequenceLayout, nested_from_values, require_jagged
+from .layout import SequenceLayout, nested_from_values
 
 __all__ = [
     "build_attention_mask_from_nested",
