@@ -38,6 +38,7 @@ class EngineCase:
     sp_size: int = 1
     pad_to_length: int | None = None
     pass_cu_seqlens: bool = False
+    entropy_chunk_size: int | None = None
     head: str = "lm"
     seed: int = 0
 
@@ -113,6 +114,8 @@ class EngineCase:
             parts.append(f"bucket={self.pad_to_length}")
         if self.pass_cu_seqlens:
             parts.append("cu_seqlens")
+        if self.entropy_chunk_size:
+            parts.append(f"chunk={self.entropy_chunk_size}")
         if self.head != "lm":
             parts.append(f"head={self.head}")
         parts.append(f"seed={self.seed}")

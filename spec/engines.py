@@ -38,7 +38,7 @@ class EngineUnderTest:
 
     def lacks(self, feature: str) -> str | None:
         """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``cu_seqlens``,
-        ``value``, ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
+        ``chunking``, ``value``, ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
         if feature in HELPERS:
             return None if self.helper(feature) is not None else f"engine {self.name} ships no {feature}"
         if feature == "cuda":
@@ -56,6 +56,7 @@ _FEATURE_PROBES = {
     "sp": {"sp_size": 2, "sp_rank": 0, "all_gather": lambda local: local},
     "bucket": {"pad_to_length": 8},
     "cu_seqlens": {"pass_cu_seqlens": True},
+    "chunking": {"entropy_chunk_size": 2},
 }
 
 

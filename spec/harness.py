@@ -61,6 +61,7 @@ class Run:
     output_args: list[dict[str, Any]] = field(default_factory=list)
     model_outputs: list[Any] = field(default_factory=list)  # what each rank was handed
     model_output_snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    output_args_snapshots: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
     rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
@@ -73,6 +74,8 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
         settings["pad_to_length"] = case.pad_to_length
     if case.pass_cu_seqlens:
         settings["pass_cu_seqlens"] = True
+    if case.entropy_chunk_size:
+        settings["entropy_chunk_size"] = case.entropy_chunk_size
     return settings
 
 
@@ -149,6 +152,8 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return run
     run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison])
     run.model_output_snapshots = [{k: v.clone() for k, v in _fields(o).items()} for o in run.model_outputs]
+    run.output_args_snapshots = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+                                 for args in run.output_args]
     processor = TopKProcessor(case.distillation_keys) if case.distillation_use_topk else None
     calls = [
         (lambda eng=eng, r=r: eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor))

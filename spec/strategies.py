@@ -52,6 +52,7 @@ def temperatures(batch_size: int, *, per_sample: bool | None = None):
 def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: int = 8,
                  head: str = "lm", allow_sp: bool = True, allow_bucket: bool = True,
                  allow_fused: bool = True, allow_distillation: bool = True, allow_cu_seqlens: bool = True,
+                 allow_chunking: bool = True,
                  per_sample_temperature: bool | None = None) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
@@ -100,6 +101,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         sp_size=sp,
         pad_to_length=bucket,
         pass_cu_seqlens=packed and allow_cu_seqlens and draw(st.booleans()),
+        entropy_chunk_size=draw(st.sampled_from((None, None, 1, 2, 3, 7))) if allow_chunking else None,
         head=head,
         seed=draw(st.integers(0, 2**16)),
     )

@@ -271,6 +271,8 @@ class VerlEngine(EngineUnderTest):
             return ("verl runs Ulysses sequence parallelism through a torch.distributed process group "
                     "(verl.utils.ulysses); the suite simulates ranks as threads with an all_gather seam "
                     "verl does not take, so sp > 1 is not run against verl")
+        if feature == "chunking" and getattr(self._verl_F, "entropy_from_logits_with_chunking", None) is None:
+            return f"verl {caps.version} has no entropy_from_logits_with_chunking"
         if feature == "cu_seqlens" and not caps.cu_seqlens:
             return f"verl {caps.version} never passes cu_seqlens to the model (no pass_packed_cu_seqlens)"
         if feature == "bucket" and not caps.bucket:
@@ -294,6 +296,7 @@ class VerlEngine(EngineUnderTest):
         settings.pop("all_gather", None)
         bucket = settings.pop("pad_to_length", None)
         cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
+        chunk = settings.pop("entropy_chunk_size", None)
         if settings:
             raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
         if sp_size > 1:
@@ -303,9 +306,13 @@ class VerlEngine(EngineUnderTest):
         eng = object.__new__(self._classes[head])
         eng.use_ulysses_sp = False
         eng.ulysses_sequence_parallel_size = 1
-        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False,
-                                            entropy_from_logits_chunk_size=2048)
-        eng.compute_entropy_from_logits = self._verl_F.entropy_from_logits
+        chunked = getattr(self._verl_F, "entropy_from_logits_with_chunking", None)
+        if chunk and chunked is None:
+            raise NotImplementedError(self.lacks("chunking"))
+        # verl's entropy chunking (engine_config.entropy_from_logits_with_chunking), packed path
+        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
+                                            entropy_from_logits_chunk_size=int(chunk or 2048))
+        eng.compute_entropy_from_logits = chunked if chunk else self._verl_F.entropy_from_logits
         # read only for sp > 1 (vision_config) and by the value head (v_head absent: an HF token classifier)
         eng.module = SimpleNamespace(config=SimpleNamespace())
         if cu_seqlens and not self.caps.cu_seqlens:

@@ -63,7 +63,15 @@ def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
             close(x, y, f"{key!r} of sample {i} {what}")
 
 
-@invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8)
+def _distinct_temperatures(case):
+    """Per-sample temperatures that differ (unless fused kernels need one float): a row mix-up shows."""
+    if case.use_fused_kernels:
+        return case
+    return case.with_(temperature=tuple(0.5 + 0.25 * i for i in range(case.batch_size)))
+
+
+@invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8,
+           adjust=_distinct_temperatures)
 def permutation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     perm = list(range(b))[::-1]
@@ -72,9 +80,8 @@ def permutation(ctx: Ctx) -> None:
 
 
 @invariant("INV-BATCH-002", "a batch's outputs equal those of its halves run separately (concatenation)",
-           contract=8, adjust=lambda c: c if c.batch_size > 1 else c.with_(
-               prompt_lens=c.prompt_lens * 2, response_lens=c.response_lens * 2,
-               temperature=c.temperature * 2 if isinstance(c.temperature, tuple) else c.temperature))
+           contract=8, adjust=lambda c: _distinct_temperatures(c if c.batch_size > 1 else c.with_(
+               prompt_lens=c.prompt_lens * 2, response_lens=c.response_lens * 2)))
 def concatenation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     for rows in (list(range(b // 2)), list(range(b // 2, b))):
@@ -144,3 +151,21 @@ def rejects_bucket_with_topk(ctx: Ctx) -> None:
                                     temperature=tuple(0.5 + 0.5 * i for i in range(c.batch_size))))
 def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
     _expect_error(ctx, ctx.case, "use_fused_kernels with a per-sample temperature tensor")
+
+
+@invariant("INV-CHUNK-001", "the entropy/log-prob chunk size (an engine setting) changes nothing in the outputs",
+           contract=7, needs=("chunking",),
+           adjust=lambda c: c.with_(entropy_chunk_size=c.entropy_chunk_size or 2, calculate_entropy=True))
+def chunk_invariance(ctx: Ctx) -> None:
+    whole = ctx.rerun(ctx.case.with_(entropy_chunk_size=None)).outputs
+    _compare(ctx.run.outputs, whole, ctx.case, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
+
+
+@invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10)
+def output_args_not_mutated(ctx: Ctx) -> None:
+    for r, (args, snap) in enumerate(zip(ctx.run.output_args, ctx.run.output_args_snapshots)):
+        if set(args) != set(snap):
+            fail(f"rank {r}: output_args keys changed: {sorted(snap)} -> {sorted(args)}")
+        for key, before in snap.items():
+            if not _same(before, args[key]):
+                fail(f"rank {r}: output_args[{key!r}] was modified by prepare_model_outputs")

@@ -94,6 +94,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                helpers=(("left_right_2_no_padding", H.left_right_drops_width_flag),)),
     PlantedBug("cu_seqlens_not_extended", ("INV-CU-001",), lm=I.CuSeqlensNotExtended),
     PlantedBug("roll_after_padding", ("INV-LABEL-003",), lm=I.RollAfterPadding),
+    PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
+    PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
 )}
 

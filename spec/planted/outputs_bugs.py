@@ -164,3 +164,27 @@ class ValueHeadDividesByTemperature(impl.ValueHeadEngine):
             temps = torch.repeat_interleave(temps.float(), v.offsets().diff())
         out["values"] = torch.nested.nested_tensor_from_jagged(v.values() / temps, v.offsets())
         return out
+
+
+class ChunkDropsTail(impl.LMHeadEngine):
+    """With an entropy chunk size, the last partial chunk of tokens is never computed (left at 0)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        size = self.settings.entropy_chunk_size
+        if size:
+            for key in ("log_probs", "entropy", "sum_pi_squared"):
+                if key in out:
+                    values = out[key].values().clone()
+                    values[(values.shape[0] // size) * size:] = 0
+                    out[key] = torch.nested.nested_tensor_from_jagged(values, out[key].offsets())
+        return out
+
+
+class FreesOutputArgs(impl.LMHeadEngine):
+    """prepare_model_outputs pops the rolled labels from output_args once used ("to free memory")."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        oa.pop("input_ids_rmpad_rolled", None)
+        return out
