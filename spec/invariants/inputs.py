@@ -225,7 +225,7 @@ def fused_inputs(ctx: Ctx) -> None:
 
 @invariant("INV-LABEL-003", "the rolled labels are the whole packed row rolled left by one (the wrap at "
            "each sequence end included), padded after the roll with 0", contract=5, modes=PACKED,
-           adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
+           needs=("bucket",), adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
                                     distillation_only=False))
 def labels_whole_row(ctx: Ctx) -> None:
     labels = _rolled(ctx)
