@@ -27,23 +27,38 @@ __all__ = [
 TEMPERATURE_FLOOR = 1e-8
 
 
+def _statistics(scaled: torch.Tensor, labels: torch.Tensor | None, *, entropy: bool,
+                sum_pi_squared: bool) -> dict[str, torch.Tensor]:
+    """The per-token math, once, over the last dim of float32 ``scaled`` logits ``(..., V)``."""
+    out: dict[str, torch.Tensor] = {}
+    if labels is not None:
+        lse = torch.logsumexp(scaled, dim=-1)
+        out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1) - lse
+    if entropy or sum_pi_squared:
+        # -sum(p * log p) from log_softmax (which subtracts the max first), not lse - sum(p * logits)
+        # nor logits - lse: both lose the small terms in float32 when logits are large (low temperature).
+        log_p = torch.log_softmax(scaled, dim=-1)
+        probs = log_p.exp()
+        if entropy:
+            out["entropy"] = -(probs * log_p).sum(-1)
+        if sum_pi_squared:
+            out["sum_pi_squared"] = (probs * probs).sum(-1)
+    return out
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[label]`` along the last dim, float32, shape ``labels.shape``."""
-    logits = logits.float()
-    picked = logits.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return _statistics(logits.float(), labels, entropy=False, sum_pi_squared=False)["log_probs"]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` along the last dim, float32."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
+    return _statistics(logits.float(), None, entropy=True, sum_pi_squared=False)["entropy"]
 
 
 def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """``sum(softmax(logits) ** 2)`` along the last dim, float32."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    return (probs * probs).sum(-1)
+    return _statistics(logits.float(), None, entropy=False, sum_pi_squared=True)["sum_pi_squared"]
 
 
 #: Target size of one chunk of float32 logits rows: small enough to stay in cache.
@@ -69,26 +84,16 @@ def token_statistics(rows: Callable[[int, int], torch.Tensor], total: int, vocab
         ["sum_pi_squared"] if sum_pi_squared else [])
     if not wanted:
         return {}
-    device = labels.device if labels is not None else None
     out: dict[str, torch.Tensor] = {}
     # A loop over token chunks (not over sequences): bounded memory for any batch.
     for start, stop in _chunk_bounds(total, size):
         scaled = rows(start, stop)
+        part = _statistics(scaled, None if labels is None else labels[start:stop], entropy=entropy,
+                           sum_pi_squared=sum_pi_squared)
         if not out:
-            out = {key: torch.empty(total, dtype=torch.float32, device=device or scaled.device) for key in wanted}
-        lse = torch.logsumexp(scaled, dim=-1)
-        if labels is not None:
-            picked = scaled.gather(-1, labels[start:stop].unsqueeze(-1).long()).squeeze(-1)
-            torch.sub(picked, lse, out=out["log_probs"][start:stop])
-        if entropy or sum_pi_squared:
-            # -sum(p * log p), not lse - sum(p * logits): the latter cancels catastrophically in
-            # float32 when logits are large (low temperature).
-            log_p = scaled - lse.unsqueeze(-1)
-            probs = log_p.exp()
-            if entropy:
-                out["entropy"][start:stop] = -(probs * log_p).sum(-1)
-            if sum_pi_squared:
-                out["sum_pi_squared"][start:stop] = (probs * probs).sum(-1)
+            out = {key: scaled.new_empty(total, dtype=torch.float32) for key in wanted}
+        for key, value in part.items():
+            out[key][start:stop] = value
     return out
 
 
