@@ -51,7 +51,7 @@ def prepare_model_inputs(micro_batch: TensorDictBase,
         token_temperature = (
             torch.full((layout.total_nnz,), view.scalar_temperature, dtype=torch.float32, device=rolled.device)
             if view.scalar_temperature is not None
-            else torch.repeat_interleave(view.temperature, layout.lengths, output_size=layout.total_nnz))
+            else layout.per_token(view.temperature))
         model_inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": None, "position_ids": pos}
         if settings.pass_cu_seqlens:
             cu = layout.offsets

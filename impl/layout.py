@@ -93,19 +93,15 @@ class SequenceLayout:
         """``(B,)`` int64 sequence lengths."""
         return self.offsets.diff()
 
-    @cached_property
-    def _rows_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return rows_and_positions(self.offsets, self.total_nnz)
-
-    @property
-    def token_row(self) -> torch.Tensor:
-        """``(total_nnz,)``: the sequence each packed token belongs to."""
-        return self._rows_and_positions[0]
+    def per_token(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """``(total_nnz, *)``: each sample's value repeated over its tokens."""
+        return torch.repeat_interleave(per_sample, self.lengths.to(per_sample.device), dim=0,
+                                       output_size=self.total_nnz)
 
     @cached_property
     def dense_index(self) -> torch.Tensor:
         """``(total_nnz,)``: each packed token's flat index in a ``(B, max_seq_len)`` batch."""
-        rows, positions = self._rows_and_positions
+        rows, positions = rows_and_positions(self.offsets, self.total_nnz)
         return rows * self.max_seq_len + positions
 
     def expect_same_lengths(self, other: "SequenceLayout", key: str) -> None:

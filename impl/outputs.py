@@ -99,7 +99,7 @@ class TokenRoute:
         if self.packed:
             temps = _require_arg(output_args, "temperature_rmpad")
         else:
-            temps = _require_arg(output_args, "temperature").index_select(0, self.view.layout.token_row)
+            temps = self.view.layout.per_token(_require_arg(output_args, "temperature"))
         if temps.shape != (self.rows,):
             raise ShapeError(f"temperature per token has shape {tuple(temps.shape)}, expected ({self.rows},)")
         return temps

@@ -177,7 +177,8 @@ def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
     # right-padded response columns. All of those set, and no others (the counts match), is exactly that.
     row_base = torch.arange(batch, device=mask.device) * seq
     first = row_base + prompt_width - prompt_lens
-    index = _runs(first, prompt_lens + resp_lens, n_prompt + n_resp)
+    seq_lens = prompt_lens + resp_lens
+    index = _runs(first, seq_lens, n_prompt + n_resp)
     resp_index = _runs(row_base + prompt_width, resp_lens, n_resp)
     resp_mask_index = _runs(torch.arange(batch, device=mask.device) * width, resp_lens, n_resp)
     contiguous, stray = torch.stack([
@@ -193,16 +194,16 @@ def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
         return torch.nested.nested_tensor_from_jagged(flat, torch.nn.functional.pad(lengths.cumsum(0), (1, 0)),
                                                       jagged_dim=jagged_dim)
 
-    def tokens(values: torch.Tensor, at: torch.Tensor = index) -> torch.Tensor:
-        """The tokens at flat (B * S) indices ``at`` of a ``(B, S, *)`` (or mRoPE ``(B, C, S)``) tensor."""
-        if values.dim() == 3 and values is position_ids:  # (B, C, S) -> (C, total)
+    def tokens(values: torch.Tensor, at: torch.Tensor = index, *, channels_first: bool = False) -> torch.Tensor:
+        """The tokens at flat (B * S) indices ``at`` of ``(B, S, *)``, or of mRoPE ``(B, C, S)`` as ``(C, n)``."""
+        if channels_first:
             return values.transpose(0, 1).reshape(values.shape[1], -1).index_select(1, at)
         return values.reshape(-1, *values.shape[2:]).index_select(0, at)
 
-    seq_lens = prompt_lens + resp_lens
     out = data.copy()
     out.set("input_ids", nested(tokens(input_ids), seq_lens))
-    out.set("position_ids", nested(tokens(position_ids), seq_lens, jagged_dim=2 if position_ids.dim() == 3 else 1))
+    mrope = position_ids.dim() == 3
+    out.set("position_ids", nested(tokens(position_ids, channels_first=mrope), seq_lens, jagged_dim=2 if mrope else 1))
     out.set("prompts", nested(tokens(input_ids, _runs(first, prompt_lens, n_prompt)), prompt_lens))
     out.set("responses", nested(tokens(input_ids, resp_index), resp_lens))
     loss_mask = nested(response_mask.reshape(-1).index_select(0, resp_mask_index), resp_lens)
