@@ -8,7 +8,7 @@ from tensordict import TensorDict
 
 from ..harness import execute
 from ..materialize import select_rows
-from .core import Ctx, close, fail, invariant, per_seq
+from .core import Ctx, close_sequence, fail, invariant, per_seq
 from .outputs import _compare
 
 PACKED = ("packed",)
@@ -39,7 +39,7 @@ def _same(a: object, b: object) -> bool:
 def sp_invariance(ctx: Ctx) -> None:
     single = ctx.rerun(ctx.case.with_(sp_size=1)).outputs
     for r, outputs in enumerate(ctx.run.rank_outputs):
-        _compare(outputs, single, ctx.case, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
+        _compare(outputs, single, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
 
 
 @invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
@@ -48,7 +48,7 @@ def sp_invariance(ctx: Ctx) -> None:
                                     distillation_only=False))
 def bucket_invariance(ctx: Ctx) -> None:
     plain = ctx.rerun(ctx.case.with_(pad_to_length=None)).outputs
-    _compare(ctx.run.outputs, plain, ctx.case, f"bucket={ctx.case.pad_to_length} vs none")
+    _compare(ctx.run.outputs, plain, f"bucket={ctx.case.pad_to_length} vs none")
 
 
 def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
@@ -57,10 +57,7 @@ def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
     for key, value in ctx.run.outputs.items():
         whole, alone = per_seq(value), per_seq(part.outputs[key])
         for j, i in enumerate(rows):
-            x, y = alone[j], whole[i]
-            if key == "log_probs":  # the last token's label is the next sequence's: never read
-                x, y = x[:-1], y[:-1]
-            close(x, y, f"{key!r} of sample {i} {what}")
+            close_sequence(key, alone[j], whole[i], f"{key!r} of sample {i} {what}")
 
 
 def _distinct_temperatures(case):
@@ -92,7 +89,7 @@ def concatenation(ctx: Ctx) -> None:
 def cpu_cuda_agree(ctx: Ctx) -> None:
     on_cpu = execute(ctx.engine, ctx.case, "cpu").outputs
     on_cuda = execute(ctx.engine, ctx.case, "cuda").outputs
-    _compare(on_cuda, on_cpu, ctx.case, "cuda vs cpu")
+    _compare(on_cuda, on_cpu, "cuda vs cpu")
 
 
 @invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10)
@@ -158,7 +155,7 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
            adjust=lambda c: c.with_(entropy_chunk_size=c.entropy_chunk_size or 2, calculate_entropy=True))
 def chunk_invariance(ctx: Ctx) -> None:
     whole = ctx.rerun(ctx.case.with_(entropy_chunk_size=None)).outputs
-    _compare(ctx.run.outputs, whole, ctx.case, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
+    _compare(ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
 
 
 @invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10)

@@ -6,7 +6,7 @@ import torch
 
 from ..cases import EngineCase
 from ..harness import POISONS
-from .core import Ctx, close, fail, invariant, per_seq
+from .core import Ctx, close, close_sequence, fail, invariant, per_seq
 
 
 def expected_keys(case: EngineCase) -> set[str]:
@@ -24,15 +24,12 @@ def _both_modes(ctx: Ctx):
     return packed, padded
 
 
-def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], case: EngineCase, what: str) -> None:
+def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     for key in sorted(want):
         if key not in got:
             fail(f"{what}: key {key!r} missing")
-        a, b = per_seq(got[key]), per_seq(want[key])
-        for i, (x, y) in enumerate(zip(a, b)):
-            if key == "log_probs":  # the last token's label is the next sequence's: never read
-                x, y = x[:-1], y[:-1]
-            close(x, y, f"{what}: {key!r} of sequence {i}")
+        for i, (x, y) in enumerate(zip(per_seq(got[key]), per_seq(want[key]))):
+            close_sequence(key, x, y, f"{what}: {key!r} of sequence {i}")
 
 
 @invariant("INV-KEYS-001", "output keys are exactly log_probs (unless distillation_only), entropy, "
@@ -54,7 +51,7 @@ def keys_symmetric(ctx: Ctx) -> None:
 @invariant("INV-KEYS-003", "packed and padded modes agree on every value, per key", contract=3, modes=("both",))
 def values_symmetric(ctx: Ctx) -> None:
     packed, padded = _both_modes(ctx)
-    _compare(padded.outputs, packed.outputs, ctx.case, "padded vs packed")
+    _compare(padded.outputs, packed.outputs, "padded vs packed")
 
 
 @invariant("INV-VAL-001", "log_probs equal the oracle's log_softmax(logits / T)[next token] inside "
@@ -173,7 +170,7 @@ def temperature_per_sample(ctx: Ctx) -> None:
            contract=6, adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]))
 def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
     tensor_case = ctx.case.with_(temperature=ctx.case.temperatures())
-    _compare(ctx.rerun(tensor_case).outputs, ctx.run.outputs, ctx.case, "tensor vs float temperature")
+    _compare(ctx.rerun(tensor_case).outputs, ctx.run.outputs, "tensor vs float temperature")
 
 
 @invariant("INV-TEMP-003", "T = 1 is the identity: outputs equal the oracle on unscaled logits", contract=6,
