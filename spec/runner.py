@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
-from hypothesis import Phase, example, given, settings
+from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
 
 from .cases import DenseCase, EngineCase
 from .engines import EngineUnderTest
@@ -37,6 +38,8 @@ class Outcome:
     device: str
     status: str  # pass | fail | skip | xfail | xpass
     examples: int = 0
+    exercised: int = 0  # examples on which the property was exercised (not marked ctx.not_exercised)
+    distinct_cases: int = 0
     seconds: float = 0.0
     counterexample: str | None = None
     error: str | None = None
@@ -84,31 +87,47 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:600]
 
 
+def stream_key(info: InvariantInfo, mode: str) -> bytes:
+    """Each invariant x mode has its own seed stream (and example-database key): under
+    ``derandomize`` hypothesis seeds from the test's digest, which this key enters."""
+    return f"{info.id}/{mode}".encode()
+
+
 def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
-                  profile: str | None = None, shrink: bool = True, **setting_overrides) -> Outcome:
+                  profile: str | None = None, shrink: bool = True, seed: int | None = None,
+                  **setting_overrides) -> Outcome:
     """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
 
     ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
+    ``seed``: an explicit seed (combined with the invariant's stream key), for independent runs.
     """
     outcome = Outcome(info.id, engine.name, mode, device, "pass")
     reason = skip_reason(info, engine, device)
     if reason:
         outcome.status, outcome.reason = "skip", reason
         return outcome
-    state: dict = {"n": 0, "fail": None}
+    state: dict = {"n": 0, "exercised": 0, "cases": set(), "fail": None}
 
     def body(case):
         state["n"] += 1
+        state["cases"].add(repr(case))
+        ctx = Ctx(engine, case, device, mode)
         try:
-            info.check(Ctx(engine, case, device, mode))
+            info.check(ctx)
         except Exception as exc:
             state["fail"] = (case, exc)
             raise
+        if ctx.vacuous is None:
+            state["exercised"] += 1
+
+    body._hypothesis_internal_add_digest = stream_key(info, mode)  # type: ignore[attr-defined]
 
     def prop(phases):
         test = given(case=info.cases(mode, engine))(body)
         for case in reversed(_seed_examples(info, mode)):
             test = example(case=case)(test)
+        if seed is not None:
+            test = hypothesis_seed(zlib.crc32(stream_key(info, mode)) ^ seed)(test)
         return settings(parent, phases=phases, **setting_overrides)(test)
 
     parent = settings.get_profile(profile) if profile is not None else settings.default
@@ -126,6 +145,8 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             break
     outcome.seconds = time.perf_counter() - start
     outcome.examples = state["n"]
+    outcome.exercised = state["exercised"]
+    outcome.distinct_cases = len(state["cases"])
     known = engine.known_failures.get(f"{info.id}/{mode}") or engine.known_failures.get(info.id)
     if known:
         outcome.reason = known

@@ -30,6 +30,11 @@ class InvariantInfo:
     ``("both",)`` for a check that compares the modes, or ``("any",)`` when the mode
     does not matter. ``needs``: engine features or helpers it requires; an engine
     lacking one gets the invariant skipped with the reason.
+
+    ``protects``: one line, the consumer-visible behaviour the invariant protects (what a
+    trainer reading the outputs would get wrong if it failed). ``layout``: True for a check
+    of a layout convention the contract leaves open (verl's private choices): it runs in the
+    separately reported *layout profile* and never counts towards the conformance verdict.
     """
 
     id: str
@@ -42,6 +47,8 @@ class InvariantInfo:
     head: str = "lm"
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     adjust: Callable[[EngineCase], EngineCase] | None = None
+    protects: str = ""
+    layout: bool = False
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         if self.kind == "dense":
@@ -73,6 +80,15 @@ class Ctx:
 
     def __init__(self, engine: EngineUnderTest, case: EngineCase | DenseCase, device: str, mode: str):
         self.engine, self.case, self.device, self.mode = engine, case, device, mode
+        #: set by :meth:`not_exercised`: this example did not exercise the property (the runner counts it)
+        self.vacuous: str | None = None
+
+    def not_exercised(self, reason: str) -> None:
+        """Record that this example could not exercise the property (e.g. nothing to poison).
+
+        Invariants force their preconditions in ``adjust`` so this stays rare; the runner
+        reports examples run vs exercised, and a test fails below 90% exercised."""
+        self.vacuous = reason
 
     @cached_property
     def run(self) -> Run:
