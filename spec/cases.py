@@ -8,11 +8,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS"]
+__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]
+
+#: The dtypes a model may return its logits in.
+LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+#: The contract clamps temperature below at this value before dividing.
+TEMPERATURE_FLOOR = 1e-8
 
 #: Keys the suite's top-K distillation processor can produce (verl's names).
 DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
                      "overlap_token_advantage")
+
+
+class ModelSeed(int):
+    """An ``int`` seed that also names the dtype the toy model returns its logits in."""
+
+    logits_dtype: str
+
+    def __new__(cls, value: int, logits_dtype: str = "float32") -> "ModelSeed":
+        seed = super().__new__(cls, int(value))
+        seed.logits_dtype = logits_dtype
+        return seed
+
+    def __repr__(self) -> str:
+        return str(int(self))
+
+    def __reduce__(self):
+        return (ModelSeed, (int(self), self.logits_dtype))
 
 
 @dataclass(frozen=True)
@@ -40,9 +62,24 @@ class EngineCase:
     pass_cu_seqlens: bool = False
     entropy_chunk_size: int | None = None
     head: str = "lm"
+    #: dtype of the model's logits (the contract's outputs are float32 whatever this is)
+    logits_dtype: str = "float32"
+    #: when set, every response ends with this token (pad == eos when it equals ``pad_token_id``)
+    eos_token_id: int | None = None
+    #: share of response tokens with loss_mask 0 (holes inside responses: multi-turn tool output)
+    mask_hole_rate: float = 0.2
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # The model is built from (vocab, seed) alone (spec.harness.model_for); the seed carries the
+        # logits dtype to it. It stays an int everywhere else (hash, equality, repr).
+        object.__setattr__(self, "seed", ModelSeed(self.seed, self.logits_dtype))
+        if self.logits_dtype not in LOGITS_DTYPES:
+            raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}")
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab:
+                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab})")
         if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
             raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
         if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
@@ -104,8 +141,14 @@ class EngineCase:
         parts += flags
         if self.distillation_keys:
             parts.append(f"topk={self.topk}:{','.join(self.distillation_keys)}")
+        if self.logits_dtype != "float32":
+            parts.append(self.logits_dtype)
         if self.pad_token_id:
             parts.append(f"pad_token_id={self.pad_token_id}")
+        if self.eos_token_id is not None:
+            parts.append(f"eos={self.eos_token_id}")
+        if self.mask_hole_rate != 0.2:
+            parts.append(f"holes={self.mask_hole_rate}")
         if self.max_response_len is not None:
             parts.append(f"max_response_len={self.max_response_len}")
         if self.sp_size > 1:
@@ -134,6 +177,16 @@ class DenseCase:
     topk: int = 0  # 0 = no teacher tensors
     mask_holes: bool = False  # zeros inside the response mask (multi-turn tool output)
     seed: int = 0
+    vocab: int = 50
+    pad_token_id: int = 0
+    #: every response ends with the pad id (pad == eos), so a real token equals the pad id
+    eos_is_pad: bool = False
+    #: MoE router replay: ``routed_experts`` (B, S, layers, top-k) of this many experts (0 = absent)
+    routed_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pad_token_id < self.vocab:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary [0, {self.vocab})")
 
     @property
     def batch_size(self) -> int:
@@ -141,6 +194,8 @@ class DenseCase:
 
     def __repr__(self) -> str:
         extra = (" mrope" if self.mrope else "") + (f" topk={self.topk}" if self.topk else "") + (
-            " holes" if self.mask_holes else "")
+            " holes" if self.mask_holes else "") + (f" V={self.vocab}" if self.vocab != 50 else "") + (
+            f" pad={self.pad_token_id}" if self.pad_token_id else "") + (" eos=pad" if self.eos_is_pad else "") + (
+            f" experts={self.routed_experts}" if self.routed_experts else "")
         return (f"DenseCase(p={list(self.prompt_lens)} r={list(self.response_lens)} "
                 f"P={self.prompt_width} R={self.response_width}{extra} seed={self.seed})")

@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from .cases import DenseCase, EngineCase
+from .rules import offsets as _offsets
 
 __all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
@@ -22,10 +23,6 @@ class PadMode(str, Enum):
     NO_PADDING = "no_padding"
 
 
-def _offsets(lens: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor((0, *lens), dtype=torch.int64, device=device).cumsum(0)
-
-
 def jagged(values: torch.Tensor, lens: tuple[int, ...], *, jagged_dim: int = 1) -> torch.Tensor:
     """A nested jagged tensor over ``values`` split by ``lens`` (checked here, not at unbind)."""
     axis = jagged_dim - 1
@@ -35,7 +32,10 @@ def jagged(values: torch.Tensor, lens: tuple[int, ...], *, jagged_dim: int = 1) 
 
 
 def _positions(lens: tuple[int, ...], device) -> torch.Tensor:
-    return torch.cat([torch.arange(n, device=device) for n in lens])
+    """``0..n_i-1`` per sequence, without a loop over the batch."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    starts = torch.repeat_interleave(_offsets(lens)[:-1], lens_t)
+    return (torch.arange(int(lens_t.sum())) - starts).to(device)
 
 
 def mrope_positions(positions: torch.Tensor) -> torch.Tensor:
@@ -48,10 +48,13 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     gen = torch.Generator().manual_seed(case.seed)
     lens = case.seq_lens
     ids = torch.randint(0, case.vocab, (case.total_nnz,), generator=gen)
+    if case.eos_token_id is not None:  # every response ends with eos (which may be the pad id)
+        ids[_offsets(lens)[1:] - 1] = case.eos_token_id
     seq_of = torch.repeat_interleave(torch.arange(case.batch_size), torch.tensor(lens))
     pos = _positions(lens, "cpu")
     is_prompt = pos < torch.tensor(case.prompt_lens)[seq_of]
-    loss_mask = (torch.rand(int((~is_prompt).sum()), generator=gen) < 0.8).to(torch.int64)
+    # holes inside responses (tool tokens of a multi-turn rollout)
+    loss_mask = (torch.rand(int((~is_prompt).sum()), generator=gen) >= case.mask_hole_rate).to(torch.int64)
     data = {
         "input_ids": jagged(ids, lens),
         "position_ids": jagged(mrope_positions(pos), lens, jagged_dim=2) if case.mrope else jagged(pos, lens),
@@ -115,7 +118,11 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
     plen = torch.tensor(case.prompt_lens).unsqueeze(1)
     rlen = torch.tensor(case.response_lens).unsqueeze(1)
     attn = ((cols >= pw - plen) & (cols < pw + rlen)).to(torch.int64)
-    input_ids = torch.randint(1, 50, (batch, seq), generator=gen) * attn  # padding holds 0
+    # real tokens over [0, V): some equal the pad id; eos (= pad) ends each response when asked
+    input_ids = torch.randint(0, case.vocab, (batch, seq), generator=gen)
+    if case.eos_is_pad:
+        input_ids[torch.arange(batch), pw + rlen.squeeze(1) - 1] = case.pad_token_id
+    input_ids = input_ids.masked_fill(attn == 0, case.pad_token_id)
     response_mask = attn[:, pw:].clone()
     if case.mask_holes:
         holes = torch.rand(batch, rw, generator=gen) < 0.3
@@ -129,8 +136,11 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
             # as a trainer hands them over: dense, left-padded prompts and right-padded responses
             "prompts": input_ids[:, :pw].clone(), "responses": input_ids[:, pw:].clone()}
     if case.topk:
-        data["teacher_ids"] = torch.randint(0, 50, (batch, seq, case.topk), generator=gen)
+        data["teacher_ids"] = torch.randint(0, case.vocab, (batch, seq, case.topk), generator=gen)
         data["teacher_logprobs"] = torch.randn(batch, seq, case.topk, generator=gen)
+    if case.routed_experts:  # MoE router replay: (B, S, layers, top-k) expert indices
+        data["routed_experts"] = torch.randint(0, case.routed_experts, (batch, seq, 2, 2), generator=gen,
+                                               dtype=torch.int64)
     return TensorDict({k: v.to(device) for k, v in data.items()}, batch_size=[batch])
 
 

@@ -5,6 +5,11 @@ tokens it may attend to: earlier tokens of the same sequence that the attention 
 keeps. Packed rows (no mask) are split into sequences where the (first-axis) position
 restarts at 0, as packed flash-attention models do. A wrong mask or wrong boundaries
 change the logits, as they changed verl's KL.
+
+The head is low rank: ``logits = tanh(hidden(8)) @ proj(8, V)``, so a vocabulary of 152k ids costs
+two small matrices; only the ``(n, V)`` logits grow with the vocabulary, and the strategies bound
+``n x V``. Logits come in the case's dtype (float32, bfloat16 or float16): computed in float64
+and rounded once to that dtype.
 """
 
 from __future__ import annotations
@@ -13,22 +18,26 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["ToyCausalLM"]
+__all__ = ["ToyCausalLM", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ToyCausalLM:
     def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None, hidden: int = 8,
-                 max_pos: int = 97, device: torch.device | str = "cpu") -> None:
-        gen = torch.Generator().manual_seed(10_007 + seed)
+                 max_pos: int = 97, device: torch.device | str = "cpu", dtype: str | None = None) -> None:
+        gen = torch.Generator().manual_seed(10_007 + int(seed))
         self.vocab = vocab
         self.max_pos = max_pos
+        #: the logits' dtype: given, else carried by the case's seed (spec.cases.ModelSeed), else float32
+        self.dtype = DTYPES[dtype or getattr(seed, "logits_dtype", "float32")]
         self.embed = torch.randn(vocab, hidden, generator=gen).to(device)
         self.pos_embed = (0.5 * torch.randn(4, max_pos, hidden, generator=gen)).to(device)
         self.proj = (2.0 * torch.randn(hidden, out_dim or vocab, generator=gen)).to(device)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``(R, n, out)`` float32 logits for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
+        """``(R, n, out)`` logits in :attr:`dtype` for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
 
         Computed in float64 and rounded once, so the logits of a sequence do not depend on
         how it was batched (packed, padded or alone) beyond that rounding.
@@ -47,19 +56,19 @@ class ToyCausalLM:
             total = total - has_before * torch.gather(total, 1, before.expand_as(total))
             count = count - has_before * torch.gather(count, 1, before.expand_as(count))
         ctx = total / count.clamp(min=1.0)
-        return (torch.tanh(x + pos + ctx) @ self.proj.double()).float()
+        return (torch.tanh(x + pos + ctx) @ self.proj.double()).to(self.dtype)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  **_ignored: object) -> SimpleNamespace:
-        """HF-style call. With ``temperature`` (fused kernels) it also returns ``log_probs`` and
+        """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row."""
         logits = self.logits(input_ids, position_ids, attention_mask)
         out = SimpleNamespace(logits=logits)
         if temperature is not None:
             labels = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)
-            scaled = logits / temperature
+            scaled = logits.float() / max(float(temperature), 1e-8)
             lsm = torch.log_softmax(scaled, dim=-1)
             out.log_probs = lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
             out.entropy = -(lsm.exp() * lsm).sum(-1)

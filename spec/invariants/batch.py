@@ -8,8 +8,8 @@ from tensordict import TensorDict
 
 from ..harness import execute
 from ..materialize import select_rows
-from .core import Ctx, close_sequence, fail, invariant, per_seq
-from .outputs import _compare
+from ..rules import distinct_temperatures
+from .core import Ctx, fail, invariant, match_runs
 
 PACKED = ("packed",)
 
@@ -34,41 +34,42 @@ def _same(a: object, b: object) -> bool:
 
 
 @invariant("INV-SP-001", "sequence-parallel size 2, 3 or 4 changes nothing in the outputs", contract=7,
+           protects="sequence parallelism never changes a sample's outputs",
            modes=PACKED, needs=("sp",),
            adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False))
 def sp_invariance(ctx: Ctx) -> None:
     single = ctx.rerun(ctx.case.with_(sp_size=1)).outputs
     for r, outputs in enumerate(ctx.run.rank_outputs):
-        _compare(outputs, single, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
+        match_runs(ctx, outputs, single, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
 
 
 @invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
+           protects="a static bucket never changes a sample's outputs",
            modes=PACKED, needs=("bucket",),
            adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
                                     distillation_only=False))
 def bucket_invariance(ctx: Ctx) -> None:
     plain = ctx.rerun(ctx.case.with_(pad_to_length=None)).outputs
-    _compare(ctx.run.outputs, plain, f"bucket={ctx.case.pad_to_length} vs none")
+    match_runs(ctx, ctx.run.outputs, plain, f"bucket={ctx.case.pad_to_length} vs none")
 
 
 def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
     """Run the samples ``rows`` alone, in that order; each must match its row of the whole run."""
     part = execute(ctx.engine, ctx.case.subset(rows), ctx.device, micro_batch=select_rows(ctx.run.micro_batch, rows))
-    for key, value in ctx.run.outputs.items():
-        whole, alone = per_seq(value), per_seq(part.outputs[key])
-        for j, i in enumerate(rows):
-            close_sequence(key, alone[j], whole[i], f"{key!r} of sample {i} {what}")
+    whole = {key: [value.unbind()[i] for i in rows] for key, value in ctx.run.outputs.items()}
+    match_runs(ctx, part.outputs, whole, what, rows=rows)
 
 
-def _distinct_temperatures(case):
-    """Per-sample temperatures that differ (unless fused kernels need one float): a row mix-up shows."""
-    if case.use_fused_kernels:
+def _two_or_more(case):
+    """At least two samples (a permutation or a split of one sample is the identity)."""
+    if case.batch_size > 1:
         return case
-    return case.with_(temperature=tuple(0.5 + 0.25 * i for i in range(case.batch_size)))
+    return case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2)
 
 
 @invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8,
-           adjust=_distinct_temperatures)
+           protects="a sample's outputs do not depend on its place in the batch",
+           adjust=lambda c: distinct_temperatures(_two_or_more(c)))
 def permutation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     perm = list(range(b))[::-1]
@@ -77,22 +78,24 @@ def permutation(ctx: Ctx) -> None:
 
 
 @invariant("INV-BATCH-002", "a batch's outputs equal those of its halves run separately (concatenation)",
-           contract=8, adjust=lambda c: _distinct_temperatures(c if c.batch_size > 1 else c.with_(
-               prompt_lens=c.prompt_lens * 2, response_lens=c.response_lens * 2)))
+           contract=8,
+           protects="a sample's outputs do not depend on the other samples in its micro-batch", adjust=lambda c: distinct_temperatures(_two_or_more(c)))
 def concatenation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     for rows in (list(range(b // 2)), list(range(b // 2, b))):
         _rows_match(ctx, rows, f"run in the sub-batch {rows}")
 
 
-@invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9, needs=("cuda",))
+@invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9,
+           protects="a GPU run gives the CPU run's values", needs=("cuda",))
 def cpu_cuda_agree(ctx: Ctx) -> None:
     on_cpu = execute(ctx.engine, ctx.case, "cpu").outputs
     on_cuda = execute(ctx.engine, ctx.case, "cuda").outputs
-    _compare(on_cuda, on_cpu, "cuda vs cpu")
+    match_runs(ctx, on_cuda, on_cpu, "cuda vs cpu")
 
 
-@invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10)
+@invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10,
+           protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)")
 def batch_not_mutated(ctx: Ctx) -> None:
     before, after = _tensor_items(ctx.run.snapshot), _tensor_items(ctx.run.micro_batch)
     if set(before) != set(after):
@@ -103,7 +106,8 @@ def batch_not_mutated(ctx: Ctx) -> None:
 
 
 @invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged",
-           contract=10)
+           contract=10,
+           protects="the model's output (logits) is the same after prepare_model_outputs (other consumers read it)")
 def logits_not_mutated(ctx: Ctx) -> None:
     for r, (out, snap) in enumerate(zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)):
         for key, before in snap.items():
@@ -120,7 +124,8 @@ def _expect_error(ctx: Ctx, case, what: str) -> None:
     fail(f"{what} was accepted silently; the contract makes it an error")
 
 
-@invariant("INV-ERR-001", "a pad mode other than no_padding is rejected", contract=10, modes=("any",))
+@invariant("INV-ERR-001", "a pad mode other than no_padding is rejected", contract=10,
+           protects="an unsupported pad mode fails loudly instead of producing misaligned tensors", modes=("any",))
 def rejects_pad_mode(ctx: Ctx) -> None:
     from ..materialize import PadMode, materialize
 
@@ -134,6 +139,7 @@ def rejects_pad_mode(ctx: Ctx) -> None:
 
 
 @invariant("INV-ERR-002", "a static bucket together with top-K distillation is rejected", contract=10,
+           protects="bucket + top-K distillation fails loudly instead of misaligning teacher tensors",
            modes=("packed",), needs=("bucket", "distillation"),
            adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, sp_size=1, use_fused_kernels=False,
                                     distillation_keys=c.distillation_keys or ("student_mass",)))
@@ -142,6 +148,7 @@ def rejects_bucket_with_topk(ctx: Ctx) -> None:
 
 
 @invariant("INV-ERR-003", "fused kernels with a per-sample temperature tensor are rejected", contract=10,
+           protects="fused kernels with per-sample temperatures fail loudly instead of using one of them",
            needs=("fused",),
            adjust=lambda c: c.with_(use_fused_kernels=True, calculate_sum_pi_squared=False, distillation_keys=(),
                                     distillation_only=False,
@@ -151,14 +158,16 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
 
 
 @invariant("INV-CHUNK-001", "the entropy/log-prob chunk size (an engine setting) changes nothing in the outputs",
-           contract=7, needs=("chunking",),
+           contract=7,
+           protects="entropy chunking/checkpointing never changes an output", needs=("chunking",),
            adjust=lambda c: c.with_(entropy_chunk_size=c.entropy_chunk_size or 2, calculate_entropy=True))
 def chunk_invariance(ctx: Ctx) -> None:
     whole = ctx.rerun(ctx.case.with_(entropy_chunk_size=None)).outputs
-    _compare(ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
+    match_runs(ctx, ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
 
 
-@invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10)
+@invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10,
+           protects="output_args are intact after prepare_model_outputs (reused e.g. for a second head)")
 def output_args_not_mutated(ctx: Ctx) -> None:
     for r, (args, snap) in enumerate(zip(ctx.run.output_args, ctx.run.output_args_snapshots)):
         if set(args) != set(snap):

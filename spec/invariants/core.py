@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from ..cases import DenseCase, EngineCase
 from ..engines import EngineUnderTest
 from ..harness import Run, execute, model_for
-from ..materialize import materialize, move
+from ..materialize import materialize
 from ..oracle import Expected, expected
 from ..strategies import dense_cases, engine_cases
 
-__all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail"]
+__all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
+           "match_oracle", "match_runs"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -52,7 +53,8 @@ class InvariantInfo:
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         if self.kind == "dense":
-            return dense_cases()
+            strategy = dense_cases(**self.strategy_kwargs)
+            return strategy.map(self.adjust) if self.adjust else strategy
         kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         return strategy.map(self.adjust) if self.adjust else strategy
@@ -108,9 +110,9 @@ class Ctx:
 
     @cached_property
     def expected(self) -> Expected:
-        if self.device == "cpu":
-            return expected(self.case, self.run.micro_batch, self.run.model)
-        return expected(self.case, move(self.run.micro_batch, "cpu"), model_for(self.case, "cpu"))
+        """The oracle, from a fresh copy of the case's micro-batch (an engine that mutates its input
+        cannot move the expectation) and a CPU model; no engine run needed."""
+        return expected(self.case, materialize(self.case, "cpu"), model_for(self.case, "cpu"))
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -131,22 +133,86 @@ def per_seq(nested: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().to("cpu", torch.float64) for t in nested.unbind()]
 
 
-def close_sequence(key: str, actual: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """:func:`close` for one sequence of output ``key``; log_probs drop the last token, whose label is
-    the next sequence's first token (or a wrap) and is never read back."""
+def _trim(key: str, actual: torch.Tensor, want: torch.Tensor, length: int):
+    """log_probs drop each sequence's last token, whose label is the next sequence's first token (or a
+    wrap) and is never read back; the oracle has no value there."""
     if key == "log_probs":
-        actual, want = actual[:-1], want[:-1]
-    close(actual, want, what)
+        return actual[: max(length - 1, 0)], want[: max(length - 1, 0)]
+    return actual, want
 
 
-def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: float = ATOL, rtol: float = RTOL) -> None:
-    """Assert ``actual`` ≈ ``want`` (same shape), naming the first bad index."""
+def close_sequence(key: str, actual: torch.Tensor, want: torch.Tensor, what: str,
+                   atol: "float | torch.Tensor" = ATOL) -> None:
+    """:func:`close` for one sequence of output ``key`` (log_probs without the unread last token)."""
+    actual, want = _trim(key, actual, want, actual.shape[0])
+    if isinstance(atol, torch.Tensor):
+        atol = atol[: want.shape[0]]
+    close(actual, want, what, atol=atol)
+
+
+def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
+    """A nested output (or a list of sequences) as ``count`` CPU float64 sequences; the count is checked
+    before any value (an engine returning too few sequences must not be compared on the ones it has)."""
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        fail(f"{what}: a dense tensor of shape {tuple(value.shape)}, expected a nested tensor of {count} sequences")
+    seqs = per_seq(value) if isinstance(value, torch.Tensor) else list(value)
+    if len(seqs) != count:
+        fail(f"{what}: {len(seqs)} sequences, expected {count}")
+    return seqs
+
+
+def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
+    """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
+    sequence, each token within the tolerance :mod:`spec.oracle` derives for it."""
+    wants = ctx.expected.of(key)
+    tols = ctx.expected.tolerance[key]
+    seqs = _sequences(got, f"{what or key}", len(wants))
+    for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
+        if actual.dim() != 1 or actual.shape[0] != ctx.case.seq_lens[i]:
+            fail(f"{key!r} of sequence {i} has shape {tuple(actual.shape)}, expected ({ctx.case.seq_lens[i]},)")
+        close(actual[: want.shape[0]], want, f"{key!r} of sequence {i}{what and ' ' + what}", atol=tol)
+
+
+def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:
+    """Two runs of the same samples agree on every key (``want``'s keys must all be in ``got``), sequence
+    by sequence, within twice the oracle's tolerance of each token (each run is within it of the
+    oracle). ``rows``: the samples of the whole case that ``got``'s sequences are (default: all)."""
+    rows = list(range(ctx.case.batch_size)) if rows is None else rows
+    exp = ctx.expected
+    for key in sorted(want):
+        if key not in got:
+            fail(f"{what}: key {key!r} missing (keys: {sorted(got)})")
+        mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
+        theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
+        tols = exp.tolerance.get(key)
+        for j, (x, y) in enumerate(zip(mine, theirs)):
+            atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
+            close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol)
+
+
+def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:
+    """A per-token tolerance extended to ``length`` (log_probs have none at the unread last token)."""
+    if tol.shape[0] >= length:
+        return tol[:length]
+    return torch.cat([tol, tol.new_full((length - tol.shape[0],), float(tol.max()) if tol.numel() else ATOL)])
+
+
+def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: "float | torch.Tensor" = ATOL,
+          rtol: float = RTOL) -> None:
+    """Assert ``actual`` ≈ ``want`` (same shape): ``|actual - want| <= atol + rtol * |want|`` with ``atol``
+    a float or a per-element tensor; NaN is never close; names the first bad index."""
     actual = actual.detach().to("cpu", torch.float64)
     want = want.detach().to("cpu", torch.float64)
     if actual.shape != want.shape:
         fail(f"{what}: shape {tuple(actual.shape)}, expected {tuple(want.shape)}")
-    bad = ~torch.isclose(actual, want, atol=atol, rtol=rtol)
+    if isinstance(atol, torch.Tensor):
+        atol = atol.detach().to("cpu", torch.float64)
+        rtol = 0.0  # the derived tolerance is absolute, per token
+    same = actual == want  # equal infinities
+    bad = ~(same | ((actual - want).abs() <= atol + rtol * want.abs()))
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        fail(f"{what}: at {idx} got {actual[idx].item():.6g}, expected {want[idx].item():.6g} "
-             f"({int(bad.sum())} of {bad.numel()} values differ)")
+        allowed = float(atol[idx]) if isinstance(atol, torch.Tensor) else atol + rtol * abs(want[idx].item())
+        fail(f"{what}: at {idx} got {actual[idx].item():.8g}, expected {want[idx].item():.8g} "
+             f"(|diff| {abs(actual[idx].item() - want[idx].item()):.3g} > allowed {allowed:.3g}; "
+             f"{int(bad.sum())} of {bad.numel()} values differ)")

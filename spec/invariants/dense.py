@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..materialize import materialize_dense
@@ -10,8 +12,11 @@ from .core import Ctx, fail, invariant
 L2N = ("left_right_2_no_padding",)
 
 
-def _convert(ctx: Ctx):
-    dense = materialize_dense(ctx.case, ctx.device)
+def _convert(ctx: Ctx, **force):
+    """Materialize the case (with ``force``d fields: the pinned seed examples skip the strategy's
+    preconditions) and convert it; returns the input, a snapshot of it, and the output."""
+    case = replace(ctx.case, **{k: v for k, v in force.items() if not getattr(ctx.case, k)})
+    dense = materialize_dense(case, ctx.device)
     before = {k: dense.get(k).clone() for k in dense.keys()}
     out = ctx.helper("left_right_2_no_padding")(dense)
     return dense, before, out
@@ -23,7 +28,8 @@ def _nested_rows(value: torch.Tensor) -> list[torch.Tensor]:
 
 
 @invariant("INV-DENSE-001", "left_right_2_no_padding: nested input_ids hold exactly the unmasked tokens",
-           contract=10, kind="dense", modes=("any",), needs=L2N)
+           contract=10,
+           protects="the nested batch holds exactly each sample's real tokens (real tokens equal to the pad id kept)", kind="dense", modes=("any",), needs=L2N)
 def dense_ids(ctx: Ctx) -> None:
     _, before, out = _convert(ctx)
     ids = out["input_ids"]
@@ -36,7 +42,8 @@ def dense_ids(ctx: Ctx) -> None:
 
 
 @invariant("INV-DENSE-002", "left_right_2_no_padding: position_ids nested (B, j) or (B, 4, j) ragged on the "
-           "last dim (also when all lengths are equal or B = 1), values kept", contract=10, kind="dense",
+           "last dim (also when all lengths are equal or B = 1), values kept", contract=10,
+           protects="the nested positions are each sample's positions, mRoPE ragged on the last dim", kind="dense",
            modes=("any",), needs=L2N)
 def dense_positions(ctx: Ctx) -> None:
     _, before, out = _convert(ctx)
@@ -56,7 +63,8 @@ def dense_positions(ctx: Ctx) -> None:
 
 
 @invariant("INV-DENSE-003", "left_right_2_no_padding: loss_mask carries the response mask of each valid "
-           "response token (holes included)", contract=10, kind="dense", modes=("any",), needs=L2N)
+           "response token (holes included)", contract=10,
+           protects="the loss mask keeps its holes, token for token", kind="dense", modes=("any",), needs=L2N)
 def dense_loss_mask(ctx: Ctx) -> None:
     _, before, out = _convert(ctx)
     width = before["response_mask"].shape[1]
@@ -69,11 +77,10 @@ def dense_loss_mask(ctx: Ctx) -> None:
 
 
 @invariant("INV-DENSE-004", "left_right_2_no_padding: teacher top-K tensors become nested (B, j, K) over the "
-           "same tokens", contract=10, kind="dense", modes=("any",), needs=L2N)
+           "same tokens", contract=10,
+           protects="teacher top-K tensors stay aligned with the tokens they score", kind="dense", modes=("any",), needs=L2N, strategy_kwargs={"topk": True})
 def dense_teacher(ctx: Ctx) -> None:
-    if not ctx.case.topk:
-        return
-    _, before, out = _convert(ctx)
+    _, before, out = _convert(ctx, topk=2)
     mask = before["attention_mask"].bool()
     for key in ("teacher_ids", "teacher_logprobs"):
         value = out[key]
@@ -86,6 +93,7 @@ def dense_teacher(ctx: Ctx) -> None:
 
 
 @invariant("INV-MUT-003", "left_right_2_no_padding leaves its input TensorDict intact", contract=10,
+           protects="the trainer's dense batch is intact after left_right_2_no_padding",
            kind="dense", modes=("any",), needs=L2N)
 def dense_not_mutated(ctx: Ctx) -> None:
     dense, before, _ = _convert(ctx)
@@ -99,6 +107,7 @@ def dense_not_mutated(ctx: Ctx) -> None:
 
 @invariant("INV-DENSE-005", "left_right_2_no_padding then no_padding_2_padding: per-token outputs slice back "
            "to the trainer's (B, R) response columns, holes in the response mask included", contract=2,
+           protects="per-token outputs slice back to the trainer's (B, R) response columns",
            kind="dense", modes=("any",), needs=L2N + ("no_padding_2_padding",))
 def dense_round_trip(ctx: Ctx) -> None:
     dense, before, out = _convert(ctx)
@@ -112,3 +121,42 @@ def dense_round_trip(ctx: Ctx) -> None:
     if tuple(sliced.shape) != tuple(want.shape) or not torch.equal(sliced.cpu().to(want.dtype), want.cpu()):
         fail(f"sliced responses {sliced.tolist()}, expected the dense responses {want.tolist()} "
              f"(response mask {before['response_mask'].tolist()})")
+
+
+def _real_tokens(before: dict, columns: slice) -> list[torch.Tensor]:
+    mask = before["attention_mask"][:, columns].bool()
+    return [row[m].cpu() for row, m in zip(before["input_ids"][:, columns], mask)]
+
+
+@invariant("INV-DENSE-006", "left_right_2_no_padding: prompts and responses are nested, each sample's own "
+           "prompt and response tokens", contract=10,
+           protects="the nested prompts and responses are each sample's own prompt and response tokens", kind="dense", modes=("any",), needs=L2N)
+def dense_prompts_responses(ctx: Ctx) -> None:
+    _, before, out = _convert(ctx)
+    width = before["response_mask"].shape[1]
+    for key, columns in (("prompts", slice(None, -width)), ("responses", slice(-width, None))):
+        value = out.get(key) if key in out.keys() else None
+        if not isinstance(value, torch.Tensor) or not value.is_nested:
+            fail(f"{key} is {type(value).__name__} {tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, "
+                 f"expected nested (B, j)")
+        want = _real_tokens(before, columns)
+        got = _nested_rows(value)
+        if len(got) != len(want) or any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
+            fail(f"nested {key} {[g.tolist() for g in got]}, expected {[w.tolist() for w in want]}")
+
+
+@invariant("INV-DENSE-007", "left_right_2_no_padding: MoE routed_experts (router replay) become nested "
+           "(B, j, ...) over the same tokens", contract=10,
+           protects="MoE router-replay routed_experts stay aligned with the tokens they route", kind="dense", modes=("any",), needs=L2N,
+           strategy_kwargs={"routed_experts": True})
+def dense_routed_experts(ctx: Ctx) -> None:
+    _, before, out = _convert(ctx, routed_experts=8)
+    value = out.get("routed_experts") if "routed_experts" in out.keys() else None
+    if not isinstance(value, torch.Tensor) or not value.is_nested:
+        fail(f"routed_experts is {type(value).__name__} "
+             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, expected nested (B, j, layers, k)")
+    mask = before["attention_mask"].bool()
+    want = [row[m].cpu() for row, m in zip(before["routed_experts"], mask)]
+    got = _nested_rows(value)
+    if len(got) != len(want) or any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
+        fail("routed_experts rows differ from the unmasked routed_experts rows")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .core import Ctx, fail, invariant
+from ..cases import TEMPERATURE_FLOOR
+from ..rules import distinct_temperatures, full_length_mask, offsets, padded_length
+from .core import Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)
 PACKED = ("packed",)
@@ -19,13 +21,14 @@ def _lens(ctx: Ctx) -> torch.Tensor:
 
 
 @invariant("INV-MASK-001", "padded attention mask row i has exactly n_i leading ones (full sequence, "
-           "not the response-only loss mask)", contract=1, modes=PADDED)
+           "not the response-only loss mask)", contract=1,
+           protects="the model attends to every token of each full sequence (a response-only mask gives wrong log-probs, high KL: verl #6278)", modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
     mask = ctx.inputs_run.inputs[0]["attention_mask"]
     if mask is None:
         fail("padded mode returned attention_mask=None")
     lens = _lens(ctx)
-    want = (torch.arange(mask.shape[-1]).unsqueeze(0) < lens.unsqueeze(1)).to(torch.int64)
+    want = full_length_mask(ctx.case.seq_lens, mask.shape[-1])
     got = mask.detach().to("cpu", torch.int64)
     if got.shape != want.shape or not torch.equal(got, want):
         rows = [r for r in range(min(got.shape[0], want.shape[0])) if not torch.equal(got[r], want[r])]
@@ -34,7 +37,8 @@ def mask_values(ctx: Ctx) -> None:
              f"(sequence length {int(lens[row])}, response length {ctx.case.response_lens[row]})")
 
 
-@invariant("INV-MASK-002", "padded attention mask is int32 on the ids' device", contract=1, modes=PADDED)
+@invariant("INV-MASK-002", "padded attention mask is int32 on the ids' device", contract=1,
+           protects="the model gets its mask as int32 on the ids' device (what attention kernels accept without a host copy)", modes=PADDED)
 def mask_dtype_device(ctx: Ctx) -> None:
     mi = ctx.inputs_run.inputs[0]
     mask, ids = mi["attention_mask"], mi["input_ids"]
@@ -45,6 +49,7 @@ def mask_dtype_device(ctx: Ctx) -> None:
 
 
 @invariant("INV-MASK-003", "padded attention mask is (B, max_seq_len) and sums to total_nnz", contract=1,
+           protects="the padded batch has one row per sample and exactly total_nnz attended tokens",
            modes=PADDED)
 def mask_shape_sum(ctx: Ctx) -> None:
     mask = ctx.inputs_run.inputs[0]["attention_mask"]
@@ -56,51 +61,79 @@ def mask_shape_sum(ctx: Ctx) -> None:
 
 
 @invariant("INV-MASK-004", "build_attention_mask_from_nested gives the full lengths, int32, any width",
-           contract=1, modes=("any",), needs=("build_attention_mask_from_nested",))
+           contract=1,
+           protects="a trainer building a mask with the helper attends to the full sequences at any width", modes=("any",), needs=("build_attention_mask_from_nested",))
 def mask_helper(ctx: Ctx) -> None:
     build = ctx.helper("build_attention_mask_from_nested")
     ids = ctx.batch["input_ids"]
     lens = _lens(ctx)
     for width in (None, max(ctx.case.seq_lens) + 2):
         mask = build(ids) if width is None else build(ids, max_seq_len=width)
-        cols = mask.shape[-1]
-        want = (torch.arange(cols).unsqueeze(0) < lens.unsqueeze(1)).to(torch.int32)
+        want = full_length_mask(ctx.case.seq_lens, mask.shape[-1], torch.int32)
         if mask.dtype != torch.int32 or tuple(mask.shape) != (len(lens), width or max(lens)) \
                 or not torch.equal(mask.cpu(), want):
             fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "
                  f"({mask.dtype}), expected {want.tolist()}")
 
 
-@invariant("INV-INPUT-001", "padded input_ids hold each sequence then pad_token_id, (B, max_seq_len)",
-           contract=1, modes=PADDED)
-def padded_ids(ctx: Ctx) -> None:
-    ids = ctx.inputs_run.inputs[0]["input_ids"].cpu()
-    rows = [t.cpu() for t in ctx.inputs_run.micro_batch["input_ids"].unbind()]
+def _padded_rows(ctx: Ctx, got: torch.Tensor, key: str, what: str) -> None:
+    """Each row of a padded model input (``(B, L)`` or ``(C, B, L)``) starts with that sample's values."""
+    rows = [t.cpu() for t in ctx.inputs_run.micro_batch[key].unbind()]
     width = max(ctx.case.seq_lens)
-    want = torch.full((len(rows), width), ctx.case.pad_token_id, dtype=ids.dtype)
+    channels = (rows[0].shape[0],) if ctx.case.mrope and key == "position_ids" else ()
+    want_shape = (*channels, len(rows), width)
+    if tuple(got.shape) != want_shape:
+        fail(f"padded {key} shape {tuple(got.shape)}, expected {want_shape}")
     for i, row in enumerate(rows):
-        want[i, : len(row)] = row
-    if tuple(ids.shape) != tuple(want.shape) or not torch.equal(ids, want):
-        fail(f"padded input_ids {ids.tolist()}, expected {want.tolist()}")
+        have = got[..., i, : row.shape[-1]]
+        if not torch.equal(have, row.to(have.dtype)):
+            fail(f"padded {key} row {i} starts with {have.tolist()}, expected the {what} {row.tolist()}")
 
 
-@invariant("INV-POS-001", "padded position_ids are (B, L) or (4, B, L) (mRoPE), values kept, 0 on padding",
-           contract=1, modes=PADDED)
+def _padding_values(ctx: Ctx, got: torch.Tensor, fill: int, key: str) -> None:
+    pad = ~full_length_mask(ctx.case.seq_lens, got.shape[-1]).bool()
+    values = got[..., pad]
+    if values.numel() and bool((values != fill).any()):
+        fail(f"padded {key} hold {sorted(set(values.reshape(-1).tolist()))[:8]} in the padding, "
+             f"verl fills {fill}")
+
+
+def _with_padding(case):
+    """Unequal lengths, so the padded batch has padding columns to look at."""
+    if len(set(case.seq_lens)) > 1:
+        return case
+    return case.with_(prompt_lens=case.prompt_lens + (case.prompt_lens[0] + 1,),
+                      response_lens=case.response_lens + (case.response_lens[0],),
+                      temperature=case.temperature if not isinstance(case.temperature, tuple)
+                      else case.temperature + (case.temperature[0],))
+
+
+@invariant("INV-INPUT-001", "padded input_ids hold each sequence's tokens in order, (B, max_seq_len)",
+           contract=1,
+           protects="the model reads each sample's own tokens, in order, one row per sample", modes=PADDED)
+def padded_ids(ctx: Ctx) -> None:
+    _padded_rows(ctx, ctx.inputs_run.inputs[0]["input_ids"].cpu(), "input_ids", "sequence")
+
+
+@invariant("INV-INPUT-002", "padded input_ids hold pad_token_id after each sequence", contract=1,
+           protects="verl fills the padded columns with pad_token_id; the mask hides them", modes=PADDED,
+           layout=True, adjust=_with_padding)
+def padded_ids_fill(ctx: Ctx) -> None:
+    _padding_values(ctx, ctx.inputs_run.inputs[0]["input_ids"].cpu(), ctx.case.pad_token_id, "input_ids")
+
+
+@invariant("INV-POS-001", "padded position_ids are (B, L) or (4, B, L) (mRoPE), each sample's positions kept",
+           contract=1,
+           protects="the model reads each token's own position (and mRoPE axes in the (4, B, L) layout)", modes=PADDED)
 def padded_positions(ctx: Ctx) -> None:
-    pos = ctx.inputs_run.inputs[0]["position_ids"].cpu()
-    rows = [t.cpu() for t in ctx.inputs_run.micro_batch["position_ids"].unbind()]
-    width = max(ctx.case.seq_lens)
-    if ctx.case.mrope:
-        want = torch.zeros(rows[0].shape[0], len(rows), width, dtype=pos.dtype)
-        for i, row in enumerate(rows):
-            want[:, i, : row.shape[-1]] = row
-    else:
-        want = torch.zeros(len(rows), width, dtype=pos.dtype)
-        for i, row in enumerate(rows):
-            want[i, : len(row)] = row
-    if tuple(pos.shape) != tuple(want.shape) or not torch.equal(pos, want):
-        fail(f"padded position_ids shape {tuple(pos.shape)} {pos.tolist()}, expected {tuple(want.shape)} "
-             f"{want.tolist()}")
+    _padded_rows(ctx, ctx.inputs_run.inputs[0]["position_ids"].cpu(), "position_ids", "positions")
+
+
+@invariant("INV-POS-003", "padded position_ids hold 0 after each sequence", contract=1,
+           protects="verl fills padded position columns with 0; the mask hides them", modes=PADDED,
+           layout=True, adjust=_with_padding)
+def padded_positions_fill(ctx: Ctx) -> None:
+    _padding_values(ctx, ctx.inputs_run.inputs[0]["position_ids"].cpu(), 0, "position_ids")
 
 
 def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
@@ -108,7 +141,8 @@ def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
 
 
 @invariant("INV-POS-002", "packed inputs: ids (1, n), positions (1, n) or (4, 1, n), no mask; ranks' "
-           "slices concatenate to the packed row", contract=5, modes=PACKED)
+           "slices concatenate to the packed row", contract=5,
+           protects="the packed model input holds each sequence's tokens and positions, the ranks' slices joining to the row", modes=PACKED)
 def packed_inputs(ctx: Ctx) -> None:
     total = ctx.case.total_nnz
     for r, mi in enumerate(ctx.inputs_run.inputs):
@@ -130,33 +164,52 @@ def packed_inputs(ctx: Ctx) -> None:
         fail(f"packed position_ids {got_pos.tolist()}, expected {want_pos.tolist()}")
 
 
-@invariant("INV-PAD-001", "packed tail padding: length rounded up to the bucket then to sp, ids 0, "
-           "positions restart at 0, temperature 1, pad_size reported", contract=7, modes=PACKED, needs=("bucket",),
-           adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
-                                    distillation_only=False))
-def packed_tail(ctx: Ctx) -> None:
+def _bucketed(case):
+    """A static bucket that leaves tail padding (the packed length not already a multiple of it)."""
+    bucket = case.pad_to_length or 8
+    if case.total_nnz % bucket == 0:
+        bucket += 1
+    return case.with_(pad_to_length=bucket, distillation_keys=(), distillation_only=False)
+
+
+def _tail(ctx: Ctx):
     case = ctx.case
     total = case.total_nnz
-    padded = total if not case.pad_to_length else -(-total // case.pad_to_length) * case.pad_to_length
-    padded = -(-padded // case.sp_size) * case.sp_size
+    padded = padded_length(total, case.pad_to_length, case.sp_size)
     ids = _joined(ctx, "input_ids")[0]
     if ids.shape[0] != padded:
         fail(f"packed row has {ids.shape[0]} tokens, expected {padded} (total_nnz={total}, "
              f"bucket={case.pad_to_length}, sp={case.sp_size})")
+    return ids, total, padded
+
+
+@invariant("INV-PAD-001", "packed tail padding: length rounded up to the bucket then to sp, pad_size reported, "
+           "positions restart at 0 (the pad never joins the last sequence)", contract=7,
+           protects="bucket/sequence-parallel padding has the right length and pad_size and never joins the last sequence", modes=PACKED,
+           needs=("bucket",), adjust=_bucketed)
+def packed_tail(ctx: Ctx) -> None:
+    ids, total, padded = _tail(ctx)
     pad = padded - total
     reported = ctx.inputs_run.output_args[0].get("pad_size", 0)
     if int(reported) != pad:
         fail(f"output_args['pad_size'] is {reported}, expected {pad}")
     if pad:
         pos = _joined(ctx, "position_ids")
-        tail_pos = (pos[0, 0] if case.mrope else pos[0])[total:]
-        temps = torch.cat([a["temperature_rmpad"].cpu() for a in ctx.inputs_run.output_args])[total:]
-        if bool((ids[total:] != 0).any()):
-            fail(f"tail ids {ids[total:].tolist()}, expected zeros")
+        tail_pos = (pos[0, 0] if ctx.case.mrope else pos[0])[total:]
         if int(tail_pos[0]) != 0:
-            fail(f"tail positions {tail_pos.tolist()} must restart at 0 (else the pad joins the last sequence)")
-        if not torch.equal(temps, torch.ones_like(temps)):
-            fail(f"tail temperature {temps.tolist()}, expected ones")
+            fail(f"tail positions {tail_pos.tolist()[:8]} must restart at 0 (else the pad joins the last sequence)")
+
+
+@invariant("INV-PAD-002", "packed tail padding holds id 0 and temperature 1", contract=7,
+           protects="verl's tail padding holds id 0 and temperature 1; no output reads it", modes=PACKED,
+           needs=("bucket",), layout=True, adjust=_bucketed)
+def packed_tail_fill(ctx: Ctx) -> None:
+    ids, total, _ = _tail(ctx)
+    temps = torch.cat([a["temperature_rmpad"].cpu() for a in ctx.inputs_run.output_args])[total:]
+    if bool((ids[total:] != 0).any()):
+        fail(f"tail ids {ids[total:].tolist()[:8]}, verl fills zeros")
+    if not torch.equal(temps, torch.ones_like(temps)):
+        fail(f"tail temperature {temps.tolist()[:8]}, verl fills ones")
 
 
 def _rolled(ctx: Ctx) -> torch.Tensor:
@@ -168,7 +221,7 @@ def _check_labels(ctx: Ctx, where: str) -> None:
     ids = _values(ctx, "input_ids").cpu()
     if labels.shape[0] < ids.shape[0]:
         fail(f"input_ids_rmpad_rolled has {labels.shape[0]} labels for {ids.shape[0]} tokens")
-    ends = torch.tensor(ctx.case.seq_lens).cumsum(0) - 1
+    ends = offsets(ctx.case.seq_lens)[1:] - 1
     inner = torch.ones(ids.shape[0], dtype=torch.bool)
     inner[ends] = False
     k = inner.nonzero().squeeze(1)
@@ -179,21 +232,23 @@ def _check_labels(ctx: Ctx, where: str) -> None:
              f"({where}; ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
 
 
-@invariant("INV-LABEL-001", "rolled labels hold the next token inside every sequence", contract=5)
+@invariant("INV-LABEL-001", "rolled labels hold the next token inside every sequence", contract=5,
+           protects="each scored token's label is the next token of the same sequence (the log-prob of the sampled token)")
 def labels_next_token(ctx: Ctx) -> None:
     _check_labels(ctx, "inside a sequence")
 
 
 @invariant("INV-LABEL-002", "with sequence parallelism no label is read across a shard edge (roll the "
-           "global row, then slice)", contract=5, modes=PACKED, needs=("sp",),
+           "global row, then slice)", contract=5,
+           protects="under sequence parallelism no label comes from across a shard edge", modes=PACKED, needs=("sp",),
            adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False))
 def labels_shard_edges(ctx: Ctx) -> None:
     _check_labels(ctx, f"sp={ctx.case.sp_size}: a shard edge")
 
 
 @invariant("INV-TEMP-004", "packed temperature_rmpad repeats each sample's temperature over its tokens",
-           contract=6, modes=PACKED, adjust=lambda c: c if c.use_fused_kernels else c.with_(
-               temperature=tuple(0.5 + 0.25 * i for i in range(c.batch_size))))
+           contract=6,
+           protects="each packed token is scaled by its own sample's temperature", modes=PACKED, adjust=lambda c: distinct_temperatures(c))
 def temperature_rmpad(ctx: Ctx) -> None:
     got = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in ctx.inputs_run.output_args])[: ctx.case.total_nnz]
     want = torch.repeat_interleave(torch.tensor(ctx.case.temperatures(), dtype=torch.float32),
@@ -202,18 +257,21 @@ def temperature_rmpad(ctx: Ctx) -> None:
         fail(f"temperature_rmpad {got.tolist()}, expected {want.tolist()}")
 
 
-@invariant("INV-FUSED-001", "fused kernels: one float temperature and return_dict=True reach the model; "
-           "packed shift_labels are the rolled ids (1, n)", contract=6, needs=("fused",),
-           adjust=lambda c: c.with_(use_fused_kernels=True, temperature=c.temperatures()[0],
-                                    distillation_keys=(), distillation_only=False, calculate_sum_pi_squared=False))
+def _fused(c):
+    return c.with_(use_fused_kernels=True, temperature=c.temperatures()[0], distillation_keys=(),
+                   distillation_only=False, calculate_sum_pi_squared=False)
+
+
+@invariant("INV-FUSED-001", "fused kernels: one float temperature reaches the model; "
+           "packed shift_labels are the rolled ids (1, n)", contract=6,
+           protects="fused kernels get one float temperature and the right shifted labels", needs=("fused",),
+           adjust=_fused)
 def fused_inputs(ctx: Ctx) -> None:
     for r, mi in enumerate(ctx.inputs_run.inputs):
         temp = mi.get("temperature")
         if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) \
                 or abs(float(temp) - ctx.case.temperatures()[0]) > 1e-6:
             fail(f"rank {r}: model_inputs['temperature'] is {temp!r}, expected the float {ctx.case.temperature}")
-        if mi.get("return_dict") is not True:
-            fail(f"rank {r}: model_inputs['return_dict'] is {mi.get('return_dict')!r}, expected True")
         if ctx.case.use_remove_padding:
             labels = mi.get("shift_labels")
             rolled = ctx.inputs_run.output_args[r]["input_ids_rmpad_rolled"].reshape(-1)
@@ -223,11 +281,43 @@ def fused_inputs(ctx: Ctx) -> None:
                      f"rolled ids {rolled.tolist()} as (1, n)")
 
 
+@invariant("INV-FUSED-002", "fused kernels: return_dict=True reaches the model", contract=6,
+           protects="verl passes return_dict=True to a fused-kernel model", needs=("fused",),
+           layout=True, adjust=_fused)
+def fused_return_dict(ctx: Ctx) -> None:
+    for r, mi in enumerate(ctx.inputs_run.inputs):
+        if mi.get("return_dict") is not True:
+            fail(f"rank {r}: model_inputs['return_dict'] is {mi.get('return_dict')!r}, verl passes True")
+
+
+@invariant("INV-TEMP-005", "padded output_args['temperature'] is each sample's temperature, (B,)", contract=6,
+           protects="the padded output_args carry each sample's temperature, (B,)",
+           modes=PADDED, adjust=lambda c: distinct_temperatures(c.with_(use_fused_kernels=False)))
+def padded_temperature(ctx: Ctx) -> None:
+    got = ctx.inputs_run.output_args[0].get("temperature")
+    want = torch.tensor(ctx.case.temperatures(), dtype=torch.float32)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) \
+            or not torch.allclose(got.detach().cpu().float(), want, rtol=1e-6, atol=0):
+        fail(f"padded output_args['temperature'] is {got!r}, expected the per-sample {want.tolist()}")
+
+
+_AT_CLAMP = (TEMPERATURE_FLOOR, 5e-9, 1e-10, 1e-12)
+
+
+@invariant("INV-TEMP-006", "temperatures at or below 1e-8 are clamped to 1e-8: log_probs equal the oracle's",
+           contract=6,
+           protects="a temperature at or below 1e-8 is clamped to 1e-8, never a division by ~0 (inf/NaN log-probs)", adjust=lambda c: c.with_(
+               use_fused_kernels=False, distillation_only=False,
+               temperature=tuple(_AT_CLAMP[(c.seed + i) % len(_AT_CLAMP)] for i in range(c.batch_size))))
+def temperature_clamp(ctx: Ctx) -> None:
+    match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"], f"at T={list(ctx.case.temperatures())}")
+
+
 @invariant("INV-LABEL-003", "the rolled labels are the whole packed row rolled left by one (the wrap at "
-           "each sequence end included), padded after the roll with 0", contract=5, modes=PACKED,
-           needs=("bucket",), adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
-                                    distillation_only=False))
-def labels_whole_row(ctx: Ctx) -> None:
+           "each sequence end included), padded after the roll with 0", contract=5,
+           protects="verl's exact rolled row: the wrap at each sequence end, which no response slice reads", modes=PACKED,
+           needs=("bucket",), layout=True, adjust=_bucketed)
+def labels_whole_row(ctx: Ctx) -> None:  # layout: no response slice reads the wrap
     labels = _rolled(ctx)
     ids = _values(ctx, "input_ids").cpu()
     want = torch.roll(ids, -1)
@@ -239,22 +329,45 @@ def labels_whole_row(ctx: Ctx) -> None:
         fail(f"labels of the tail padding are {labels[total:].tolist()}, expected zeros")
 
 
-@invariant("INV-CU-001", "with cu_seqlens passed: cu_seqlens = the input offsets (plus a final boundary "
-           "when padding was appended), integers on the ids' device, and a CPU copy", contract=1, modes=PACKED,
-           needs=("cu_seqlens",), adjust=lambda c: c.with_(pass_cu_seqlens=True))
-def cu_seqlens(ctx: Ctx) -> None:
+def _cu_want(ctx: Ctx) -> tuple[torch.Tensor, int]:
     case = ctx.case
-    offsets = torch.tensor((0, *case.seq_lens)).cumsum(0)
     padded = _joined(ctx, "input_ids").shape[-1]
-    want = offsets if padded == case.total_nnz else torch.cat([offsets, torch.tensor([padded])])
+    want = offsets(case.seq_lens)
+    return (want if padded == case.total_nnz else torch.cat([want, torch.tensor([padded])])), padded
+
+
+def _with_tail(c):
+    """cu_seqlens passed, and (mostly) tail padding, so the final boundary is exercised."""
+    c = c.with_(pass_cu_seqlens=True, distillation_keys=(), distillation_only=False)
+    if c.sp_size == 1 and not c.pad_to_length and c.seed % 4:
+        c = c.with_(pad_to_length=8 if c.total_nnz % 8 else 7)
+    return c
+
+
+@invariant("INV-CU-001", "with cu_seqlens passed: cu_seqlens = the input offsets (plus a final boundary "
+           "when padding was appended), integers on the ids' device", contract=1,
+           protects="flash-attention's cu_seqlens bound each sequence (plus the tail), as integers on the ids' device", modes=PACKED,
+           needs=("cu_seqlens",), adjust=_with_tail)
+def cu_seqlens(ctx: Ctx) -> None:
+    want, padded = _cu_want(ctx)
     for r, mi in enumerate(ctx.inputs_run.inputs):
-        cu, cu_cpu = mi.get("cu_seqlens"), mi.get("cu_seqlens_cpu")
-        if cu is None or cu_cpu is None:
-            fail(f"rank {r}: model_inputs lack cu_seqlens/cu_seqlens_cpu (keys {sorted(mi)})")
+        cu = mi.get("cu_seqlens")
+        if cu is None:
+            fail(f"rank {r}: model_inputs lack cu_seqlens (keys {sorted(mi)})")
         # The contract fixes no dtype (flash-attn wants int32, which impl gives; verl gives int64).
         if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != mi["input_ids"].device.type:
             fail(f"rank {r}: cu_seqlens is {cu.dtype} on {cu.device}, expected integers on {mi['input_ids'].device}")
-        if cu_cpu.device.type != "cpu" or not torch.equal(cu.cpu().long(), want) \
-                or not torch.equal(cu_cpu.long(), want):
-            fail(f"rank {r}: cu_seqlens {cu.tolist()} (cpu copy {cu_cpu.tolist()} on {cu_cpu.device}), "
-                 f"expected {want.tolist()} for a packed row of {padded} tokens")
+        if not torch.equal(cu.cpu().long(), want):
+            fail(f"rank {r}: cu_seqlens {cu.tolist()}, expected {want.tolist()} for a packed row of {padded} tokens")
+
+
+@invariant("INV-CU-002", "with cu_seqlens passed: a CPU copy cu_seqlens_cpu equal to cu_seqlens", contract=1,
+           protects="verl also passes a CPU copy of cu_seqlens",
+           modes=PACKED, needs=("cu_seqlens",), layout=True, adjust=_with_tail)
+def cu_seqlens_cpu(ctx: Ctx) -> None:
+    want, _ = _cu_want(ctx)
+    for r, mi in enumerate(ctx.inputs_run.inputs):
+        cu_cpu = mi.get("cu_seqlens_cpu")
+        if cu_cpu is None or cu_cpu.device.type != "cpu" or not torch.equal(cu_cpu.long(), want):
+            fail(f"rank {r}: cu_seqlens_cpu is {None if cu_cpu is None else cu_cpu.tolist()}, verl passes a CPU "
+                 f"copy {want.tolist()}")

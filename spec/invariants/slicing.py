@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rules import offsets, response_positions
 from .core import Ctx, close, fail, invariant
 
 NP2P = ("no_padding_2_padding",)
@@ -14,6 +15,7 @@ def _no_distillation_only(case):
 
 
 @invariant("INV-SLICE-001", "no_padding_2_padding(log_probs) has shape (B, max_response_len)", contract=2,
+           protects="the response slice has the trainer's (B, max_response_len) shape",
            needs=NP2P, adjust=_no_distillation_only)
 def slice_shape(ctx: Ctx) -> None:
     sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
@@ -24,10 +26,12 @@ def slice_shape(ctx: Ctx) -> None:
 
 
 @invariant("INV-SLICE-002", "sliced log_probs equal the oracle's log-prob of each response token, zero past r_i",
-           contract=2, needs=NP2P, adjust=_no_distillation_only)
+           contract=2,
+           protects="the loss reads the right log-prob for each response token, zero past the response", needs=NP2P, adjust=_no_distillation_only)
 def slice_values(ctx: Ctx) -> None:
     sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
-    close(sliced, ctx.expected.response_log_probs(ctx.case), "response log_probs (B, max_response_len)")
+    want, tol = ctx.expected.response_log_probs(ctx.case)
+    close(sliced, want, "response log_probs (B, max_response_len)", atol=tol)
 
 
 def _poisoned_per_token(ctx: Ctx, trailing: tuple[int, ...] = ()):
@@ -35,18 +39,19 @@ def _poisoned_per_token(ctx: Ctx, trailing: tuple[int, ...] = ()):
     case = ctx.case
     gen = torch.Generator().manual_seed(case.seed)
     values = torch.full((case.total_nnz, *trailing), float("nan"))
-    starts = torch.tensor((0, *case.seq_lens)).cumsum(0)
+    starts = offsets(case.seq_lens)
     want = torch.zeros(case.batch_size, case.response_width, *trailing)
-    for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
-        chunk = torch.randn(r, *trailing, generator=gen)
-        values[starts[i] + p - 1: starts[i] + p - 1 + r] = chunk
-        want[i, :r] = chunk
+    for i, (start, stop) in enumerate(response_positions(case.prompt_lens, case.response_lens)):
+        chunk = torch.randn(stop - start, *trailing, generator=gen)
+        values[start:stop] = chunk
+        want[i, : stop - start] = chunk
     nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
     return nested, want
 
 
 @invariant("INV-SLICE-003", "the slice reads exactly e_i - r_i - 1 .. e_i - 2 and pads with exact zeros "
-           "(NaN elsewhere never leaks), also with trailing dims", contract=4, modes=("any",), needs=NP2P)
+           "(NaN elsewhere never leaks), also with trailing dims", contract=4,
+           protects="the response slice reads only response positions (nothing else leaks), trailing dims too", modes=("any",), needs=NP2P)
 def slice_reads_only_responses(ctx: Ctx) -> None:
     for trailing in ((), (3,)):
         nested, want = _poisoned_per_token(ctx, trailing)
@@ -60,6 +65,7 @@ def slice_reads_only_responses(ctx: Ctx) -> None:
 
 
 @invariant("INV-SLICE-004", "response_from_nested gives the slice's rows without padding", contract=2,
+           protects="response_from_nested gives each sample's response values",
            modes=("any",), needs=("response_from_nested",))
 def response_from_nested_rows(ctx: Ctx) -> None:
     nested, want = _poisoned_per_token(ctx)
@@ -71,7 +77,8 @@ def response_from_nested_rows(ctx: Ctx) -> None:
 
 
 @invariant("INV-SLICE-005", "response_to_nested(padded responses) == response_from_nested(per-token) "
-           "(round trip through the padded response shape)", contract=2, modes=("any",),
+           "(round trip through the padded response shape)", contract=2,
+           protects="padded responses convert back to the nested responses unchanged", modes=("any",),
            needs=("response_from_nested", "response_to_nested", "no_padding_2_padding"))
 def response_round_trip(ctx: Ctx) -> None:
     nested, _ = _poisoned_per_token(ctx)

@@ -16,6 +16,7 @@ from ..impl_engine import ImplEngine
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import outputs_bugs as O
+from . import quiet_bugs as Q
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -28,6 +29,10 @@ class PlantedBug:
     lm: type | None = None
     value: type | None = None
     helpers: tuple[tuple[str, Callable], ...] = ()
+    #: a layout deviation (harmless to consumers): caught by layout-profile invariants only
+    layout: bool = False
+    #: for a quiet bug: the one condition under which it shows
+    quiet: str = ""
 
     @property
     def doc(self) -> str:
@@ -43,7 +48,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("shard_roll", ("INV-LABEL-002", "INV-SP-001"), lm=I.ShardRoll),
     PlantedBug("no_temperature_padded", ("INV-TEMP-001", "INV-VAL-001"), lm=O.NoTemperaturePadded),
     PlantedBug("double_temperature", ("INV-TEMP-001", "INV-VAL-001"), lm=O.DoubleTemperature),
-    PlantedBug("first_sample_temperature", ("INV-TEMP-001", "INV-TEMP-004"), lm=I.FirstSampleTemperature),
+    PlantedBug("first_sample_temperature", ("INV-TEMP-001", "INV-TEMP-004", "INV-TEMP-005"),
+               lm=I.FirstSampleTemperature),
     PlantedBug("fused_tensor_temperature_accepted", ("INV-ERR-003",), lm=I.FusedTensorTemperatureAccepted),
     PlantedBug("bucket_topk_accepted", ("INV-ERR-002",), lm=I.BucketTopKAccepted),
     PlantedBug("bucket_positions_continue", ("INV-PAD-001",), lm=I.BucketPositionsContinue),
@@ -63,7 +69,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("mask_as_bool", ("INV-MASK-002",), lm=I.MaskAsBool),
     PlantedBug("mask_helper_ignores_width", ("INV-MASK-004",),
                helpers=(("build_attention_mask_from_nested", H.mask_helper_ignores_width),)),
-    PlantedBug("pad_with_zero", ("INV-INPUT-001",), lm=I.PadWithZero),
+    PlantedBug("pad_with_zero", ("INV-INPUT-002",), lm=I.PadWithZero),
     PlantedBug("mrope_padded_not_transposed", ("INV-POS-001",), lm=I.MropePaddedNotTransposed),
     PlantedBug("packed_positions_global", ("INV-POS-002", "INV-VAL-001"), lm=I.PackedPositionsGlobal),
     PlantedBug("labels_not_rolled", ("INV-LABEL-001", "INV-VAL-001"), lm=I.LabelsNotRolled),
@@ -97,11 +103,55 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
     PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
+    # layout deviations (harmless to consumers): only the layout profile's invariants see them
+    PlantedBug("tail_ids_pad_token", ("INV-PAD-002",), lm=I.TailIdsPadToken, layout=True),
+    PlantedBug("padded_positions_fill_one", ("INV-POS-003",), lm=I.PaddedPositionsFillOne, layout=True),
+    PlantedBug("fused_without_return_dict", ("INV-FUSED-002",), lm=I.FusedWithoutReturnDict, layout=True),
+    PlantedBug("cu_seqlens_without_cpu_copy", ("INV-CU-002",), lm=I.CuSeqlensWithoutCpuCopy, layout=True),
+    # quiet bugs: each shows only under one condition (spec/planted/quiet_bugs.py)
+    PlantedBug("log_softmax_in_logits_dtype", ("INV-VAL-001", "INV-SLICE-002"), lm=Q.LogSoftmaxInLogitsDtype,
+               quiet="bf16/fp16 logits"),
+    PlantedBug("entropy_logsumexp_minus_sum", ("INV-VAL-002", "INV-CHUNK-001"), lm=Q.EntropyLogsumexpMinusSum,
+               quiet="T < 0.1"),
+    PlantedBug("temperature_clamp_missing", ("INV-TEMP-006",), lm=Q.TemperatureClampMissing,
+               quiet="T below 1e-8"),
+    PlantedBug("temperature_in_logits_dtype", ("INV-VAL-001", "INV-TEMP-001"), lm=Q.TemperatureInLogitsDtype,
+               quiet="bf16/fp16 logits, T not representable"),
+    PlantedBug("scale_before_upcast", ("INV-VAL-001", "INV-VAL-002"), lm=Q.ScaleBeforeUpcast,
+               quiet="bf16/fp16 logits"),
+    PlantedBug("last_partial_chunk_untempered", ("INV-VAL-001", "INV-CHUNK-001"), lm=Q.LastPartialChunkUntempered,
+               quiet="a partial last chunk, T != 1"),
+    PlantedBug("inplace_div_float32_logits", ("INV-MUT-002",), lm=Q.InplaceDivFloat32Logits,
+               quiet="float32 logits, T != 1"),
+    PlantedBug("labels_masked_at_pad_id", ("INV-LABEL-001", "INV-VAL-001"), lm=Q.LabelsMaskedAtPadId,
+               quiet="pad id (!= 0) among real tokens"),
+    PlantedBug("padded_mask_from_pad_id", ("INV-MASK-001", "INV-MASK-003"), lm=Q.PaddedMaskFromPadId,
+               quiet="pad id among real tokens"),
+    PlantedBug("label_ids_as_uint16", ("INV-LABEL-001", "INV-VAL-001"), lm=Q.LabelIdsAsUint16,
+               quiet="ids above 65,535"),
+    PlantedBug("positions_clamped_at_2048", ("INV-POS-002", "INV-POS-001", "INV-VAL-001"),
+               lm=Q.PositionsClampedAt2048, quiet="sequences over 2,048 tokens"),
+    PlantedBug("roll_in_2048_chunks", ("INV-LABEL-001",), lm=Q.RollIn2048Chunks, quiet="total_nnz > 2,048"),
+    PlantedBug("temperature_table_of_eight", ("INV-TEMP-001", "INV-BATCH-001"), lm=Q.TemperatureTableOfEight,
+               quiet="B > 8"),
+    PlantedBug("left_right_valid_by_pad_id", ("INV-DENSE-001",),
+               helpers=(("left_right_2_no_padding", Q.left_right_valid_by_pad_id),), quiet="pad id among real tokens"),
+    PlantedBug("left_right_prompts_left_aligned", ("INV-DENSE-006",),
+               helpers=(("left_right_2_no_padding", Q.left_right_prompts_left_aligned),),
+               quiet="left-padded prompts of different lengths"),
+    PlantedBug("left_right_response_len_from_mask_sum", ("INV-DENSE-006",),
+               helpers=(("left_right_2_no_padding", Q.left_right_response_len_from_mask_sum),),
+               quiet="holes in the response mask"),
+    PlantedBug("left_right_routed_experts_unmasked", ("INV-DENSE-007",),
+               helpers=(("left_right_2_no_padding", Q.left_right_routed_experts_unmasked),),
+               quiet="left-padded prompts"),
 )}
 
 
 class PlantedEngine(ImplEngine):
-    """impl with one planted bug."""
+    """impl with one planted bug (impl's own known failures do not excuse it)."""
+
+    known_failures: dict[str, str] = {}
 
     def __init__(self, bug: PlantedBug):
         self.bug = bug

@@ -231,3 +231,48 @@ class RollAfterPadding(impl.LMHeadEngine):
             row = torch.cat([mb["input_ids"].values(), mi["input_ids"].new_zeros(pad)])
             oa["input_ids_rmpad_rolled"] = torch.roll(row, -1)
         return mi, oa
+
+
+# -- layout deviations: harmless to consumers, caught only by the layout profile's invariants -------
+
+
+class TailIdsPadToken(impl.LMHeadEngine):
+    """The packed tail padding holds pad_token_id instead of verl's 0 (nothing reads it)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        pad = oa.get("pad_size", 0)
+        if pad and self.settings.sp_size == 1:
+            ids = mi["input_ids"].clone()
+            ids[..., -pad:] = int(read_flag(mb, "pad_token_id", 0)) or 1
+            mi["input_ids"] = ids
+        return mi, oa
+
+
+class PaddedPositionsFillOne(impl.LMHeadEngine):
+    """Padded position_ids hold 1 after each sequence instead of verl's 0 (masked: nothing reads them)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi.get("attention_mask") is not None:
+            pad = mi["attention_mask"] == 0
+            mi["position_ids"] = mi["position_ids"].masked_fill(pad.expand_as(mi["position_ids"]), 1)
+        return mi, oa
+
+
+class FusedWithoutReturnDict(impl.LMHeadEngine):
+    """Fused kernels are called without return_dict=True (verl passes it)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        mi.pop("return_dict", None)
+        return mi, oa
+
+
+class CuSeqlensWithoutCpuCopy(impl.LMHeadEngine):
+    """cu_seqlens is passed without verl's CPU copy cu_seqlens_cpu."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        mi.pop("cu_seqlens_cpu", None)
+        return mi, oa
