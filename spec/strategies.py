@@ -12,8 +12,8 @@ Reach (what engines see, drawn cheaply): a size *tier* is drawn first and shrink
   (n x V <= 2**21: the toy model's head is low rank, only the (n, V) logits grow).
 - ``batch``: B from 8 to 64 short sequences.
 
-The large tiers are each drawn with probability ``1/16`` (:data:`TIER_WEIGHTS`), so a 100-example
-``ci`` run sees about six large cases per invariant and mode; the ``thorough`` profile (more
+A large tier is drawn with probability ``1/4`` (:data:`TIER_WEIGHTS`), so a 40-example ``default``
+run sees about three cases of each large tier and a 100-example ``ci`` run about eight; the ``thorough`` profile (more
 examples) sees proportionally more. Logits come in float32, bfloat16 or float16; temperatures are
 1.0, log-uniform over [1e-3, 1e2], or at/below the contract's 1e-8 clamp; token ids are uniform over
 [0, V) so they include the pad id, and some cases end every response with eos = pad.
@@ -29,10 +29,10 @@ __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "MODES"
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
-#: out of 16 draws: 13 small, one each of the large tiers
-TIER_WEIGHTS = {"small": 13, "long": 1, "wide": 1, "batch": 1}
+#: the share of cases in each tier (a large tier is drawn with probability 1/4, then one of three)
+TIER_WEIGHTS = {"small": 3 / 4, "long": 1 / 12, "wide": 1 / 12, "batch": 1 / 12}
 _VOCABS = (2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 127, 128, 129)
-_WIDE_VOCABS = (32_768, 32_769, 50_257, 65_536, 65_537, 100_000, 131_072, 151_936, 152_064)
+_WIDE_VOCABS = (32_769, 65_537, 100_000, 131_072, 151_936, 152_064)
 _LONG_VOCABS = (2, 7, 16, 64)
 #: the largest float below, at and below the contract's 1e-8 temperature clamp
 _CLAMPED_TEMPERATURES = (1e-8, 5e-9, 1e-10)
@@ -45,9 +45,13 @@ def _check_bounds(**bounds: int) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _tier():
-    weights = [name for name in TIERS for _ in range(TIER_WEIGHTS[name])]
-    return st.sampled_from(weights)  # shrinks to the first: small
+@st.composite
+def _tier(draw) -> str:
+    """``small`` unless two coin flips both come up (1/4), then one of the large tiers; shrinks to small.
+    (Coin flips, not a weighted ``sampled_from``: hypothesis draws indices far from uniformly.)"""
+    if draw(st.booleans()) and draw(st.booleans()):
+        return draw(st.sampled_from(TIERS[1:]))
+    return "small"
 
 
 @st.composite
@@ -92,8 +96,8 @@ def _budgeted(lens_p: tuple[int, ...], lens_r: tuple[int, ...], vocab: int, budg
 def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: int = 8,
                  head: str = "lm", allow_sp: bool = True, allow_bucket: bool = True,
                  allow_fused: bool = True, allow_distillation: bool = True, allow_cu_seqlens: bool = True,
-                 allow_chunking: bool = True, allow_large: bool = True,
-                 per_sample_temperature: bool | None = None) -> EngineCase:
+                 allow_chunking: bool = True, allow_large: bool = True, padding: bool = False,
+                 per_sample_temperature: bool | None = None, tier: str | None = None) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws it). Sequence parallelism and the
@@ -101,11 +105,14 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     top-K distillation (the contract makes that an error), fused kernels need one
     float temperature, and sequence parallelism is not drawn with distillation (the
     suite's processor aligns teacher tensors with the whole packed row).
+
+    ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
+    (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
     _check_bounds(max_batch=max_batch, max_len=max_len)
     if mode not in (None, *MODES):
         raise ValueError(f"mode must be None or one of {MODES}, got {mode!r}")
-    tier = draw(_tier()) if allow_large else "small"
+    tier = tier or (draw(_tier()) if allow_large else "small")
     if tier == "batch":
         batch = draw(st.integers(8, 64))
     else:
@@ -113,6 +120,10 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     length = {"long": 2048, "wide": 8}.get(tier, max_len)
     prompts = draw(seq_lengths(batch, max_len=length))
     responses = draw(seq_lengths(batch, max_len=length))
+    if tier == "long":  # one sequence of 2,049 .. 4,096 tokens (integer draws favour small values)
+        at = draw(st.integers(0, batch - 1))
+        prompts = prompts[:at] + (draw(st.integers(1025, 2048)),) + prompts[at + 1:]
+        responses = responses[:at] + (draw(st.integers(1024, 2048)),) + responses[at + 1:]
     if tier == "wide":
         vocab = draw(st.sampled_from(_WIDE_VOCABS))
     elif tier == "long":
@@ -134,6 +145,21 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         sp = draw(st.sampled_from((1, 2, 3, 4)))
     if packed and allow_bucket and not distill and draw(st.booleans()):
         bucket = draw(st.sampled_from((4, 7, 8, 16) if tier != "long" else (4, 7, 1024, 4096)))
+    if padding:
+        if batch == 1 or len({p + r for p, r in zip(prompts, responses)}) == 1:
+            prompts = prompts[:-1] + (prompts[-1] + 1,) if batch > 1 else prompts
+            if batch == 1:
+                batch, prompts, responses = 2, prompts + (prompts[0] + 1,), responses * 2
+                if isinstance(temperature, tuple):
+                    temperature = temperature * 2
+        total = sum(prompts) + sum(responses)
+        if packed and (allow_bucket or allow_sp):
+            distill = ()
+            if allow_bucket:
+                bucket = bucket or 8
+                bucket = bucket if total % bucket else bucket + 1
+            elif total % sp == 0:
+                sp = next(k for k in (2, 3, 4, 5, 7) if total % k)
     width = None
     if draw(st.booleans()):
         width = max(responses) + draw(st.integers(0, 3))

@@ -28,6 +28,8 @@ def test_planted_bug_is_rejected(bug, invariant_id) -> None:
         ", ".join(f"{o.mode}: {o.status} after {o.examples} examples" for o in outcomes)
     for outcome in failures:
         assert outcome.counterexample, "a rejection must come with a counterexample"
+        assert (outcome.error or "").startswith("AssertionError"), (
+            f"{invariant_id} rejected {bug.name!r} by a crash, not a failed check: {outcome.error}")
 
 
 def test_seed_bugs_are_planted() -> None:
@@ -37,6 +39,7 @@ def test_seed_bugs_are_planted() -> None:
 
 def test_enough_planted_bugs() -> None:
     assert len(PLANTED) >= 12
+    assert sum(1 for bug in PLANTED.values() if bug.quiet) >= 15, "quiet planted bugs (issue 10)"
     assert all(set(bug.caught_by) <= set(CATALOGUE) for bug in PLANTED.values())
 
 

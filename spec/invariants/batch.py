@@ -10,6 +10,7 @@ from ..harness import execute
 from ..materialize import select_rows
 from ..rules import distinct_temperatures
 from .core import Ctx, fail, invariant, match_runs
+from .inputs import _bucketed
 
 PACKED = ("packed",)
 
@@ -45,9 +46,7 @@ def sp_invariance(ctx: Ctx) -> None:
 
 @invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
            protects="a static bucket never changes a sample's outputs",
-           modes=PACKED, needs=("bucket",),
-           adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, distillation_keys=(),
-                                    distillation_only=False))
+           modes=PACKED, needs=("bucket",), adjust=_bucketed)
 def bucket_invariance(ctx: Ctx) -> None:
     plain = ctx.rerun(ctx.case.with_(pad_to_length=None)).outputs
     match_runs(ctx, ctx.run.outputs, plain, f"bucket={ctx.case.pad_to_length} vs none")
@@ -160,7 +159,8 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
 @invariant("INV-CHUNK-001", "the entropy/log-prob chunk size (an engine setting) changes nothing in the outputs",
            contract=7,
            protects="entropy chunking/checkpointing never changes an output", needs=("chunking",),
-           adjust=lambda c: c.with_(entropy_chunk_size=c.entropy_chunk_size or 2, calculate_entropy=True))
+           adjust=lambda c: c.with_(calculate_entropy=True, entropy_chunk_size=max(
+               1, min(c.entropy_chunk_size or 2, c.total_nnz - 1))))
 def chunk_invariance(ctx: Ctx) -> None:
     whole = ctx.rerun(ctx.case.with_(entropy_chunk_size=None)).outputs
     match_runs(ctx, ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")

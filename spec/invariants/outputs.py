@@ -122,10 +122,24 @@ def device_dtype(ctx: Ctx) -> None:
             fail(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
 
 
+def _has_padding(ctx: Ctx) -> bool:
+    """Whether the run had padded logit slots to poison (else the example is recorded as not exercised)."""
+    case = ctx.case
+    if case.use_remove_padding:
+        widths = sum(mi["input_ids"].shape[-1] for mi in ctx.run.inputs)
+        has = widths > case.total_nnz
+    else:
+        has = len(set(case.seq_lens)) > 1
+    if not has:
+        ctx.not_exercised("no padding to poison")
+    return has
+
+
 @invariant("INV-LEAK-001", "NaN in every padded logit slot and in the packed tail never reaches an output",
-           contract=4,
+           contract=4, strategy_kwargs={"padding": True},
            protects="no NaN from padding reaches a loss")
 def no_nan_leak(ctx: Ctx) -> None:
+    _has_padding(ctx)
     for r, outputs in enumerate(ctx.run.rank_outputs):
         for key, value in outputs.items():
             values = value.values() if value.is_nested else value
@@ -135,9 +149,10 @@ def no_nan_leak(ctx: Ctx) -> None:
 
 
 @invariant("INV-LEAK-002", "huge values (+/-3e38) in the padding give bit-identical outputs to NaN padding",
-           contract=4,
+           contract=4, strategy_kwargs={"padding": True},
            protects="values in padding never change an output", adjust=lambda c: c.with_(logits_dtype="bfloat16") if c.logits_dtype == "float16" else c)
 def no_value_leak(ctx: Ctx) -> None:
+    _has_padding(ctx)
     base = ctx.run.outputs
     for name in ("huge", "neg"):
         other = ctx.rerun(poison=name).outputs

@@ -111,7 +111,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     # quiet bugs: each shows only under one condition (spec/planted/quiet_bugs.py)
     PlantedBug("log_softmax_in_logits_dtype", ("INV-VAL-001", "INV-SLICE-002"), lm=Q.LogSoftmaxInLogitsDtype,
                quiet="bf16/fp16 logits"),
-    PlantedBug("entropy_logsumexp_minus_sum", ("INV-VAL-002", "INV-CHUNK-001"), lm=Q.EntropyLogsumexpMinusSum,
+    PlantedBug("entropy_logsumexp_minus_sum", ("INV-VAL-002",), lm=Q.EntropyLogsumexpMinusSum,
                quiet="T < 0.1"),
     PlantedBug("temperature_clamp_missing", ("INV-TEMP-006",), lm=Q.TemperatureClampMissing,
                quiet="T below 1e-8"),
