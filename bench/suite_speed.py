@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
             groups[info.id.split("-")[1]].append(outcome)
     total = time.perf_counter() - start
     print(f"Suite speed: engine `{args.engine}`, profile `{args.profile}`, 1 thread, one process\n")
-    print("| group | instances | examples | seconds | examples/s |\n|---|---:|---:|---:|---:|")
+    print("| group | instances | examples | exercised | distinct cases | seconds | examples/s |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for group in sorted(groups):
         rows = groups[group]
         n, secs = sum(o.examples for o in rows), sum(o.seconds for o in rows)
-        print(f"| {group} | {len(rows)} | {n} | {secs:.1f} | {n / secs:.0f} |")
+        ex, distinct = sum(o.exercised for o in rows), sum(o.distinct_cases for o in rows)
+        print(f"| {group} | {len(rows)} | {n} | {ex} | {distinct} | {secs:.1f} | {n / secs:.0f} |")
     n = sum(o.examples for rows in groups.values() for o in rows)
     print(f"| **all** | {sum(map(len, groups.values()))} | {n} | {total:.1f} | {n / total:.0f} |")
     return 0

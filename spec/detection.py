@@ -10,6 +10,7 @@ shrink. ``--write`` replaces the table between the markers in spec/README.md.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -80,7 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--bugs", default="", help="comma-separated planted bug names (default: all)")
     parser.add_argument("--write", action="store_true", help="write the table into spec/README.md")
+    parser.add_argument("--json", default="", help="also dump the rows (one JSON object per line) to this file")
+    parser.add_argument("--merge", nargs="*", default=None,
+                        help="instead of measuring, merge --json dumps of partial runs (in PLANTED order)")
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        found = {}
+        for path in args.merge:
+            for line in Path(path).read_text().splitlines():
+                row = json.loads(line)
+                found[row["bug"]] = row
+        rows = [found[name] for name in PLANTED if name in found]
+        print(markdown(rows))
+        if args.write:
+            write(rows, min(r["seeds"] for r in rows))
+        return 0
     import torch
     from hypothesis import settings  # noqa: F401 - profiles registered on import
 
@@ -88,7 +103,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     names = [n for n in args.bugs.split(",") if n] or list(PLANTED)
-    rows = detection_table([PLANTED[n] for n in names], args.seeds)
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "w") as out:
+                out.writelines(json.dumps(r) + "\n" for r in rows)
+
+    rows: list[dict] = []
+    for name in names:
+        rows += detection_table([PLANTED[name]], args.seeds, log=lambda line: None)
+        log(f"{name}: ci {rows[-1]['ci'] or 'MISSED'}, default {rows[-1]['hits']}/{args.seeds} "
+            f"({rows[-1]['seconds']:.0f}s)")
     print()
     print(markdown(rows))
     if args.write:

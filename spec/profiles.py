@@ -2,7 +2,9 @@
 
 Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
-is caught on every run; ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+is caught on every run; ``thorough`` is the nightly CPU job's (ten times ``ci``'s examples, so ten
+times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
+spec/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ PROFILES = {
     "dev": dict(max_examples=10, deadline=None, suppress_health_check=_QUIET_CHECKS),
     "ci": dict(max_examples=100, deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=_QUIET_CHECKS),
+    "thorough": dict(max_examples=1000, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),
     "cuda": dict(max_examples=200, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),
     "debug": dict(max_examples=10, deadline=None, verbosity=Verbosity.verbose, print_blob=True,
                   suppress_health_check=_QUIET_CHECKS),

@@ -14,6 +14,7 @@ and rounded once to that dtype.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
@@ -23,17 +24,26 @@ __all__ = ["ToyCausalLM", "DTYPES"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@lru_cache(maxsize=16)
+def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, device: str):
+    """The model's (read-only) weights: a case's runs and its oracle share them (152k-id heads are
+    worth drawing once)."""
+    gen = torch.Generator().manual_seed(10_007 + seed)
+    embed = torch.randn(vocab, hidden, generator=gen).to(device)
+    pos_embed = (0.5 * torch.randn(4, max_pos, hidden, generator=gen)).to(device)
+    proj = (2.0 * torch.randn(hidden, out_dim, generator=gen)).to(device)
+    return embed, pos_embed, proj, proj.double()
+
+
 class ToyCausalLM:
     def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None, hidden: int = 8,
                  max_pos: int = 97, device: torch.device | str = "cpu", dtype: str | None = None) -> None:
-        gen = torch.Generator().manual_seed(10_007 + int(seed))
         self.vocab = vocab
         self.max_pos = max_pos
         #: the logits' dtype: given, else carried by the case's seed (spec.cases.ModelSeed), else float32
         self.dtype = DTYPES[dtype or getattr(seed, "logits_dtype", "float32")]
-        self.embed = torch.randn(vocab, hidden, generator=gen).to(device)
-        self.pos_embed = (0.5 * torch.randn(4, max_pos, hidden, generator=gen)).to(device)
-        self.proj = (2.0 * torch.randn(hidden, out_dim or vocab, generator=gen)).to(device)
+        self.embed, self.pos_embed, self.proj, self._proj64 = _weights(
+            vocab, int(seed), out_dim or vocab, hidden, max_pos, str(torch.device(device)))
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +66,7 @@ class ToyCausalLM:
             total = total - has_before * torch.gather(total, 1, before.expand_as(total))
             count = count - has_before * torch.gather(count, 1, before.expand_as(count))
         ctx = total / count.clamp(min=1.0)
-        return (torch.tanh(x + pos + ctx) @ self.proj.double()).to(self.dtype)
+        return (torch.tanh(x + pos + ctx) @ self._proj64).to(self.dtype)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
