@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.merge:
             for line in Path(path).read_text().splitlines():
                 row = json.loads(line)
+                if row["bug"] in PLANTED:  # the bug's kind as the code says now
+                    row.update(quiet=PLANTED[row["bug"]].quiet, layout=PLANTED[row["bug"]].layout)
                 found[row["bug"]] = row
         rows = [found[name] for name in PLANTED if name in found]
         print(markdown(rows))
