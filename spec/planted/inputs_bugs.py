@@ -276,3 +276,17 @@ class CuSeqlensWithoutCpuCopy(impl.LMHeadEngine):
         mi, oa = super().prepare_model_inputs(mb)
         mi.pop("cu_seqlens_cpu", None)
         return mi, oa
+
+
+class PaddedIdsLeftAligned(impl.LMHeadEngine):
+    """Padded input_ids are left-padded (each sequence right-aligned) while the mask stays right-padded."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if mi.get("attention_mask") is not None:
+            ids = mi["input_ids"]
+            width = ids.shape[1]
+            shift = (width - _lens(mb["input_ids"]).to(ids.device)).unsqueeze(1)
+            cols = (torch.arange(width, device=ids.device).unsqueeze(0) - shift) % width
+            mi["input_ids"] = ids.gather(1, cols)
+        return mi, oa
