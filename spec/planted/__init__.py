@@ -13,6 +13,7 @@ from typing import Callable
 import impl
 
 from ..impl_engine import ImplEngine
+from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import outputs_bugs as O
@@ -97,6 +98,12 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
     PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
+    PlantedBug("left_right_runs_from_column_counts", ("INV-DROPIN-001",),
+               helpers=(("left_right_2_no_padding", D.left_right_runs_from_column_counts),)),
+    PlantedBug("left_right_split_from_columns", ("INV-DROPIN-001",),
+               helpers=(("left_right_2_no_padding", D.left_right_split_from_columns),)),
+    PlantedBug("left_right_loss_mask_keeps_stray_marks", ("INV-DROPIN-002",),
+               helpers=(("left_right_2_no_padding", D.left_right_loss_mask_keeps_stray_marks),)),
 )}
 
 
