@@ -13,7 +13,6 @@ import warnings
 import torch
 from tensordict import TensorDictBase
 
-from .dense import jagged_to_padded, padded_to_jagged
 from .errors import BatchMismatchError, LayoutWarning, NestedLayoutError, ShapeError
 from .flags import read_flag
 from .layout import SequenceLayout, nested_from_values
@@ -51,26 +50,38 @@ def response_lengths(data: TensorDictBase, device: torch.device) -> torch.Tensor
                    f"(or a nested 'response_mask'/'loss_mask'); keys: {sorted(data.keys())}")
 
 
-def _response_rows(values: torch.Tensor, offsets: torch.Tensor, resp_lens: torch.Tensor, width: int,
-                   key: str) -> torch.Tensor:
-    """``(B, width, *)``: row i starts with the ``r_i`` outputs that score response i.
+def _run_views(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views ``flat[starts[i] : starts[i] + lengths[i]]`` (along dim 0) of ordered, non-overlapping runs.
 
-    Entries past ``r_i`` are *not* cleared (they hold what follows in the packed row).
-    Rows are cut from one partition of the packed row, ``[s_i, s_{i+1})`` with
-    ``s_i = e_i - r_i - 1``, so a single jagged-to-dense pass does the gather.
+    One ``split`` of ``flat`` at the run boundaries: C++ makes the views, no index tensor is
+    built; ``torch.cat`` (or ``pad_sequence``) of them then writes only the output.
+    """
+    bounds = torch.stack([starts, starts + lengths], 1).reshape(-1)
+    sizes = torch.cat([bounds[:1], bounds.diff(), bounds.new_full((1,), flat.shape[0]) - bounds[-1:]])
+    return flat.split(sizes.tolist())[1::2]
+
+
+def _take_runs(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The runs of :func:`_run_views`, back to back: ``(sum(lengths), *)``."""
+    return torch.cat(_run_views(flat, starts, lengths))
+
+
+def _response_starts(offsets: torch.Tensor, resp_lens: torch.Tensor, key: str) -> tuple[torch.Tensor, int]:
+    """``s_i = e_i - r_i - 1`` (and ``max(r_i)``): where the outputs scoring response i start in the packed row.
+
+    The model's output at packed position k scores token k + 1; it needs a prompt of >= 1 token.
     """
     seq_lens = offsets.diff()
     if seq_lens.shape != resp_lens.shape:
         raise BatchMismatchError(f"{key!r} holds {seq_lens.shape[0]} sequences but there are "
                                  f"{resp_lens.shape[0]} responses")
-    starts = offsets[1:] - resp_lens - 1
-    min_prompt, min_resp, first = torch.stack([(seq_lens - resp_lens).min(), resp_lens.min(), starts[0]]).tolist()
+    min_prompt, min_resp, longest = torch.stack([(seq_lens - resp_lens).min(), resp_lens.min(),
+                                                 resp_lens.max()]).tolist()
     if min_prompt < 1 or min_resp < 0:
         raise ShapeError(
             f"{key!r}: every sequence needs a prompt of >= 1 token before its response to slice the "
             f"response; sequence lengths {seq_lens.tolist()}, response lengths {resp_lens.tolist()}")
-    bounds = torch.cat([starts, offsets[-1:]]) - first
-    return jagged_to_padded(values[first:], bounds, width, 0)
+    return offsets[1:] - resp_lens - 1, longest
 
 
 def _values_and_offsets(tensor: torch.Tensor, data: TensorDictBase, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,21 +108,24 @@ def no_padding_2_padding(tensor: torch.Tensor, data: TensorDictBase) -> torch.Te
     width = read_flag(data, "max_response_len", None)
     if width is None:
         width = read_flag(data, "max_response_length", None)
-    longest = int(resp_lens.max())
+    starts, longest = _response_starts(offsets, resp_lens, "tensor")
     width = longest if width is None else int(width)
     if width < longest:
         raise ShapeError(f"flag 'max_response_len'={width} is smaller than the longest response ({longest})")
-    out = _response_rows(values, offsets, resp_lens, width, "tensor")
-    past = torch.arange(width, device=values.device).unsqueeze(0) >= resp_lens.unsqueeze(1)  # (B, W)
-    return out.masked_fill_(past.view(*past.shape, *([1] * (values.dim() - 1))), 0)
+    rows = _run_views(values, starts, resp_lens)
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # exact zeros past r_i
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, 0) * (values.dim() - 1) + (0, width - out.shape[1]))
+    return out
 
 
 def response_from_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The response part of per-token outputs, nested ``(B, r_i, *)``."""
     layout = SequenceLayout.of(tensor, "tensor")
     responses = SequenceLayout.of(response_mask, "response_mask")
-    rows = _response_rows(layout.values, layout.offsets, responses.lengths, responses.max_seq_len, "tensor")
-    return nested_from_values(padded_to_jagged(rows, responses.offsets, responses.total_nnz), responses, "tensor")
+    starts, _ = _response_starts(layout.offsets, responses.lengths.to(layout.offsets.device), "tensor")
+    values = _take_runs(layout.values, starts, responses.lengths.to(layout.offsets.device))
+    return nested_from_values(values, responses, "tensor")
 
 
 def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -124,7 +138,9 @@ def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> tor
     if responses.max_seq_len > width:
         raise ShapeError(f"'tensor' has {width} response columns (shape {tuple(tensor.shape)}) but the "
                          f"longest response has {responses.max_seq_len} tokens")
-    values = padded_to_jagged(tensor, responses.offsets.to(tensor.device), responses.total_nnz)
+    lengths = responses.lengths.to(tensor.device)
+    rows = torch.arange(responses.batch_size, device=tensor.device)
+    values = _take_runs(tensor.reshape(-1, *tensor.shape[2:]), rows * width, lengths)
     return nested_from_values(values, responses, "tensor")
 
 
@@ -136,12 +152,6 @@ def _dense(data: TensorDictBase, key: str, dims: tuple[int, ...]) -> torch.Tenso
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) and not value.is_nested else "nested"
         raise ShapeError(f"{key!r} must be a dense tensor with {' or '.join(map(str, dims))} dims, got {shape}")
     return value
-
-
-def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
-    """Flat indices of the runs ``[starts[i], starts[i] + lengths[i])``, back to back."""
-    shift = torch.repeat_interleave((starts - (lengths.cumsum(0) - lengths)).to(dtype), lengths, output_size=total)
-    return torch.arange(total, dtype=dtype, device=starts.device).add_(shift)
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -255,27 +265,27 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
                         f"under 'attention_mask' minus the nested 'responses' lengths ({prompt_lens.tolist()})")
     _report(problems, strict)
 
-    index_dtype = torch.int32 if batch * max(seq, 1) < 2**31 else torch.int64
     rows = torch.arange(batch, device=device)
-    if all_left_right:
-        index = _runs(rows * seq + prompt_width - col_prompt, seq_lens, n_tok, index_dtype)
-    else:
-        index = mask.reshape(-1).nonzero().squeeze(1)
     offsets = _offsets(seq_lens)
+    if all_left_right:  # row i's tokens are one run of columns: split at the run bounds, concatenate
+        starts = rows * seq + prompt_width - col_prompt
+        take = lambda flat: _take_runs(flat, starts, seq_lens)  # noqa: E731
+    else:  # anywhere the mask says: the same order as verl's unpad_input
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        take = lambda flat: flat.index_select(0, index)  # noqa: E731
 
     def nested(flat: torch.Tensor, at: torch.Tensor = offsets, jagged_dim: int = 1) -> torch.Tensor:
         return torch.nested.nested_tensor_from_jagged(flat, at, jagged_dim=jagged_dim)
 
     out = data.copy()
-    out.set("input_ids", nested(input_ids.reshape(-1).index_select(0, index)))
+    out.set("input_ids", nested(take(input_ids.reshape(-1))))
     if position_ids.dim() == 3:  # mRoPE (B, C, S) -> values (C, n) ragged on the last dim
         channels = position_ids.shape[1]
-        flat = position_ids.transpose(0, 1).reshape(channels, batch * seq).index_select(1, index)
-        out.set("position_ids", nested(flat, jagged_dim=2))
+        flat = take(position_ids.transpose(1, 2).reshape(batch * seq, channels))  # (n, C)
+        out.set("position_ids", nested(flat.t().contiguous(), jagged_dim=2))
     else:
-        out.set("position_ids", nested(position_ids.reshape(-1).index_select(0, index)))
-    resp_index = _runs(rows * width, resp_lens, n_resp, index_dtype)
-    loss_values = response_mask.reshape(-1).index_select(0, resp_index)
+        out.set("position_ids", nested(take(position_ids.reshape(-1))))
+    loss_values = _take_runs(response_mask.reshape(-1), rows * width, resp_lens)
     loss_mask = nested(loss_values, _offsets(resp_lens))
     out.set("response_mask", loss_mask)
     out.set("loss_mask", loss_mask)
@@ -285,7 +295,7 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
             continue
         if value.dim() < 2 or value.shape[:2] != (batch, seq):
             raise BatchMismatchError(f"{key!r} has shape {tuple(value.shape)}, expected ({batch}, {seq}, *)")
-        out.set(key, nested(value.reshape(batch * seq, *value.shape[2:]).index_select(0, index)))
+        out.set(key, nested(take(value.reshape(batch * seq, *value.shape[2:]))))
     out.set_non_tensor("max_seq_len", seq)
     out.set_non_tensor("max_response_len", width)
     kept = int(torch.count_nonzero(loss_values))
