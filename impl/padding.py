@@ -236,8 +236,8 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
         nested_prompts = SequenceLayout.of(prompts, "prompts").lengths.to(device)
         if nested_prompts.shape == prompt_lens.shape:
             prompt_mismatch = (nested_prompts != prompt_lens).sum()
-    n_tok, n_resp, all_left_right, lo_prompt, lo_resp, hi_resp, bad_prompts, marked = torch.stack([
-        seq_lens.sum(), resp_lens.sum(), left_right.all(), prompt_lens.min(), resp_lens.min(), resp_lens.max(),
+    all_left_right, lo_prompt, lo_resp, hi_resp, bad_prompts, marked = torch.stack([
+        left_right.all(), prompt_lens.min(), resp_lens.min(), resp_lens.max(),
         prompt_mismatch, torch.count_nonzero(response_mask)]).tolist()
     if hi_resp > width:
         raise ShapeError(f"nested 'responses' has a row of {hi_resp} tokens but 'response_mask' has {width} "
