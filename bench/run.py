@@ -88,6 +88,10 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, atol: flo
 
 # --------------------------------------------------------------------------- rows
 
+
+def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+
 @dataclass
 class Row:
     function: str
@@ -98,12 +102,16 @@ class Row:
     extract: Callable[[Any], dict[str, torch.Tensor]] = _tensors
     atol: float = 0.0
     rtol: float = 0.0
+    #: the best plain-torch gather of the same output elements (indices precomputed), slice helpers only
+    gather: Fn | None = None
     group: str = "helper"  # helper | outputs-packed | outputs-padded
     batch: int = 0
     min_time: float | None = None
     # filled in
     check: str = "n/a"
     times: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: per-round medians (the spread of each column across the interleaved rounds)
+    rounds: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     peaks: dict[int, dict[str, int | None]] = field(default_factory=dict)
 
 
@@ -128,6 +136,21 @@ def _inputs_view(pair: tuple[dict, dict]) -> dict[str, torch.Tensor]:
     return flat
 
 
+def _index(rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, stride: int) -> torch.Tensor:
+    """int32 flat indices ``rows[i] * stride + starts[i] + k`` for ``k < lengths[i]``, back to back."""
+    rep = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return (rows[rep] * stride + starts[rep] + within).to(torch.int32)
+
+
+def _gather(source: torch.Tensor, index: torch.Tensor, shape: tuple[int, ...] | None = None) -> Fn:
+    """A plain gather of precomputed elements: what any implementation must at least do."""
+    flat = source.reshape(-1)
+    if shape is None:
+        return lambda: flat.index_select(0, index)
+    return lambda: flat.index_select(0, index).view(shape)
+
+
 def helper_rows(case: C.HelperCase, verl: verl_adapter.Verl | None) -> list[Row]:
     geo = C.make_geometry(case.batch, case.max_prompt, case.max_response, seed=case.seed)
     pad_mode = verl.pad_mode if verl else "no_padding"
@@ -142,17 +165,33 @@ def helper_rows(case: C.HelperCase, verl: verl_adapter.Verl | None) -> list[Row]
     dense_resp = torch.randn(geo.batch, int(geo.response_lens.max()), generator=g)
     lr = C.left_right_batch(geo)
 
-    def add(name: str, impl_fn: Fn, verl_fn: Fn | None, extract=_tensors) -> None:
-        rows.append(Row(name, label, impl_fn, _floor_of(impl_fn()), verl_fn, extract, batch=geo.batch))
+    def add(name: str, impl_fn: Fn, verl_fn: Fn | None, extract=_tensors, gather: Fn | None = None) -> None:
+        if gather is not None:  # the gather floor returns exactly impl's output elements
+            out = impl_fn()
+            assert torch.equal(gather(), out.values() if out.is_nested else out), f"gather floor of {name}"
+        rows.append(Row(name, label, impl_fn, _floor_of(impl_fn()), verl_fn, extract, gather=gather,
+                        batch=geo.batch))
+
+    # precomputed indices of the elements each slice helper returns
+    resp, seq_end = geo.response_lens, _offsets_of(geo.seq_lens)[1:]
+    width = int(resp.max())
+    batch_rows = torch.arange(geo.batch)
+    resp_src = _index(torch.zeros_like(resp), seq_end - resp - 1, resp, 0)  # into the packed values
+    padded_values = torch.cat([per_token.values(), per_token.values().new_zeros(1)])  # pad slots read the 0
+    slot = torch.full((geo.batch, width), geo.total, dtype=torch.int32)
+    slot.view(-1)[_index(batch_rows, torch.zeros_like(resp), resp, width).long()] = resp_src
 
     add("build_attention_mask_from_nested", lambda: impl.build_attention_mask_from_nested(ids),
         vp and (lambda: vp.build_attention_mask_from_nested(ids)))
     add("no_padding_2_padding", lambda: impl.no_padding_2_padding(per_token, mb),
-        vp and (lambda: vp.no_padding_2_padding(per_token, mb)))
+        vp and (lambda: vp.no_padding_2_padding(per_token, mb)),
+        gather=_gather(padded_values, slot.view(-1), (geo.batch, width)))
     add("response_from_nested", lambda: impl.response_from_nested(per_token, loss_mask),
-        vp and (lambda: vp.response_from_nested(per_token, loss_mask)))
+        vp and (lambda: vp.response_from_nested(per_token, loss_mask)),
+        gather=_gather(per_token.values(), resp_src))
     add("response_to_nested", lambda: impl.response_to_nested(dense_resp, loss_mask),
-        vp and (lambda: vp.response_to_nested(dense_resp, loss_mask)))
+        vp and (lambda: vp.response_to_nested(dense_resp, loss_mask)),
+        gather=_gather(dense_resp, _index(batch_rows, torch.zeros_like(resp), resp, dense_resp.shape[1])))
 
     lr_keys = ("input_ids", "position_ids")
 
@@ -161,11 +200,20 @@ def helper_rows(case: C.HelperCase, verl: verl_adapter.Verl | None) -> list[Row]
         return {k: (v.long() if k.endswith("offsets") else v) for k, v in flat.items()}
 
     impl_lr = impl.left_right_2_no_padding(lr)
+    produced = ("input_ids", "position_ids", "loss_mask")  # what it makes; the rest is carried over
+    lr_width = lr["response_mask"].shape[1]
+    lr_seq = lr["input_ids"].shape[1]
+    tok_index = _index(batch_rows, lr_seq - lr_width - geo.prompt_lens, geo.seq_lens, lr_seq)
+    resp_index = _index(batch_rows, torch.zeros_like(resp), resp, lr_width)
+    lr_gathers = [_gather(lr["input_ids"], tok_index), _gather(lr["position_ids"], tok_index),
+                  _gather(lr["response_mask"], resp_index)]
+    assert all(torch.equal(g(), impl_lr[k].values()) for g, k in zip(lr_gathers, produced)), "left_right gather"
     rows.append(Row("left_right_2_no_padding", label, lambda: impl.left_right_2_no_padding(lr),
-                    _clone_all(t for k, t in _tensors(impl_lr).items() if not k.endswith("offsets")),
+                    _clone_all(t for k, t in _tensors({k: impl_lr[k] for k in produced}).items()
+                               if not k.endswith("offsets")),
                     # verl pops/sets keys of its argument: it gets a fresh shallow copy per call
                     vp and (lambda: verl_adapter.shallow(vp.left_right_2_no_padding)(lr)),
-                    lr_extract, batch=geo.batch))
+                    lr_extract, gather=lambda: [g() for g in lr_gathers], batch=geo.batch))
 
     engine = impl.LMHeadEngine()
     for packed in (True, False):
@@ -216,7 +264,8 @@ def output_rows(case: C.OutputCase, verl: verl_adapter.Verl | None, dtypes: list
 ROUNDS = 3
 
 
-def median_times(who: list[tuple[str, Fn]], threads: int, min_time: float) -> dict[str, float]:
+def median_times(who: list[tuple[str, Fn]], threads: int, min_time: float,
+                 rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median per-call time of each column, measured in interleaved rounds.
 
     Each round runs ``Timer.blocked_autorange`` for every column in turn (alternating the
@@ -227,12 +276,16 @@ def median_times(who: list[tuple[str, Fn]], threads: int, min_time: float) -> di
     for r in range(ROUNDS):
         for name, fn in (who if r % 2 == 0 else who[::-1]):
             timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-            pooled[name].extend(timer.blocked_autorange(min_run_time=min_time / ROUNDS).times)
+            measured = timer.blocked_autorange(min_run_time=min_time / ROUNDS)
+            pooled[name].extend(measured.times)
+            if rounds is not None:
+                rounds.setdefault(name, []).append(measured.median)
     return {name: statistics.median(times) for name, times in pooled.items()}
 
 
 def _who(row: Row) -> list[tuple[str, Fn]]:
-    return [("impl", row.impl), ("floor", row.floor)] + ([("verl", row.verl)] if row.verl else [])
+    return ([("impl", row.impl), ("floor", row.floor)] + ([("gather", row.gather)] if row.gather else [])
+            + ([("verl", row.verl)] if row.verl else []))
 
 
 def measure(row: Row, threads: list[int], min_time: float) -> Row:
@@ -246,7 +299,8 @@ def measure(row: Row, threads: list[int], min_time: float) -> Row:
     del impl_out
     gc.collect()
     for n in threads:
-        row.times[n] = median_times(_who(row), n, row.min_time or min_time)
+        row.rounds[n] = {}
+        row.times[n] = median_times(_who(row), n, row.min_time or min_time, row.rounds[n])
     return row
 
 
@@ -288,18 +342,27 @@ def fmt_mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.1f}"
 
 
+def _ratio_range(row: Row, n: int) -> str:
+    """verl/impl per interleaved round: min-max (the run-to-run spread on this machine)."""
+    got = row.rounds.get(n, {})
+    ratios = [v / i for v, i in zip(got.get("verl", []), got.get("impl", []))]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "n/a"
+
+
 def table(rows: list[Row], n: int, with_memory: bool) -> str:
-    head = ["function", "case", "impl median", "verl median", "floor median", "impl/floor", "verl/impl",
-            "outputs equal"]
+    head = ["function", "case", "impl median", "verl median", "floor median", "gather median", "impl/floor",
+            "impl/gather", "verl/impl (range over rounds)", "outputs equal"]
     if with_memory:
         head += ["peak MiB impl", "peak MiB verl", "peak MiB floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         t = row.times[n]
         verl_t = t.get("verl")
+        gather_t = t.get("gather")
         cells = [row.function, row.case, fmt_time(t["impl"]), fmt_time(verl_t), fmt_time(t["floor"]),
-                 f"{t['impl'] / t['floor']:.2f}", "n/a" if verl_t is None else f"{verl_t / t['impl']:.2f}",
-                 row.check]
+                 fmt_time(gather_t), f"{t['impl'] / t['floor']:.2f}",
+                 "n/a" if gather_t is None else f"{t['impl'] / gather_t:.2f}",
+                 "n/a" if verl_t is None else f"{verl_t / t['impl']:.2f} ({_ratio_range(row, n)})", row.check]
         if with_memory:
             p = row.peaks.get(n, {})
             cells += [fmt_mib(p.get("impl")), fmt_mib(p.get("verl")) if "verl" in p else "n/a",
@@ -319,6 +382,12 @@ def targets(rows: list[Row], threads: list[int], with_memory: bool, big_batch: i
         padded = [r for r in rows if r.group == "outputs-padded"]
         packed = [r for r in rows if r.group == "outputs-packed"]
         lines = [f"threads={n}:"]
+        with_v = [r for r in rows if "verl" in r.times[n]]
+        if with_v:
+            ok = [r.times[n]["verl"] >= 1.2 * r.times[n]["impl"] for r in with_v]
+            miss = "; ".join(f"{r.function} {r.case}: {r.times[n]['verl'] / r.times[n]['impl']:.2f}x "
+                             f"(rounds {_ratio_range(r, n)})" for r, k in zip(with_v, ok) if not k)
+            lines.append(f"- every row >= 1.2x verl's speed: {verdict(ok)}" + (f": {miss}" if miss else ""))
         if helpers:
             ok = [r.times[n]["impl"] <= 3 * r.times[n]["floor"] for r in helpers]
             miss = ", ".join(f"{r.function} {r.times[n]['impl'] / r.times[n]['floor']:.1f}x"

@@ -5,7 +5,7 @@ drop-ins for verl's FSDP engines' ``prepare_model_inputs``/``prepare_model_outpu
 """
 
 from .engines import LMHeadEngine, ValueHeadEngine
-from .errors import (BatchMismatchError, FlagTypeError, NestedLayoutError, PrepError, ShapeError,
+from .errors import (BatchMismatchError, FlagTypeError, LayoutWarning, NestedLayoutError, PrepError, ShapeError,
                      TemperatureError, UnsupportedConfigError)
 from .flags import BatchFlags
 from .inputs import prepare_model_inputs
@@ -22,5 +22,5 @@ __all__ = [
     "response_from_nested", "response_to_nested",
     "logprobs_from_logits", "entropy_from_logits", "sum_pi_squared_from_logits",
     "PrepError", "NestedLayoutError", "BatchMismatchError", "ShapeError", "TemperatureError",
-    "UnsupportedConfigError", "FlagTypeError",
+    "UnsupportedConfigError", "FlagTypeError", "LayoutWarning",
 ]

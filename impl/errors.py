@@ -16,6 +16,7 @@ __all__ = [
     "TemperatureError",
     "UnsupportedConfigError",
     "FlagTypeError",
+    "LayoutWarning",
 ]
 
 
@@ -45,3 +46,11 @@ class UnsupportedConfigError(PrepError, ValueError):
 
 class FlagTypeError(PrepError, TypeError):
     """A micro-batch flag holds a value of the wrong type."""
+
+
+class LayoutWarning(UserWarning):
+    """A dense batch whose result is well defined for verl's keys but guessed or trimmed for impl's.
+
+    ``left_right_2_no_padding(data)`` warns (and ``strict=True`` raises instead) when the
+    prompt/response split is read from columns that do not hold a left-right layout, or when
+    ``response_mask`` marks tokens that are not response tokens."""

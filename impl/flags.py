@@ -77,7 +77,10 @@ class BatchFlags:
 
     @classmethod
     def from_batch(cls, micro_batch: TensorDictBase) -> "BatchFlags":
-        get = lambda key, default: read_flag(micro_batch, key, default)  # noqa: E731
+        present = set(micro_batch.keys())  # one key listing; absent flags cost nothing
+
+        def get(key: str, default: Any) -> Any:
+            return read_flag(micro_batch, key, default) if key in present else default
         max_len = get("max_response_len", None)
         if max_len is None:  # verl's spelling
             max_len = get("max_response_length", None)

@@ -120,7 +120,9 @@ class SequenceLayout:
         if width < self.max_seq_len:
             raise ShapeError(f"max_seq_len={width} is shorter than the longest sequence ({self.max_seq_len})")
         positions = torch.arange(width, device=self.offsets.device)
-        return (positions.unsqueeze(0) < self.lengths.unsqueeze(1)).to(torch.int32)
+        # compare straight into int32: one pass, no bool temporary
+        out = torch.empty((self.batch_size, width), dtype=torch.int32, device=self.offsets.device)
+        return torch.lt(positions.unsqueeze(0), self.lengths.unsqueeze(1), out=out)
 
 
 def nested_from_values(values: torch.Tensor, layout: SequenceLayout, key: str) -> torch.Tensor:

@@ -31,18 +31,27 @@ def _statistics(scaled: torch.Tensor, labels: torch.Tensor | None, *, entropy: b
                 sum_pi_squared: bool) -> dict[str, torch.Tensor]:
     """The per-token math, once, over the last dim of float32 ``scaled`` logits ``(..., V)``."""
     out: dict[str, torch.Tensor] = {}
+    if not (entropy or sum_pi_squared):
+        if labels is not None:
+            lse = torch.logsumexp(scaled, dim=-1)
+            out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1) - lse
+        return out
+    # One exp pass serves every quantity: with m the row max, z = x - m <= 0, e = exp(z), s = sum(e):
+    # lse = log s + m (torch.logsumexp's own formula, so log_probs match the path above bit for bit),
+    # entropy = log s - sum(e * z) / s (two non-negative terms: no cancellation at low temperature,
+    # unlike lse - sum(p * x)), sum_pi_squared = sum(e * e) / s^2.
+    top = scaled.amax(dim=-1, keepdim=True)
+    shifted = scaled - top
+    e = shifted.exp()
+    total = e.sum(-1)
+    log_total = total.log()
     if labels is not None:
-        lse = torch.logsumexp(scaled, dim=-1)
+        lse = log_total + top.squeeze(-1)
         out["log_probs"] = scaled.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1) - lse
-    if entropy or sum_pi_squared:
-        # -sum(p * log p) from log_softmax (which subtracts the max first), not lse - sum(p * logits)
-        # nor logits - lse: both lose the small terms in float32 when logits are large (low temperature).
-        log_p = torch.log_softmax(scaled, dim=-1)
-        probs = log_p.exp()
-        if entropy:
-            out["entropy"] = -(probs * log_p).sum(-1)
-        if sum_pi_squared:
-            out["sum_pi_squared"] = (probs * probs).sum(-1)
+    if entropy:
+        out["entropy"] = log_total - (e * shifted).sum(-1) / total  # a summed product: BLAS dots lose ~1e-5
+    if sum_pi_squared:
+        out["sum_pi_squared"] = (e * e).sum(-1) / (total * total)
     return out
 
 

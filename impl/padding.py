@@ -8,11 +8,12 @@ packed position k scores token k+1, so the response of sequence i, ending at
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from tensordict import TensorDictBase
 
-from .dense import jagged_to_padded, padded_to_jagged
-from .errors import BatchMismatchError, NestedLayoutError, ShapeError
+from .errors import BatchMismatchError, LayoutWarning, NestedLayoutError, ShapeError
 from .flags import read_flag
 from .layout import SequenceLayout, nested_from_values
 
@@ -49,26 +50,38 @@ def response_lengths(data: TensorDictBase, device: torch.device) -> torch.Tensor
                    f"(or a nested 'response_mask'/'loss_mask'); keys: {sorted(data.keys())}")
 
 
-def _response_rows(values: torch.Tensor, offsets: torch.Tensor, resp_lens: torch.Tensor, width: int,
-                   key: str) -> torch.Tensor:
-    """``(B, width, *)``: row i starts with the ``r_i`` outputs that score response i.
+def _run_views(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views ``flat[starts[i] : starts[i] + lengths[i]]`` (along dim 0) of ordered, non-overlapping runs.
 
-    Entries past ``r_i`` are *not* cleared (they hold what follows in the packed row).
-    Rows are cut from one partition of the packed row, ``[s_i, s_{i+1})`` with
-    ``s_i = e_i - r_i - 1``, so a single jagged-to-dense pass does the gather.
+    One ``split`` of ``flat`` at the run boundaries: C++ makes the views, no index tensor is
+    built; ``torch.cat`` (or ``pad_sequence``) of them then writes only the output.
+    """
+    bounds = torch.stack([starts, starts + lengths], 1).reshape(-1)
+    sizes = torch.cat([bounds[:1], bounds.diff(), bounds.new_full((1,), flat.shape[0]) - bounds[-1:]])
+    return flat.split(sizes.tolist())[1::2]
+
+
+def _take_runs(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The runs of :func:`_run_views`, back to back: ``(sum(lengths), *)``."""
+    return torch.cat(_run_views(flat, starts, lengths))
+
+
+def _response_starts(offsets: torch.Tensor, resp_lens: torch.Tensor, key: str) -> tuple[torch.Tensor, int]:
+    """``s_i = e_i - r_i - 1`` (and ``max(r_i)``): where the outputs scoring response i start in the packed row.
+
+    The model's output at packed position k scores token k + 1; it needs a prompt of >= 1 token.
     """
     seq_lens = offsets.diff()
     if seq_lens.shape != resp_lens.shape:
         raise BatchMismatchError(f"{key!r} holds {seq_lens.shape[0]} sequences but there are "
                                  f"{resp_lens.shape[0]} responses")
-    starts = offsets[1:] - resp_lens - 1
-    min_prompt, min_resp, first = torch.stack([(seq_lens - resp_lens).min(), resp_lens.min(), starts[0]]).tolist()
+    min_prompt, min_resp, longest = torch.stack([(seq_lens - resp_lens).min(), resp_lens.min(),
+                                                 resp_lens.max()]).tolist()
     if min_prompt < 1 or min_resp < 0:
         raise ShapeError(
             f"{key!r}: every sequence needs a prompt of >= 1 token before its response to slice the "
             f"response; sequence lengths {seq_lens.tolist()}, response lengths {resp_lens.tolist()}")
-    bounds = torch.cat([starts, offsets[-1:]]) - first
-    return jagged_to_padded(values[first:], bounds, width, 0)
+    return offsets[1:] - resp_lens - 1, longest
 
 
 def _values_and_offsets(tensor: torch.Tensor, data: TensorDictBase, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,21 +108,24 @@ def no_padding_2_padding(tensor: torch.Tensor, data: TensorDictBase) -> torch.Te
     width = read_flag(data, "max_response_len", None)
     if width is None:
         width = read_flag(data, "max_response_length", None)
-    longest = int(resp_lens.max())
+    starts, longest = _response_starts(offsets, resp_lens, "tensor")
     width = longest if width is None else int(width)
     if width < longest:
         raise ShapeError(f"flag 'max_response_len'={width} is smaller than the longest response ({longest})")
-    out = _response_rows(values, offsets, resp_lens, width, "tensor")
-    past = torch.arange(width, device=values.device).unsqueeze(0) >= resp_lens.unsqueeze(1)  # (B, W)
-    return out.masked_fill_(past.view(*past.shape, *([1] * (values.dim() - 1))), 0)
+    rows = _run_views(values, starts, resp_lens)
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # exact zeros past r_i
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, 0) * (values.dim() - 1) + (0, width - out.shape[1]))
+    return out
 
 
 def response_from_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The response part of per-token outputs, nested ``(B, r_i, *)``."""
     layout = SequenceLayout.of(tensor, "tensor")
     responses = SequenceLayout.of(response_mask, "response_mask")
-    rows = _response_rows(layout.values, layout.offsets, responses.lengths, responses.max_seq_len, "tensor")
-    return nested_from_values(padded_to_jagged(rows, responses.offsets, responses.total_nnz), responses, "tensor")
+    starts, _ = _response_starts(layout.offsets, responses.lengths.to(layout.offsets.device), "tensor")
+    values = _take_runs(layout.values, starts, responses.lengths.to(layout.offsets.device))
+    return nested_from_values(values, responses, "tensor")
 
 
 def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -122,7 +138,9 @@ def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> tor
     if responses.max_seq_len > width:
         raise ShapeError(f"'tensor' has {width} response columns (shape {tuple(tensor.shape)}) but the "
                          f"longest response has {responses.max_seq_len} tokens")
-    values = padded_to_jagged(tensor, responses.offsets.to(tensor.device), responses.total_nnz)
+    lengths = responses.lengths.to(tensor.device)
+    rows = torch.arange(responses.batch_size, device=tensor.device)
+    values = _take_runs(tensor.reshape(-1, *tensor.shape[2:]), rows * width, lengths)
     return nested_from_values(values, responses, "tensor")
 
 
@@ -136,22 +154,46 @@ def _dense(data: TensorDictBase, key: str, dims: tuple[int, ...]) -> torch.Tenso
     return value
 
 
-def _runs(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """Flat indices of the runs ``[starts[i], starts[i] + lengths[i])``, back to back."""
-    before = lengths.cumsum(0) - lengths
-    shift = torch.repeat_interleave(starts - before, lengths, output_size=total)
-    return torch.arange(total, device=starts.device) + shift
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
 
 
-def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
-    """A dense left-right padded batch as a new TensorDict of nested tensors; ``data`` is untouched.
+#: Dense ``(B, S, *)`` per-token keys compacted like ``input_ids`` (verl's list).
+_PER_TOKEN_KEYS = ("teacher_ids", "teacher_logprobs", "routed_experts")
+
+
+def _report(problems: list[str], strict: bool, error: type[Exception] = ShapeError) -> None:
+    if not problems:
+        return
+    if strict:
+        raise error("left_right_2_no_padding(strict=True): " + "; ".join(problems))
+    for problem in problems:
+        warnings.warn(problem + " (strict=True raises instead)", LayoutWarning, stacklevel=3)
+
+
+def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> TensorDictBase:
+    """A dense padded batch as a new TensorDict of nested tensors; ``data`` is untouched.
 
     Reads ``input_ids`` ``(B, S)``, ``attention_mask`` ``(B, S)``, ``response_mask`` ``(B, R)``,
-    ``position_ids`` ``(B, S)`` or ``(B, C, S)``, and optional ``teacher_ids``/``teacher_logprobs``
-    ``(B, S, K)``. The prompt occupies the first ``S - R`` columns, left-padded; the response
-    the last ``R``, right-padded. Returns nested ``input_ids``, ``position_ids``, ``prompts``,
-    ``responses``, ``response_mask``, ``loss_mask`` (and teacher tensors), plus the flags
-    ``max_seq_len`` and ``max_response_len``; every other key is carried over unchanged.
+    ``position_ids`` ``(B, S)`` or ``(B, C, S)``, and optional ``teacher_ids``/``teacher_logprobs``/
+    ``routed_experts`` ``(B, S, *)``. As verl's helper does, the tokens ``attention_mask`` marks are
+    compacted wherever they sit (left-right, right-padded whole sequences, holes): nested
+    ``input_ids``, ``position_ids`` and the per-token keys hold exactly those tokens, in order.
+
+    The response of row i is its last ``r_i`` tokens and ``response_mask[i, :r_i]`` its loss mask
+    (column j of ``response_mask`` is response token j). ``r_i`` comes from a nested ``responses``
+    in ``data`` when there is one, else from the columns: the valid tokens among the last ``R``
+    (the trainer's left-right layout: prompt left-padded in the first ``S - R`` columns, response
+    right-padded in the last ``R``). Returns nested ``response_mask`` and ``loss_mask`` (the same
+    tensor, ``(B, r_i)``), the flags ``max_seq_len = S`` and ``max_response_len = R``; every other
+    key (``prompts``, ``responses`` included) is carried over unchanged.
+
+    Where that split is a guess or drops information, verl's result is silently wrong downstream;
+    impl warns (:class:`LayoutWarning`), or raises :class:`ShapeError` with ``strict=True``:
+    the columns are not a left-right layout and there is no nested ``responses``; a row has no
+    prompt or (by the columns) no response token; a nested ``prompts`` disagrees with
+    ``n_i - r_i``; ``response_mask`` marks columns past ``r_i``. docs/verl-differences.md lists
+    every difference from verl.
     """
     input_ids = _dense(data, "input_ids", (2,))
     attention_mask = _dense(data, "attention_mask", (2,))
@@ -162,59 +204,103 @@ def left_right_2_no_padding(data: TensorDictBase) -> TensorDictBase:
     for key, value in (("attention_mask", attention_mask), ("position_ids", position_ids)):
         if value.shape[0] != batch or value.shape[-1] != seq:
             raise BatchMismatchError(f"{key!r} has shape {tuple(value.shape)}, input_ids has {(batch, seq)}")
-    if response_mask.shape[0] != batch or not 0 < width < seq:
+    if response_mask.shape[0] != batch or not 0 < width <= seq:
         raise BatchMismatchError(f"'response_mask' has shape {tuple(response_mask.shape)}, input_ids has "
-                                 f"{(batch, seq)}; need 0 < R < S")
-    mask = attention_mask.bool()
+                                 f"{(batch, seq)}; need 0 < R <= S")
+    device = input_ids.device
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask.bool()
     prompt_width = seq - width
-    prompt_lens, resp_lens = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)
-    lo_prompt, lo_resp, n_prompt, n_resp = torch.stack(
-        [prompt_lens.min(), resp_lens.min(), prompt_lens.sum(), resp_lens.sum()]).tolist()
-    if lo_prompt < 1 or lo_resp < 1:
-        raise ShapeError("every row needs >= 1 prompt and >= 1 response token under 'attention_mask'; "
-                         f"shortest prompt {lo_prompt}, shortest response {lo_resp}")
-    # Row i's valid tokens must be the columns [P - p_i, P + r_i): left-padded prompt columns,
-    # right-padded response columns. All of those set, and no others (the counts match), is exactly that.
-    row_base = torch.arange(batch, device=mask.device) * seq
-    first = row_base + prompt_width - prompt_lens
-    seq_lens = prompt_lens + resp_lens
-    index = _runs(first, seq_lens, n_prompt + n_resp)
-    resp_index = _runs(row_base + prompt_width, resp_lens, n_resp)
-    resp_mask_index = _runs(torch.arange(batch, device=mask.device) * width, resp_lens, n_resp)
-    contiguous, stray = torch.stack([
-        mask.reshape(-1).index_select(0, index).all(),
-        (response_mask.bool() & ~mask[:, prompt_width:]).any()]).tolist()
-    if not contiguous:
-        raise ShapeError("'attention_mask' must be left-padded over the prompt columns and right-padded "
-                         f"over the last {width} response columns")
-    if stray:
-        raise ShapeError("'response_mask' marks tokens that 'attention_mask' marks as padding")
+    head, tail = mask[:, :prompt_width], mask[:, prompt_width:]
+    col_prompt, col_resp = head.sum(1), tail.sum(1)
+    seq_lens = col_prompt + col_resp
+    # Left-right layout: the prompt columns hold a suffix (first set column = P - p_i) and the
+    # response columns a prefix (first clear column = r_i): two argmax passes over bytes, no gather.
+    prompt_ok = col_prompt == 0
+    if prompt_width:
+        prompt_ok = prompt_ok | (head.view(torch.uint8).argmax(1) == prompt_width - col_prompt)
+    left_right = prompt_ok & ((col_resp == width) | (tail.view(torch.uint8).argmin(1) == col_resp))
 
-    def nested(flat: torch.Tensor, lengths: torch.Tensor, jagged_dim: int = 1) -> torch.Tensor:
-        return torch.nested.nested_tensor_from_jagged(flat, torch.nn.functional.pad(lengths.cumsum(0), (1, 0)),
-                                                      jagged_dim=jagged_dim)
+    responses = data.get("responses") if "responses" in data.keys() else None
+    nested_split = isinstance(responses, torch.Tensor) and responses.is_nested
+    if nested_split:
+        resp_layout = SequenceLayout.of(responses, "responses")
+        if resp_layout.batch_size != batch:
+            raise BatchMismatchError(f"nested 'responses' holds {resp_layout.batch_size} rows, input_ids has {batch}")
+        resp_lens = resp_layout.lengths.to(device)
+    else:
+        resp_lens = col_resp
+    prompt_lens = seq_lens - resp_lens
+    prompts = data.get("prompts") if "prompts" in data.keys() else None
+    prompt_mismatch = resp_lens.new_zeros(())
+    if nested_split and isinstance(prompts, torch.Tensor) and prompts.is_nested:
+        nested_prompts = SequenceLayout.of(prompts, "prompts").lengths.to(device)
+        if nested_prompts.shape == prompt_lens.shape:
+            prompt_mismatch = (nested_prompts != prompt_lens).sum()
+    all_left_right, lo_prompt, lo_resp, hi_resp, bad_prompts, marked = torch.stack([
+        left_right.all(), prompt_lens.min(), resp_lens.min(), resp_lens.max(),
+        prompt_mismatch, torch.count_nonzero(response_mask)]).tolist()
+    if hi_resp > width:
+        raise ShapeError(f"nested 'responses' has a row of {hi_resp} tokens but 'response_mask' has {width} "
+                         f"columns (shape {tuple(response_mask.shape)})")
+    if lo_resp < 0:
+        raise BatchMismatchError(f"nested 'responses' has a row longer than its sequence under 'attention_mask' "
+                                 f"(response lengths {resp_lens.tolist()}, sequence lengths {seq_lens.tolist()})")
+    problems = []
+    if not all_left_right and not nested_split:
+        problems.append(
+            f"'attention_mask' is not left-padded over the first {prompt_width} (prompt) columns and right-padded "
+            f"over the last {width} (response) columns, and there is no nested 'responses': each row's response "
+            "length is taken as its valid tokens among the response columns (what verl's no_padding_2_padding "
+            "reads), which may not be its response; pass nested 'prompts'/'responses' or lay the batch out "
+            "left-right")
+    if lo_prompt < 1:
+        problems.append(f"a row has no prompt token (prompt lengths {prompt_lens.tolist()}): its response "
+                        "cannot be sliced (the output at position k scores token k + 1)")
+    if lo_resp < 1 and not nested_split:
+        problems.append(f"a row has no valid token among the last {width} (response) columns of 'attention_mask' "
+                        f"(response lengths {resp_lens.tolist()}); if the batch holds right-padded whole "
+                        "sequences, pass nested 'prompts'/'responses'")
+    if bad_prompts:
+        problems.append(f"nested 'prompts' lengths {nested_prompts.tolist()} differ from the sequence lengths "
+                        f"under 'attention_mask' minus the nested 'responses' lengths ({prompt_lens.tolist()})")
+    _report(problems, strict)
 
-    def tokens(values: torch.Tensor, at: torch.Tensor = index, *, channels_first: bool = False) -> torch.Tensor:
-        """The tokens at flat (B * S) indices ``at`` of ``(B, S, *)``, or of mRoPE ``(B, C, S)`` as ``(C, n)``."""
-        if channels_first:
-            return values.transpose(0, 1).reshape(values.shape[1], -1).index_select(1, at)
-        return values.reshape(-1, *values.shape[2:]).index_select(0, at)
+    rows = torch.arange(batch, device=device)
+    offsets = _offsets(seq_lens)
+    if all_left_right:  # row i's tokens are one run of columns: split at the run bounds, concatenate
+        starts = rows * seq + prompt_width - col_prompt
+        take = lambda flat: _take_runs(flat, starts, seq_lens)  # noqa: E731
+    else:  # anywhere the mask says: the same order as verl's unpad_input
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        take = lambda flat: flat.index_select(0, index)  # noqa: E731
+
+    def nested(flat: torch.Tensor, at: torch.Tensor = offsets, jagged_dim: int = 1) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(flat, at, jagged_dim=jagged_dim)
 
     out = data.copy()
-    out.set("input_ids", nested(tokens(input_ids), seq_lens))
-    mrope = position_ids.dim() == 3
-    out.set("position_ids", nested(tokens(position_ids, channels_first=mrope), seq_lens, jagged_dim=2 if mrope else 1))
-    out.set("prompts", nested(tokens(input_ids, _runs(first, prompt_lens, n_prompt)), prompt_lens))
-    out.set("responses", nested(tokens(input_ids, resp_index), resp_lens))
-    loss_mask = nested(response_mask.reshape(-1).index_select(0, resp_mask_index), resp_lens)
+    out.set("input_ids", nested(take(input_ids.reshape(-1))))
+    if position_ids.dim() == 3:  # mRoPE (B, C, S) -> values (C, n) ragged on the last dim
+        channels = position_ids.shape[1]
+        flat = take(position_ids.transpose(1, 2).reshape(batch * seq, channels))  # (n, C)
+        out.set("position_ids", nested(flat.t().contiguous(), jagged_dim=2))
+    else:
+        out.set("position_ids", nested(take(position_ids.reshape(-1))))
+    loss_values = _take_runs(response_mask.reshape(-1), rows * width, resp_lens)
+    loss_mask = nested(loss_values, _offsets(resp_lens))
     out.set("response_mask", loss_mask)
     out.set("loss_mask", loss_mask)
-    for key in ("teacher_ids", "teacher_logprobs"):
-        if key in data.keys():
-            teacher = _dense(data, key, (3,))
-            if teacher.shape[:2] != (batch, seq):
-                raise BatchMismatchError(f"{key!r} has shape {tuple(teacher.shape)}, expected ({batch}, {seq}, K)")
-            out.set(key, nested(tokens(teacher), seq_lens))
+    for key in _PER_TOKEN_KEYS:
+        value = data.get(key) if key in data.keys() else None
+        if not isinstance(value, torch.Tensor) or value.is_nested:
+            continue
+        if value.dim() < 2 or value.shape[:2] != (batch, seq):
+            raise BatchMismatchError(f"{key!r} has shape {tuple(value.shape)}, expected ({batch}, {seq}, *)")
+        out.set(key, nested(take(value.reshape(batch * seq, *value.shape[2:]))))
     out.set_non_tensor("max_seq_len", seq)
     out.set_non_tensor("max_response_len", width)
+    kept = int(torch.count_nonzero(loss_values))
+    if marked != kept:
+        _report([f"'response_mask' marks {marked - kept} token(s) past the response lengths "
+                 f"{resp_lens.tolist()} (columns 'attention_mask' marks as padding); the nested loss_mask drops "
+                 "them: they are not response tokens"], strict)
     return out

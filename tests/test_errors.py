@@ -206,14 +206,23 @@ def test_left_right_bad_inputs() -> None:
         impl.left_right_2_no_padding(TensorDict({k: v for k, v in base.items() if k != "attention_mask"},
                                                 batch_size=[1]))
     holes = dict(base, attention_mask=torch.tensor([[1, 0, 1, 1]]))
-    with raises(ShapeError, "left-padded"):
-        impl.left_right_2_no_padding(TensorDict(holes, batch_size=[1]))
-    wide = dict(base, response_mask=torch.tensor([[1, 1, 1, 1]]))
-    with raises(BatchMismatchError, "'response_mask'", "(1, 4)"):
+    with raises(ShapeError, "strict=True", "not left-padded", "nested 'prompts'/'responses'"):
+        impl.left_right_2_no_padding(TensorDict(holes, batch_size=[1]), strict=True)
+    wide = dict(base, response_mask=torch.tensor([[1, 1, 1, 1, 1]]))
+    with raises(BatchMismatchError, "'response_mask'", "(1, 5)"):
         impl.left_right_2_no_padding(TensorDict(wide, batch_size=[1]))
     no_prompt = dict(base, attention_mask=torch.tensor([[0, 0, 1, 1]]))
-    with raises(ShapeError, "shortest prompt 0"):
-        impl.left_right_2_no_padding(TensorDict(no_prompt, batch_size=[1]))
+    with raises(ShapeError, "no prompt token", "prompt lengths [0]"):
+        impl.left_right_2_no_padding(TensorDict(no_prompt, batch_size=[1]), strict=True)
+    stray = dict(base, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with raises(ShapeError, "'response_mask' marks 1 token(s)", "response lengths [1]"):
+        impl.left_right_2_no_padding(TensorDict(stray, batch_size=[1]), strict=True)
+    with pytest.warns(impl.LayoutWarning, match="marks 1 token"):
+        out = impl.left_right_2_no_padding(TensorDict(stray, batch_size=[1]))
+    assert out["loss_mask"].values().tolist() == [1]
+    long_resp = dict(base, responses=torch.nested.nested_tensor_from_jagged(torch.ones(3), torch.tensor([0, 3])))
+    with raises(ShapeError, "row of 3 tokens", "2 columns"):
+        impl.left_right_2_no_padding(TensorDict(long_resp, batch_size=[1]))
 
 
 def test_inputs_are_not_mutated_on_error() -> None:

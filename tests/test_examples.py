@@ -260,9 +260,8 @@ def test_left_right_2_no_padding() -> None:
     rows = lambda key: [t.tolist() for t in out[key].unbind()]  # noqa: E731
     assert rows("input_ids") == [[7, 1, 2, 3, 4], [5, 6, 8]]
     assert rows("position_ids") == [[0, 1, 2, 3, 4], [0, 1, 2]]
-    assert rows("prompts") == [[7, 1, 2], [5, 6]]
-    assert rows("responses") == [[3, 4], [8]]
-    assert rows("loss_mask") == [[1, 0], [1]]
+    assert rows("loss_mask") == [[1, 0], [1]] and out["response_mask"] is out["loss_mask"]
+    assert "prompts" not in out.keys() and "responses" not in out.keys()  # carried over, as verl does: none here
     assert rows("teacher_ids") == [[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]], [[12, 13], [14, 15], [16, 17]]]
     assert out["max_seq_len"] == 5 and out["max_response_len"] == 2
     assert set(dense.keys()) == set(before) and all(torch.equal(dense[k], v) for k, v in before.items())

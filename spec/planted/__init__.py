@@ -13,6 +13,7 @@ from typing import Callable
 import impl
 
 from ..impl_engine import ImplEngine
+from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import outputs_bugs as O
@@ -146,6 +147,12 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("left_right_routed_experts_unmasked", ("INV-DENSE-007",),
                helpers=(("left_right_2_no_padding", Q.left_right_routed_experts_unmasked),),
                quiet="left-padded prompts"),
+    PlantedBug("left_right_runs_from_column_counts", ("INV-DROPIN-001",),
+               helpers=(("left_right_2_no_padding", D.left_right_runs_from_column_counts),)),
+    PlantedBug("left_right_split_from_columns", ("INV-DROPIN-001",),
+               helpers=(("left_right_2_no_padding", D.left_right_split_from_columns),)),
+    PlantedBug("left_right_loss_mask_keeps_stray_marks", ("INV-DROPIN-002",),
+               helpers=(("left_right_2_no_padding", D.left_right_loss_mask_keeps_stray_marks),)),
 )}
 
 
