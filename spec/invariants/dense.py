@@ -128,17 +128,21 @@ def _real_tokens(before: dict, columns: slice) -> list[torch.Tensor]:
     return [row[m].cpu() for row, m in zip(before["input_ids"][:, columns], mask)]
 
 
-@invariant("INV-DENSE-006", "left_right_2_no_padding: prompts and responses are nested, each sample's own "
-           "prompt and response tokens", contract=10,
-           protects="the nested prompts and responses are each sample's own prompt and response tokens", kind="dense", modes=("any",), needs=L2N)
+@invariant("INV-DENSE-006", "left_right_2_no_padding: prompts and responses are the input's, carried over "
+           "unchanged (verl), or nested with each sample's own prompt and response tokens", contract=10,
+           protects="prompts and responses still name each sample's own prompt and response tokens",
+           kind="dense", modes=("any",), needs=L2N)
 def dense_prompts_responses(ctx: Ctx) -> None:
     _, before, out = _convert(ctx)
     width = before["response_mask"].shape[1]
     for key, columns in (("prompts", slice(None, -width)), ("responses", slice(-width, None))):
         value = out.get(key) if key in out.keys() else None
-        if not isinstance(value, torch.Tensor) or not value.is_nested:
-            fail(f"{key} is {type(value).__name__} {tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, "
-                 f"expected nested (B, j)")
+        if not isinstance(value, torch.Tensor):
+            fail(f"{key} is {type(value).__name__}, expected the input's {key} or a nested (B, j) tensor")
+        if not value.is_nested:  # carried over as given (what verl does): must be the input's, unchanged
+            if value.shape != before[key].shape or not torch.equal(value.cpu(), before[key].cpu()):
+                fail(f"dense {key} {value.tolist()} differ from the input's {before[key].tolist()}")
+            continue
         want = _real_tokens(before, columns)
         got = _nested_rows(value)
         if len(got) != len(want) or any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
