@@ -13,8 +13,10 @@ from typing import Callable
 import impl
 
 from ..impl_engine import ImplEngine
+from ..protocol import ShardLayout
 from . import helper_bugs as H
 from . import inputs_bugs as I
+from . import megatron_bugs as M
 from . import outputs_bugs as O
 from .inputs_bugs import LossMaskAttention
 
@@ -28,10 +30,11 @@ class PlantedBug:
     lm: type | None = None
     value: type | None = None
     helpers: tuple[tuple[str, Callable], ...] = ()
+    packer: type | None = None  # a Megatron-style packer (spec/megatron_packing.py) with the bug
 
     @property
     def doc(self) -> str:
-        source = self.lm or self.value or dict(self.helpers)[self.helpers[0][0]]
+        source = self.lm or self.value or self.packer or dict(self.helpers)[self.helpers[0][0]]
         return (source.__doc__ or "").strip()
 
 
@@ -97,6 +100,11 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
     PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
+    PlantedBug("zigzag_halves_swapped", ("INV-MEG-001", "INV-MEG-003", "INV-MEG-005"), packer=M.ZigzagHalvesSwapped),
+    PlantedBug("align_ignores_tp", ("INV-MEG-002",), packer=M.AlignIgnoresTensorParallel),
+    PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
+    PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
+    PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
 )}
 
 
@@ -107,6 +115,8 @@ class PlantedEngine(ImplEngine):
         self.bug = bug
         self.name = f"planted:{bug.name}"
         self.engine_classes = {"lm": bug.lm or impl.LMHeadEngine, "value": bug.value or impl.ValueHeadEngine}
+        self.packer = bug.packer() if bug.packer else None
+        self.layouts = tuple(ShardLayout) if bug.packer else self.layouts
 
     def helper(self, name: str) -> Callable | None:
         return dict(self.bug.helpers).get(name) or super().helper(name)
