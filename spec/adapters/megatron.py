@@ -115,8 +115,15 @@ class MegatronEngine(EngineUnderTest):
     name = "verl-megatron"
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
-    #: (failures documented in docs/engines/verl-megatron.md)
-    KNOWN: dict[str, str] = {}
+    #: failures documented in docs/engines/verl-megatron.md; all one bug, under the condition
+    #: pad_to_length % (TP * CP * (2 if zig-zag and CP > 1 else 1)) != 0
+    KNOWN: dict[str, str] = {
+        key: ("preprocess_thd_engine pads the total to lcm(pad_to_length_bucket, CP) and gives it to the last "
+              "sequence, which then is no multiple of 2*CP (zig-zag) or TP: the CP split drops rows and "
+              "postprocess_thd_engine raises; engine bug, only for a bucket that is not a multiple of TP*CP*2 "
+              f"({what})")
+        for key, what in (("INV-MEG-001", "round trip"), ("INV-MEG-002", "alignment"),
+                          ("INV-MEG-003", "positions"), ("INV-MEG-004", "labels"))}
 
     def __init__(self) -> None:
         with warnings.catch_warnings():
