@@ -17,6 +17,14 @@ from .native import NativeVerlEngine
 
 __all__ = ["AutomodelEngine"]
 
+MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
+        "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
+FUSED_PADDED = ("padded fused kernels return dense response slices output.log_probs[:, -L-1:-1] (L = the "
+                "max_response_length flag, default 1024) instead of nested full sequences; engine bug (FSDP's "
+                "engine re-packs them by the full lengths)")
+NO_SUM_PI = ("calculate_sum_pi_squared is ignored (no sum_pi_squared output); contract difference (feature not "
+             "offered; the suite has no capability for it yet)")
+
 
 class AutomodelObject:
     def __init__(self, eng: Any):
@@ -35,7 +43,20 @@ class AutomodelEngine(NativeVerlEngine):
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
-    KNOWN: dict[str, dict[str, str]] = {}
+    #: docs/engines/verl-automodel.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
+    KNOWN: dict[str, dict[str, str]] = {"*": {
+        **{f"{key}/padded": MASK for key in ("INV-MASK-001", "INV-MASK-003", "INV-VAL-001", "INV-VAL-002",
+                                             "INV-TEMP-001", "INV-TEMP-003")},
+        **{f"{key}/padded": FUSED_PADDED for key in ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001",
+                                                     "INV-LAYOUT-001", "INV-LEAK-001", "INV-LEAK-002")},
+        "INV-KEYS-003": FUSED_PADDED + "; and " + MASK,
+        "INV-KEYS-001": NO_SUM_PI,
+        "INV-VAL-003": NO_SUM_PI,
+        "INV-CU-001/packed": ("passes cu_seqlens as (1, B+1) int32 with qkv_format='thd' and max_seqlen (TransformerEngine's "
+                              "convention), no cu_seqlens_cpu; contract difference"),
+        "INV-FUSED-001/packed": ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without "
+                                 "sequence parallelism); contract difference"),
+    }}
 
     def make(self, head: str = "lm", **settings: Any) -> AutomodelObject:
         cu_seqlens = bool(settings.get("pass_cu_seqlens"))

@@ -31,6 +31,14 @@ from .native import NativeVerlEngine
 
 __all__ = ["TorchTitanEngine", "VarlenMetadata"]
 
+TEMPERATURE = ("prepare_model_outputs divides the (n, V) / (B, L, V) logits by micro_batch['temperature'] as is: a "
+               "per-sample (B,) tensor broadcasts against the vocab axis, RuntimeError when B != V and silently "
+               "wrong (vocab column j scaled by sample j's temperature) when B == V; engine bug")
+MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
+        "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
+NO_SUM_PI = ("calculate_sum_pi_squared is ignored (no sum_pi_squared output); contract difference (feature not "
+             "offered; the suite has no capability for it yet)")
+
 
 class VarlenMetadata(NamedTuple):
     """Stand-in for ``torchtitan.models.common.attention.VarlenMetadata`` (same fields)."""
@@ -71,7 +79,22 @@ class TorchTitanEngine(NativeVerlEngine):
                    "Config": type("Config", (), {})})}}
     sp_reason = ("context parallelism goes through torchtitan's prepare_context_parallel_input and a device "
                  "mesh, not run here")
-    KNOWN: dict[str, dict[str, str]] = {}
+    #: docs/engines/verl-torchtitan.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
+    KNOWN: dict[str, dict[str, str]] = {"*": {
+        **{key: TEMPERATURE for key in ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001", "INV-DEV-001",
+                                        "INV-KEYS-002", "INV-LAYOUT-001", "INV-LEAK-001", "INV-LEAK-002",
+                                        "INV-MUT-001", "INV-MUT-004", "INV-TEMP-002", "INV-TEMP-001",
+                                        "INV-VAL-001/packed", "INV-VAL-002/packed", "INV-MUT-002/packed")},
+        **{key: MASK for key in ("INV-MASK-001/padded", "INV-MASK-003/padded", "INV-TEMP-003/padded",
+                                 "INV-VAL-001/padded", "INV-VAL-002/padded", "INV-KEYS-003")},
+        "INV-MUT-002/padded": ("the padded branch divides the model's logits by temperature in place (logits.div_); "
+                               "engine bug (verl 0.7.1's FSDP had it, later FSDP scales out of place)"),
+        "INV-KEYS-001": NO_SUM_PI,
+        "INV-VAL-003": NO_SUM_PI,
+        "INV-TEMP-004/packed": ("hands no per-token temperature to the output step (it divides by "
+                                "micro_batch['temperature']); suite defect: INV-TEMP-004 reads verl's private "
+                                "output_args['temperature_rmpad'] instead of the normalized view"),
+    }}
 
     def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
         if Feature.parse(feature) is Feature.CU_SEQLENS:
