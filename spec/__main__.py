@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser("verify", help="check every invariant against an engine")
     verify.add_argument("--engine", default="impl",
-                        help="impl (default), verl, planted:<bug>, or module:attr (a factory or EngineUnderTest)")
+                        help="impl (default), verl, verl-veomni, verl-torchtitan, verl-automodel, verl-megatron, "
+                             "planted:<bug>, or module:attr (a factory or EngineUnderTest); see `python -m spec engines`")
     verify.add_argument("--profile", default=None,
                         help="hypothesis profile: default, dev, ci, cuda, debug (default: $HYPOTHESIS_PROFILE or default)")
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
@@ -24,7 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
     listing = sub.add_parser("list", help="list the invariant catalogue")
     listing.add_argument("--markdown", action="store_true", help="as the Markdown table of spec/README.md")
-    sub.add_parser("engines", help="list the built-in engines")
+    engines = sub.add_parser("engines", help="list the built-in engines")
+    engines.add_argument("--planted", action="store_true", help="list the planted-bug engines too")
+    engines.add_argument("--capabilities", metavar="ENGINE", default=None,
+                         help="probe one engine and print what it offers, with the reason for each lacking feature")
     return parser
 
 
@@ -37,7 +41,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .report import failed, markdown, summary_line, write_reports
-    from .runner import instances, run_invariant
+    from .runner import Outcome, instances, run_invariant
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
@@ -49,6 +53,10 @@ def _verify(args: argparse.Namespace) -> int:
     for n, (info, mode) in enumerate(todo, 1):
         sys.stderr.write(f"\r[{n:3d}/{len(todo)}] {info.id:<14} {mode:<6} {time.perf_counter() - start:6.1f}s ")
         sys.stderr.flush()
+        reason = engine.implied_needs(tuple(info.needs))
+        if reason:  # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
+            outcomes.append(Outcome(info.id, engine.name, mode, device, "skip", reason=reason))
+            continue
         outcomes.append(run_invariant(info, engine, mode, device, **quiet))
     sys.stderr.write("\n")
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device))
@@ -78,9 +86,17 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
         return 0
-    from .engines import builtin_engine_names
+    from .engines import PLANTED, describe_engines, load_engine
 
-    print("\n".join(builtin_engine_names()))
+    if args.capabilities:
+        caps = load_engine(args.capabilities).capabilities()
+        print(f"engine {caps.engine}; CP layouts: {', '.join(layout.value for layout in caps.layouts)}")
+        for feature, state in caps.table():
+            print(f"  {feature:<34} {state}")
+        return 0
+    print("\n".join(describe_engines()))
+    if args.planted:
+        print("\n".join(f"planted:{name}" for name in PLANTED))
     return 0
 
 

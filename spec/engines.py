@@ -1,137 +1,60 @@
-"""Engines under test: impl, planted bugs, verl, or a user's engine from an import path.
+"""The engine registry: engine names -> engines under test, and ``module:attr`` loading.
 
-An engine under test builds engine objects with verl's two methods
-(``prepare_model_inputs``, ``prepare_model_outputs``) for given settings, and offers
-the padding helpers it ships. What it lacks is reported, so the invariants that need
-it are skipped with that reason, never passed.
+The protocol (what an engine under test is) lives in :mod:`spec.protocol`; the adapters in
+:mod:`spec.impl_engine`, :mod:`spec.verl_engine`, :mod:`spec.adapters` and :mod:`spec.planted`.
+This module imports them all, and nothing imports it back except the entry points (the CLI,
+the pytest plugin, conftest); ``EngineUnderTest``, ``HELPERS`` and ``FactoryEngine`` are
+re-exported for code written against the old single module.
+
+The verl adapters import verl (and, where verl imports them at module level, stub heavy
+modules) only when one is built, so listing engines needs no verl.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import Callable
 
+from .adapters.automodel import AutomodelEngine
+from .adapters.factory import FactoryEngine
+from .adapters.megatron import MegatronEngine
+from .adapters.torchtitan import TorchTitanEngine
+from .adapters.veomni import VeOmniEngine
+from .impl_engine import ImplEngine
+from .planted import PLANTED, planted_engine
+from .protocol import HELPERS, EngineUnderTest
+from .verl_engine import VerlEngine
 
-__all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "load_engine", "builtin_engine_names"]
+__all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names"]
 
-HELPERS = ("build_attention_mask_from_nested", "no_padding_2_padding", "left_right_2_no_padding",
-           "response_from_nested", "response_to_nested")
-
-
-class EngineUnderTest:
-    """Base class. Subclasses implement :meth:`make` and may override the rest."""
-
-    name = "engine"
-    #: invariant ID -> reason: a failure the suite knows about and documents (reported, not hidden)
-    known_failures: dict[str, str] = {}
-
-    def make(self, head: str = "lm", **settings: Any) -> Any:
-        """An engine object; settings: sp_size, sp_rank, pad_to_length, all_gather."""
-        raise NotImplementedError
-
-    def helper(self, name: str) -> Callable | None:
-        return None
-
-    def strategy_limits(self) -> dict[str, Any]:
-        """Strategy keyword arguments that keep drawn cases within what the engine supports."""
-        return {}
-
-    def lacks(self, feature: str) -> str | None:
-        """Why the engine cannot run invariants needing ``feature`` (``sp``, ``bucket``, ``cu_seqlens``,
-        ``chunking``, ``value``, ``fused``, ``distillation``, ``cuda`` or a helper name), or None."""
-        if feature in HELPERS:
-            return None if self.helper(feature) is not None else f"engine {self.name} ships no {feature}"
-        if feature == "cuda":
-            import torch
-
-            return None if torch.cuda.is_available() else "no CUDA device"
-        return None
-
-    def __repr__(self) -> str:
-        return f"<engine {self.name}>"
-
-
-#: A setting the suite may ask for, and a value that probes whether an engine accepts it.
-_FEATURE_PROBES = {
-    "sp": {"sp_size": 2, "sp_rank": 0, "all_gather": lambda local: local},
-    "bucket": {"pad_to_length": 8},
-    "cu_seqlens": {"pass_cu_seqlens": True},
-    "chunking": {"entropy_chunk_size": 2},
+#: name -> (constructor, one line: what it is)
+ENGINES: dict[str, tuple[Callable[[], EngineUnderTest], str]] = {
+    "impl": (ImplEngine, "this project's engine (impl/)"),
+    "verl": (VerlEngine, "verl's FSDP engine (verl.workers.engine.fsdp), FSDP-Turbo inherits it"),
+    "verl-veomni": (VeOmniEngine, "verl's VeOmni engine (FSDP's preparation plus VeOmni's input transforms)"),
+    "verl-torchtitan": (TorchTitanEngine, "verl's TorchTitan engine (its own prepare_model_inputs/outputs)"),
+    "verl-automodel": (AutomodelEngine, "verl's Automodel (NeMo) engine (its own prepare_model_inputs/outputs)"),
+    "verl-megatron": (MegatronEngine, "verl's Megatron packing (verl.models.mcore.util THD/BSHD engine "
+                                      "pre/postprocess), MindSpeed inherits it"),
 }
 
 
-class FactoryEngine(EngineUnderTest):
-    """A user's engine: a factory ``factory(head="lm"|"value", **settings) -> engine object``.
-
-    Also accepted in its place: an engine *class* (built as ``cls(**settings)``, LM head only)
-    or an engine *object* (used as is, no settings). A feature whose settings the factory
-    rejects, or a head it cannot build, is reported as lacking (skipped, with the reason).
-    Helpers are looked up on the engine object, then on the factory's module.
-    """
-
-    def __init__(self, name: str, factory: Callable[..., Any], module: Any = None):
-        self.name = name
-        self.factory = factory
-        self.module = module
-
-    def make(self, head: str = "lm", **settings: Any) -> Any:
-        target = self.factory
-        if hasattr(target, "prepare_model_inputs") and not isinstance(target, type):  # an engine object
-            if settings or head != "lm":
-                raise TypeError(f"{self.name} is one engine object: it takes no settings and has an LM head only")
-            return target
-        if isinstance(target, type):  # an engine class
-            if head != "lm":
-                raise TypeError(f"{self.name} is one engine class: it has an LM head only")
-            return target(**settings)
-        return target(head=head, **settings)
-
-    def lacks(self, feature: str) -> str | None:
-        probe = _FEATURE_PROBES.get(feature)
-        if probe is not None or feature == "value":
-            try:
-                self.make("value") if feature == "value" else self.make(**probe)
-            except Exception as exc:  # noqa: BLE001 - any refusal means the feature is not offered
-                return f"engine {self.name} cannot build {feature!r}: {type(exc).__name__}: {exc}"
-            return None
-        return super().lacks(feature)
-
-    def helper(self, name: str) -> Callable | None:
-        try:
-            probe = self.make()
-        except Exception:  # noqa: BLE001 - a factory that cannot build default engines has no helpers
-            probe = None
-        return getattr(probe, name, None) or getattr(self.module, name, None)
-
-
-def _impl() -> EngineUnderTest:
-    from .impl_engine import ImplEngine
-
-    return ImplEngine()
-
-
-def _verl() -> EngineUnderTest:
-    from .verl_engine import VerlEngine
-
-    return VerlEngine()
-
-
 def builtin_engine_names() -> list[str]:
-    from .planted import PLANTED
+    return list(ENGINES) + [f"planted:{name}" for name in PLANTED]
 
-    return ["impl", "verl"] + [f"planted:{name}" for name in PLANTED]
+
+def describe_engines() -> list[str]:
+    """One line per registered engine, for ``python -m spec engines``."""
+    return [f"{name:<16} {what}" for name, (_, what) in ENGINES.items()] + \
+        [f"planted:<bug>    impl with one planted bug ({len(PLANTED)}: python -m spec engines --planted)"]
 
 
 def load_engine(spec: str) -> EngineUnderTest:
-    """``impl``, ``verl``, ``planted:<bug>``, or ``module:attr`` (a factory, an engine class or
-    object, or an EngineUnderTest)."""
-    if spec == "impl":
-        return _impl()
-    if spec == "verl":
-        return _verl()
+    """A registered name, ``planted:<bug>``, or ``module:attr`` (a factory, an engine class or object,
+    or an EngineUnderTest)."""
+    if spec in ENGINES:
+        return ENGINES[spec][0]()
     if spec.startswith("planted:"):
-        from .planted import planted_engine
-
         return planted_engine(spec.split(":", 1)[1])
     if ":" not in spec:
         raise ValueError(f"unknown engine {spec!r}: use one of {builtin_engine_names()} or module:attr")
@@ -145,4 +68,3 @@ def load_engine(spec: str) -> EngineUnderTest:
     if callable(target) or hasattr(target, "prepare_model_inputs"):
         return FactoryEngine(spec, target, module)
     raise TypeError(f"{spec!r} is neither an EngineUnderTest, an engine class or object, nor a factory")
-

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import impl
 
-from .engines import HELPERS, EngineUnderTest
+from .protocol import HELPERS, EngineUnderTest
 
 __all__ = ["ImplEngine"]
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from .engines import HELPERS, EngineUnderTest
+from .protocol import HELPERS, EngineUnderTest
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key"]

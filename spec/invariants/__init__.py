@@ -6,6 +6,7 @@ below, grouped by what they look at.
 
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
 from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
+from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

@@ -14,8 +14,10 @@ import impl
 
 from ..impl_engine import ImplEngine
 from . import dropin_bugs as D
+from ..protocol import ShardLayout
 from . import helper_bugs as H
 from . import inputs_bugs as I
+from . import megatron_bugs as M
 from . import outputs_bugs as O
 from . import quiet_bugs as Q
 from .inputs_bugs import LossMaskAttention
@@ -34,10 +36,11 @@ class PlantedBug:
     layout: bool = False
     #: for a quiet bug: the one condition under which it shows
     quiet: str = ""
+    packer: type | None = None  # a Megatron-style packer (spec/megatron_packing.py) with the bug
 
     @property
     def doc(self) -> str:
-        source = self.lm or self.value or dict(self.helpers)[self.helpers[0][0]]
+        source = self.lm or self.value or self.packer or dict(self.helpers)[self.helpers[0][0]]
         return (source.__doc__ or "").strip()
 
 
@@ -153,6 +156,11 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                helpers=(("left_right_2_no_padding", D.left_right_split_from_columns),)),
     PlantedBug("left_right_loss_mask_keeps_stray_marks", ("INV-DROPIN-002",),
                helpers=(("left_right_2_no_padding", D.left_right_loss_mask_keeps_stray_marks),)),
+    PlantedBug("zigzag_halves_swapped", ("INV-MEG-001", "INV-MEG-003", "INV-MEG-005"), packer=M.ZigzagHalvesSwapped),
+    PlantedBug("align_ignores_tp", ("INV-MEG-002",), packer=M.AlignIgnoresTensorParallel),
+    PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
+    PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
+    PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
 )}
 
 
@@ -165,6 +173,8 @@ class PlantedEngine(ImplEngine):
         self.bug = bug
         self.name = f"planted:{bug.name}"
         self.engine_classes = {"lm": bug.lm or impl.LMHeadEngine, "value": bug.value or impl.ValueHeadEngine}
+        self.packer = bug.packer() if bug.packer else None
+        self.layouts = tuple(ShardLayout) if bug.packer else self.layouts
 
     def helper(self, name: str) -> Callable | None:
         return dict(self.bug.helpers).get(name) or super().helper(name)

@@ -1,0 +1,106 @@
+"""Stubs for heavy modules an engine imports at module level, as verl's own CPU tests do.
+
+:func:`import_with_stubs` reads the target module's *module-level* imports (its AST), imports each
+one it names under the given packages for real where that works, and puts a ``MagicMock`` module in
+``sys.modules`` only for those that do not import here. Record types the preparation code builds
+(e.g. TorchTitan's ``VarlenMetadata``) can be given as plain stand-ins in ``records``, so their
+fields stay readable. Nothing of the target module is changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from unittest import mock
+
+__all__ = ["StubReport", "import_with_stubs", "module_level_imports"]
+
+
+@dataclass
+class StubReport:
+    module: types.ModuleType
+    real: list[str] = field(default_factory=list)
+    stubbed: list[str] = field(default_factory=list)
+
+
+def module_level_imports(module_name: str, packages: tuple[str, ...]) -> list[str]:
+    """The modules under ``packages`` that ``module_name`` imports at module level (not in functions),
+    directly or through the modules of its own package it imports at module level."""
+    package = module_name.rsplit(".", 1)[0]
+    found: list[str] = []
+    todo, seen = [module_name], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        with open(_source_path(name), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                base = name.rsplit(".", node.level)[0] + "." if node.level else ""
+                names.append(base + node.module)
+            elif isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            for imported in names:
+                if imported.split(".")[0] in packages and imported not in found:
+                    found.append(imported)
+                elif imported.startswith(package + ".") and os.path.exists(_source_path(imported)):
+                    todo.append(imported)
+    return found
+
+
+def _source_path(module_name: str) -> str:
+    """The file of ``module_name``, found without importing it (its package may import it)."""
+    root, *rest = module_name.split(".")
+    spec = importlib.util.find_spec(root)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"no package {root} (needed for {module_name})")
+    path = os.path.join(list(spec.submodule_search_locations)[0], *rest)
+    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+
+
+def _install_mock(name: str, records: dict[str, object]) -> None:
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        sub = ".".join(parts[:i])
+        if sub not in sys.modules:
+            module = mock.MagicMock(name=sub)
+            module.__path__ = []  # a package, so submodules resolve
+            module.__spec__ = None
+            sys.modules[sub] = module
+    for attr, value in records.items():
+        setattr(sys.modules[name], attr, value)
+
+
+def import_with_stubs(module_name: str, packages: tuple[str, ...],
+                      records: dict[str, dict[str, object]] | None = None) -> StubReport:
+    """Import ``module_name``; the modules of ``packages`` it imports at module level are real where they
+    import, else mocks (``records[module] = {name: stand-in}`` fills names the code under test reads)."""
+    records = records or {}
+    report_real, report_stub = [], []
+    if module_name not in sys.modules:
+        for name in module_level_imports(module_name, packages):
+            if name in sys.modules and not isinstance(sys.modules[name], mock.MagicMock):
+                report_real.append(name)
+                continue
+            try:
+                importlib.import_module(name)
+                report_real.append(name)
+            except Exception:  # noqa: BLE001 - anything that does not import here is stubbed
+                for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                    if not isinstance(sys.modules[key], mock.MagicMock):
+                        sys.modules.pop(key)
+                _install_mock(name, records.get(name, {}))
+                report_stub.append(name)
+    else:
+        report_stub = [n for n in module_level_imports(module_name, packages)
+                       if isinstance(sys.modules.get(n), mock.MagicMock)]
+        report_real = [n for n in module_level_imports(module_name, packages) if n not in report_stub]
+    return StubReport(importlib.import_module(module_name), report_real, report_stub)

@@ -1,0 +1,168 @@
+"""Megatron-style packing (spec/megatron_packing.py): what its TP x CP design adds to the contract.
+
+Each example checks every TP in {1, 2, 4} x CP in {1, 2, 4} x CP layout the engine offers; the
+drawn case gives the sequence lengths and a seed from which the trailing dims ((L,), (L, K) or
+(L, layers, top-k)), FP8 alignment, the static bucket (unless the case draws one) and the values
+are chosen. Shrinking goes towards one short sequence, TP = CP = 1 failing first.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..megatron_packing import PackSpec, nested_from, thd_alignment
+from ..protocol import ShardLayout
+from .core import Ctx, fail, invariant
+
+ANY = ("any",)
+NEEDS = ("packing",)
+SIZES = (1, 2, 4)
+POISON = float("nan")
+
+
+def _trailing(ctx: Ctx) -> tuple[int, ...]:
+    return ((), (ctx.case.topk,), (2, ctx.case.topk))[ctx.case.seed % 3]
+
+
+def _bucket(ctx: Ctx) -> int | None:
+    """The case's static bucket, else one chosen by the seed (the strategies draw buckets only for a
+    small share of packed cases; the packing must hold with and without one)."""
+    return ctx.case.pad_to_length or (None, 4, 7, 8, 16)[ctx.case.seed // 12 % 5]
+
+
+def _specs(ctx: Ctx, *, bshd: bool = False) -> list[PackSpec]:
+    fp8 = ctx.case.seed // 3 % 4 == 1
+    layouts = (ShardLayout.ZIGZAG,) if bshd else ctx.engine.layouts
+    specs = []
+    for tp, cp, layout in itertools.product(SIZES, SIZES, layouts):
+        if cp == 1 and layout is not layouts[0]:
+            continue  # one CP rank: the layouts coincide
+        specs.append(PackSpec(tp, cp, layout, fp8=fp8, bucket=None if bshd else _bucket(ctx)))
+    return specs
+
+
+def _batch(ctx: Ctx, dtype=torch.float64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(ctx.case.seed)
+    rows = [1.0 + torch.rand(n, *_trailing(ctx), generator=gen, dtype=torch.float64) for n in ctx.case.seq_lens]
+    return nested_from([r.to(dtype) for r in rows])
+
+
+class _at:
+    """Name the parallel setting in any exception the engine raises while it is being checked."""
+
+    def __init__(self, spec: PackSpec):
+        self.spec = spec
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, AssertionError):
+            fail(f"[{self.spec}] the packer raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        return False
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got_rows, want_rows = got.unbind(), want.unbind()
+    if len(got_rows) != len(want_rows):
+        fail(f"{what}: {len(got_rows)} sequences, expected {len(want_rows)}")
+    for i, (a, b) in enumerate(zip(got_rows, want_rows)):
+        if a.shape != b.shape or not torch.equal(a, b):
+            fail(f"{what}: sequence {i} is {a.tolist()}, expected {b.tolist()}")
+
+
+def _poisoned_thd(ctx: Ctx, x: torch.Tensor, spec: PackSpec):
+    """Every rank's shard with each padded row replaced by NaN (pads found by packing ones)."""
+    packer = ctx.engine.packer
+    ones = nested_from([torch.ones_like(t) for t in x.unbind()])
+    shards = []
+    for rank in range(spec.cp):
+        shard = packer.pack_thd(x, spec, rank)
+        valid = packer.pack_thd(ones, spec, rank).rows
+        shard.rows = shard.rows.masked_fill(valid == 0, POISON)
+        shards.append(shard)
+    return shards
+
+
+@invariant("INV-MEG-001", "packing round trip: postprocess(all ranks' preprocess(x)) == x for every TP x CP x "
+           "layout, FP8 and bucket alignment, trailing dims, padding poisoned", contract=7, modes=ANY, needs=NEEDS,
+           protects="what the model computed for a token comes back at that token, whatever the parallel layout")
+def round_trip(ctx: Ctx) -> None:
+    x = _batch(ctx)
+    for spec in _specs(ctx):
+        with _at(spec):
+            _same(ctx.engine.packer.unpack_thd(_poisoned_thd(ctx, x, spec), x, spec), x, f"THD round trip [{spec}]")
+
+
+@invariant("INV-MEG-002", "THD alignment: every sequence padded to a multiple of TP x CP (x2 zig-zag; FP8 "
+           "lcm(16, .)), the total to CP (FP8: 128 x align; bucket: lcm(bucket, align)); equal shards per rank",
+           contract=7, modes=ANY, needs=NEEDS,
+           protects="TE/flash varlen kernels and the CP split get the shapes they require")
+def alignment(ctx: Ctx) -> None:
+    x = _batch(ctx)
+    lens = torch.tensor(ctx.case.seq_lens)
+    for spec in _specs(ctx):
+        align, total_align = thd_alignment(spec)
+        with _at(spec):
+            shards = [ctx.engine.packer.pack_thd(x, spec, rank) for rank in range(spec.cp)]
+        cu = shards[0].cu_seqlens_padded.cpu().long()
+        padded = cu.diff()
+        total = int(cu[-1])
+        if int(cu[0]) != 0 or bool((padded < lens).any()):
+            fail(f"[{spec}] cu_seqlens_padded {cu.tolist()} does not hold the lengths {lens.tolist()}")
+        if bool((padded[:-1] % align).any()) or total % total_align:
+            fail(f"[{spec}] padded lengths {padded.tolist()} (total {total}): each sequence must be a multiple of "
+                 f"{align} (the last one may take the total's padding), the total of {total_align}")
+        for rank, shard in enumerate(shards):
+            if shard.rows.shape[1] * spec.cp != total or not torch.equal(shard.cu_seqlens_padded.cpu().long(), cu):
+                fail(f"[{spec}] rank {rank} holds {shard.rows.shape[1]} rows (cu {shard.cu_seqlens_padded.tolist()}); "
+                     f"expected {total}/{spec.cp} rows and cu {cu.tolist()}")
+
+
+@invariant("INV-MEG-003", "re-assembled THD positions equal arange(len_i) for every sequence", contract=1,
+           modes=ANY, needs=NEEDS, protects="rotary positions restart at every sequence on every rank")
+def positions(ctx: Ctx) -> None:
+    x = _batch(ctx)
+    want = nested_from([torch.arange(n) for n in ctx.case.seq_lens])
+    for spec in _specs(ctx):
+        with _at(spec):
+            shards = [ctx.engine.packer.pack_thd(x, spec, rank) for rank in range(spec.cp)]
+            for shard in shards:
+                shard.rows = shard.positions.reshape(1, -1).long()
+            _same(ctx.engine.packer.unpack_thd(shards, want, spec), want, f"positions [{spec}]")
+
+
+@invariant("INV-MEG-004", "THD labels (need_roll) hold the next token within each sequence on every rank",
+           contract=5, modes=ANY, needs=NEEDS,
+           protects="log-probs score the next token of the same sequence, never a neighbour's or a shard edge's")
+def labels(ctx: Ctx) -> None:
+    x = _batch(ctx)
+    for spec in _specs(ctx):
+        with _at(spec):
+            shards = [ctx.engine.packer.pack_thd(x, spec, rank, need_roll=True) for rank in range(spec.cp)]
+            got = ctx.engine.packer.unpack_thd(shards, x, spec)
+        for i, (a, seq) in enumerate(zip(got.unbind(), x.unbind())):
+            if a.shape != seq.shape or not torch.equal(a[:-1], seq[1:]):
+                fail(f"labels [{spec}]: sequence {i} got {a.tolist()}, expected the next tokens {seq[1:].tolist()} "
+                     "(then anything)")
+
+
+@invariant("INV-MEG-005", "BSHD and THD agree: both round trips return x (BSHD padding poisoned), zig-zag CP",
+           contract=3, modes=ANY, needs=NEEDS,
+           protects="switching data_format between thd and bshd changes no per-token output")
+def thd_vs_bshd(ctx: Ctx) -> None:
+    x = _batch(ctx)
+    packer = ctx.engine.packer
+    for spec in _specs(ctx, bshd=True):
+        with _at(spec):
+            shards = []
+            for rank in range(spec.cp):
+                rows, mask, pos = packer.pack_bshd(x, spec, rank)
+                keep = mask.view(*mask.shape, *([1] * (rows.dim() - 2)))
+                shards.append((rows.masked_fill(~keep.bool(), POISON), mask, pos))
+            bshd = packer.unpack_bshd(shards, x, spec)
+            _same(bshd, x, f"BSHD round trip [{spec}]")
+            thd = packer.unpack_thd([packer.pack_thd(x, spec, rank) for rank in range(spec.cp)], x, spec)
+            _same(bshd, thd, f"BSHD vs THD [{spec}]")

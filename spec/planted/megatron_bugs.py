@@ -1,0 +1,70 @@
+"""Planted packing bugs: the reference packer (spec/megatron_packing.py) with one plausible mistake."""
+
+from __future__ import annotations
+
+import torch
+
+from ..megatron_packing import PackSpec, ReferencePacker, nested_from
+from ..protocol import ShardLayout
+
+
+class ZigzagHalvesSwapped(ReferencePacker):
+    """Zig-zag re-assembly puts each rank's two chunks back in swapped places (front chunk at the back)."""
+
+    def unpack_thd(self, shards, x, spec):
+        if spec.cp == 1 or spec.layout is not ShardLayout.ZIGZAG:
+            return super().unpack_thd(shards, x, spec)
+        swapped = []
+        for shard in shards:
+            rows = shard.rows[0]
+            parts, start = [], 0
+            for n in shard.cu_seqlens_padded.diff().tolist():
+                half = n // (2 * spec.cp)
+                parts += [rows[start + half:start + 2 * half], rows[start:start + half]]
+                start += 2 * half
+            swapped.append(type(shard)(torch.cat(parts).unsqueeze(0), shard.positions, shard.cu_seqlens_padded))
+        return super().unpack_thd(swapped, x, spec)
+
+    def unpack_bshd(self, shards, x, spec):
+        if spec.cp == 1:
+            return super().unpack_bshd(shards, x, spec)
+        half = shards[0][0].shape[1] // 2
+        return super().unpack_bshd([(torch.cat([r[:, half:], r[:, :half]], 1), m, p) for r, m, p in shards], x, spec)
+
+
+class AlignIgnoresTensorParallel(ReferencePacker):
+    """Per-sequence padding aligned to CP only (TP forgotten): sequence-parallel scatter gets odd shards."""
+
+    def _padded_lengths(self, lens, spec: PackSpec):
+        return super()._padded_lengths(lens, PackSpec(1, spec.cp, spec.layout, spec.fp8, spec.bucket))
+
+
+class RollLocalShard(ReferencePacker):
+    """need_roll rolls each rank's own shard: at a shard (or zig-zag chunk) edge the label is the
+    shard's first token, not the sequence's next one."""
+
+    def pack_thd(self, x, spec, rank, *, need_roll=False):
+        shard = super().pack_thd(x, spec, rank)
+        if need_roll:
+            shard.rows = torch.roll(shard.rows, -1, dims=1)
+        return shard
+
+
+class PositionsContinue(ReferencePacker):
+    """Positions count through the packed row instead of restarting at each sequence."""
+
+    def _global(self, x, padded, need_roll):
+        rows, _ = super()._global(x, padded, need_roll)
+        return rows, torch.arange(rows.shape[0])
+
+
+class UnpackFromUnpaddedOffsets(ReferencePacker):
+    """THD re-assembly reads sequence i at the unpadded offset cu_seqlens[i] of the padded row."""
+
+    def unpack_thd(self, shards, x, spec):
+        padded = shards[0].cu_seqlens_padded.diff().tolist()
+        rows = torch.zeros(sum(padded), *shards[0].rows.shape[2:], dtype=shards[0].rows.dtype)
+        for rank, shard in enumerate(shards):
+            rows[self._rank_rows(padded, spec, rank)] = shard.rows[0]
+        offsets = x.offsets().tolist()
+        return nested_from([rows[s:e] for s, e in zip(offsets[:-1], offsets[1:])])

@@ -1,0 +1,192 @@
+"""The engine protocol: what the suite asks of an engine under test, typed.
+
+This module imports nothing from ``spec`` (tests/test_layering.py checks it): adapters, the
+registry, the runner and the invariants all depend on it, never the other way round.
+
+* :class:`EngineUnderTest` builds engine objects (:class:`EngineObject`: verl's two methods) for
+  given settings, hands out the padding helpers it ships, and says what it lacks.
+* :class:`Feature` names what an invariant may need (``InvariantInfo.needs`` holds its values);
+  :class:`Capabilities` is the probed record of what one engine offers, with the reason for each
+  feature it lacks, so a missing feature is a skip with its reason.
+* :class:`ShardLayout`: how the engine splits a packed row across ranks (one contiguous slice per
+  rank, as Ulysses does, or two chunks per sequence per rank, zig-zag, as Megatron's context
+  parallelism does). What a sequence's outputs are does not depend on it.
+* :class:`InputsView` / :class:`OutputsView`: the normalized view of what an engine produced (ids,
+  positions, mask or boundaries, labels, temperature; per-sequence nested outputs). Each adapter maps
+  its engine's own calling convention onto it (:meth:`EngineUnderTest.view_inputs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
+           "OutputsView", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
+
+
+class Feature(str, Enum):
+    """What an invariant may need from an engine (``InvariantInfo.needs`` holds the values)."""
+
+    #: the engine object itself: prepare_model_inputs / prepare_model_outputs on a micro-batch
+    ENGINE = "engine"
+    SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
+    BUCKET = "bucket"  # static pad_to_length bucket
+    CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
+    CHUNKING = "chunking"  # chunked entropy
+    VALUE = "value"  # a value head
+    FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
+    DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
+    CUDA = "cuda"
+    #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
+    PACKING = "packing"
+    BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
+    NO_PADDING_2_PADDING = "no_padding_2_padding"
+    LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
+    RESPONSE_FROM_NESTED = "response_from_nested"
+    RESPONSE_TO_NESTED = "response_to_nested"
+
+    @classmethod
+    def parse(cls, name: "str | Feature") -> "Feature":
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown feature {name!r}; features: {[f.value for f in cls]}") from None
+
+
+ENGINE_FEATURE = Feature.ENGINE
+HELPER_FEATURES = (Feature.BUILD_ATTENTION_MASK, Feature.NO_PADDING_2_PADDING, Feature.LEFT_RIGHT_2_NO_PADDING,
+                   Feature.RESPONSE_FROM_NESTED, Feature.RESPONSE_TO_NESTED)
+#: the padding helpers an engine may ship (names as in verl.workers.utils.padding)
+HELPERS = tuple(f.value for f in HELPER_FEATURES)
+
+
+class ShardLayout(str, Enum):
+    CONTIGUOUS = "contiguous"  # rank r holds rows [r*n/w, (r+1)*n/w) of the padded packed row
+    ZIGZAG = "zigzag"  # each sequence in 2w chunks; rank r holds chunks r and 2w-1-r
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one engine offers, probed: ``missing`` maps each lacking feature to why."""
+
+    engine: str
+    missing: Mapping[Feature, str]
+    layouts: tuple[ShardLayout, ...] = (ShardLayout.CONTIGUOUS,)
+
+    @property
+    def offered(self) -> frozenset[Feature]:
+        return frozenset(f for f in Feature if f not in self.missing)
+
+    def reason(self, feature: "str | Feature") -> str | None:
+        return self.missing.get(Feature.parse(feature))
+
+    def table(self) -> list[tuple[str, str]]:
+        """(feature, "yes" or the reason it is lacking), in enum order."""
+        return [(f.value, self.missing.get(f, "yes")) for f in Feature]
+
+
+@runtime_checkable
+class EngineObject(Protocol):
+    """One engine object, with verl's FSDP calling convention (adapters translate to it)."""
+
+    def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def prepare_model_outputs(self, output: Any, output_args: dict[str, Any], micro_batch: Any,
+                              logits_processor_func: Callable | None = None) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class InputsView:
+    """What the model is handed, normalized (one rank). ``None``: the engine hands no such thing.
+
+    ``labels``: for each packed token, the id the output at that position scores (verl's rolled
+    ids), flat. ``temperature``: per packed token (packed) or per sample (padded).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    temperature: torch.Tensor | float | None = None
+    pad_size: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OutputsView:
+    """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens)."""
+
+    per_sequence: dict[str, torch.Tensor]
+
+
+class EngineUnderTest:
+    """Base class of every engine under test. Subclasses implement :meth:`make`, may override the rest."""
+
+    name = "engine"
+    #: a failure the suite knows about and documents (reported, not hidden); the runner looks it up by
+    #: ``ID/mode`` then ``ID``
+    known_failures: Any = {}
+    #: how the engine splits a packed row across ranks
+    layouts: tuple[ShardLayout, ...] = (ShardLayout.CONTIGUOUS,)
+    #: Megatron-style packer (``spec.megatron_packing.Packer``) where the engine offers ``Feature.PACKING``
+    packer: Any = None
+
+    def make(self, head: str = "lm", **settings: Any) -> EngineObject:
+        """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,
+        entropy_chunk_size."""
+        raise NotImplementedError
+
+    def helper(self, name: str) -> Callable | None:
+        return None
+
+    def strategy_limits(self) -> dict[str, Any]:
+        """Strategy keyword arguments that keep drawn cases within what the engine supports."""
+        return {}
+
+    def lacks(self, feature: "str | Feature") -> str | None:
+        """Why the engine cannot run invariants needing ``feature``, or None (an unknown name is a
+        ValueError: a typo must not read as "offered")."""
+        feature = Feature.parse(feature)
+        if feature in HELPER_FEATURES:
+            return None if self.helper(feature.value) is not None else f"engine {self.name} ships no {feature.value}"
+        if feature is Feature.CUDA:
+            return None if torch.cuda.is_available() else "no CUDA device"
+        if feature is Feature.PACKING and self.packer is None:
+            return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
+        return None
+
+    def implied_needs(self, needs: tuple[str, ...]) -> str | None:
+        """Why an invariant with ``needs`` cannot run here beyond those needs: every invariant that does
+        not check the packing runs the engine object (:attr:`Feature.ENGINE`)."""
+        if Feature.PACKING.value in needs:
+            return None
+        return self.lacks(Feature.ENGINE)
+
+    def capabilities(self) -> Capabilities:
+        """Every feature probed through :meth:`lacks`."""
+        missing = {}
+        for feature in Feature:
+            reason = self.lacks(feature)
+            if reason:
+                missing[feature] = reason
+        return Capabilities(self.name, missing, tuple(self.layouts))
+
+    def view_inputs(self, model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
+        """The normalized view of one rank's hand-off. Adapters translate their engine's convention to
+        verl's FSDP one in ``make``, so the default reads verl's keys."""
+        temperature = output_args.get("temperature_rmpad", output_args.get("temperature"))
+        return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs.get("position_ids"),
+                          attention_mask=model_inputs.get("attention_mask"), cu_seqlens=model_inputs.get("cu_seqlens"),
+                          labels=output_args.get("input_ids_rmpad_rolled"), temperature=temperature,
+                          pad_size=int(output_args.get("pad_size", 0) or 0))
+
+    def view_outputs(self, outputs: Mapping[str, torch.Tensor]) -> OutputsView:
+        return OutputsView(dict(outputs))
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name}>"

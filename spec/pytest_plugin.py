@@ -1,0 +1,117 @@
+"""pytest plugin (entry point ``pytest11: ioprep``): the catalogue in an engine's own test session.
+
+``pytest --ioprep-engine mypkg.mod:make_engine`` adds one test per invariant x mode x device
+(``ioprep::INV-MASK-001-<engine>-padded-cpu``), run by :func:`spec.runner.run_invariant` exactly as
+``python -m spec verify`` runs them: skipped with the reason where the engine lacks a feature, xfailed
+for its known failures, failed with the minimal counterexample. ``--ioprep-profile`` picks the
+hypothesis profile, ``--ioprep-only`` an ID prefix, ``--ioprep-device`` the devices,
+``--ioprep-report DIR`` writes the Markdown and JSON report.
+
+Without ``--ioprep-engine`` the plugin adds nothing and imports nothing of the suite: it is loaded by
+every pytest session of an environment where this package is installed, so the suite (torch,
+hypothesis, the engines) is imported inside :func:`_suite` only when asked for. That is the one
+function-local import here, on purpose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["IoprepItem"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ioprep", "engine input/output preparation conformance (rl-ioprep)")
+    group.addoption("--ioprep-engine", action="append", default=None,
+                    help="engine under test: a registered name (python -m spec engines) or module:attr; repeatable")
+    group.addoption("--ioprep-profile", default=None, help="hypothesis profile: default, dev, ci, cuda, debug")
+    group.addoption("--ioprep-device", action="append", default=None, choices=("cpu", "cuda"),
+                    help="devices (default: cpu)")
+    group.addoption("--ioprep-only", default=None,
+                    help="only invariant IDs starting with one of these comma-separated prefixes")
+    group.addoption("--ioprep-report", default=None, help="folder for the conformance report (Markdown and JSON)")
+
+
+def _suite() -> Any:
+    import spec.engines
+    import spec.profiles
+    import spec.report
+    import spec.runner
+
+    return spec
+
+
+class IoprepItem(pytest.Item):
+    """One invariant x mode x device against one engine."""
+
+    def __init__(self, *, info: Any, engine: Any, mode: str, device: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.info, self.engine, self.mode, self.device = info, engine, mode, device
+        self.outcome = None
+
+    def runtest(self) -> None:
+        suite = _suite()
+        reason = self.engine.implied_needs(tuple(self.info.needs))
+        if reason:
+            self.outcome = suite.runner.Outcome(self.info.id, self.engine.name, self.mode, self.device, "skip",
+                                                reason=reason)
+        else:
+            self.outcome = suite.runner.run_invariant(self.info, self.engine, self.mode, self.device)
+        self.config.stash.setdefault(_OUTCOMES, []).append(self.outcome)
+        o = self.outcome
+        if o.status == "skip":
+            pytest.skip(o.reason)
+        if o.status == "xfail":
+            pytest.xfail(f"known failure of {o.engine}: {o.reason} | {o.counterexample} -> {o.error}")
+        if o.status == "xpass":
+            pytest.fail(f"{o.invariant} is a known failure of {o.engine} ({o.reason}) but passed", pytrace=False)
+        if o.status == "fail":
+            pytest.fail(f"{o.invariant} ({self.info.title}) fails on {o.engine} [{o.mode}, {o.device}]\n"
+                        f"minimal counterexample: {o.counterexample}\n{o.error}", pytrace=False)
+
+    def reportinfo(self):
+        return self.path, None, f"ioprep::{self.name}"
+
+
+_OUTCOMES = pytest.StashKey[list]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("ioprep_engine"):
+        _suite().profiles.load_profile(config.getoption("ioprep_profile"))
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    names = config.getoption("ioprep_engine")
+    if not names:
+        return
+    suite = _suite()
+    prefixes = tuple((config.getoption("ioprep_only") or "").split(","))
+    devices = config.getoption("ioprep_device") or ["cpu"]
+    for name in names:
+        engine = suite.engines.load_engine(name)
+        for info, mode in suite.runner.instances():
+            if not info.id.startswith(prefixes):
+                continue
+            for device in devices:
+                items.append(IoprepItem.from_parent(session, name=f"{info.id}-{engine.name}-{mode}-{device}",
+                                                    info=info, engine=engine, mode=mode, device=device))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    outcomes = config.stash.get(_OUTCOMES, [])
+    if not outcomes:
+        return
+    report = _suite().report
+    terminalreporter.write_line(f"ioprep: {report.summary_line(outcomes)}")
+    folder = config.getoption("ioprep_report")
+    if folder:
+        engine = outcomes[0].engine
+        safe = engine.replace(":", "-").replace("/", "-").replace(".", "-")
+        profile = config.getoption("ioprep_profile") or "default"
+        paths = report.write_reports(outcomes, Path(folder) / f"verify-{safe}", engine=engine, profile=profile,
+                                     device=",".join(sorted({o.device for o in outcomes})))
+        terminalreporter.write_line("ioprep report: " + ", ".join(str(p) for p in paths))

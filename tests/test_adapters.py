@@ -1,0 +1,130 @@
+"""The engine protocol and the adapters: typed capabilities, the registry, the normalized view, the
+Megatron-style packing properties (reference packer passes, planted packers fail), and, where verl is
+installed (the verl tox envs), every verl adapter built and probed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from spec.engines import ENGINES, builtin_engine_names, load_engine
+from spec.harness import execute
+from spec.cases import EngineCase
+from spec.invariants import CATALOGUE
+from spec.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
+from spec.protocol import Capabilities, EngineUnderTest, Feature, InputsView, ShardLayout
+from spec.runner import run_invariant
+
+HAS_VERL = importlib.util.find_spec("verl") is not None
+needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed (the verl tox envs run these)")
+MEGATRON = sorted(k for k in CATALOGUE if k.startswith("INV-MEG"))
+
+
+class Reference(EngineUnderTest):
+    name = "reference-packer"
+    packer = ReferencePacker()
+    layouts = tuple(ShardLayout)
+
+
+def test_capabilities_are_typed_and_give_reasons() -> None:
+    caps = load_engine("impl").capabilities()
+    assert isinstance(caps, Capabilities) and caps.engine == "impl"
+    assert Feature.SP in caps.offered and Feature.ENGINE in caps.offered
+    assert caps.reason("packing") and "packing" in caps.reason(Feature.PACKING).lower()
+    assert [f for f, _ in caps.table()] == [f.value for f in Feature]
+
+
+def test_an_unknown_feature_is_an_error_not_an_offer() -> None:
+    with pytest.raises(ValueError, match="unknown feature 'spx'"):
+        load_engine("impl").lacks("spx")
+
+
+def test_every_invariant_needs_only_known_features() -> None:
+    for info in CATALOGUE.values():
+        for need in info.needs:
+            Feature.parse(need)
+
+
+def test_registry_lists_every_verl_engine() -> None:
+    names = builtin_engine_names()
+    for name in ("impl", "verl", "verl-veomni", "verl-torchtitan", "verl-automodel", "verl-megatron"):
+        assert name in names and name in ENGINES
+    assert any(n.startswith("planted:zigzag") for n in names)
+
+
+def test_normalized_view_of_verl_convention() -> None:
+    engine = load_engine("impl")
+    run = execute(engine, EngineCase(prompt_lens=(2, 1), response_lens=(1, 2), temperature=(0.5, 2.0)))
+    view = engine.view_inputs(run.inputs[0], run.output_args[0])
+    assert isinstance(view, InputsView) and view.attention_mask is None
+    assert view.labels.tolist() == torch.roll(run.micro_batch["input_ids"].values(), -1).tolist()
+    assert view.temperature.tolist() == [0.5, 0.5, 0.5, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("invariant", MEGATRON)
+def test_reference_packer_passes(invariant: str) -> None:
+    outcome = run_invariant(CATALOGUE[invariant], Reference(), "any", profile="dev", max_examples=4)
+    assert outcome.status == "pass", f"{outcome.counterexample}: {outcome.error}"
+
+
+def test_alignment_rule() -> None:
+    assert thd_alignment(PackSpec(tp=2, cp=2, layout=ShardLayout.ZIGZAG)) == (8, 2)
+    assert thd_alignment(PackSpec(tp=2, cp=2, layout=ShardLayout.CONTIGUOUS)) == (4, 2)
+    assert thd_alignment(PackSpec(tp=1, cp=2, fp8=True)) == (16, 512)
+    assert thd_alignment(PackSpec(tp=1, cp=2, bucket=7)) == (4, 28)
+
+
+def test_reference_zigzag_by_hand() -> None:
+    """One sequence of 8 tokens, CP = 2 zig-zag: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2."""
+    x = nested_from([torch.arange(10, 18)])
+    spec = PackSpec(tp=1, cp=2, layout=ShardLayout.ZIGZAG)
+    ranks = [ReferencePacker().pack_thd(x, spec, r) for r in range(2)]
+    assert ranks[0].rows.tolist() == [[10, 11, 16, 17]] and ranks[1].rows.tolist() == [[12, 13, 14, 15]]
+    assert ranks[0].positions.tolist() == [[0, 1, 6, 7]]
+
+
+@pytest.mark.parametrize("layout", list(ShardLayout))
+def test_reference_contiguous_and_labels_by_hand(layout: ShardLayout) -> None:
+    x = nested_from([torch.tensor([5, 6, 7]), torch.tensor([8])])
+    spec = PackSpec(tp=1, cp=2, layout=layout)
+    shards = [ReferencePacker().pack_thd(x, spec, r, need_roll=True) for r in range(2)]
+    labels = ReferencePacker().unpack_thd(shards, x, spec)
+    assert [t.tolist() for t in labels.unbind()] == [[6, 7, 5], [8]]
+
+
+# -- verl's adapters (the verl envs) --------------------------------------------------------------------
+@needs_verl
+@pytest.mark.parametrize("name", ["verl-veomni", "verl-torchtitan", "verl-automodel"])
+def test_verl_engine_adapters_run_a_case_and_report_stubs(name: str) -> None:
+    engine = load_engine(name)
+    assert engine.stubs.real or engine.stubs.stubbed
+    for packed in (True, False):
+        case = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), use_remove_padding=packed, calculate_entropy=True)
+        run = execute(engine, case)
+        view = engine.view_inputs(run.inputs[0], run.output_args[0])
+        assert view.labels is not None and view.labels.reshape(-1)[0] == run.micro_batch["input_ids"].values()[1]
+        assert (view.attention_mask is None) == packed
+        assert [t.shape[0] for t in run.outputs["log_probs"].unbind()] == [5, 3]
+
+
+@needs_verl
+def test_verl_torchtitan_capabilities_are_probed() -> None:
+    caps = load_engine("verl-torchtitan").capabilities()
+    assert {Feature.VALUE, Feature.DISTILLATION, Feature.BUCKET, Feature.FUSED, Feature.SP} <= set(caps.missing)
+    assert Feature.ENGINE in caps.offered and Feature.CHUNKING in caps.offered
+
+
+@needs_verl
+def test_verl_megatron_packer_agrees_with_the_reference() -> None:
+    engine = load_engine("verl-megatron")
+    assert engine.lacks(Feature.PACKING) is None and engine.lacks(Feature.ENGINE)
+    x = nested_from([torch.arange(1, 4), torch.arange(10, 15), torch.tensor([20])])
+    for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 4)):
+        spec = PackSpec(tp=tp, cp=cp, layout=ShardLayout.ZIGZAG)
+        for rank in range(cp):
+            ours, verl = ReferencePacker().pack_thd(x, spec, rank), engine.packer.pack_thd(x, spec, rank)
+            valid = ours.rows != 0  # x has no zeros: the valid rows (pad positions are no one's contract)
+            assert torch.equal(ours.rows, verl.rows) and torch.equal(ours.positions[valid], verl.positions[valid])
+            assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))

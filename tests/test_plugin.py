@@ -1,0 +1,83 @@
+"""The pytest plugin runs the catalogue in another project's test session, against the example engine
+and adapter of docs/writing-an-adapter.md (written into a temporary package outside this repository)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "writing-an-adapter.md"
+BLOCK = re.compile(r"```python\n# (mypkg/[a-z_]+\.py)\n(.*?)```", re.S)
+
+
+def doc_blocks() -> dict[str, str]:
+    return {path: code for path, code in BLOCK.findall(DOC.read_text())}
+
+
+def test_doc_holds_a_complete_small_adapter() -> None:
+    blocks = doc_blocks()
+    assert set(blocks) == {"mypkg/tiny_engine.py", "mypkg/adapter.py"}
+    assert len(blocks["mypkg/adapter.py"].splitlines()) <= 60
+    assert "spec.protocol" in blocks["mypkg/adapter.py"] and "import spec" not in blocks["mypkg/tiny_engine.py"]
+
+
+@pytest.fixture(scope="module")
+def user_repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("user_repo")
+    assert ROOT not in repo.parents
+    (repo / "mypkg").mkdir()
+    (repo / "mypkg" / "__init__.py").write_text("")
+    for path, code in doc_blocks().items():
+        (repo / path).write_text(code)
+    # a planted bug in the user's engine: the padded attention mask from the response lengths (verl #6278)
+    buggy = doc_blocks()["mypkg/tiny_engine.py"].replace(
+        "mask = (torch.arange(width, device=lens.device) < lens.unsqueeze(1))",
+        "mask = (torch.arange(width, device=lens.device) < (lens // 2 + 1).unsqueeze(1))")
+    assert buggy != doc_blocks()["mypkg/tiny_engine.py"]
+    (repo / "mypkg" / "buggy_engine.py").write_text(buggy)
+    (repo / "mypkg" / "buggy_adapter.py").write_text(
+        doc_blocks()["mypkg/adapter.py"].replace("mypkg.tiny_engine", "mypkg.buggy_engine"))
+    (repo / "test_own.py").write_text("def test_own():\n    assert True\n")
+    return repo
+
+
+def run_pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(repo)]), "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "spec.pytest_plugin", "-p", "no:cacheprovider",
+                           "-q", "-rs", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_catalogue_runs_in_the_users_session(user_repo: Path) -> None:
+    run = run_pytest(user_repo, "--ioprep-engine", "mypkg.adapter:TinyAdapter", "--ioprep-profile", "dev",
+                     "--ioprep-only", "INV-MASK,INV-VAL-001,INV-KEYS-001,INV-LABEL-001,INV-SP-001,INV-DEV",
+                     "--ioprep-report", "out", "test_own.py")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "ioprep: " in run.stdout and "1 passed" not in run.stdout.splitlines()[-1]
+    report = json.loads((user_repo / "out" / "verify-tiny.json").read_text())
+    statuses = {o["status"] for o in report["outcomes"]}
+    assert statuses <= {"pass", "skip"}, statuses
+    passed = {o["invariant"] for o in report["outcomes"] if o["status"] == "pass"}
+    assert {"INV-MASK-001", "INV-VAL-001", "INV-KEYS-001", "INV-LABEL-001"} <= passed
+    skipped = {o["invariant"]: o["reason"] for o in report["outcomes"] if o["status"] == "skip"}
+    assert "INV-SP-001" in skipped and "tiny has no sp" in skipped["INV-SP-001"]
+    assert (user_repo / "out" / "verify-tiny.md").read_text().startswith("# Conformance report: engine `tiny`")
+
+
+def test_plugin_fails_a_buggy_user_engine(user_repo: Path) -> None:
+    run = run_pytest(user_repo, "--ioprep-engine", "mypkg.buggy_adapter:TinyAdapter", "--ioprep-profile", "ci",
+                     "--ioprep-only", "INV-MASK-001")
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "INV-MASK-001-tiny-padded-cpu" in run.stdout and "minimal counterexample: EngineCase(" in run.stdout
+
+
+def test_plugin_is_inert_without_an_engine(user_repo: Path) -> None:
+    run = run_pytest(user_repo, "test_own.py")
+    assert run.returncode == 0 and "1 passed" in run.stdout and "ioprep" not in run.stdout
