@@ -3,6 +3,9 @@
 Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
 is caught on every run; ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+
+The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/database.py``): derandomized
+profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Verbosity, settings
+
+from .database import example_database, replay_database
 
 __all__ = ["PROFILES", "load_profile", "DEFAULT_PROFILE"]
 
@@ -26,8 +31,12 @@ PROFILES = {
                   suppress_health_check=_QUIET_CHECKS),
 }
 
+_DATABASES = {True: replay_database(), False: example_database(strict=False)}  # $SPEC_EXAMPLE_DB
 for _name, _kwargs in PROFILES.items():
     settings.register_profile(_name, **_kwargs)
+    # derandomize=True forces database=None within one settings(); a child profile may set it.
+    _db = _DATABASES[bool(_kwargs.get("derandomize"))]
+    settings.register_profile(_name, settings.get_profile(_name), database=_db)
 
 
 def load_profile(name: str | None = None) -> str:
