@@ -18,7 +18,8 @@ several, comma-separated               all of them (:class:`MultiplexedDatabase`
 =====================================  =====================================================
 
 Writers (the ``default``/``dev``/``debug``/``cuda`` profiles, ``python -m spec fuzz``) read and
-write it; the derandomized ``ci`` profile reads it through :class:`ReadOnlyDatabase`, so a CI run
+write it, and never delete from a configured one (:class:`KeepFailures`: the keys are the same
+for every engine, so a run on a passing engine must not erase another engine's failures); the derandomized ``ci`` profile reads it through :class:`ReadOnlyDatabase`, so a CI run
 replays every saved failure first and never changes the database. A read-only view never
 raises: a missing directory reads as empty, and an unreachable Redis server (or a missing
 ``redis`` package) is reported once as a warning and read as empty.
@@ -42,7 +43,7 @@ from hypothesis.database import (
 )
 
 __all__ = ["ENV", "REDIS_TTL", "default_directory", "example_database", "replay_database", "describe", "check_reachable",
-           "DatabaseUnavailable"]
+           "DatabaseUnavailable", "KeepFailures"]
 
 ENV = "SPEC_EXAMPLE_DB"
 #: Redis entries expire this long after they were last saved or read (every CI run reads them).
@@ -88,8 +89,10 @@ def _github(url: str) -> ExampleDatabase:
 def example_database(url: str | None = None, *, strict: bool = True) -> ExampleDatabase | None:
     """The read-write database named by ``url`` (default: ``$SPEC_EXAMPLE_DB``); see the module doc.
 
-    ``strict=False`` (the profiles): a setting that cannot be used is warned about and the default
-    directory is used instead, so a bad URL never stops a test run; ``python -m spec fuzz`` is strict.
+    A configured database (the setting is not empty) is wrapped so that nothing is ever deleted
+    from it (:class:`KeepFailures`). ``strict=False`` (the profiles): a setting that cannot be used
+    is warned about and the default directory is used instead, so a bad URL never stops a test
+    run; ``python -m spec fuzz`` is strict.
     """
     setting = _setting(url)
     if not strict:
@@ -98,8 +101,13 @@ def example_database(url: str | None = None, *, strict: bool = True) -> ExampleD
         except (DatabaseUnavailable, ValueError) as exc:
             warnings.warn(f"{exc}; saving examples under .hypothesis/examples instead", stacklevel=2)
             return example_database("")
+    db = _open(setting)
+    return KeepFailures(db) if setting and db is not None else db
+
+
+def _open(setting: str) -> ExampleDatabase | None:
     if "," in setting:
-        parts = [db for db in map(example_database, _parts(setting)) if db is not None]
+        parts = [db for db in map(_open, _parts(setting)) if db is not None]
         return MultiplexedDatabase(*parts) if parts else None
     if not setting:
         return DirectoryBasedExampleDatabase(default_directory())
@@ -114,6 +122,35 @@ def example_database(url: str | None = None, *, strict: bool = True) -> ExampleD
         raise ValueError(f"{ENV}={setting!r}: use a directory, redis://host:port/db, "
                          "github-artifact://owner/repo[/name] or none")
     return DirectoryBasedExampleDatabase(Path(urlsplit(setting).path if scheme == "file" else setting))
+
+
+class KeepFailures(ExampleDatabase):
+    """A shared database's writer view: saves and moves pass through, deletes are dropped.
+
+    The database key is one per invariant x mode for every engine, so Hypothesis's clean-up
+    (a saved failure that no longer fails is deleted when replayed) would let a run on an engine
+    that passes erase what a campaign found on another engine (impl's nightly campaign erasing
+    verl's findings). Shrinking still moves superseded examples to the secondary key.
+    """
+
+    def __init__(self, db: ExampleDatabase) -> None:
+        super().__init__()
+        self._db = db
+
+    def __repr__(self) -> str:
+        return f"KeepFailures({self._db!r})"
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self._db.fetch(key)
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self._db.save(key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self._db.move(src, dest, value)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        pass
 
 
 class _ForgivingReads(ExampleDatabase):
@@ -154,7 +191,7 @@ def replay_database(url: str | None = None) -> ExampleDatabase | None:
         views = [db for db in map(replay_database, _parts(setting)) if db is not None]
         return MultiplexedDatabase(*views) if views else None
     try:
-        db = example_database(setting)
+        db = _open(setting)
     except (DatabaseUnavailable, ValueError) as exc:
         warnings.warn(f"{exc}; the ci profile replays no saved failures", stacklevel=2)
         return None
@@ -167,6 +204,8 @@ def replay_database(url: str | None = None) -> ExampleDatabase | None:
 
 def check_reachable(db: ExampleDatabase | None) -> None:
     """Raise :class:`DatabaseUnavailable` unless ``db`` answers (a Redis ping); for writers."""
+    if isinstance(db, KeepFailures):
+        return check_reachable(db._db)
     if isinstance(db, MultiplexedDatabase):
         for part in db._wrapped:
             check_reachable(part)
@@ -184,6 +223,8 @@ def describe(db: ExampleDatabase | None) -> str:
     """One line naming the database (no credentials)."""
     if db is None:
         return "none"
+    if isinstance(db, KeepFailures):
+        return describe(db._db)
     if isinstance(db, MultiplexedDatabase):
         return " + ".join(describe(part) for part in db._wrapped)
     inner = getattr(db, "_db", None) or getattr(db, "_wrapped", None)

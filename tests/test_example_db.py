@@ -24,7 +24,7 @@ import pytest
 from hypothesis import Verbosity
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
-from spec.database import DatabaseUnavailable, check_reachable, example_database, replay_database
+from spec.database import DatabaseUnavailable, KeepFailures, check_reachable, example_database, replay_database
 from spec.engines import load_engine
 from spec.invariants import CATALOGUE
 from spec.runner import run_invariant
@@ -116,6 +116,11 @@ def test_two_workers_share_the_database(backend: str, tmp_path: Path, request: p
     saved = snapshot()
     assert saved, f"worker 1 saved nothing in {database}"
 
+    if backend == "directory":  # a writer run on an engine that passes the saved case deletes nothing
+        impl = run_invariant(CATALOGUE[BUG[0]], load_engine("impl"), BUG[1], profile="default",
+                             database=example_database(database), verbosity=Verbosity.quiet, max_examples=3)
+        assert impl.status == "pass" and snapshot() == saved, impl
+
     replay = worker("ci", database)  # worker 2: the derandomized ci profile
     assert replay["derandomize"] and replay["database"] == f"read-only {found['database']}", replay
     assert replay["status"] == "fail" and replay["counterexample"] == found["counterexample"], replay
@@ -134,7 +139,11 @@ def test_two_workers_share_the_database(backend: str, tmp_path: Path, request: p
 
 
 def test_setting_selects_the_database(tmp_path: Path) -> None:
-    assert isinstance(example_database(str(tmp_path)), DirectoryBasedExampleDatabase)
+    configured = example_database(str(tmp_path))
+    assert isinstance(configured, KeepFailures) and isinstance(configured._db, DirectoryBasedExampleDatabase)
+    configured.save(b"k", b"v")
+    configured.delete(b"k", b"v")  # a configured (shared) database never loses a saved failure
+    assert list(configured.fetch(b"k")) == [b"v"]
     assert example_database("").path == Path(".hypothesis/examples")
     assert example_database("none") is None and replay_database("none") is None
     view = replay_database(str(tmp_path / "absent"))
@@ -157,7 +166,7 @@ def test_unreachable_redis_never_breaks_a_ci_run() -> None:
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     writer = example_database(url)
-    assert isinstance(writer, RedisExampleDatabase)
+    assert isinstance(writer, KeepFailures) and isinstance(writer._db, RedisExampleDatabase)
     with pytest.raises(DatabaseUnavailable, match="unreachable"):
         check_reachable(writer)
     reader = replay_database(url)

@@ -34,23 +34,25 @@ def test_campaign_finds_a_planted_bug_and_ci_replays_it_first(tmp_path: Path) ->
                "--out", str(tmp_path))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "FAIL INV-DENSE-002/any: DenseCase(" in run.stdout
-    assert "2 workers" in run.stderr and "failures: 1 [INV-DENSE-002/any]" in run.stderr
-    progress = [line for line in run.stderr.splitlines() if line.startswith("fuzz:") and "/s)" in line]
-    assert progress, run.stderr
     report = json.loads((tmp_path / "fuzz-planted-left_right_as_nested_positions.json").read_text())
     by_target = {t["target"]: t for t in report["targets"]}
-    assert by_target["INV-DENSE-002/any"]["status"] == "fail"
-    # the other dense invariants hold for this bug: fuzzed, nothing found
-    others = [t for key, t in by_target.items() if key != "INV-DENSE-002/any"]
-    assert others and all(t["status"] == "pass" for t in others)
-    assert sum(t["examples"] for t in others) > 0
+    assert set(by_target) == {f"INV-DENSE-00{i}/any" for i in range(1, 6)}
+    assert by_target["INV-DENSE-002/any"]["status"] == "fail" and by_target["INV-DENSE-002/any"]["examples"] > 0
+    # (with fresh seeds another dense invariant may trip over the same bug: every failure is reported)
+    failures = sorted(key for key, t in by_target.items() if t["status"] == "fail")
+    assert all(f"FAIL {key}: " in run.stdout for key in failures)
+    progress = [line for line in run.stderr.splitlines() if line.startswith("fuzz:") and "/s)" in line]
+    assert "2 workers" in progress[-1] and f"failures: {len(failures)} [" in progress[-1], run.stderr
     assert (tmp_path / "fuzz-planted-left_right_as_nested_positions.md").read_text().startswith("# Fuzz campaign")
 
-    # a later CI run (here, in this process) on the campaign's database replays the failure first
+    # A later CI run (here, in this process) on the campaign's database fails on the saved cases
+    # alone: each worker may have saved its own failure (both can be in that target's round at
+    # once), and the ci run replays them all and draws nothing; on an empty database it needs
+    # dozens of cases (the control in tests/test_example_db.py).
     replay = run_invariant(CATALOGUE[BUG[0]], load_engine(BUG[2]), BUG[1], profile="ci",
                            database=replay_database(database), verbosity=Verbosity.quiet)
-    assert replay.status == "fail" and replay.distinct_cases == 1, replay
-    assert replay.counterexample == by_target["INV-DENSE-002/any"]["counterexample"]
+    assert replay.status == "fail" and replay.distinct_cases <= 2, replay
+    assert "mRoPE position_ids" in replay.error
 
 
 def test_campaign_on_impl_finds_nothing_and_exits_0(tmp_path: Path) -> None:
