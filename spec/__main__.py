@@ -23,6 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
     verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
+    fuzz = sub.add_parser("fuzz", help="fuzz the catalogue on N worker processes, sharing the example database")
+    fuzz.add_argument("--engine", default="impl", help="as for verify (default: impl)")
+    fuzz.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    fuzz.add_argument("--seconds", type=float, default=300.0, help="time limit (default: 300)")
+    fuzz.add_argument("--only", default=None, help="fuzz only invariant IDs starting with this prefix")
+    fuzz.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    fuzz.add_argument("--out", default="reports", help="folder for fuzz-<engine>.md/.json (default: reports/)")
     listing = sub.add_parser("list", help="list the invariant catalogue")
     listing.add_argument("--markdown", action="store_true", help="as the Markdown table of spec/README.md")
     engines = sub.add_parser("engines", help="list the built-in engines")
@@ -68,11 +75,36 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed(outcomes) else 0
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    """A fuzz campaign (spec/fuzz.py) on the database named by $SPEC_EXAMPLE_DB; exit 1 if it found a failure."""
+    from .database import DatabaseUnavailable, check_reachable, describe, example_database
+    from .fuzz import failed, run_campaign, safe_name, write_reports
+
+    try:
+        database = example_database()
+        check_reachable(database)
+    except (DatabaseUnavailable, ValueError) as exc:
+        print(f"fuzz: {exc}", file=sys.stderr)
+        return 2
+    where = describe(database)
+    print(f"fuzz: engine {args.engine}, {args.workers} workers, {args.seconds:.0f}s, database {where}", file=sys.stderr)
+    stats = run_campaign(args.engine, workers=args.workers, seconds=args.seconds, only=args.only, device=args.device)
+    paths = write_reports(stats, Path(args.out) / f"fuzz-{safe_name(args.engine)}", engine=args.engine,
+                          seconds=args.seconds, workers=args.workers, database=where)
+    for s in stats.values():
+        if s.status != "pass":
+            print(f"{'FAIL' if s.status == 'fail' else 'known failure'} {s.target}: {s.counterexample} -> {s.error}")
+    print(f"fuzz: wrote {', '.join(str(p) for p in paths)}")
+    return 1 if failed(stats) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     if args.command == "verify":
         return _verify(args)
+    if args.command == "fuzz":
+        return _fuzz(args)
     if args.command == "list":
         from .invariants import CATALOGUE
 

@@ -5,6 +5,9 @@ Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), el
 is caught on every run; ``thorough`` is the nightly CPU job's (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
 spec/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+
+The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/database.py``): derandomized
+profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Verbosity, settings
+
+from .database import example_database, replay_database
 
 __all__ = ["PROFILES", "load_profile", "DEFAULT_PROFILE"]
 
@@ -29,8 +34,12 @@ PROFILES = {
                   suppress_health_check=_QUIET_CHECKS),
 }
 
+_DATABASES = {True: replay_database(), False: example_database(strict=False)}  # $SPEC_EXAMPLE_DB
 for _name, _kwargs in PROFILES.items():
     settings.register_profile(_name, **_kwargs)
+    # derandomize=True forces database=None within one settings(); a child profile may set it.
+    _db = _DATABASES[bool(_kwargs.get("derandomize"))]
+    settings.register_profile(_name, settings.get_profile(_name), database=_db)
 
 
 def load_profile(name: str | None = None) -> str:
