@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         ex, distinct = sum(o.exercised for o in rows), sum(o.distinct_cases for o in rows)
         print(f"| {group} | {len(rows)} | {n} | {ex} | {distinct} | {secs:.1f} | {n / secs:.0f} |")
     n = sum(o.examples for rows in groups.values() for o in rows)
-    print(f"| **all** | {sum(map(len, groups.values()))} | {n} | {total:.1f} | {n / total:.0f} |")
+    ex = sum(o.exercised for rows in groups.values() for o in rows)
+    distinct = sum(o.distinct_cases for rows in groups.values() for o in rows)
+    print(f"| **all** | {sum(map(len, groups.values()))} | {n} | {ex} | {distinct} | {total:.1f} | {n / total:.0f} |")
     return 0
 
 

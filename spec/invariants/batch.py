@@ -55,7 +55,10 @@ def bucket_invariance(ctx: Ctx) -> None:
 def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
     """Run the samples ``rows`` alone, in that order; each must match its row of the whole run."""
     part = execute(ctx.engine, ctx.case.subset(rows), ctx.device, micro_batch=select_rows(ctx.run.micro_batch, rows))
-    whole = {key: [value.unbind()[i] for i in rows] for key, value in ctx.run.outputs.items()}
+    whole = {}
+    for key, value in ctx.run.outputs.items():
+        parts = value.unbind() if isinstance(value, torch.Tensor) and value.is_nested else None
+        whole[key] = [parts[i] for i in rows] if parts is not None else value
     match_runs(ctx, part.outputs, whole, what, rows=rows)
 
 
