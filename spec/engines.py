@@ -22,8 +22,8 @@ class EngineUnderTest:
     """Base class. Subclasses implement :meth:`make` and may override the rest."""
 
     name = "engine"
-    #: invariant ID -> reason: a failure the suite knows about and documents (reported, not hidden)
-    known_failures: dict[str, str] = {}
+    #: spec.known.KnownFailure records: where a documented failure applies and how it fails (reported, not hidden)
+    known_failures: tuple = ()
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
         """An engine object; settings: sp_size, sp_rank, pad_to_length, all_gather."""
