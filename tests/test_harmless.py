@@ -28,7 +28,6 @@ PENDING_LAYOUT = {
     "per_sequence_labels": {"INV-LABEL-003"},  # asserts verl's exact rolled row, the unread last label included
     "last_label_pad": {"INV-LABEL-003"},
     "tail_pad_ids": {"INV-PAD-001"},  # asserts tail ids 0; the tail is never read
-    "row_shaped_output_args": {"INV-PAD-001", "INV-LABEL-003"},  # read output_args (engine-private) as (n,) rows
 }
 
 

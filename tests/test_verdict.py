@@ -130,11 +130,12 @@ def _suite_check(ctx) -> None:
 
 
 def _swallowing_check(ctx) -> None:
+    """The old error-invariant pattern: any exception counts as a rejection."""
     try:
-        ctx.run
-        {}["oracle"]  # the suite's own code fails, and the check swallows it
+        execute(ctx.engine, _bucket_topk_case(), ctx.device)
     except Exception:  # noqa: BLE001
         return
+    raise AssertionError("accepted silently")
 
 
 def test_suite_exception_is_a_suite_error_not_a_failure_or_a_pass() -> None:
@@ -159,9 +160,12 @@ def test_power_test_does_not_count_a_crash_as_a_rejection() -> None:
 
 
 def test_swallowed_suite_exception_is_no_pass() -> None:
+    """The engine accepts bucket + top-K; the suite's processor then raises and the check swallows it:
+    that example is a suite error, never a pass."""
     info = dataclasses.replace(CATALOGUE["INV-MASK-001"], check=_swallowing_check)
-    outcome = run_invariant(info, ImplEngine(), "padded", profile="dev")
-    assert outcome.status == "error", outcome
+    outcome = run_invariant(info, planted_engine("bucket_topk_accepted"), "padded", profile="dev")
+    assert outcome.status == "error" and "logits_processor_func" in outcome.error, outcome
+    assert run_invariant(info, ImplEngine(), "padded", profile="dev").status == "pass"
 
 
 def _bucket_topk_case() -> EngineCase:
@@ -194,13 +198,19 @@ def test_error_invariant_never_passes_an_engine_that_accepts() -> None:
 # -- 3. the shrunk counterexample, exactly as hypothesis reports it --------------------------------------
 
 def _hypothesis_case(exc: BaseException) -> str | None:
+    """The case in hypothesis's own "Failing test case" note, rebuilt and printed as the suite prints it."""
     note = next((n for n in getattr(exc, "__notes__", []) if "case=" in n), None)
     if note is None:
         return None
     from spec.cases import DenseCase
 
-    body = note[note.index("case=") + len("case="):note.rindex(")")].strip().rstrip(",")
-    return repr(eval(body, {"EngineCase": EngineCase, "DenseCase": DenseCase}))  # noqa: S307 - hypothesis's own repr
+    start = note.index("case=") + len("case=")
+    depth, end = 0, start
+    for end, char in enumerate(note[start:], start):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == ")" and depth == 0:
+            break
+    return repr(eval(note[start:end + 1], {"EngineCase": EngineCase, "DenseCase": DenseCase}))  # noqa: S307
 
 
 @pytest.mark.parametrize("bug, invariant_id, mode", [
