@@ -134,7 +134,7 @@ class _AttributedObject:
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None, *args, **kwargs):
         if logits_processor_func is not None:
-            logits_processor_func = suite_side(logits_processor_func, "the suite's logits_processor_func")
+            logits_processor_func = suite_side(logits_processor_func, "logits_processor_func (top-K processor)")
         return _engine_side(self._inner.prepare_model_outputs, "prepare_model_outputs")(
             output, output_args, micro_batch, logits_processor_func, *args, **kwargs)
 
