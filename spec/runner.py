@@ -166,10 +166,11 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             except HypothesisException:
                 raise
             except Exception as exc:
+                if ctx.vacuous is None:  # a failing example exercised the property
+                    state["exercised"] += 1
                 record = matching(records, case, exc)
                 if record is not None:  # excused: count it and go on, so other bugs are still found
                     hits[records.index(record)] += 1
-                    state["exercised"] += 1
                     return
                 _mark(exc, case, _kind(exc))
                 raise
