@@ -1,4 +1,8 @@
-"""``python -m spec verify``: run the invariant catalogue against one engine and print the table."""
+"""``python -m spec verify``: run the invariant catalogue against one engine and print the table.
+
+Also ``fuzz`` (a campaign over the shared example database), ``list`` (the catalogue) and
+``engines`` (the built-in engines and their capabilities).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +15,23 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_verify(sub) -> None:
     verify = sub.add_parser("verify", help="check every invariant against an engine")
     verify.add_argument("--engine", default="impl",
                         help="impl (default), verl, verl-veomni, verl-torchtitan, verl-automodel, verl-megatron, "
-                             "planted:<bug>, or module:attr (a factory or EngineUnderTest); see `python -m spec engines`")
+                             "planted:<bug>, or module:attr (a factory or EngineUnderTest; e.g. "
+                             "spec.planted.harmless:PerSequenceLabels); see `python -m spec engines`")
     verify.add_argument("--profile", default=None,
-                        help="hypothesis profile: default, dev, ci, cuda, debug (default: $HYPOTHESIS_PROFILE or default)")
+                        help="hypothesis profile: default, dev, ci, thorough, cuda, debug "
+                             "(default: $HYPOTHESIS_PROFILE or default)")
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
     verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK)")
+    verify.add_argument("--no-layout", action="store_true",
+                        help="skip the layout profile (verl's layout conventions, never part of the verdict)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
+
+
+def _add_fuzz(sub) -> None:
     fuzz = sub.add_parser("fuzz", help="fuzz the catalogue on N worker processes, sharing the example database")
     fuzz.add_argument("--engine", default="impl", help="as for verify (default: impl)")
     fuzz.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
@@ -30,12 +39,29 @@ def _parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--only", default=None, help="fuzz only invariant IDs starting with this prefix")
     fuzz.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     fuzz.add_argument("--out", default="reports", help="folder for fuzz-<engine>.md/.json (default: reports/)")
+
+
+def _add_list(sub) -> None:
     listing = sub.add_parser("list", help="list the invariant catalogue")
     listing.add_argument("--markdown", action="store_true", help="as the Markdown table of spec/README.md")
+
+
+def _add_engines(sub) -> None:
     engines = sub.add_parser("engines", help="list the built-in engines")
     engines.add_argument("--planted", action="store_true", help="list the planted-bug engines too")
     engines.add_argument("--capabilities", metavar="ENGINE", default=None,
                          help="probe one engine and print what it offers, with the reason for each lacking feature")
+
+
+#: one function per subcommand: adding one is a line here and a branch in main()
+SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m spec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 
@@ -48,29 +74,29 @@ def _verify(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .report import failed, markdown, summary_line, write_reports
-    from .runner import Outcome, instances, run_invariant
+    from .runner import instances, run_invariant
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
     engine = load_engine(args.engine)
-    todo = [(i, m) for i, m in instances() if not args.only or i.id.startswith(args.only)]
+    todo = [(i, m) for i, m in instances() if (not args.only or i.id.startswith(args.only))
+            and not (args.no_layout and i.layout)]
     quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
     outcomes = []
     start = time.perf_counter()
     for n, (info, mode) in enumerate(todo, 1):
         sys.stderr.write(f"\r[{n:3d}/{len(todo)}] {info.id:<14} {mode:<6} {time.perf_counter() - start:6.1f}s ")
         sys.stderr.flush()
-        reason = engine.implied_needs(tuple(info.needs))
-        if reason:  # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
-            outcomes.append(Outcome(info.id, engine.name, mode, device, "skip", reason=reason))
-            continue
         outcomes.append(run_invariant(info, engine, mode, device, **quiet))
     sys.stderr.write("\n")
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device))
     safe = engine.name.replace(":", "-").replace("/", "-")
     paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,
                           device=device)
-    print(f"verify: {summary_line(outcomes)} in {time.perf_counter() - start:.1f}s; wrote "
+    layout = [o for o in outcomes if o.layout]
+    verdict = [o for o in outcomes if not o.layout]
+    print(f"verify: {summary_line(verdict)}" + (f" (layout profile: {summary_line(layout)})" if layout else "")
+          + f"; verdict {'FAIL' if failed(outcomes) else 'pass'} in {time.perf_counter() - start:.1f}s; wrote "
           + ", ".join(str(p) for p in paths))
     return 1 if failed(outcomes) else 0
 
@@ -98,26 +124,22 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 1 if failed(stats) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    if args.command == "verify":
-        return _verify(args)
-    if args.command == "fuzz":
-        return _fuzz(args)
-    if args.command == "list":
-        from .invariants import CATALOGUE
+def _list(args: argparse.Namespace) -> int:
+    from .invariants import CATALOGUE
 
+    if args.markdown:
+        print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
+    for key in sorted(CATALOGUE):
+        info = CATALOGUE[key]
         if args.markdown:
-            print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
-        for key in sorted(CATALOGUE):
-            info = CATALOGUE[key]
-            if args.markdown:
-                print(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
-                      f"{', '.join(info.needs) or '-'} |")
-            else:
-                print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
-        return 0
+            print(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
+                  f"{', '.join(info.needs) or '-'} |")
+        else:
+            print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
+    return 0
+
+
+def _engines(args: argparse.Namespace) -> int:
     from .engines import PLANTED, describe_engines, load_engine
 
     if args.capabilities:
@@ -130,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.planted:
         print("\n".join(f"planted:{name}" for name in PLANTED))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

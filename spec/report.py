@@ -1,4 +1,11 @@
-"""The conformance report: a table of outcomes as text, Markdown and JSON."""
+"""The conformance report: a table of outcomes as text, Markdown and JSON.
+
+The *verdict* is made of the non-layout invariants only: any real failure, suite error or
+stale known failure among them fails it. Layout-profile invariants (``InvariantInfo.layout``:
+verl's private layout conventions the contract leaves open) are reported in their own section
+and never fail the verdict. Per invariant the report shows the examples run, those that
+exercised the property, the distinct cases drawn and the known-failure hits.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +16,74 @@ from pathlib import Path
 from .invariants import CATALOGUE
 from .runner import Outcome
 
-__all__ = ["summary_line", "markdown", "write_reports", "failed"]
+__all__ = ["summary_line", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
+           "FAILING"]
 
-_MARK = {"pass": "pass", "fail": "FAIL", "skip": "skip", "xfail": "known failure", "xpass": "XPASS"}
+_MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
+         "xpass": "STALE known failure"}
+#: statuses that fail the verdict
+FAILING = ("fail", "error", "xpass")
+
+
+def _is_layout(o: Outcome) -> bool:
+    info = CATALOGUE.get(o.invariant)
+    return bool(o.layout or (info is not None and info.layout))
+
+
+def verdict_outcomes(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if not _is_layout(o)]
+
+
+def layout_outcomes(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if _is_layout(o)]
 
 
 def failed(outcomes: list[Outcome]) -> bool:
-    return any(o.status in ("fail", "xpass") for o in outcomes)
+    """Whether the conformance verdict fails (layout-profile outcomes never count)."""
+    return any(o.status in FAILING for o in verdict_outcomes(outcomes))
 
 
 def summary_line(outcomes: list[Outcome]) -> str:
     counts = Counter(o.status for o in outcomes)
     parts = [f"{counts.get('pass', 0)} passed", f"{counts.get('fail', 0)} failed"]
-    parts += [f"{counts[k]} {label}" for k, label in (("skip", "skipped"), ("xfail", "known failures"),
-                                                      ("xpass", "unexpectedly passed")) if counts.get(k)]
+    parts += [f"{counts[k]} {label}" for k, label in (("error", "suite errors"), ("skip", "skipped"),
+                                                      ("xfail", "known failures"),
+                                                      ("xpass", "stale known failures")) if counts.get(k)]
     return ", ".join(parts)
 
 
 def _detail(o: Outcome) -> str:
-    if o.status in ("fail", "xfail") and o.counterexample:
+    if o.status in ("fail", "error") and o.counterexample:
         text = f"`{o.counterexample}` → {o.error}"
-    elif o.status in ("fail",):
+        if o.other_failures:
+            text += f" (+{len(o.other_failures)} more distinct failure(s), see JSON)"
+    elif o.status in ("fail", "error"):
         text = o.error or ""
     else:
         text = o.reason or ""
-    if o.status == "xfail" and o.reason:
-        text = f"{o.reason}; {text}"
-    return text.replace("|", "\\|")
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(outcomes: list[Outcome]) -> list[str]:
+    lines = ["| invariant | title | mode | examples | exercised | distinct cases | known hits | result | detail |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
+    for o in outcomes:
+        title = CATALOGUE[o.invariant].title.replace("|", "\\|") if o.invariant in CATALOGUE else ""
+        lines.append(f"| {o.invariant} | {title} | {o.mode} | {o.examples} | {o.exercised} | {o.distinct_cases} | "
+                     f"{o.known_hits} | {_MARK[o.status]} | {_detail(o)} |")
+    return lines
 
 
 def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str) -> str:
+    verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
+    word = "FAILS" if failed(outcomes) else "passes"
     lines = [f"# Conformance report: engine `{engine}`", "",
-             f"profile `{profile}`, device `{device}`: **{summary_line(outcomes)}**", "",
-             "| invariant | title | mode | examples | result | detail |",
-             "|---|---|---|---:|---|---|"]
-    for o in outcomes:
-        title = CATALOGUE[o.invariant].title.replace("|", "\\|")
-        lines.append(f"| {o.invariant} | {title} | {o.mode} | {o.examples} | {_MARK[o.status]} | {_detail(o)} |")
+             f"profile `{profile}`, device `{device}`: the verdict {word}: **{summary_line(verdict)}**", ""]
+    lines += _table(verdict)
+    if layout:
+        lines += ["", "## Layout profile (verl's layout conventions; informational, not part of the verdict)", "",
+                  f"**{summary_line(layout)}**", ""]
+        lines += _table(layout)
     return "\n".join(lines) + "\n"
 
 
@@ -53,7 +91,10 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js = stem.with_suffix(".md"), stem.with_suffix(".json")
     md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device))
+    verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     js.write_text(json.dumps({"engine": engine, "profile": profile, "device": device,
-                              "summary": summary_line(outcomes),
+                              "verdict": "fail" if failed(outcomes) else "pass",
+                              "summary": summary_line(verdict),
+                              "layout_summary": summary_line(layout),
                               "outcomes": [o.as_dict() for o in outcomes]}, indent=2))
     return [md, js]

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
+from hypothesis.errors import HypothesisException
+
+from .attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
 
 from .cases import DenseCase, EngineCase
 from .engines import EngineUnderTest
 from .invariants import CATALOGUE, Ctx, InvariantInfo
+from .known import KnownFailure, applicable, as_records, matching
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "SEED_CASES", "DEVICES"]
 
@@ -36,14 +40,22 @@ class Outcome:
     engine: str
     mode: str
     device: str
-    status: str  # pass | fail | skip | xfail | xpass
+    #: pass | fail (a check's assertion, or the engine raised) | error (the suite itself failed) | skip
+    #: | xfail (only known failures fired) | xpass (a known-failure record never fired: stale)
+    status: str
     examples: int = 0
     exercised: int = 0  # examples on which the property was exercised (not marked ctx.not_exercised)
     distinct_cases: int = 0
+    known_hits: int = 0  # examples excused by a known-failure record (the run went on)
     seconds: float = 0.0
-    counterexample: str | None = None
+    counterexample: str | None = None  # the minimal falsifying case, as hypothesis reports it
     error: str | None = None
     reason: str | None = None
+    layout: bool = False  # a layout-profile invariant: reported apart, never part of the verdict
+    #: per applicable known-failure record: its key, condition, hits
+    known: list[dict] = field(default_factory=list)
+    #: further distinct failures hypothesis reported (each its own minimal case)
+    other_failures: list[dict] = field(default_factory=list)
 
     @property
     def test_id(self) -> str:
@@ -83,8 +95,41 @@ def _seed_examples(info: InvariantInfo, mode: str) -> list:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return " ".join(text.split())[:600]
+    return describe(exc)
+
+
+def _kind(exc: BaseException) -> str:
+    """``fail`` for a check's assertion or anything the engine's own call raised; ``error`` for the suite's."""
+    if origin(exc) == ENGINE:
+        return "fail"
+    if isinstance(exc, AssertionError) and origin(exc) is None:
+        return "fail"
+    return "error"
+
+
+def _mark(exc: BaseException, case, kind: str) -> None:
+    """Remember on the exception itself which case raised it: the exception hypothesis finally raises
+    comes from its last replay, the minimal example, so its case is the shrunk counterexample."""
+    try:
+        exc._spec_case = repr(case)  # type: ignore[attr-defined]
+        exc._spec_kind = kind  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _message(exc: BaseException, kind: str) -> str:
+    if kind == "error":
+        cause = exc.__cause__ if isinstance(exc, SuiteError) and exc.__cause__ is not None else exc
+        return f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)}"
+    if origin(exc) == ENGINE and not isinstance(exc, AssertionError):
+        return f"engine raised {describe(exc)}"
+    return describe(exc)
 
 
 def stream_key(info: InvariantInfo, mode: str) -> bytes:
@@ -101,22 +146,40 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
     ``seed``: an explicit seed (combined with the invariant's stream key), for independent runs.
     """
-    outcome = Outcome(info.id, engine.name, mode, device, "pass")
+    outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
     reason = skip_reason(info, engine, device)
     if reason:
         outcome.status, outcome.reason = "skip", reason
         return outcome
-    state: dict = {"n": 0, "exercised": 0, "cases": set(), "fail": None}
+    records = applicable(as_records(engine.known_failures), info.id, mode)
+    hits = [0] * len(records)
+    state: dict = {"n": 0, "exercised": 0, "cases": set()}
+    attributed = AttributedEngine(engine)
 
     def body(case):
         state["n"] += 1
         state["cases"].add(repr(case))
-        ctx = Ctx(engine, case, device, mode)
-        try:
-            info.check(ctx)
-        except Exception as exc:
-            state["fail"] = (case, exc)
-            raise
+        ctx = Ctx(attributed, case, device, mode)
+        with recording() as log:
+            try:
+                info.check(ctx)
+            except HypothesisException:
+                raise
+            except Exception as exc:
+                if ctx.vacuous is None:  # a failing example exercised the property
+                    state["exercised"] += 1
+                record = matching(records, case, exc)
+                if record is not None:  # excused: count it and go on, so other bugs are still found
+                    hits[records.index(record)] += 1
+                    return
+                _mark(exc, case, _kind(exc))
+                raise
+            swallowed = log.unhandled_suite()
+        if swallowed:  # the check passed only because it caught what the suite itself raised
+            where, cause = swallowed[0]
+            err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
+            _mark(err, case, "error")
+            raise err from cause
         if ctx.vacuous is None:
             state["exercised"] += 1
 
@@ -138,17 +201,36 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
         try:
             prop(phases)()
         except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
-            case, original = state["fail"] if state["fail"] else (None, exc)
-            outcome.status = "fail"
-            outcome.counterexample = repr(case) if case is not None else None
-            outcome.error = _one_line(original)
+            _record_failure(outcome, exc)
             break
     outcome.seconds = time.perf_counter() - start
     outcome.examples = state["n"]
     outcome.exercised = state["exercised"]
     outcome.distinct_cases = len(state["cases"])
-    known = engine.known_failures.get(f"{info.id}/{mode}") or engine.known_failures.get(info.id)
-    if known:
-        outcome.reason = known
-        outcome.status = "xfail" if outcome.status == "fail" else "xpass"
+    outcome.known_hits = sum(hits)
+    outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "reason": r.reason}
+                     for r, h in zip(records, hits)]
+    if records and outcome.status == "pass":
+        stale = [r for r, h in zip(records, hits) if not h]
+        if stale:
+            outcome.status = "xpass"
+            outcome.reason = "stale known failure (never fired): " + "; ".join(r.describe() for r in stale)
+        else:
+            outcome.status = "xfail"
+            outcome.reason = "; ".join(f"{r.reason} [{h} hits when {r.when.text}]" for r, h in zip(records, hits))
     return outcome
+
+
+def _record_failure(outcome: Outcome, exc: BaseException) -> None:
+    """The status, minimal counterexample and message of a failed run (a real failure beats a suite error)."""
+    marked = [e for e in _leaves(exc) if hasattr(e, "_spec_case")]
+    if not marked:  # hypothesis itself gave up (health check, flakiness): the suite failed
+        outcome.status, outcome.error = "error", f"suite error: {describe(exc)}"
+        return
+    marked.sort(key=lambda e: e._spec_kind != "fail")  # type: ignore[attr-defined]
+    first, *rest = marked
+    outcome.status = first._spec_kind  # type: ignore[attr-defined]
+    outcome.counterexample = first._spec_case  # type: ignore[attr-defined]
+    outcome.error = _message(first, outcome.status)
+    outcome.other_failures = [{"status": e._spec_kind, "counterexample": e._spec_case,  # type: ignore[attr-defined]
+                               "error": _message(e, e._spec_kind)} for e in rest]  # type: ignore[attr-defined]

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from .cases import DISTILLATION_KEYS
 from .protocol import HELPERS, EngineUnderTest
+from .known import KnownFailure, When
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key"]
@@ -69,34 +71,72 @@ MASK_INVARIANTS = frozenset({
 
 
 def known_key(invariant: str, mode: str | None = None) -> str:
-    """A key of ``known_failures``: ``ID`` (every mode) or ``ID/mode`` (that mode only); ``spec.runner``
-    looks up ``ID/mode`` first."""
+    """The key of a known-failure record: ``ID`` (every mode) or ``ID/mode`` (that mode only)."""
     return invariant if mode is None else f"{invariant}/{mode}"
 
 
-#: version -> {known_failures key: reason}. "*" applies to every version.
-KNOWN_BUGS: dict[str, dict[str, str]] = {
-    "*": {
-        "INV-MUT-003": "left_right_2_no_padding converts the TensorDict it is given in place and returns it "
-                       "(pops input_ids, writes nested input_ids/position_ids, loss_mask, max_seq_len, "
-                       "max_response_len, indices); contract difference by design, not a wrong value",
-        "INV-DENSE-002": "left_right_2_no_padding builds mRoPE position_ids with torch.nested.as_nested_tensor, "
-                         "which makes the 4 axes ragged when all lengths are equal or B = 1 ((B, j, n) "
-                         "instead of (B, 4, j)); verl bug (verl PR #5689 / issue #7899)",
-    },
-    "0.7.1": {
-        "INV-MUT-002": "prepare_model_outputs divides the model's logits by temperature in place "
-                       "(logits.div_) in both modes; verl bug, fixed by the out-of-place "
-                       "_scale_logits_by_temperature of later verl",
-        known_key("INV-VAL-005", "padded"): "the value head's padded branch keeps the trailing 1: values are "
-                                            "(B, j, 1), packed gives (B, j); verl bug, fixed in later verl",
-        known_key("INV-FUSED-001", "packed"): "fused kernels get no shift_labels: the model rolls its own "
-                                              "(per-shard under sp > 1) ids; verl bug #6068, fixed in later verl",
-        "INV-SLICE-003": "no_padding_2_padding handles (total_nnz,) values only: with trailing dims F.pad pads "
-                         "the last (feature) axis instead of the response axis; fixed in later verl",
-        "INV-DENSE-004": "left_right_2_no_padding predates top-K distillation: teacher_ids/teacher_logprobs "
-                         "stay dense (B, S, K)",
-    },
+def _seq_lens(case: Any) -> tuple[int, ...]:
+    return tuple(p + r for p, r in zip(case.prompt_lens, case.response_lens))
+
+
+#: Conditions on the drawn case (EngineCase or DenseCase) that verl's known failures need.
+MROPE_EQUAL_OR_SINGLE = When("mRoPE positions with B = 1 or all sequence lengths equal",
+                             lambda c: c.mrope and len(set(_seq_lens(c))) == 1)
+SCALED_TEMPERATURE = When("a temperature other than 1 (the in-place division changes the logits)",
+                          lambda c: not getattr(c, "use_fused_kernels", False)
+                          and any(t != 1.0 for t in c.temperatures()))
+UNEQUAL_RESPONSES = When("response lengths differ", lambda c: len(set(c.response_lens)) > 1)
+EQUAL_RESPONSES_WIDER = When("all response lengths equal and the max_response_len flag wider than them",
+                             lambda c: len(set(c.response_lens)) == 1 and c.response_width > c.response_lens[0])
+TEACHER = When("teacher top-K tensors present (topk >= 1)", lambda c: bool(c.topk))
+
+#: version -> the known-failure records of that release ("*": every release). Each names the cases it
+#: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
+KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
+    "*": (
+        KnownFailure(
+            "INV-MUT-003", "left_right_2_no_padding converts the TensorDict it is given in place and returns it "
+            "(pops input_ids, writes nested input_ids/position_ids, loss_mask, max_seq_len, max_response_len, "
+            "indices); contract difference by design, not a wrong value",
+            raises=AssertionError,
+            # exactly verl's key change: the dense keys before, the same plus verl's added keys after
+            matches=r"input keys changed: \[[^\]]*\] -> \[(?=[^\]]*'indices')(?=.*'loss_mask')"
+                    r"(?=.*'max_response_len')(?=.*'max_seq_len')[^\]]*\]$"),
+        KnownFailure(
+            "INV-DENSE-002", "left_right_2_no_padding builds mRoPE position_ids with torch.nested.as_nested_tensor, "
+            "which makes the 4 axes ragged when all lengths are equal or B = 1 ((B, j, n) instead of (B, 4, j)); "
+            "verl bug (verl PR #5689 / issue #7899)",
+            when=MROPE_EQUAL_OR_SINGLE, raises=AssertionError,
+            matches=r"mRoPE position_ids have shape \(\d+, j\d*, \d+\) ragged at dim 1, expected \(B, 4, j\)"),
+    ),
+    "0.7.1": (
+        KnownFailure(
+            "INV-MUT-002", "prepare_model_outputs divides the model's logits by temperature in place "
+            "(logits.div_) in both modes; verl bug, fixed by the out-of-place _scale_logits_by_temperature "
+            "of later verl", when=SCALED_TEMPERATURE, raises=AssertionError,
+            matches=r"model output 'logits' was modified in place"),
+        KnownFailure(
+            "INV-VAL-005", "the value head's padded branch keeps the trailing 1: values are (B, j, 1), packed gives "
+            "(B, j); verl bug, fixed in later verl", modes=("padded",), raises=AssertionError,
+            matches=r"values of sequence \d+: shape \(\d+, 1\), expected \(\d+,\)"),
+        KnownFailure(
+            "INV-FUSED-001", "fused kernels get no shift_labels: the model rolls its own (per-shard under sp > 1) "
+            "ids; verl bug #6068, fixed in later verl", modes=("packed",), raises=AssertionError,
+            matches=r"shift_labels None, expected the rolled ids"),
+        KnownFailure(
+            "INV-SLICE-003", "no_padding_2_padding handles (total_nnz,) values only: with trailing dims F.pad pads "
+            "the last (feature) axis, so rows of unequal responses cannot be stacked; fixed in later verl",
+            when=UNEQUAL_RESPONSES, raises=RuntimeError, matches=r"stack expects each tensor to be equal size"),
+        KnownFailure(
+            "INV-SLICE-003", "no_padding_2_padding handles (total_nnz,) values only: with trailing dims and equal "
+            "responses F.pad silently widens the feature axis instead of the response axis; fixed in later verl",
+            when=EQUAL_RESPONSES_WIDER, raises=AssertionError,
+            matches=r"no_padding_2_padding shape \(\d+, \d+, \d+\), expected \(\d+, \d+, 3\)"),
+        KnownFailure(
+            "INV-DENSE-004", "left_right_2_no_padding predates top-K distillation: teacher_ids/teacher_logprobs "
+            "stay dense (B, S, K)", when=TEACHER, raises=AssertionError,
+            matches=r"teacher_ids has shape \(\d+, \d+, \d+\), expected nested"),
+    ),
 }
 
 #: version -> strategy limits that keep a known bug out of unrelated invariants (each documented).
@@ -241,20 +281,34 @@ class VerlEngine(EngineUnderTest):
         self.known_failures = self._known_failures()
 
     # -- what this verl lacks, supports, and is known to get wrong ---------------------------
-    def _known_failures(self) -> dict[str, str]:
+    def _known_failures(self) -> tuple[KnownFailure, ...]:
+        """The records of this release, plus the feature gaps the probes find (each on the cases that
+        ask for the missing feature only)."""
         caps = self.caps
-        known = {**KNOWN_BUGS["*"], **KNOWN_BUGS.get(caps.version, {})}
+        records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ())]
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
-            known["INV-KEYS-001"] = (f"ignores {' and '.join(missing)} (no such output in this verl): the keys "
-                                     "the flags ask for are missing in both modes")
+            keys = (["sum_pi_squared"] if not caps.sum_pi_squared else []) + \
+                   (list(DISTILLATION_KEYS) if not caps.processor else [])
+            asks = When(f"the case sets {' or '.join(missing)}", lambda c: (
+                (c.calculate_sum_pi_squared and not caps.sum_pi_squared)
+                or (bool(c.distillation_keys) and not caps.processor)))
+            only = "|".join(f"'{k}'" for k in keys)
+            records.append(KnownFailure(
+                "INV-KEYS-001", f"ignores {' and '.join(missing)} (no such output in this verl): the keys the flags "
+                "ask for are missing in both modes", when=asks, raises=AssertionError,
+                matches=rf"\(missing \[(?:(?:{only})(?:, )?)+\]\)$"))
         if not caps.sum_pi_squared:
-            known["INV-VAL-003"] = "has no sum_pi_squared output: calculate_sum_pi_squared is ignored"
+            records.append(KnownFailure(
+                "INV-VAL-003", "has no sum_pi_squared output: calculate_sum_pi_squared is ignored",
+                raises=(KeyError, AssertionError), matches=r"sum_pi_squared"))
         if not caps.bucket and "bucket" not in _catalogue_needs("INV-PAD-001"):
-            known["INV-PAD-001"] = ("has no static bucket, which INV-PAD-001 always sets (suite gap: "
-                                    "INV-PAD-001 should declare needs=('bucket',))")
-        return {key: f"verl {caps.version}: {reason}" for key, reason in known.items()}
+            records.append(KnownFailure(
+                "INV-PAD-001", "has no static bucket, which INV-PAD-001 always sets (suite gap: INV-PAD-001 should "
+                "declare needs=('bucket',))", raises=(TypeError, NotImplementedError, AttributeError),
+                matches=r"bucket|pad_to_length"))
+        return tuple(replace(r, reason=f"verl {caps.version}: {r.reason}") for r in records)
 
     def _helper_unusable(self, name: str) -> str | None:
         """Why verl's helper ``name`` cannot run here, or None."""

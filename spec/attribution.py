@@ -1,0 +1,204 @@
+"""Who raised it: the engine under test, or the suite (its model, processor, oracle, checks).
+
+The runner wraps the engine under test in :class:`AttributedEngine`: every exception that
+leaves one of the engine's own calls (``prepare_model_inputs``, ``prepare_model_outputs``,
+a padding helper) is tagged ``"engine"``; the suite's callables the engine is handed (the
+top-K ``logits_processor_func``) are wrapped so that what *they* raise is tagged ``"suite"``
+first, even when it surfaces through the engine's call. Anything untagged was raised by
+suite code outside the engine (materialize, the toy model, the oracle, a check): a suite
+error, unless it is an :class:`AssertionError` (a check's verdict).
+
+Every tagged exception is also logged for the example being run (:func:`recording`), so an
+exception that a check swallowed (``except Exception``) is still seen by the runner: a suite
+exception never counts as a rejection. Error invariants use :func:`expect_engine_error`.
+No spec module is imported here (no cycles): it works on any engine-like object.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+__all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
+           "expect_engine_error", "SuiteError", "describe"]
+
+ENGINE = "engine"
+SUITE = "suite"
+_ATTR = "_spec_origin"
+
+
+class SuiteError(RuntimeError):
+    """The suite itself failed on an example (its model, processor, oracle or a check crashed)."""
+
+
+def origin(exc: BaseException) -> str | None:
+    """``"engine"``, ``"suite"`` or None (untagged: raised by suite code outside any engine call).
+
+    A suite tag anywhere in the cause/context chain wins: an engine that re-raises the suite
+    processor's error under its own type has still not rejected anything by itself."""
+    seen: set[int] = set()
+    found = getattr(exc, _ATTR, None)
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if getattr(link, _ATTR, None) == SUITE:
+            return SUITE
+        link = link.__cause__ or link.__context__
+    return found
+
+
+def tag(exc: BaseException, who: str) -> BaseException:
+    """Tag ``exc`` with its origin unless an inner boundary already did."""
+    if getattr(exc, _ATTR, None) is None:
+        try:
+            setattr(exc, _ATTR, who)
+        except (AttributeError, TypeError):  # an exception type with __slots__: leave it untagged
+            pass
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return " ".join(text.split())[:600]
+
+
+class Log:
+    """The tagged exceptions raised while one example ran (engine threads included)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, BaseException]] = []  # (origin, where, exception)
+        self.handled: set[int] = set()  # ids of exceptions a check consumed on purpose
+        self._lock = threading.Lock()
+
+    def add(self, who: str, where: str, exc: BaseException) -> None:
+        with self._lock:
+            if all(e is not exc for _, _, e in self.events):
+                self.events.append((who, where, exc))
+
+    def unhandled_suite(self) -> list[tuple[str, BaseException]]:
+        return [(where, exc) for who, where, exc in self.events
+                if origin(exc) == SUITE and id(exc) not in self.handled]
+
+
+_CURRENT: list[Log] = []  # a stack; the runner runs one example at a time per process
+
+
+@contextmanager
+def recording() -> Iterator[Log]:
+    log = Log()
+    _CURRENT.append(log)
+    try:
+        yield log
+    finally:
+        _CURRENT.remove(log)
+
+
+def _note(who: str, where: str, exc: BaseException) -> None:
+    tag(exc, who)
+    if _CURRENT:
+        _CURRENT[-1].add(getattr(exc, _ATTR, who), where, exc)
+
+
+def suite_side(fn: Callable, where: str) -> Callable:
+    """``fn`` (a suite callable handed to the engine), with its exceptions tagged as the suite's."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            _note(SUITE, where, exc)
+            raise
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def _engine_side(fn: Callable, where: str) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            _note(ENGINE, where, exc)
+            raise
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+class _AttributedObject:
+    """An engine object whose two methods tag what they raise; the processor it gets is the suite's."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def prepare_model_inputs(self, micro_batch, *args, **kwargs):
+        return _engine_side(self._inner.prepare_model_inputs, "prepare_model_inputs")(micro_batch, *args, **kwargs)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None, *args, **kwargs):
+        if logits_processor_func is not None:
+            logits_processor_func = suite_side(logits_processor_func, "logits_processor_func (top-K processor)")
+        return _engine_side(self._inner.prepare_model_outputs, "prepare_model_outputs")(
+            output, output_args, micro_batch, logits_processor_func, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        return _engine_side(value, name) if callable(value) and not isinstance(value, type) else value
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+
+class AttributedEngine:
+    """An engine under test whose objects and helpers tag their exceptions as the engine's.
+
+    Everything else (name, known failures, ``lacks``, strategy limits) is the wrapped engine's."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+
+    @property
+    def unwrapped(self) -> Any:
+        return self._engine
+
+    def make(self, *args: Any, **kwargs: Any) -> Any:
+        return _AttributedObject(self._engine.make(*args, **kwargs))
+
+    def helper(self, name: str) -> Callable | None:
+        fn = self._engine.helper(name)
+        return None if fn is None else _engine_side(fn, name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def __repr__(self) -> str:
+        return repr(self._engine)
+
+
+def expect_engine_error(call: Callable[[], Any], what: str, types: tuple[type[BaseException], ...] = (Exception,),
+                        ) -> BaseException:
+    """Run ``call`` (e.g. ``lambda: execute(...)``); pass only if one of the engine's own calls raised
+    one of ``types``. Returns that exception.
+
+    * the engine raised another type: AssertionError (a wrong rejection);
+    * nothing raised: AssertionError ("accepted silently");
+    * only the suite raised (its processor or model choked on what the engine accepted): an
+      AssertionError that says so: the engine accepted the input, and the suite's exception is no
+      rejection (it is marked handled, so the runner does not also report a suite error);
+    * untagged errors (suite code outside any engine call) propagate: a suite error.
+    """
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - classified below
+        who = origin(exc)
+        if who is None and isinstance(exc, AssertionError):
+            raise  # a check's own verdict
+        if who == ENGINE:
+            if not isinstance(exc, types):
+                raise AssertionError(f"{what}: the engine raised {describe(exc)}, expected one of "
+                                     f"{[t.__name__ for t in types]}") from exc
+            return exc
+        if who == SUITE:
+            if _CURRENT:
+                _CURRENT[-1].handled.add(id(exc))
+            raise AssertionError(f"{what} was accepted by the engine (no engine call raised); the suite's own "
+                                 f"code then failed on it ({describe(exc)}): that is no rejection") from exc
+        raise
+    raise AssertionError(f"{what} was accepted silently; the contract makes it an error")

@@ -1,0 +1,106 @@
+"""Known failures as precise records: where they apply, and how they fail.
+
+In the spirit of OpInfo's ``XFailRule``/``DecorateInfo``, but keyed on the drawn case: a
+:class:`KnownFailure` names an invariant (and optionally modes), a :class:`When` condition on
+the case (a predicate with a human description) and the failure it expects (exception type
+and a message regex). The runner excuses an example only when all of these match; the
+example then counts as a *known-failure hit* and the run goes on, so a second, different
+bug in the same invariant is still found and shrunk. Outside its condition, or with another
+failure, the example fails as usual. A record that never fires over a run is *stale*: the
+run reports it (as "unexpectedly passed") and fails, so a fixed bug cannot keep its excuse.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+__all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]
+
+
+@dataclass(frozen=True)
+class When:
+    """A condition on the drawn case (``EngineCase`` or ``DenseCase``), with what it means in words."""
+
+    text: str
+    predicate: Callable[[Any], bool] = field(compare=False)
+
+    def __call__(self, case: Any) -> bool:
+        return bool(self.predicate(case))
+
+    def __and__(self, other: "When") -> "When":
+        return When(f"{self.text} and {other.text}", lambda c: self(c) and other(c))
+
+    def __or__(self, other: "When") -> "When":
+        return When(f"({self.text} or {other.text})", lambda c: self(c) or other(c))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+ALWAYS = When("every case", lambda case: True)
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """One documented failure of an engine on one invariant.
+
+    ``modes``: the modes it applies to (empty: every mode). ``when``: the cases it applies to.
+    ``raises``: the exception type(s) the failure has (an :class:`AssertionError` from the check,
+    or what the engine raises). ``matches``: a regex searched in ``"Type: message"``.
+    ``reason``: why it fails, with a pointer to the bug (shown in reports).
+    """
+
+    invariant: str
+    reason: str
+    raises: type[BaseException] | tuple[type[BaseException], ...] = AssertionError
+    matches: str = ""
+    when: When = ALWAYS
+    modes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        re.compile(self.matches)  # fail at definition, not mid-run
+
+    @property
+    def key(self) -> str:
+        return self.invariant + (f"/{','.join(self.modes)}" if self.modes else "")
+
+    def applies_to(self, invariant: str, mode: str) -> bool:
+        return self.invariant == invariant and (not self.modes or mode in self.modes)
+
+    def excuses(self, case: Any, exc: BaseException) -> bool:
+        """Whether this record explains ``exc`` raised on ``case``."""
+        if not isinstance(exc, self.raises) or not self.when(case):
+            return False
+        text = f"{type(exc).__name__}: {exc}"
+        return re.search(self.matches, text) is not None
+
+    def describe(self) -> str:
+        types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        return (f"{self.key} when {self.when.text}: {'/'.join(t.__name__ for t in types)} "
+                f"matching {self.matches!r} ({self.reason})")
+
+
+def applicable(records: Iterable[KnownFailure], invariant: str, mode: str) -> list[KnownFailure]:
+    return [r for r in records if r.applies_to(invariant, mode)]
+
+
+def matching(records: Iterable[KnownFailure], case: Any, exc: BaseException) -> KnownFailure | None:
+    return next((r for r in records if r.excuses(case, exc)), None)
+
+
+def describe_records(records: Iterable[KnownFailure]) -> str:
+    return "; ".join(r.describe() for r in records)
+
+
+def as_records(known: Any) -> list[KnownFailure]:
+    """An engine's ``known_failures`` as records. A legacy ``{"ID" or "ID/mode": reason}`` dict (an engine
+    not yet rewritten) becomes records that excuse any failure there, on every case: imprecise, which
+    the report shows in their condition."""
+    if isinstance(known, dict):
+        return [KnownFailure(key.split("/", 1)[0], reason, raises=BaseException,
+                             when=When("every case (legacy, imprecise entry)", lambda case: True),
+                             modes=tuple(key.split("/", 1)[1:]))
+                for key, reason in known.items()]
+    return list(known or ())
