@@ -5,6 +5,7 @@ below, grouped by what they look at.
 """
 
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
+from . import ranks  # noqa: F401 - the real-rank checks (spec/ranks.py)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

@@ -16,6 +16,7 @@ from ..impl_engine import ImplEngine
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import outputs_bugs as O
+from . import rank_bugs as R
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -97,6 +98,12 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
     PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
+    # on real ranks (spec/ranks.py, spec/invariants/ranks.py)
+    PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007"), lm=R.RollAfterSlice),
+    PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
+    PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
+    PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
+    PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),
 )}
 
 
