@@ -6,7 +6,6 @@ Loaded by name (``tests.rank_engines:<attr>``) in every rank's process.
 from __future__ import annotations
 
 import faulthandler
-import os
 import time
 
 import impl
@@ -23,11 +22,6 @@ class _OnRankOne(impl.LMHeadEngine):
 class CrashOnRankOne(_OnRankOne):
     def misbehave(self) -> None:
         faulthandler._sigsegv()  # a real segmentation fault in this rank's process
-
-
-class ExitOnRankOne(_OnRankOne):
-    def misbehave(self) -> None:
-        os._exit(7)
 
 
 class HangOnRankOne(_OnRankOne):
@@ -49,6 +43,5 @@ class _Engine(EngineUnderTest):
 
 
 CRASH = _Engine(CrashOnRankOne, "CRASH")
-EXIT = _Engine(ExitOnRankOne, "EXIT")
 HANG = _Engine(HangOnRankOne, "HANG")
 RAISE = _Engine(RaiseOnRankOne, "RAISE")
