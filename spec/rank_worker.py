@@ -14,6 +14,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import shutil
 import signal
 import traceback
 from datetime import timedelta
@@ -215,23 +216,28 @@ def _describe(exc: BaseException) -> tuple[bytes | None, str]:
 
 def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: str, tasks: Any,
                  results: Any, parent: int) -> None:
-    """One rank: join the group, then serve tasks until told to stop (or the parent is gone)."""
+    """One rank: join the group, then serve tasks until told to stop (or the parent is gone: torch's
+    launcher also sends a rank SIGINT when its parent dies)."""
     torch.set_num_threads(1)
     if os.path.isdir("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1) as log:
-        for fd in (1, 2):  # the rank's own prints, warnings and fatal-signal tracebacks go to its log
-            os.dup2(log.fileno(), fd)
-        faulthandler.enable(file=log, all_threads=True)
-        if hasattr(signal, "SIGUSR1"):
-            faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
-        try:
-            _serve(rank, world, backend, store_path, tasks[rank], results, parent)
-        except BaseException:
-            log.write(traceback.format_exc())
-            raise
-        finally:
-            faulthandler.disable()
+    try:
+        with open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1) as log:
+            for fd in (1, 2):  # the rank's own prints, warnings and fatal-signal tracebacks go to its log
+                os.dup2(log.fileno(), fd)
+            faulthandler.enable(file=log, all_threads=True)
+            if hasattr(signal, "SIGUSR1"):
+                faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+            try:
+                _serve(rank, world, backend, store_path, tasks[rank], results, parent)
+            except BaseException:
+                log.write(traceback.format_exc())
+                raise
+            finally:
+                faulthandler.disable()
+    finally:
+        if rank == 0 and os.getppid() != parent:  # the parent exited without closing the pool: tidy up
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, results: Any, parent: int) -> None:
