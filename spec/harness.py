@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from .cases import EngineCase
-from .engines import EngineUnderTest
+from .protocol import EngineUnderTest
 from .materialize import materialize
 from .oracle import TopKProcessor
 from .toy_model import ToyCausalLM
@@ -139,7 +139,14 @@ def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> li
 
 def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
             micro_batch: TensorDict | None = None, stop_after_inputs: bool = False) -> Run:
-    """Run ``case`` through ``engine``; exceptions from the engine propagate."""
+    """Run ``case`` through ``engine``; exceptions from the engine propagate.
+
+    An engine whose sequence parallelism needs a real process group (verl's Ulysses path) names
+    a ``sp_runner`` (:func:`spec.ranks.execute`): its ``sp > 1`` cases run on real ranks."""
+    sp_runner = getattr(engine, "sp_runner", None)
+    if case.sp_size > 1 and sp_runner is not None:
+        return sp_runner(engine, case, device, poison=poison, micro_batch=micro_batch,
+                         stop_after_inputs=stop_after_inputs)
     mb = materialize(case, device) if micro_batch is None else micro_batch
     run = Run(case, device, mb, mb.clone(), model_for(case, device))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None

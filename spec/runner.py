@@ -13,7 +13,7 @@ from hypothesis.errors import HypothesisException
 from .attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
 
 from .cases import DenseCase, EngineCase
-from .engines import EngineUnderTest
+from .protocol import EngineUnderTest
 from .invariants import CATALOGUE, Ctx, InvariantInfo
 from .known import KnownFailure, applicable, as_records, matching
 

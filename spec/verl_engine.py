@@ -26,10 +26,15 @@ What is known to be *wrong* in a verl release is a fact about that release, so
 gets no excuse it has not earned, and a fixed bug shows up as "unexpectedly passed".
 Each entry has a minimal counterexample in ``docs/verl-conformance.md``.
 
-Sequence parallelism is never run: verl's Ulysses path slices and all-gathers through a
-``torch.distributed`` process group (``verl.utils.ulysses``), while the suite simulates
-ranks as threads through an ``all_gather`` seam verl does not take. ``lacks("sp")`` says
-so and the strategies do not draw ``sp > 1``.
+Sequence parallelism runs on real ranks (:mod:`spec.ranks`): verl's Ulysses path slices and
+all-gathers through a ``torch.distributed`` process group (``verl.utils.ulysses``), so an
+``sp > 1`` engine object is built with ``use_ulysses_sp=True``, ``ulysses_sequence_parallel_size``
+and ``ulysses_parallel_group`` (the group is read off the ``all_gather`` the suite hands every
+engine: :class:`impl.sequence_parallel.TorchDistributedAllGather` has it), and verl's module-level
+Ulysses group is set around each call the way verl's ``EngineEvalModeCtx``/``EngineTrainModeCtx``
+set it. The harness sends every ``sp > 1`` case of this engine to the real ranks
+(:attr:`VerlEngine.sp_runner`); the generic strategies still do not draw ``sp > 1`` for verl
+(cost), the sequence-parallel invariants force it.
 
 The padded attention mask of verl < 0.8 (built from the response-only ``loss_mask``,
 verl issue #6278) is deliberately *not* a known failure: a run against such a verl must
@@ -40,13 +45,17 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import torch.distributed as dist
+
+from . import ranks
 from .cases import DISTILLATION_KEYS
-from .protocol import HELPERS, EngineUnderTest
 from .known import KnownFailure, When
+from .protocol import HELPERS, EngineUnderTest
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key"]
@@ -209,17 +218,47 @@ class VerlEngineObject:
     ``distillation_use_topk``: the suite reports the missing keys, it does not hide them).
     """
 
-    def __init__(self, engine: Any, caps: VerlCapabilities):
+    def __init__(self, engine: Any, caps: VerlCapabilities, ulysses: Any = None):
         self.verl_engine = engine
         self.caps = caps
+        self.ulysses = ulysses  # verl.utils.ulysses
+
+    @contextmanager
+    def _ulysses_group(self):
+        """verl's Ulysses group for the call, as verl's engine mode contexts set it (None when sp = 1)."""
+        ulysses = self.ulysses
+        if ulysses is None:
+            yield
+            return
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        ulysses.set_ulysses_sequence_parallel_group(getattr(self.verl_engine, "ulysses_parallel_group", None))
+        try:
+            yield
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
 
     def prepare_model_inputs(self, micro_batch):
-        return self.verl_engine.prepare_model_inputs(micro_batch)
+        self._vision_config_for(micro_batch)
+        with self._ulysses_group():
+            return self.verl_engine.prepare_model_inputs(micro_batch)
+
+    def _vision_config_for(self, micro_batch) -> None:
+        """mRoPE position ids come from vision-language models, whose config has a ``vision_config``: verl's
+        Ulysses path then pads ids and positions without slicing them (the model slices after the embedding)
+        and slices only the labels and temperature. The adapter presents such a config for mRoPE batches
+        (verl reads it only when sp > 1) and a text-only one otherwise."""
+        config = self.verl_engine.module.config
+        if micro_batch["position_ids"].dim() == 3:
+            config.vision_config = SimpleNamespace()
+        elif hasattr(config, "vision_config"):
+            del config.vision_config
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
-        if self.caps.processor:
-            return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
-        return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch)
+        with self._ulysses_group():
+            if self.caps.processor:
+                return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch,
+                                                              logits_processor_func)
+            return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch)
 
     def __repr__(self) -> str:
         return f"<verl {self.caps.version} {type(self.verl_engine).__name__}>"
@@ -262,6 +301,8 @@ class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
     name = "verl"
+    #: sp > 1 needs a real process group: spec.harness sends those cases to real ranks
+    sp_runner = staticmethod(ranks.execute)
 
     def __init__(self) -> None:
         with warnings.catch_warnings():  # verl's engine registry warns about every optional backend it lacks
@@ -271,10 +312,12 @@ class VerlEngine(EngineUnderTest):
             except ImportError as exc:
                 raise ImportError(f"--engine verl needs verl installed (pip install verl): {exc}") from exc
         from verl.utils import torch_functional as verl_F
+        from verl.utils import ulysses
         from verl.workers.engine.fsdp import transformer_impl
         from verl.workers.utils import padding
 
         self._verl_F = verl_F
+        self._ulysses = ulysses
         self._classes = {"lm": transformer_impl.FSDPEngineWithLMHead,
                          "value": transformer_impl.FSDPEngineWithValueHead}
         self._padding = padding
@@ -321,10 +364,11 @@ class VerlEngine(EngineUnderTest):
 
     def lacks(self, feature: str) -> str | None:  # type: ignore[override]
         caps = self.caps
-        if feature == "sp":
-            return ("verl runs Ulysses sequence parallelism through a torch.distributed process group "
-                    "(verl.utils.ulysses); the suite simulates ranks as threads with an all_gather seam "
-                    "verl does not take, so sp > 1 is not run against verl")
+        if feature in ("sp", "real_ranks"):
+            reason = ranks.unavailable("cpu", 2)
+            return None if reason is None else (
+                f"verl runs Ulysses sequence parallelism through a torch.distributed process group, "
+                f"and real ranks cannot run here: {reason}")
         if feature == "chunking" and getattr(self._verl_F, "entropy_from_logits_with_chunking", None) is None:
             return f"verl {caps.version} has no entropy_from_logits_with_chunking"
         if feature == "cu_seqlens" and not caps.cu_seqlens:
@@ -346,20 +390,22 @@ class VerlEngine(EngineUnderTest):
     # -- engine objects and helpers -----------------------------------------------------------
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
         sp_size = int(settings.pop("sp_size", 1) or 1)
-        settings.pop("sp_rank", None)
-        settings.pop("all_gather", None)
+        sp_rank = settings.pop("sp_rank", 0)
+        group = getattr(settings.pop("all_gather", None), "group", None)
         bucket = settings.pop("pad_to_length", None)
         cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
         chunk = settings.pop("entropy_chunk_size", None)
         if settings:
             raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
         if sp_size > 1:
-            raise NotImplementedError(self.lacks("sp"))
+            _check_sp_group(group, sp_size, sp_rank)
         if bucket and not self.caps.bucket:
             raise NotImplementedError(self.lacks("bucket"))
         eng = object.__new__(self._classes[head])
-        eng.use_ulysses_sp = False
-        eng.ulysses_sequence_parallel_size = 1
+        # what FSDPEngine.__init__ derives from ulysses_sequence_parallel_size (the group: its device mesh's "sp")
+        eng.use_ulysses_sp = sp_size > 1
+        eng.ulysses_sequence_parallel_size = sp_size
+        eng.ulysses_parallel_group = group if sp_size > 1 else None
         chunked = getattr(self._verl_F, "entropy_from_logits_with_chunking", None)
         if chunk and chunked is None:
             raise NotImplementedError(self.lacks("chunking"))
@@ -367,7 +413,8 @@ class VerlEngine(EngineUnderTest):
         eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
                                             entropy_from_logits_chunk_size=int(chunk or 2048))
         eng.compute_entropy_from_logits = chunked if chunk else self._verl_F.entropy_from_logits
-        # read only for sp > 1 (vision_config) and by the value head (v_head absent: an HF token classifier)
+        # read only for sp > 1 (vision_config: see VerlEngineObject._vision_config_for) and by the value head
+        # (v_head absent: an HF token classifier)
         eng.module = SimpleNamespace(config=SimpleNamespace())
         if cu_seqlens and not self.caps.cu_seqlens:
             raise NotImplementedError(self.lacks("cu_seqlens"))
@@ -375,7 +422,7 @@ class VerlEngine(EngineUnderTest):
         if self.caps.bucket:
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
-        return VerlEngineObject(eng, self.caps)
+        return VerlEngineObject(eng, self.caps, self._ulysses)
 
     def helper(self, name: str) -> Callable | None:
         if name not in HELPERS or self._helper_unusable(name):
@@ -387,6 +434,17 @@ class VerlEngine(EngineUnderTest):
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
+
+
+def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:
+    """verl's Ulysses path reads world size and rank off a real process group: it must match the settings."""
+    if group is None:
+        raise NotImplementedError(
+            "verl's Ulysses sequence parallelism needs a torch.distributed process group: pass an all_gather "
+            "with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks (spec.ranks)")
+    if dist.get_world_size(group) != sp_size or dist.get_rank(group) != sp_rank:
+        raise ValueError(f"sp_size={sp_size}, sp_rank={sp_rank} do not match the process group "
+                         f"(world {dist.get_world_size(group)}, rank {dist.get_rank(group)})")
 
 
 def _catalogue_needs(invariant: str) -> tuple[str, ...]:

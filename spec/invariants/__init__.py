@@ -7,6 +7,7 @@ below, grouped by what they look at.
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
 from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
 from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
+from . import ranks  # noqa: F401 - the real-rank checks (spec/ranks.py)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

@@ -10,7 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..cases import DenseCase, EngineCase
-from ..engines import EngineUnderTest
+from ..protocol import EngineUnderTest
 from ..harness import Run, execute, model_for
 from ..materialize import materialize
 from ..oracle import Expected, expected

@@ -20,6 +20,7 @@ from . import inputs_bugs as I
 from . import megatron_bugs as M
 from . import outputs_bugs as O
 from . import quiet_bugs as Q
+from . import rank_bugs as R
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -161,6 +162,12 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
     PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
+    # on real ranks (spec/ranks.py, spec/invariants/ranks.py)
+    PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007"), lm=R.RollAfterSlice),
+    PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
+    PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
+    PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
+    PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),
 )}
 
 

@@ -1,0 +1,300 @@
+"""Invariants on real ranks: sequence parallelism run in separate processes over ``torch.distributed``.
+
+Each check runs its case on ``sp_size`` real ranks (:mod:`spec.ranks`: gloo on CPU, nccl on CUDA),
+whatever seam the engine offers for simulated ranks: impl gathers through
+``TorchDistributedAllGather`` on the real group, verl through its own Ulysses path. ``adjust``
+forces ``sp`` into 2..4 (a case drawn with ``sp = 1`` gets ``2 + seed % 3``, so failures shrink
+to ``sp = 2``). All need ``sp`` and ``real_ranks``: an engine without them is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cases import EngineCase
+from ..harness import Run
+from ..materialize import materialize
+from ..oracle import Expected, expected
+from ..ranks import execute as execute_on_ranks
+from ..toy_model import ToyCausalLM
+from .core import Ctx, close, close_sequence, fail, invariant, per_seq
+
+PACKED = ("packed",)
+NEEDS = ("sp", "real_ranks")
+
+
+def _sp(case: EngineCase) -> int:
+    return case.sp_size if case.sp_size > 1 else 2 + case.seed % 3
+
+
+def _on_ranks(case: EngineCase) -> EngineCase:
+    """sp in 2..4, packed; top-K distillation only where an invariant asks for it."""
+    return case.with_(sp_size=_sp(case), use_remove_padding=True, distillation_keys=(), distillation_only=False)
+
+
+def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
+    """The case on real ranks (cached on the context: one run per example)."""
+    key = "_real_inputs" if inputs_only else "_real_run"
+    if "_real_run" in ctx.__dict__:
+        return ctx.__dict__["_real_run"]
+    if key not in ctx.__dict__:
+        ctx.__dict__[key] = execute_on_ranks(ctx.engine, ctx.case, ctx.device, stop_after_inputs=inputs_only)
+    return ctx.__dict__[key]
+
+
+def _oracle(ctx: Ctx) -> Expected:
+    case = ctx.case
+    return expected(case, materialize(case, "cpu"), ToyCausalLM(case.vocab, seed=case.seed))
+
+
+def _padded_len(case: EngineCase) -> int:
+    total = case.total_nnz
+    bucketed = total if not case.pad_to_length else -(-total // case.pad_to_length) * case.pad_to_length
+    return -(-bucketed // case.sp_size) * case.sp_size
+
+
+def _replicated(run: Run) -> bool:
+    """Every rank was handed the whole padded row (verl's vision-language path, where the model slices
+    after its embedding) rather than its slice."""
+    ids = [mi["input_ids"].detach().cpu() for mi in run.inputs]
+    local = sum(a["input_ids_rmpad_rolled"].reshape(-1).shape[0] for a in run.output_args)
+    return len(ids) > 1 and ids[0].shape[-1] == local and all(torch.equal(x, ids[0]) for x in ids[1:])
+
+
+def _rows(run: Run, key: str) -> torch.Tensor:
+    """Model input ``key`` over the whole padded row: the ranks' slices joined (or the replicated row)."""
+    parts = [mi[key].detach().cpu() for mi in run.inputs]
+    return parts[0] if _replicated(run) else torch.cat(parts, dim=-1)
+
+
+def _restarts(tail: torch.Tensor) -> bool:
+    """Tail positions start at 0 and each is 0 or its left neighbour + 1, on every axis: the pad is its own
+    sequence(s), never part of the last real one. One run (impl) or a run per pad (verl restarts at 0 for
+    the sp pad after the bucket pad) are both fine: the contract leaves the count open."""
+    if tail.shape[-1] == 0:
+        return True
+    first_ok = bool((tail[..., 0] == 0).all())
+    steps = tail[..., 1:]
+    return first_ok and bool(((steps == 0) | (steps == tail[..., :-1] + 1)).all())
+
+
+def _input_width_ok(run: Run, width: int, local: int) -> bool:
+    return width == local or (_replicated(run) and width == local * len(run.inputs))
+
+
+def _check_outputs_equal_across_ranks(run: Run) -> None:
+    base = run.rank_outputs[0]
+    for r, outputs in enumerate(run.rank_outputs[1:], start=1):
+        if set(outputs) != set(base):
+            fail(f"rank {r} returns keys {sorted(outputs)}, rank 0 {sorted(base)}")
+        for key in base:
+            a, b = outputs[key], base[key]
+            if a.is_nested != b.is_nested or not torch.equal(a.values() if a.is_nested else a,
+                                                             b.values() if b.is_nested else b):
+                fail(f"rank {r}'s {key!r} differs from rank 0's (every rank must hold the gathered row)")
+
+
+@invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
+           contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
+           protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
+def ranks_match_single(ctx: Ctx) -> None:
+    """Every rank returns the same gathered outputs, key for key, equal to the ``sp = 1`` run."""
+    run = _real(ctx)
+    single = ctx.rerun(ctx.case.with_(sp_size=1)).outputs
+    for r, outputs in enumerate(run.rank_outputs):
+        if set(outputs) != set(single):
+            fail(f"sp={ctx.case.sp_size} rank {r} keys {sorted(outputs)}, sp=1 keys {sorted(single)}")
+        for key in sorted(single):
+            for i, (x, y) in enumerate(zip(per_seq(outputs[key]), per_seq(single[key]))):
+                close_sequence(key, x, y, f"sp={ctx.case.sp_size} rank {r} vs sp=1: {key!r} of sequence {i}")
+    _check_outputs_equal_across_ranks(run)
+
+
+@invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) are its slice of the "
+           "global packed row rolled left by one, then padded with 0", contract=5, modes=PACKED, needs=NEEDS,
+           adjust=_on_ranks,
+           protects="no label is read across a shard edge: the token after each shard's last one is the next "
+                    "rank's first")
+def ranks_global_roll(ctx: Ctx) -> None:
+    run = _real(ctx, inputs_only=True)
+    case = ctx.case
+    ids = run.micro_batch["input_ids"].values().cpu()
+    padded = _padded_len(case)
+    want = torch.cat([torch.roll(ids, -1), ids.new_zeros(padded - ids.shape[0])])
+    local = padded // case.sp_size
+    for r, args in enumerate(run.output_args):
+        got = args["input_ids_rmpad_rolled"].reshape(-1).cpu()
+        mine = want[r * local:(r + 1) * local]
+        if got.shape != mine.shape or not torch.equal(got, mine):
+            edge = [k for k in range(min(len(got), len(mine))) if got[k] != mine[k]]
+            fail(f"sp={case.sp_size} rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} (its slice of "
+                 f"the global row {ids.tolist()} rolled by one"
+                 + (f"; first wrong at local position {edge[0]})" if edge else ")"))
+        labels = run.inputs[r].get("shift_labels")
+        if case.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
+                                       or not torch.equal(labels[0].cpu(), mine)):
+            fail(f"sp={case.sp_size} rank {r}: fused shift_labels "
+                 f"{None if labels is None else labels.tolist()}, expected [{mine.tolist()}]")
+
+
+@invariant("INV-RANK-003", "on real ranks pad_size = bucket pad + sequence-parallel pad (0 when the token count "
+           "divides the world size), each rank holds (total + pad) / sp tokens, the tail holds ids 0, positions "
+           "from 0 and temperature 1, and the outputs hold exactly the unpadded tokens", contract=7, modes=PACKED,
+           needs=NEEDS, adjust=_on_ranks,
+           protects="the padding a rank adds is exactly what the gather removes: no real token is lost or added")
+def ranks_pad_and_tail(ctx: Ctx) -> None:
+    run = _real(ctx)
+    case = ctx.case
+    total, padded = case.total_nnz, _padded_len(case)
+    pad, local = padded - total, padded // case.sp_size
+    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
+        if int(args.get("pad_size", -1)) != pad:
+            fail(f"sp={case.sp_size} rank {r}: pad_size {args.get('pad_size')!r}, expected {pad} "
+                 f"(total_nnz={total}, bucket={case.pad_to_length})")
+        rolled = tuple(args["input_ids_rmpad_rolled"].shape)
+        if rolled != (local,) or mi["input_ids"].shape[0] != 1 or \
+                not _input_width_ok(run, mi["input_ids"].shape[-1], local):
+            fail(f"sp={case.sp_size} rank {r}: input_ids {tuple(mi['input_ids'].shape)}, rolled labels {rolled}, "
+                 f"expected {local} tokens = (total_nnz {total} + pad {pad}) / sp (input_ids may be the whole "
+                 "padded row when every rank gets it)")
+    ids = _rows(run, "input_ids")[0]
+    pos = _rows(run, "position_ids")
+    temps = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in run.output_args])
+    tail_pos = pos[..., 0, total:] if case.mrope else pos[0, total:]
+    if bool((ids[total:] != 0).any()) or not _restarts(tail_pos) \
+            or not torch.equal(temps[total:], torch.ones(pad)):
+        fail(f"sp={case.sp_size}: tail ids {ids[total:].tolist()}, positions {tail_pos.tolist()}, temperature "
+             f"{temps[total:].tolist()}; expected zeros, positions from 0 on every axis (runs 0, 1, 2, ...) "
+             "and ones")
+    offsets = torch.tensor((0, *case.seq_lens)).cumsum(0)
+    for r, outputs in enumerate(run.rank_outputs):
+        for key, value in outputs.items():
+            if not value.is_nested or not torch.equal(value.offsets().cpu(), offsets) \
+                    or value.values().shape[0] != total or not bool(torch.isfinite(value.values()).all()):
+                fail(f"sp={case.sp_size} rank {r}: output {key!r} holds {value.values().shape[0]} tokens "
+                     f"(offsets {value.offsets().tolist() if value.is_nested else '-'}, finite "
+                     f"{bool(torch.isfinite(value.values()).all())}), expected the {total} real ones")
+
+
+def _mrope_temperatures(case: EngineCase) -> EngineCase:
+    return _on_ranks(case).with_(mrope=True, use_fused_kernels=False,
+                                 temperature=tuple(0.5 + 0.75 * ((i * 5) % 4) for i in range(case.batch_size)))
+
+
+@invariant("INV-RANK-004", "on real ranks with mRoPE positions and per-sample temperatures: each rank's (4, 1, n) "
+           "positions (its slice, or the whole row on every rank) and temperatures (its slice) follow the global "
+           "row, outputs equal the oracle", contract=6,
+           modes=PACKED, needs=NEEDS, adjust=_mrope_temperatures,
+           protects="multi-axis positions and each sample's temperature follow its tokens onto whichever rank "
+                    "holds them")
+def ranks_mrope_temperature(ctx: Ctx) -> None:
+    run = _real(ctx)
+    case = ctx.case
+    total, padded = case.total_nnz, _padded_len(case)
+    local = padded // case.sp_size
+    pos = run.micro_batch["position_ids"].values().cpu()  # (4, total)
+    row = _rows(run, "position_ids")  # (4, 1, padded): the slices joined, or the row every rank got
+    if tuple(row.shape) != (pos.shape[0], 1, padded) or not torch.equal(row[:, 0, :total], pos) \
+            or not _restarts(row[:, 0, total:]):
+        fail(f"sp={case.sp_size}: the ranks' position_ids make {tuple(row.shape)} {row.tolist()}, expected "
+             f"({pos.shape[0]}, 1, {padded}) starting {pos.tolist()} with a tail from 0")
+    want_temp = torch.cat([torch.repeat_interleave(torch.tensor(case.temperatures(), dtype=torch.float32),
+                                                   torch.tensor(case.seq_lens)), torch.ones(padded - total)])
+    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
+        got = mi["position_ids"].cpu()
+        mine = row if _replicated(run) else row[..., r * local:(r + 1) * local]
+        if tuple(got.shape) != tuple(mine.shape) or not torch.equal(got, mine):
+            fail(f"sp={case.sp_size} rank {r}: position_ids {tuple(got.shape)} {got.tolist()}, expected "
+                 f"{tuple(mine.shape)} {mine.tolist()}")
+        temps = args["temperature_rmpad"].reshape(-1).cpu().float()
+        if not torch.allclose(temps, want_temp[r * local:(r + 1) * local]):
+            fail(f"sp={case.sp_size} rank {r}: temperature_rmpad {temps.tolist()}, expected "
+                 f"{want_temp[r * local:(r + 1) * local].tolist()}")
+    want = _oracle(ctx)
+    for r, outputs in enumerate(run.rank_outputs):
+        got = per_seq(outputs["log_probs"])
+        for i, lp in enumerate(want.log_probs):
+            close(got[i][: len(lp)], lp, f"sp={case.sp_size} rank {r}: log_probs of sequence {i} "
+                                         f"at T={case.temperatures()[i]}")
+
+
+def _distillation(case: EngineCase) -> EngineCase:
+    keys = case.distillation_keys or ("distillation_losses", "student_mass", "overlap_count")
+    return case.with_(sp_size=_sp(case), use_remove_padding=True, distillation_keys=keys, use_fused_kernels=False,
+                      pad_to_length=None)
+
+
+@invariant("INV-RANK-005", "on real ranks with top-K distillation every distillation key equals the oracle (the "
+           "processor gets each rank's shard of the scaled logits and aligns the teacher tensors with it)",
+           contract=3, modes=PACKED, needs=NEEDS + ("distillation",), adjust=_distillation,
+           protects="distillation losses and masses are computed against the teacher's top-K of the same token "
+                    "on every rank")
+def ranks_distillation(ctx: Ctx) -> None:
+    run = _real(ctx)
+    want = _oracle(ctx)
+    for r, outputs in enumerate(run.rank_outputs):
+        for key, wants in want.distillation.items():
+            if key not in outputs:
+                fail(f"sp={ctx.case.sp_size} rank {r}: outputs lack distillation key {key!r} ({sorted(outputs)})")
+            got = per_seq(outputs[key])
+            for i, w in enumerate(wants):
+                close(got[i], w, f"sp={ctx.case.sp_size} rank {r}: {key} of sequence {i}")
+
+
+@invariant("INV-RANK-006", "on real ranks each rank's model inputs are (1, n) ids and (1, n) or (4, 1, n) "
+           "positions (n = its n_local slice, or the whole row on every rank), its output_args' per-token tensors "
+           "(and fused shift_labels) have the n_local tokens the model returns, and n_local * sp = total_nnz + "
+           "pad_size on every rank",
+           contract=2, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
+           protects="what a rank hands the model and what it reads back from the model's output describe the "
+                    "same tokens")
+def ranks_shape_contract(ctx: Ctx) -> None:
+    run = _real(ctx, inputs_only=True)
+    case = ctx.case
+    widths = set()
+    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
+        # the model returns one row per input token, or per token of its slice when every rank is handed
+        # the whole row (verl's vision-language path: the model slices after its embedding)
+        width = mi["input_ids"].shape[-1]
+        n = width // case.sp_size if _replicated(run) else width
+        widths.add(n)
+        shapes = {"input_ids": (tuple(mi["input_ids"].shape), (1, width)),
+                  "position_ids": (tuple(mi["position_ids"].shape), (4, 1, width) if case.mrope else (1, width)),
+                  "output_args['input_ids_rmpad_rolled']": (tuple(args["input_ids_rmpad_rolled"].shape), (n,)),
+                  "output_args['temperature_rmpad']": (tuple(args["temperature_rmpad"].shape), (n,))}
+        if case.use_fused_kernels:
+            labels = mi.get("shift_labels")
+            shapes["shift_labels"] = (None if labels is None else tuple(labels.shape), (1, n))
+        for key, (got, want) in shapes.items():
+            if got != want:
+                fail(f"sp={case.sp_size} rank {r}: {key} has shape {got}, expected {want} (the rank's model "
+                     f"input and output hold {n} tokens)")
+        if n * case.sp_size != case.total_nnz + int(args["pad_size"]):
+            fail(f"sp={case.sp_size} rank {r}: {n} tokens x {case.sp_size} ranks != total_nnz {case.total_nnz} + "
+                 f"pad_size {args['pad_size']}")
+    if len(widths) != 1:
+        fail(f"sp={case.sp_size}: ranks hold different numbers of tokens {sorted(widths)}")
+
+
+def _bucket_fused(case: EngineCase) -> EngineCase:
+    return _on_ranks(case).with_(pad_to_length=case.pad_to_length or (4, 7, 8)[case.seed % 3],
+                                 use_fused_kernels=True, temperature=case.temperatures()[0],
+                                 calculate_sum_pi_squared=False)
+
+
+@invariant("INV-RANK-007", "on real ranks with a static bucket and fused kernels: log_probs (and entropy) equal "
+           "the oracle on every rank", contract=7, modes=PACKED, needs=NEEDS + ("bucket", "fused"),
+           adjust=_bucket_fused,
+           protects="a fused-kernel model scores the global next token even when the row is bucket-padded and "
+                    "sharded")
+def ranks_bucket_fused(ctx: Ctx) -> None:
+    run = _real(ctx)
+    want = _oracle(ctx)
+    for r, outputs in enumerate(run.rank_outputs):
+        got = per_seq(outputs["log_probs"])
+        for i, lp in enumerate(want.log_probs):
+            close(got[i][: len(lp)], lp, f"sp={ctx.case.sp_size} bucket={ctx.case.pad_to_length} rank {r}: "
+                                         f"log_probs of sequence {i}")
+        if ctx.case.calculate_entropy:
+            for i, (x, w) in enumerate(zip(per_seq(outputs["entropy"]), want.entropy)):
+                close(x, w, f"sp={ctx.case.sp_size} rank {r}: entropy of sequence {i}")
