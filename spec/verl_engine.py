@@ -83,6 +83,10 @@ KNOWN_BUGS: dict[str, dict[str, str]] = {
         "INV-DENSE-002": "left_right_2_no_padding builds mRoPE position_ids with torch.nested.as_nested_tensor, "
                          "which makes the 4 axes ragged when all lengths are equal or B = 1 ((B, j, n) "
                          "instead of (B, 4, j)); verl bug (verl PR #5689 / issue #7899)",
+        "INV-FLAG-003": "reads every flag with get_non_tensor_data and tests it by truthiness, with no type "
+                        "check: use_remove_padding='False' (a str) runs packed, None runs padded, a float "
+                        "pad_token_id pads with it; contract difference (invariant 10), not a wrong value "
+                        "for well-typed flags",
     },
     "0.7.1": {
         "INV-MUT-002": "prepare_model_outputs divides the model's logits by temperature in place "

@@ -5,6 +5,7 @@ below, grouped by what they look at.
 """
 
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
+from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (issue 10: mutation survivors)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

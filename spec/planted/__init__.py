@@ -16,6 +16,7 @@ from ..impl_engine import ImplEngine
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import outputs_bugs as O
+from . import settings_bugs as S
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -97,6 +98,11 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunk_drops_tail", ("INV-CHUNK-001",), lm=O.ChunkDropsTail),
     PlantedBug("frees_output_args", ("INV-MUT-004",), lm=O.FreesOutputArgs),
     PlantedBug("value_head_divides_by_temperature", ("INV-VAL-005",), value=O.ValueHeadDividesByTemperature),
+    PlantedBug("entropy_flag_defaults_true", ("INV-FLAG-001",), lm=S.EntropyFlagDefaultsTrue),
+    PlantedBug("remove_padding_is_true", ("INV-FLAG-002",), lm=S.RemovePaddingIsTrue),
+    PlantedBug("flags_by_truthiness", ("INV-FLAG-003",), lm=S.FlagsByTruthiness),
+    PlantedBug("chunk_size_or_none", ("INV-SET-001",), lm=S.ChunkSizeOrNone),
+    PlantedBug("slice_through_float", ("INV-DTYPE-001",), helpers=(("no_padding_2_padding", S.slice_through_float),)),
 )}
 
 
