@@ -178,3 +178,15 @@ def test_torch_distributed_all_gather_on_one_rank(tmp_path) -> None:
         assert gathered.shape == (3, 2) and torch.equal(gathered, local)  # world 1: the local rows, in order
     finally:
         dist.destroy_process_group()
+
+
+# --- left_right_2_no_padding: a key of the wrong dimensionality ------------------------------------
+
+def test_left_right_key_of_wrong_dims_names_key_and_shape() -> None:
+    from tensordict import TensorDict
+
+    base = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "attention_mask": torch.tensor([[1, 1, 1, 1]]),
+            "response_mask": torch.tensor([[1, 1]]), "position_ids": torch.tensor([[0, 1, 2, 3]])}
+    flat = TensorDict(dict(base, position_ids=torch.tensor([[[[0, 1, 2, 3]]]])), batch_size=[1])
+    with pytest.raises(impl.ShapeError, match=r"'position_ids' must be a dense tensor with 2 or 3 dims, got \(1, 1, 1, 4\)"):
+        impl.left_right_2_no_padding(flat)

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from ..harness import Run, execute
-from ..materialize import materialize
+from ..materialize import materialize, materialize_dense
 from .core import Ctx, fail, invariant
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "same_run", "recode_flags"]
@@ -97,7 +97,8 @@ def recode_flags(mb: TensorDict, style: int) -> dict[str, Any]:
 
 
 @invariant("INV-FLAG-001", "a flag left out of the micro-batch takes the contract's default (same inputs, "
-           "output_args and outputs as when it is given)", contract=10)
+           "output_args and outputs as when it is given)", contract=10,
+           protects="a trainer that omits a flag gets the contract's default behaviour, not a different mode or extra keys")
 def flags_default(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
     dropped = [key for key, default in FLAG_DEFAULTS.items()
@@ -125,7 +126,8 @@ def _helpers(ctx: Ctx) -> set[str]:
 
 
 @invariant("INV-FLAG-002", "flags spelled as 0/1 ints, numpy bools or numpy ints, and pad_mode as a plain str, "
-           "mean what the Python bools, ints and the str Enum mean", contract=10)
+           "mean what the Python bools, ints and the str Enum mean", contract=10,
+           protects="flags built from configs or arrays (1, numpy.True_) select the same mode and outputs as True")
 def flags_encodings(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
     written = recode_flags(mb, ctx.case.seed % 2)
@@ -149,7 +151,8 @@ def _bad_flag(case) -> tuple[str, Any]:
 
 
 @invariant("INV-FLAG-003", "a flag of the wrong type or an impossible value (a str, None or 2 for a bool flag, "
-           "a float/str/bool pad_token_id, max_response_len < 1 or a float) is rejected", contract=10)
+           "a float/str/bool pad_token_id, max_response_len < 1 or a float) is rejected", contract=10,
+           protects="a typo such as calculate_entropy='False' fails loudly instead of silently switching a feature")
 def flags_rejected(ctx: Ctx) -> None:
     key, bad = _bad_flag(ctx.case)
     mb = materialize(ctx.case, ctx.device)
@@ -171,7 +174,8 @@ def _bad_settings(case) -> dict[str, Any]:
 
 @invariant("INV-SET-001", "an impossible engine setting (sp_size < 1, sp_rank outside [0, sp_size), a bucket "
            "or entropy chunk size < 1) is rejected, by the constructor or the first call", contract=10,
-           modes=("packed",), needs=("sp", "bucket", "chunking"))
+           modes=("packed",), needs=("sp", "bucket", "chunking"),
+           protects="a misconfigured engine (chunk 0, rank out of range) fails at start, not with missing outputs")
 def settings_rejected(ctx: Ctx) -> None:
     bad = _bad_settings(ctx.case)
     try:
@@ -188,29 +192,77 @@ _DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
 @invariant("INV-DTYPE-001", "the response-slice helpers are exact for bool, int and float per-token tensors "
            "(bool masks included, with trailing dims): no_padding_2_padding pads with 0/False, "
            "response_to_nested inverts it", contract=2, modes=("any",),
-           needs=("no_padding_2_padding", "response_from_nested", "response_to_nested"))
+           needs=("no_padding_2_padding", "response_from_nested", "response_to_nested"),
+           protects="masks and ids sliced to the response shape keep their dtype and values (bool masks stay bool)")
 def slice_dtypes(ctx: Ctx) -> None:
     case = ctx.case
     gen = torch.Generator().manual_seed(case.seed)
-    dtype = _DTYPES[case.seed % len(_DTYPES)]
-    trailing = () if case.seed % 3 else (2,)
-    base = torch.randint(0, 4, (case.total_nnz, *trailing), generator=gen)
-    values = (base > 1) if dtype == torch.bool else base.to(dtype)
     starts = torch.tensor((0, *case.seq_lens)).cumsum(0)
-    want = torch.zeros(case.batch_size, case.response_width, *trailing, dtype=dtype)
+    mask = ctx.batch["response_mask"]
+    for dtype in _DTYPES:
+        for trailing in ((), (3,)):
+            base = torch.randint(0, 4, (case.total_nnz, *trailing), generator=gen)
+            values = (base > 1) if dtype == torch.bool else base.to(dtype)
+            want = torch.zeros(case.batch_size, case.response_width, *trailing, dtype=dtype)
+            for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
+                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
+            nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
+            got = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
+            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
+                fail(f"no_padding_2_padding of a {dtype} tensor {tuple(values.shape)} gave {got.dtype} "
+                     f"{got.tolist()}, expected {want.tolist()}")
+            back = ctx.helper("response_to_nested")(got, mask)
+            direct = ctx.helper("response_from_nested")(nested, mask)
+            for name, value in (("response_to_nested", back), ("response_from_nested", direct)):
+                rows = [t.cpu() for t in value.unbind()]
+                for i, r in enumerate(case.response_lens):
+                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) \
+                            or not torch.equal(rows[i], want[i, :r]):
+                        fail(f"{name} of a {dtype} tensor {tuple(values.shape)}: row {i} is {rows[i].tolist()}, "
+                             f"expected {want[i, :r].tolist()}")
+
+
+def _per_token(case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token values over a DenseCase's sequences, their offsets, and the expected response rows."""
+    lens = [p + r for p, r in zip(case.prompt_lens, case.response_lens)]
+    starts = torch.tensor((0, *lens)).cumsum(0)
+    values = torch.randn(int(starts[-1]), generator=gen)
+    want = torch.zeros(case.batch_size, max(case.response_lens))
     for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
         want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
+    return values, starts, want
+
+
+def _check_slice(got: torch.Tensor, want: torch.Tensor, widths: tuple[int, ...], what: str) -> None:
+    got = got.detach().cpu()
+    if got.dim() != 2 or got.shape[0] != want.shape[0] or got.shape[1] not in widths:
+        fail(f"{what}: shape {tuple(got.shape)}, expected ({want.shape[0]}, one of {sorted(set(widths))})")
+    padded = torch.zeros(got.shape)
+    padded[:, : want.shape[1]] = want
+    if not torch.equal(got.float(), padded):
+        fail(f"{what}: gave {got.tolist()}, expected {padded.tolist()}")
+
+
+@invariant("INV-RESP-001", "no_padding_2_padding finds r_i in the batch itself: from nested responses alone "
+           "(no response_mask or loss_mask), and in a trainer's dense batch from attention_mask over the "
+           "response columns (holes in the response mask do not shorten a response)", contract=2,
+           kind="dense", modes=("any",), needs=("no_padding_2_padding",),
+           protects="log-probs sliced for a batch that carries only prompts/responses, or a dense batch, line "
+                    "up with the response tokens")
+def slice_response_lengths(ctx: Ctx) -> None:
+    case = ctx.case
+    values, starts, want = _per_token(case, torch.Generator().manual_seed(case.seed))
     nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
-    got = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
-    if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
-        fail(f"no_padding_2_padding of a {dtype} tensor {tuple(values.shape)} gave {got.dtype} "
-             f"{got.tolist()}, expected {want.tolist()}")
-    mask = ctx.batch["response_mask"]
-    back = ctx.helper("response_to_nested")(got, mask)
-    direct = ctx.helper("response_from_nested")(nested, mask)
-    for name, value in (("response_to_nested", back), ("response_from_nested", direct)):
-        rows = [t.cpu() for t in value.unbind()]
-        for i, r in enumerate(case.response_lens):
-            if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) \
-                    or not torch.equal(rows[i], want[i, :r]):
-                fail(f"{name} of a {dtype} tensor: row {i} is {rows[i].tolist()}, expected {want[i, :r].tolist()}")
+    dense = materialize_dense(case, ctx.device)
+    np2p = ctx.helper("no_padding_2_padding")
+    rows = []
+    for key, lens in (("prompts", case.prompt_lens), ("responses", case.response_lens)):
+        part = dense[key]
+        flat = torch.cat([part[i][part.shape[1] - n:] if key == "prompts" else part[i][:n] for i, n in enumerate(lens)])
+        rows.append((key, torch.nested.nested_tensor_from_jagged(
+            flat, torch.tensor((0, *lens), device=flat.device).cumsum(0))))
+    only = TensorDict(dict(rows), batch_size=[case.batch_size])
+    _check_slice(np2p(nested, only), want, (max(case.response_lens),),
+                 "no_padding_2_padding with nested prompts/responses only")
+    _check_slice(np2p(nested, dense), want, (max(case.response_lens), case.response_width),
+                 f"no_padding_2_padding on the dense batch (response mask {dense['response_mask'].tolist()})")

@@ -103,6 +103,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("flags_by_truthiness", ("INV-FLAG-003",), lm=S.FlagsByTruthiness),
     PlantedBug("chunk_size_or_none", ("INV-SET-001",), lm=S.ChunkSizeOrNone),
     PlantedBug("slice_through_float", ("INV-DTYPE-001",), helpers=(("no_padding_2_padding", S.slice_through_float),)),
+    PlantedBug("dense_lengths_from_mask_sum", ("INV-RESP-001",),
+               helpers=(("no_padding_2_padding", S.dense_lengths_from_mask_sum),)),
 )}
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from tensordict import TensorDict
+
 import impl
 
 _BOOL_FLAGS = ("use_remove_padding", "use_fused_kernels", "calculate_entropy", "calculate_sum_pi_squared",
@@ -74,3 +77,25 @@ def slice_through_float(tensor, data):
     """no_padding_2_padding converts every per-token tensor to float32 (bool masks come back as floats)."""
     values = tensor if tensor.is_floating_point() else tensor.float()
     return impl.no_padding_2_padding(values, data)
+
+
+def dense_lengths_from_mask_sum(tensor, data):
+    """no_padding_2_padding on a dense batch counts response tokens as response_mask.sum() (holes shorten r_i)."""
+    responses = data.get("responses", None) if "responses" in data.keys() else None
+    if isinstance(responses, torch.Tensor) and not responses.is_nested and "response_mask" in data.keys():
+        lens = data["response_mask"].sum(-1).clamp(min=1)
+        prompt = data["attention_mask"][:, : data["attention_mask"].shape[1] - responses.shape[1]].sum(-1)
+        view = TensorDict({
+            "prompts": torch.nested.nested_tensor_from_jagged(torch.zeros(int(prompt.sum())),
+                                                              torch.nn.functional.pad(prompt.cumsum(0), (1, 0))),
+            "responses": torch.nested.nested_tensor_from_jagged(torch.zeros(int(lens.sum())),
+                                                                torch.nn.functional.pad(lens.cumsum(0), (1, 0))),
+        }, batch_size=[responses.shape[0]])
+        ends = (prompt + data["attention_mask"][:, -responses.shape[1]:].sum(-1)).cumsum(0)
+        values = tensor.values() if tensor.is_nested else tensor
+        starts = torch.nn.functional.pad(ends[:-1], (1, 0))
+        # the model output re-cut to the shortened sequences: each keeps its first p_i + len_i tokens
+        keep = torch.cat([values[s: s + p + n] for s, p, n in zip(starts.tolist(), prompt.tolist(), lens.tolist())])
+        kept = torch.nested.nested_tensor_from_jagged(keep, torch.nn.functional.pad((prompt + lens).cumsum(0), (1, 0)))
+        return impl.no_padding_2_padding(kept, view)
+    return impl.no_padding_2_padding(tensor, data)
