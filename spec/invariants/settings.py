@@ -244,8 +244,9 @@ def _check_slice(got: torch.Tensor, want: torch.Tensor, widths: tuple[int, ...],
 
 
 @invariant("INV-RESP-001", "no_padding_2_padding finds r_i in the batch itself: from nested responses alone "
-           "(no response_mask or loss_mask), and in a trainer's dense batch from attention_mask over the "
-           "response columns (holes in the response mask do not shorten a response)", contract=2,
+           "(no response_mask or loss_mask, also in left_right_2_no_padding's batch), and in a trainer's dense "
+           "batch from attention_mask over the response columns (holes in the response mask do not shorten a "
+           "response)", contract=2,
            kind="dense", modes=("any",), needs=("no_padding_2_padding",),
            protects="log-probs sliced for a batch that carries only prompts/responses, or a dense batch, line "
                     "up with the response tokens")
@@ -266,3 +267,10 @@ def slice_response_lengths(ctx: Ctx) -> None:
                  "no_padding_2_padding with nested prompts/responses only")
     _check_slice(np2p(nested, dense), want, (max(case.response_lens), case.response_width),
                  f"no_padding_2_padding on the dense batch (response mask {dense['response_mask'].tolist()})")
+    if ctx.engine.lacks("left_right_2_no_padding") is None:  # the converted batch, its masks dropped
+        converted = ctx.helper("left_right_2_no_padding")(materialize_dense(case, ctx.device))
+        for key in ("response_mask", "loss_mask"):
+            if key in converted.keys():
+                del converted[key]
+        _check_slice(np2p(nested, converted), want, (max(case.response_lens), case.response_width),
+                     "no_padding_2_padding on left_right_2_no_padding's batch without response_mask/loss_mask")
