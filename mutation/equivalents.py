@@ -62,8 +62,6 @@ EQUIVALENT: dict[str, str] = {
     "impl.outputs.xǁTokenRouteǁcheck__mutmut_19": MESSAGE,
     "impl.padding.x_response_lengths__mutmut_17": MESSAGE,
     "impl.padding.x_response_to_nested__mutmut_3": MESSAGE,
-    "impl.padding.x_left_right_2_no_padding__mutmut_61":
-        "R == S (no prompt column) is still rejected, two lines later, by the >= 1 prompt token check",
     **{name: ON_CPU for name in DEVICE_ONLY},
 }
 
