@@ -7,9 +7,10 @@ Each suite has its own mutmut workspace under ``.mutation/<suite>/`` (a generate
 the command again after an impl change costs only the changed functions' mutants.
 
 Suites: ``spec`` is the invariant catalogue alone (``tests/test_invariants.py`` on the CPU,
-what ``python -m spec verify`` runs); ``all`` adds the example and error tests. Both run under
-the ``mutation`` hypothesis profile (``mutation/pytest_profile.py``: derandomized, no shrinking).
-The report classifies survivors listed in ``mutation/equivalents.py`` as equivalent.
+what ``python -m spec verify`` runs), on every mutant; ``all``, the example and error tests, on the
+mutants the spec left alive (a spec kill is a kill overall). Both run under the ``mutation``
+hypothesis profile (``mutation/pytest_profile.py``: derandomized, no shrinking, few examples).
+The report counts survivors listed in ``mutation/equivalents.py`` as equivalent.
 """
 
 from __future__ import annotations
