@@ -16,6 +16,7 @@ The report counts survivors listed in ``mutation/equivalents.py`` as equivalent.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -116,10 +117,30 @@ def generate(suite: str) -> dict[str, int | None]:
     return results(suite)
 
 
+def _tests_digest() -> str:
+    """A hash of everything the tests run besides impl: spec/, tests/, conftest.py, this package."""
+    digest = hashlib.sha256()
+    for path in sorted(p for name in ("spec", "tests", "mutation") for p in (ROOT / name).rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    digest.update((ROOT / "conftest.py").read_bytes())
+    return digest.hexdigest()
+
+
+def _refresh_stats(work: Path) -> None:
+    """mutmut maps tests to the functions they call once, and re-maps only *new* tests: after a change
+    to spec/ or tests/ the map is stale (an invariant that now calls a helper would not be run on its
+    mutants), so it is dropped and rebuilt."""
+    stamp, digest = work / "tests.sha256", _tests_digest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+        stamp.write_text(digest)
+
+
 def run(suite: str, names: list[str], max_children: int) -> float:
     """``mutmut run`` on ``names`` in the suite's workspace; seconds taken."""
     if not names:
         return 0.0
+    _refresh_stats(prepare(suite))
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *names]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=prepare(suite), env=_env(), check=False, stdout=subprocess.DEVNULL)
