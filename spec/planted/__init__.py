@@ -21,6 +21,7 @@ from . import megatron_bugs as M
 from . import outputs_bugs as O
 from . import quiet_bugs as Q
 from . import rank_bugs as R
+from . import settings_bugs as S
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -168,6 +169,13 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
     PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),
+    PlantedBug("entropy_flag_defaults_true", ("INV-FLAG-001",), lm=S.EntropyFlagDefaultsTrue),
+    PlantedBug("remove_padding_is_true", ("INV-FLAG-002",), lm=S.RemovePaddingIsTrue),
+    PlantedBug("flags_by_truthiness", ("INV-FLAG-003",), lm=S.FlagsByTruthiness),
+    PlantedBug("chunk_size_or_none", ("INV-SET-001",), lm=S.ChunkSizeOrNone),
+    PlantedBug("slice_through_float", ("INV-DTYPE-001",), helpers=(("no_padding_2_padding", S.slice_through_float),)),
+    PlantedBug("dense_lengths_from_mask_sum", ("INV-RESP-001",),
+               helpers=(("no_padding_2_padding", S.dense_lengths_from_mask_sum),)),
 )}
 
 

@@ -1,0 +1,1 @@
+"""Mutation testing of ``impl/`` with mutmut: ``python -m mutation`` (see docs/mutation.md)."""
