@@ -43,11 +43,15 @@ def response_lengths(data: TensorDictBase, device: torch.device) -> torch.Tensor
         value = data.get(key, None) if key in data.keys() else None
         if isinstance(value, torch.Tensor) and value.is_nested:
             return SequenceLayout.of(value, key).lengths.to(device)
-    if "attention_mask" in data.keys() and "response_mask" in data.keys():
-        width = data.get("response_mask").shape[-1]
-        return data.get("attention_mask")[:, -width:].sum(-1).to(device=device, dtype=torch.int64)
-    raise KeyError("cannot find the response lengths: the micro-batch needs nested 'responses' "
-                   f"(or a nested 'response_mask'/'loss_mask'); keys: {sorted(data.keys())}")
+    if "attention_mask" in data.keys():  # a dense batch: the response columns are the last R of the mask
+        for key in ("response_mask", "responses"):
+            value = data.get(key, None) if key in data.keys() else None
+            if isinstance(value, torch.Tensor) and not value.is_nested:
+                width = value.shape[-1]
+                return data.get("attention_mask")[:, -width:].sum(-1).to(device=device, dtype=torch.int64)
+    raise KeyError("cannot find the response lengths: the micro-batch needs nested 'responses' (or a nested "
+                   "'response_mask'/'loss_mask'), or a dense 'attention_mask' with a dense 'response_mask' or "
+                   f"'responses'; keys: {sorted(data.keys())}")
 
 
 def _run_views(flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -195,10 +195,13 @@ def expect_engine_error(call: Callable[[], Any], what: str, types: tuple[type[Ba
                 raise AssertionError(f"{what}: the engine raised {describe(exc)}, expected one of "
                                      f"{[t.__name__ for t in types]}") from exc
             return exc
-        if who == SUITE:
-            if _CURRENT:
-                _CURRENT[-1].handled.add(id(exc))
-            raise AssertionError(f"{what} was accepted by the engine (no engine call raised); the suite's own "
-                                 f"code then failed on it ({describe(exc)}): that is no rejection") from exc
-        raise
-    raise AssertionError(f"{what} was accepted silently; the contract makes it an error")
+        if who != SUITE:
+            raise
+        if _CURRENT:
+            _CURRENT[-1].handled.add(id(exc))
+        verdict = (f"{what} was accepted by the engine (no engine call raised); the suite's own code then "
+                   f"failed on it ({describe(exc)}): that is no rejection")
+    else:
+        verdict = f"{what} was accepted silently; the contract makes it an error"
+    # raised outside the except block: the check's verdict, not chained to the suite's exception
+    raise AssertionError(verdict)

@@ -22,6 +22,7 @@ from .adapters.torchtitan import TorchTitanEngine
 from .adapters.veomni import VeOmniEngine
 from .impl_engine import ImplEngine
 from .planted import PLANTED, planted_engine
+from .planted.harmless import harmless_engine
 from .protocol import HELPERS, EngineUnderTest
 from .verl_engine import VerlEngine
 
@@ -54,6 +55,8 @@ def load_engine(spec: str) -> EngineUnderTest:
     or an EngineUnderTest)."""
     if spec in ENGINES:
         return ENGINES[spec][0]()
+    if spec.startswith("harmless:"):  # impl with a harmless difference (spec/planted/harmless.py)
+        return harmless_engine(spec.split(":", 1)[1])
     if spec.startswith("planted:"):
         return planted_engine(spec.split(":", 1)[1])
     if ":" not in spec:

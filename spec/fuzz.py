@@ -80,6 +80,7 @@ def _worker(index: int, workers: int, engine_name: str, only: str | None, device
                 continue
             info, mode = todo[position]
             outcome = run_invariant(info, engine, mode, device, profile="default", seed=rng.getrandbits(32),
+                                    explicit=False,
                                     database=database, max_examples=round_examples, verbosity=Verbosity.quiet)
             if outcome.status in ("fail", "xfail"):
                 stopped[position] = 1

@@ -41,6 +41,8 @@ class Feature(str, Enum):
     FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
     DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
     CUDA = "cuda"
+    #: ranks as processes joined by a torch.distributed process group (spec/ranks.py)
+    REAL_RANKS = "real_ranks"
     #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
     PACKING = "packing"
     BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
@@ -130,7 +132,7 @@ class EngineUnderTest:
     name = "engine"
     #: a failure the suite knows about and documents (reported, not hidden); the runner looks it up by
     #: ``ID/mode`` then ``ID``
-    known_failures: Any = {}
+    known_failures: Any = ()  # spec.known.KnownFailure records (a legacy {ID: reason} dict is read too)
     #: how the engine splits a packed row across ranks
     layouts: tuple[ShardLayout, ...] = (ShardLayout.CONTIGUOUS,)
     #: Megatron-style packer (``spec.megatron_packing.Packer``) where the engine offers ``Feature.PACKING``
@@ -156,6 +158,8 @@ class EngineUnderTest:
             return None if self.helper(feature.value) is not None else f"engine {self.name} ships no {feature.value}"
         if feature is Feature.CUDA:
             return None if torch.cuda.is_available() else "no CUDA device"
+        if feature is Feature.REAL_RANKS and not torch.distributed.is_available():
+            return "this torch has no torch.distributed"
         if feature is Feature.PACKING and self.packer is None:
             return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
         return None

@@ -78,7 +78,9 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> st
         reason = engine.lacks(need)
         if reason:
             return reason
-    return None
+    # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
+    implied = getattr(engine, "implied_needs", None)
+    return implied(tuple(info.needs)) if implied is not None else None
 
 
 def _seed_examples(info: InvariantInfo, mode: str) -> list:
@@ -140,7 +142,7 @@ def stream_key(info: InvariantInfo, mode: str) -> bytes:
 
 def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
                   profile: str | None = None, shrink: bool = True, seed: int | None = None,
-                  **setting_overrides) -> Outcome:
+                  explicit: bool = True, **setting_overrides) -> Outcome:
     """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
 
     ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
@@ -197,7 +199,8 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.
     generated = tuple(p for p in parent.phases if p != Phase.explicit and (shrink or p != Phase.shrink))
     start = time.perf_counter()
-    for phases in (generated, (Phase.explicit,)):
+    # explicit=False (fuzz campaigns): generated cases only, so every failure found is saved to the database
+    for phases in (generated, (Phase.explicit,)) if explicit else (generated,):
         try:
             prop(phases)()
         except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case

@@ -31,6 +31,21 @@ LOCAL_IMPORTS = {
                                              "import spec.protocol instead",
     ("spec.verl_engine", "torch"): "_with_dense_attention_mask (verl 0.7.1 only); torch could move to the top",
     ("spec.invariants.batch", "spec.materialize"): "a second import of a module already imported at the top",
+    ("spec.__main__", "spec.database"): "per sub-command (fuzz)",
+    ("spec.__main__", "spec.fuzz"): "per sub-command (fuzz)",
+    ("spec.database", "redis"): "optional: only a redis:// database needs the redis package",
+    ("spec.database", "hypothesis.extra.redis"): "optional: imports the redis package",
+    ("spec.detection", "hypothesis"): "a command-line script: its worker processes import the suite themselves",
+    ("spec.detection", "spec.profiles"): "same",
+    ("spec.detection", "torch"): "same",
+    ("spec.fuzz", "hypothesis"): "fuzz worker processes (spawned) import the suite themselves",
+    ("spec.fuzz", "spec.database"): "same",
+    ("spec.fuzz", "spec.engines"): "same",
+    ("spec.fuzz", "spec.runner"): "same",
+    ("spec.fuzz", "torch"): "same",
+    ("spec.rank_worker", "spec.engines"): "a rank loads its engine from the registry, which sits above the verl "
+                                          "adapter that runs its ranks through this module",
+    ("spec.rules", "spec.cases"): "an import under TYPE_CHECKING (annotations only)",
 }
 #: third-party modules an adapter imports only when built: the engine it adapts is optional
 OPTIONAL = ("verl", "veomni", "torchtitan", "nemo_automodel", "megatron", "flash_attn")

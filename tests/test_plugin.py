@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,15 @@ def user_repo(tmp_path_factory) -> Path:
 def run_pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(repo)]), "PYTHONWARNINGS": "ignore"}
     env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "spec.pytest_plugin", "-p", "no:cacheprovider",
+    # After `pip install` the pytest11 entry point loads the plugin by itself (what a user's repo gets);
+    # otherwise it is named with -p (a second registration would be a pytest usage error).
+    load = [] if _entry_point_installed() else ["-p", "spec.pytest_plugin"]
+    return subprocess.run([sys.executable, "-m", "pytest", *load, "-p", "no:cacheprovider",
                            "-q", "-rs", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.value == "spec.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
 
 
 def test_catalogue_runs_in_the_users_session(user_repo: Path) -> None:

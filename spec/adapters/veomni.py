@@ -19,6 +19,7 @@ import warnings
 from typing import Any
 
 from ..protocol import Feature
+from ..known import as_records
 from ..verl_engine import VerlEngine, VerlEngineObject
 from .stubs import StubReport, import_with_stubs
 
@@ -46,8 +47,9 @@ class VeOmniEngine(VerlEngine):
         self.stubs = load_veomni()
         impl = self.stubs.module
         self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
-        self.known_failures = {**self.known_failures,
-                               **{k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}}
+        # FSDP's precise records (spec/verl_engine.py), plus VeOmni's own (none today)
+        self.known_failures = (*as_records(self.known_failures),
+                               *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
 
     def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
         if Feature.parse(feature) is Feature.SP:
