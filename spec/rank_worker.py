@@ -77,7 +77,7 @@ class ShardedTopKProcessor(TopKProcessor):
         lp = data["teacher_logprobs"].values().float()
         lp = torch.cat([lp, lp.new_zeros(pad, lp.shape[1])])[span]
         terms = topk_terms(student_logits[0].float(), ids, lp)
-        return {key: terms[key].unsqueeze(0) for key in self.keys}
+        return {key: terms[key].float().unsqueeze(0) for key in self.keys}  # float32, as TopKProcessor
 
 
 # ---------------------------------------------------------------------------------------------
