@@ -26,6 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from hypothesis import Verbosity
+
+from .database import example_database
+from .engines import load_engine
+from .runner import instances, run_invariant, skip_reason
+
 __all__ = ["TargetStats", "targets", "run_campaign", "markdown"]
 
 #: Examples per round: short rounds rotate the targets and keep the time limit tight.
@@ -49,8 +56,6 @@ class TargetStats:
 
 def targets(engine, only: str | None = None, device: str = "cpu") -> list[tuple]:
     """The (invariant, mode) pairs to fuzz: the catalogue filtered by ``only``, less those the engine skips."""
-    from .runner import instances, skip_reason
-
     return [(info, mode) for info, mode in instances()
             if (not only or info.id.startswith(only)) and skip_reason(info, engine, device) is None]
 
@@ -58,13 +63,6 @@ def targets(engine, only: str | None = None, device: str = "cpu") -> list[tuple]
 def _worker(index: int, workers: int, engine_name: str, only: str | None, device: str, seconds: float,
             round_examples: int, stopped, results) -> None:
     """One fuzzing process: rounds of run_invariant with fresh seeds for ``seconds`` once it is ready."""
-    import torch
-    from hypothesis import Verbosity
-
-    from .database import example_database
-    from .engines import load_engine
-    from .runner import run_invariant
-
     torch.set_num_threads(1)
     engine = load_engine(engine_name)
     todo = targets(engine, only, device)
@@ -114,8 +112,6 @@ def run_campaign(engine_name: str, *, workers: int, seconds: float, only: str | 
     shrunk); any still running ``grace`` seconds later (default: a quarter of ``seconds``, at
     least 15) are terminated: a failure is saved as soon as it is found, shrunk or not.
     """
-    from .engines import load_engine
-
     engine = load_engine(engine_name)
     todo = [f"{info.id}/{mode}" for info, mode in targets(engine, only, device)]
     if not todo:

@@ -38,11 +38,6 @@ LOCAL_IMPORTS = {
     ("spec.detection", "hypothesis"): "a command-line script: its worker processes import the suite themselves",
     ("spec.detection", "spec.profiles"): "same",
     ("spec.detection", "torch"): "same",
-    ("spec.fuzz", "hypothesis"): "fuzz worker processes (spawned) import the suite themselves",
-    ("spec.fuzz", "spec.database"): "same",
-    ("spec.fuzz", "spec.engines"): "same",
-    ("spec.fuzz", "spec.runner"): "same",
-    ("spec.fuzz", "torch"): "same",
     ("spec.rank_worker", "spec.engines"): "a rank loads its engine from the registry, which sits above the verl "
                                           "adapter that runs its ranks through this module",
     ("spec.rules", "spec.cases"): "an import under TYPE_CHECKING (annotations only)",
