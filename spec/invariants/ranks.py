@@ -13,11 +13,8 @@ import torch
 
 from ..cases import EngineCase
 from ..harness import Run
-from ..materialize import materialize
-from ..oracle import Expected, expected
 from ..ranks import execute as execute_on_ranks
-from ..toy_model import ToyCausalLM
-from .core import Ctx, close, close_sequence, fail, invariant, per_seq
+from .core import Ctx, fail, invariant, match_oracle, match_runs
 
 PACKED = ("packed",)
 NEEDS = ("sp", "real_ranks")
@@ -40,11 +37,6 @@ def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
     if key not in ctx.__dict__:
         ctx.__dict__[key] = execute_on_ranks(ctx.engine, ctx.case, ctx.device, stop_after_inputs=inputs_only)
     return ctx.__dict__[key]
-
-
-def _oracle(ctx: Ctx) -> Expected:
-    case = ctx.case
-    return expected(case, materialize(case, "cpu"), ToyCausalLM(case.vocab, seed=case.seed))
 
 
 def _padded_len(case: EngineCase) -> int:
@@ -104,9 +96,7 @@ def ranks_match_single(ctx: Ctx) -> None:
     for r, outputs in enumerate(run.rank_outputs):
         if set(outputs) != set(single):
             fail(f"sp={ctx.case.sp_size} rank {r} keys {sorted(outputs)}, sp=1 keys {sorted(single)}")
-        for key in sorted(single):
-            for i, (x, y) in enumerate(zip(per_seq(outputs[key]), per_seq(single[key]))):
-                close_sequence(key, x, y, f"sp={ctx.case.sp_size} rank {r} vs sp=1: {key!r} of sequence {i}")
+        match_runs(ctx, outputs, single, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
     _check_outputs_equal_across_ranks(run)
 
 
@@ -210,12 +200,9 @@ def ranks_mrope_temperature(ctx: Ctx) -> None:
         if not torch.allclose(temps, want_temp[r * local:(r + 1) * local]):
             fail(f"sp={case.sp_size} rank {r}: temperature_rmpad {temps.tolist()}, expected "
                  f"{want_temp[r * local:(r + 1) * local].tolist()}")
-    want = _oracle(ctx)
     for r, outputs in enumerate(run.rank_outputs):
-        got = per_seq(outputs["log_probs"])
-        for i, lp in enumerate(want.log_probs):
-            close(got[i][: len(lp)], lp, f"sp={case.sp_size} rank {r}: log_probs of sequence {i} "
-                                         f"at T={case.temperatures()[i]}")
+        match_oracle(ctx, "log_probs", outputs["log_probs"], f"at T={list(case.temperatures())} (sp={case.sp_size} "
+                     f"rank {r})")
 
 
 def _distillation(case: EngineCase) -> EngineCase:
@@ -231,14 +218,11 @@ def _distillation(case: EngineCase) -> EngineCase:
                     "on every rank")
 def ranks_distillation(ctx: Ctx) -> None:
     run = _real(ctx)
-    want = _oracle(ctx)
     for r, outputs in enumerate(run.rank_outputs):
-        for key, wants in want.distillation.items():
+        for key in ctx.case.distillation_keys:
             if key not in outputs:
                 fail(f"sp={ctx.case.sp_size} rank {r}: outputs lack distillation key {key!r} ({sorted(outputs)})")
-            got = per_seq(outputs[key])
-            for i, w in enumerate(wants):
-                close(got[i], w, f"sp={ctx.case.sp_size} rank {r}: {key} of sequence {i}")
+            match_oracle(ctx, key, outputs[key], f"(sp={ctx.case.sp_size} rank {r})")
 
 
 @invariant("INV-RANK-006", "on real ranks each rank's model inputs are (1, n) ids and (1, n) or (4, 1, n) "
@@ -290,12 +274,8 @@ def _bucket_fused(case: EngineCase) -> EngineCase:
                     "sharded")
 def ranks_bucket_fused(ctx: Ctx) -> None:
     run = _real(ctx)
-    want = _oracle(ctx)
     for r, outputs in enumerate(run.rank_outputs):
-        got = per_seq(outputs["log_probs"])
-        for i, lp in enumerate(want.log_probs):
-            close(got[i][: len(lp)], lp, f"sp={ctx.case.sp_size} bucket={ctx.case.pad_to_length} rank {r}: "
-                                         f"log_probs of sequence {i}")
+        what = f"(sp={ctx.case.sp_size} bucket={ctx.case.pad_to_length} rank {r})"
+        match_oracle(ctx, "log_probs", outputs["log_probs"], what)
         if ctx.case.calculate_entropy:
-            for i, (x, w) in enumerate(zip(per_seq(outputs["entropy"]), want.entropy)):
-                close(x, w, f"sp={ctx.case.sp_size} rank {r}: entropy of sequence {i}")
+            match_oracle(ctx, "entropy", outputs["entropy"], what)
