@@ -31,7 +31,7 @@ __all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engin
 #: name -> (constructor, one line: what it is)
 ENGINES: dict[str, tuple[Callable[[], EngineUnderTest], str]] = {
     "impl": (ImplEngine, "this project's engine (impl/)"),
-    "verl": (VerlEngine, "verl's FSDP engine (verl.workers.engine.fsdp), FSDP-Turbo inherits it"),
+    "verl": (VerlEngine, "verl's FSDP engine (verl.workers.engine.fsdp); FSDP-Turbo inherits its preparation"),
     "verl-veomni": (VeOmniEngine, "verl's VeOmni engine (FSDP's preparation plus VeOmni's input transforms)"),
     "verl-torchtitan": (TorchTitanEngine, "verl's TorchTitan engine (its own prepare_model_inputs/outputs)"),
     "verl-automodel": (AutomodelEngine, "verl's Automodel (NeMo) engine (its own prepare_model_inputs/outputs)"),

@@ -17,12 +17,12 @@ import torch
 from tensordict import TensorDict
 
 from .cases import EngineCase
-from .protocol import EngineUnderTest
+from .protocol import EngineUnderTest, InputsView
 from .materialize import materialize
 from .oracle import TopKProcessor
 from .toy_model import ToyCausalLM
 
-__all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for"]
+__all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -57,13 +57,21 @@ class Run:
     micro_batch: TensorDict
     snapshot: TensorDict
     model: ToyCausalLM
-    inputs: list[dict[str, Any]] = field(default_factory=list)  # one per rank
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # one per rank, as the engine returned them
     output_args: list[dict[str, Any]] = field(default_factory=list)
+    #: what invariants read: each rank's hand-off through the engine's own :meth:`EngineUnderTest.view_inputs`
+    views: list[InputsView] = field(default_factory=list)
     model_outputs: list[Any] = field(default_factory=list)  # what each rank was handed
     model_output_snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list)
     output_args_snapshots: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
     rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def attach_views(run: Run, engine: EngineUnderTest) -> None:
+    """Fill ``run.views`` from the hand-off as ``prepare_model_inputs`` returned it (before the output step
+    could touch ``output_args``)."""
+    run.views = [engine.view_inputs(mi, args) for mi, args in zip(run.inputs, run.output_args)]
 
 
 def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> dict[str, Any]:
@@ -155,6 +163,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         model_inputs, output_args = eng.prepare_model_inputs(mb)
         run.inputs.append(model_inputs)
         run.output_args.append(output_args)
+    attach_views(run, engine)
     if stop_after_inputs:
         return run
     run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison])

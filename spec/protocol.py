@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
+           "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
 
 
 class Feature(str, Enum):
@@ -45,6 +45,11 @@ class Feature(str, Enum):
     REAL_RANKS = "real_ranks"
     #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
     PACKING = "packing"
+    #: the input step hands the output step its temperature (per packed token, or per sample padded), as
+    #: verl's FSDP convention does, rather than the output step reading the micro-batch again
+    TEMPERATURE_HANDOFF = "temperature_handoff"
+    #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
+    SUM_PI_SQUARED = "sum_pi_squared"
     BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
     NO_PADDING_2_PADDING = "no_padding_2_padding"
     LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
@@ -103,20 +108,52 @@ class EngineObject(Protocol):
 
 @dataclass
 class InputsView:
-    """What the model is handed, normalized (one rank). ``None``: the engine hands no such thing.
+    """What one rank hands the model and its own output step, normalized. Invariants read this, never an
+    engine's private keys; each adapter maps its engine's convention onto it (:meth:`EngineUnderTest.view_inputs`).
 
-    ``labels``: for each packed token, the id the output at that position scores (verl's rolled
-    ids), flat. ``temperature``: per packed token (packed) or per sample (padded).
+    ``None`` everywhere means "the engine hands no such thing".
+
+    * ``input_ids`` / ``position_ids`` / ``attention_mask``: the model's inputs (packed: ``(1, n)``, positions
+      ``(1, n)`` or ``(4, 1, n)`` for mRoPE, no mask; padded: ``(B, L)``, ``(B, L)`` or ``(4, B, L)``, the mask).
+    * ``cu_seqlens``: packed sequence boundaries handed to the model, flat ``(B + 1,)`` (or ``(B + 2,)`` with a
+      final boundary for tail padding); ``cu_seqlens_host``: a host (CPU) copy of them, where handed too.
+    * ``labels``: flat, for each packed token the id its output scores (the row rolled left by one).
+    * ``temperature``: what the output step scales the logits by, as the input step hands it over: per packed
+      token (packed) or per sample (padded). None when the output step reads the micro-batch itself.
+    * ``pad_size``: tokens of tail padding appended to the packed row (bucket plus sequence parallelism).
+    * ``model_temperature`` / ``model_labels`` / ``return_dict``: what a fused-kernel model is handed (one
+      float temperature, the labels it scores as ``(1, n)``, whether it returns a dict).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor | None
     attention_mask: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_host: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     temperature: torch.Tensor | float | None = None
     pad_size: int = 0
+    model_temperature: Any = None
+    model_labels: torch.Tensor | None = None
+    return_dict: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
+    """The normalized view of verl's FSDP convention (impl, verl's FSDP and VeOmni engines, Automodel):
+    ``output_args`` carry ``input_ids_rmpad_rolled`` and ``temperature_rmpad`` (packed) or ``temperature``
+    (padded) and ``pad_size``; ``model_inputs`` may carry ``cu_seqlens``/``cu_seqlens_cpu`` and, for fused
+    kernels, ``temperature``, ``shift_labels`` and ``return_dict``."""
+    temperature = output_args.get("temperature_rmpad", output_args.get("temperature"))
+    labels = output_args.get("input_ids_rmpad_rolled")
+    return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs.get("position_ids"),
+                      attention_mask=model_inputs.get("attention_mask"), cu_seqlens=model_inputs.get("cu_seqlens"),
+                      cu_seqlens_host=model_inputs.get("cu_seqlens_cpu"),
+                      labels=None if labels is None else labels.reshape(-1),
+                      temperature=temperature,
+                      pad_size=int(output_args.get("pad_size", 0) or 0),
+                      model_temperature=model_inputs.get("temperature"), model_labels=model_inputs.get("shift_labels"),
+                      return_dict=model_inputs.get("return_dict"))
 
 
 @dataclass
@@ -181,13 +218,10 @@ class EngineUnderTest:
         return Capabilities(self.name, missing, tuple(self.layouts))
 
     def view_inputs(self, model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
-        """The normalized view of one rank's hand-off. Adapters translate their engine's convention to
-        verl's FSDP one in ``make``, so the default reads verl's keys."""
-        temperature = output_args.get("temperature_rmpad", output_args.get("temperature"))
-        return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs.get("position_ids"),
-                          attention_mask=model_inputs.get("attention_mask"), cu_seqlens=model_inputs.get("cu_seqlens"),
-                          labels=output_args.get("input_ids_rmpad_rolled"), temperature=temperature,
-                          pad_size=int(output_args.get("pad_size", 0) or 0))
+        """The normalized view of one rank's hand-off (``model_inputs``, ``output_args``: what the engine
+        object's ``prepare_model_inputs`` returned). The default reads verl's FSDP convention
+        (:func:`verl_fsdp_view`); an engine with another one overrides this."""
+        return verl_fsdp_view(model_inputs, output_args)
 
     def view_outputs(self, outputs: Mapping[str, torch.Tensor]) -> OutputsView:
         return OutputsView(dict(outputs))

@@ -48,7 +48,7 @@ from tensordict import TensorDict
 
 from .cases import EngineCase
 from .protocol import EngineUnderTest
-from .harness import Run, model_for
+from .harness import Run, attach_views, model_for
 from .materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
 
@@ -297,6 +297,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     to_dev = lambda obj: _to_device(obj, device)  # noqa: E731
     run.inputs = [to_dev(b["inputs"]) for b in ordered]
     run.output_args = [to_dev(b["output_args"]) for b in ordered]
+    attach_views(run, engine)
     if stop_after_inputs:
         return run
     run.output_args = [to_dev(b["output_args_after"]) for b in ordered]

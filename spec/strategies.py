@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from .cases import DISTILLATION_KEYS, LOGITS_DTYPES, DenseCase, EngineCase
 
-__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "MODES", "TIERS", "TIER_WEIGHTS"]
+__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -92,11 +92,37 @@ def _budgeted(lens_p: tuple[int, ...], lens_r: tuple[int, ...], vocab: int, budg
     return (tuple(max(1, min(p, cap // 2)) for p in lens_p), tuple(max(1, min(r, cap - cap // 2)) for r in lens_r))
 
 
+#: what each ``engine_cases`` limit excludes, as a test on a case (the pinned seed examples must honour an
+#: engine's ``strategy_limits`` as the drawn cases do)
+_LIMIT_EXCLUDES = {
+    "allow_sp": lambda c: c.sp_size > 1,
+    "allow_bucket": lambda c: bool(c.pad_to_length),
+    "allow_fused": lambda c: c.use_fused_kernels,
+    "allow_distillation": lambda c: bool(c.distillation_keys),
+    "allow_cu_seqlens": lambda c: c.pass_cu_seqlens,
+    "allow_chunking": lambda c: bool(c.entropy_chunk_size),
+    "allow_sum_pi_squared": lambda c: c.calculate_sum_pi_squared,
+}
+
+
+def within_limits(case: EngineCase, **limits) -> bool:
+    """Whether ``engine_cases(**limits)`` could draw ``case`` as far as the engine-facing limits go (features,
+    per-sample temperature, logits dtypes); size bounds are not checked."""
+    for key, excludes in _LIMIT_EXCLUDES.items():
+        if limits.get(key, True) is False and excludes(case):
+            return False
+    per_sample = limits.get("per_sample_temperature")
+    if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
+        return False
+    return case.logits_dtype in limits.get("logits_dtypes", LOGITS_DTYPES)
+
+
 @st.composite
 def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: int = 8,
                  head: str = "lm", allow_sp: bool = True, allow_bucket: bool = True,
                  allow_fused: bool = True, allow_distillation: bool = True, allow_cu_seqlens: bool = True,
-                 allow_chunking: bool = True, allow_large: bool = True, padding: bool = False,
+                 allow_chunking: bool = True, allow_sum_pi_squared: bool = True, allow_large: bool = True,
+                 padding: bool = False,
                  per_sample_temperature: bool | None = None, tier: str | None = None,
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
@@ -178,7 +204,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         mrope=draw(st.booleans()),
         use_remove_padding=packed,
         calculate_entropy=head == "lm" and draw(st.booleans()),
-        calculate_sum_pi_squared=head == "lm" and not fused and draw(st.booleans()),
+        calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),
         distillation_keys=distill,
         distillation_only=bool(distill) and draw(st.booleans()),
         use_fused_kernels=fused,

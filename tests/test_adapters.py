@@ -4,6 +4,7 @@ installed (the verl tox envs), every verl adapter built and probed."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -128,3 +129,46 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
             valid = ours.rows != 0  # x has no zeros: the valid rows (pad positions are no one's contract)
             assert torch.equal(ours.rows, verl.rows) and torch.equal(ours.positions[valid], verl.positions[valid])
             assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))
+
+
+@pytest.mark.parametrize("module, attr, page", [("spec.adapters.torchtitan", "KNOWN_RECORDS", "verl-torchtitan"),
+                                                ("spec.adapters.automodel", "KNOWN_RECORDS", "verl-automodel"),
+                                                ("spec.adapters.megatron", "MegatronEngine", "verl-megatron")])
+def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str, page: str) -> None:
+    """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
+    condition, an exception type and a message pattern, and a mention in its docs/engines page."""
+    from pathlib import Path
+
+    from spec.known import KnownFailure
+
+    obj = getattr(importlib.import_module(module), attr)
+    records = obj.KNOWN if isinstance(obj, type) else obj
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "engines" / f"{page}.md").read_text()
+    assert records and all(isinstance(r, KnownFailure) for r in records), records
+    for record in records:
+        assert record.invariant in CATALOGUE, record.key
+        assert record.when.text and record.matches and "legacy" not in record.when.text, record.key
+        assert record.invariant in doc, f"{record.key} is not in docs/engines/{page}.md"
+
+
+@needs_verl
+def test_the_inheriting_engines_run_the_preparation_checked_here() -> None:
+    """FSDP-Turbo and MindSpeed ship no preparation of their own: their prepare/forward methods are FSDP's and
+    Megatron's (so --engine verl and --engine verl-megatron check theirs). Fails once either overrides one."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead as Turbo
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as Fsdp
+        pairs = [(Turbo, Fsdp, ("prepare_model_inputs", "prepare_model_outputs"))]
+        try:
+            from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead as Megatron
+            from verl.workers.engine.mindspeed.transformer_impl import MindspeedEngineWithLMHead as MindSpeed
+        except ImportError as exc:  # megatron-core absent: the FSDP pair alone
+            print(f"MindSpeed not checked: {exc}")
+        else:
+            pairs.append((MindSpeed, Megatron, ("prepare_model_inputs", "prepare_model_outputs", "forward_step")))
+    for child, parent, methods in pairs:
+        for method in methods:
+            assert getattr(child, method) is getattr(parent, method), f"{child.__name__}.{method} is its own"

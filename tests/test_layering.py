@@ -143,3 +143,50 @@ def test_function_local_imports_are_the_listed_ones() -> None:
                 unexplained.append(f"{name}: {target}")
     assert not unexplained, ("function-local imports without a reason in tests/test_layering.py's LOCAL_IMPORTS: "
                              + ", ".join(sorted(unexplained)))
+
+
+#: keys of verl's private hand-off (its ``output_args`` and fused/flash-attention extras): the adapters map them
+#: onto ``spec.protocol.InputsView``, and no invariant may read them
+PRIVATE_KEYS = {"input_ids_rmpad_rolled", "temperature_rmpad", "pad_size", "shift_labels", "cu_seqlens_cpu",
+                "return_dict", "labels"}
+#: the checks that compare an engine's raw hand-off as whole objects (unchanged, or equal across runs), key
+#: agnostic: they may touch ``run.inputs`` / ``run.output_args``
+WHOLE_OBJECT = {"output_args_not_mutated", "same_run"}
+
+
+def _private_reads(tree: ast.AST) -> list[str]:
+    """Reads of a run's raw ``inputs`` / ``output_args`` outside :data:`WHOLE_OBJECT`, and any
+    ``x["<private key>"]`` / ``x.get("<private key>")``."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef) or fn.name in WHOLE_OBJECT:
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and node.attr in ("inputs", "output_args"):
+                found.append(f"{fn.name} line {node.lineno}: {ast.unparse(node)}")
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            key = node.slice.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            key = node.args[0].value
+        if key in PRIVATE_KEYS and not isinstance(getattr(node, "ctx", None), ast.Store):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return sorted(set(found))
+
+
+def test_invariants_read_no_engine_private_key() -> None:
+    """Invariants read what an engine produced through the normalized ``InputsView`` (``run.views``), never the
+    engine's own ``model_inputs`` / ``output_args`` (those only as whole objects, in :data:`WHOLE_OBJECT`)."""
+    offenders = {path.name: reads for path in sorted((SPEC / "invariants").glob("*.py"))
+                 if (reads := _private_reads(ast.parse(path.read_text())))}
+    assert not offenders, offenders
+
+
+def test_the_private_key_check_sees_a_private_read() -> None:
+    bad = ast.parse('def f(ctx):\n    a = ctx.inputs_run.output_args[0]["input_ids_rmpad_rolled"]\n'
+                    '    for mi in ctx.run.inputs:\n        b = mi.get("shift_labels")\n'
+                    '    c = ctx.inputs_run.micro_batch["input_ids"]\n')
+    reads = _private_reads(bad)
+    assert len(reads) == 4 and not any("micro_batch" in r for r in reads), reads

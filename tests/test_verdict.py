@@ -109,6 +109,17 @@ def test_stale_known_failure_fails_the_verdict() -> None:
     assert failed([outcome])
 
 
+def test_known_failure_whose_condition_never_held_is_not_stale() -> None:
+    """No example met the record's condition: nothing shows the bug gone, so the run passes (0 hits, 0
+    passed under it); once an example under the condition passes, the record is stale (above)."""
+    never = dataclasses.replace(_record("INV-DENSE-002"), when=When("never", lambda case: False))
+    outcome = run_invariant(CATALOGUE["INV-DENSE-002"], _Engine("unreached", known=(never,)), "any", profile="dev")
+    assert outcome.status == "pass" and outcome.known[0]["hits"] == 0 and outcome.known[0]["passed_under"] == 0
+    stale = run_invariant(CATALOGUE["INV-DENSE-002"], _Engine("stale", known=(_record("INV-DENSE-002"),)), "any",
+                          profile="dev")
+    assert stale.known[0]["passed_under"] > 0
+
+
 def test_mrope_condition() -> None:
     from spec.cases import DenseCase
 
@@ -275,3 +286,11 @@ def test_record_validation() -> None:
     record = KnownFailure("INV-X-001", "r", modes=("padded",), when=ALWAYS)
     assert record.applies_to("INV-X-001", "padded") and not record.applies_to("INV-X-001", "packed")
     assert record.key == "INV-X-001/padded"
+
+
+def test_an_uncertain_record_without_hits_is_not_stale() -> None:
+    """A data-dependent record (``certain=False``) whose condition held on passing examples is not reached,
+    not stale: its failure shows on some values only."""
+    maybe = dataclasses.replace(_record("INV-DENSE-002"), certain=False)
+    outcome = run_invariant(CATALOGUE["INV-DENSE-002"], _Engine("maybe", known=(maybe,)), "any", profile="dev")
+    assert outcome.status == "pass" and outcome.known[0]["hits"] == 0 and outcome.known[0]["passed_under"] > 0

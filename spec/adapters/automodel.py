@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..known import KnownFailure, When
+from ..protocol import InputsView, verl_fsdp_view
+from ..verl_engine import MASK_INVARIANTS
 from .native import NativeVerlEngine
+from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 
 __all__ = ["AutomodelEngine"]
 
@@ -22,8 +26,24 @@ MASK = ("the padded attention mask is built from the response-only loss_mask (r_
 FUSED_PADDED = ("padded fused kernels return dense response slices output.log_probs[:, -L-1:-1] (L = the "
                 "max_response_length flag, default 1024) instead of nested full sequences; engine bug (FSDP's "
                 "engine re-packs them by the full lengths)")
-NO_SUM_PI = ("calculate_sum_pi_squared is ignored (no sum_pi_squared output); contract difference (feature not "
-             "offered; the suite has no capability for it yet)")
+NO_SHIFT_LABELS = ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without sequence "
+                   "parallelism, which this engine does not offer); contract difference")
+NO_HOST_CU = ("no cu_seqlens_cpu beside cu_seqlens (TransformerEngine takes max_seqlen instead); layout difference")
+FUSED_PADDED_LABELS = ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001", "INV-LAYOUT-001", "INV-LEAK-001",
+                       "INV-LEAK-002", *sorted(MASK_INVARIANTS))
+FUSED = When("fused kernels", lambda case: case.use_fused_kernels)
+
+KNOWN_RECORDS: tuple[KnownFailure, ...] = (
+    *(KnownFailure(inv, FUSED_PADDED, raises=(AssertionError, RuntimeError),
+                   matches=r"dense tensor|dense \(|not a nested tensor|is not finite|values expected sparse",
+                   when=FUSED, modes=() if inv == "INV-KEYS-003" else ("padded",))
+      for inv in dict.fromkeys(FUSED_PADDED_LABELS)),
+    *loss_mask_attention(reason=MASK),
+    KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
+    KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
+    entropy_cancellation(modes=("packed",)),
+    flag_types(),
+)
 
 
 class AutomodelObject:
@@ -38,25 +58,22 @@ class AutomodelObject:
 
 
 class AutomodelEngine(NativeVerlEngine):
+    """verl's FSDP convention (:func:`verl_fsdp_view`), but the TransformerEngine backend is handed
+    ``cu_seqlens`` as ``(1, B + 1)``: the view flattens it."""
+
     name = "verl-automodel"
     module = "verl.workers.engine.automodel.transformer_impl"
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: docs/engines/verl-automodel.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
-    KNOWN: dict[str, dict[str, str]] = {"*": {
-        **{f"{key}/padded": MASK for key in ("INV-MASK-001", "INV-MASK-003", "INV-VAL-001", "INV-VAL-002",
-                                             "INV-TEMP-001", "INV-TEMP-003")},
-        **{f"{key}/padded": FUSED_PADDED for key in ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001",
-                                                     "INV-LAYOUT-001", "INV-LEAK-001", "INV-LEAK-002")},
-        "INV-KEYS-003": FUSED_PADDED + "; and " + MASK,
-        "INV-KEYS-001": NO_SUM_PI,
-        "INV-VAL-003": NO_SUM_PI,
-        "INV-CU-001/packed": ("passes cu_seqlens as (1, B+1) int32 with qkv_format='thd' and max_seqlen (TransformerEngine's "
-                              "convention), no cu_seqlens_cpu; contract difference"),
-        "INV-FUSED-001/packed": ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without "
-                                 "sequence parallelism); contract difference"),
-    }}
+    KNOWN = {"*": KNOWN_RECORDS}
+
+    def view_inputs(self, model_inputs, output_args) -> InputsView:
+        view = verl_fsdp_view(model_inputs, output_args)
+        if view.cu_seqlens is not None:
+            view.cu_seqlens = view.cu_seqlens.reshape(-1)
+        return view
 
     def make(self, head: str = "lm", **settings: Any) -> AutomodelObject:
         cu_seqlens = bool(settings.get("pass_cu_seqlens"))

@@ -13,6 +13,7 @@ import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from ..known import KnownFailure
 from ..protocol import EngineUnderTest, Feature
 from .stubs import StubReport, import_with_stubs
 
@@ -28,8 +29,15 @@ class NativeVerlEngine(EngineUnderTest):
     lm_class = ""
     records: dict[str, dict[str, object]] = {}
     sp_reason = "sequence/context parallelism runs through a process group the suite does not simulate"
-    #: version -> {known_failures key: reason}; "*" for every version (docs/engines/<name>.md)
-    KNOWN: dict[str, dict[str, str]] = {}
+    #: version -> known-failure records (``spec.known.KnownFailure``); "*" for every version
+    #: (docs/engines/<name>.md has a minimal counterexample for each)
+    KNOWN: dict[str, tuple[KnownFailure, ...]] = {}
+    #: strategy limits that keep a documented bug or contract difference out of unrelated invariants
+    LIMITS: dict[str, Any] = {
+        # verl computes and returns outputs in the logits' own dtype (a documented contract difference of every
+        # verl engine, docs/verl-conformance.md): bf16/fp16 logits would fail every value invariant for it
+        "logits_dtypes": ("float32",),
+    }
 
     def __init__(self) -> None:
         with warnings.catch_warnings():
@@ -46,8 +54,7 @@ class NativeVerlEngine(EngineUnderTest):
         self._verl_F = verl_F
         self.cls = getattr(self.stubs.module, self.lm_class)
         self.outputs_params = tuple(inspect.signature(self.cls.prepare_model_outputs).parameters)
-        known = {**self.KNOWN.get("*", {}), **self.KNOWN.get(self.version, {})}
-        self.known_failures = {k: f"{self.name} {self.version}: {v}" for k, v in known.items()}
+        self.known_failures = (*self.KNOWN.get("*", ()), *self.KNOWN.get(self.version, ()))
 
     # -- capabilities ------------------------------------------------------------------------------
     def _no(self, what: str) -> str:
@@ -65,6 +72,8 @@ class NativeVerlEngine(EngineUnderTest):
             return self._no("prepare_model_outputs does not chunk the entropy")
         if feature is Feature.FUSED and "use_fused_kernels" not in _source(self.cls.prepare_model_inputs):
             return self._no("prepare_model_inputs has no fused-kernel path")
+        if feature is Feature.SUM_PI_SQUARED and "calculate_sum_pi_squared" not in _source(self.cls.prepare_model_outputs):
+            return self._no("prepare_model_outputs never reads calculate_sum_pi_squared (no sum_pi_squared output)")
         if feature is Feature.SP:
             return self._no(self.sp_reason)
         if feature in (Feature.BUILD_ATTENTION_MASK, Feature.NO_PADDING_2_PADDING, Feature.LEFT_RIGHT_2_NO_PADDING,
@@ -78,7 +87,8 @@ class NativeVerlEngine(EngineUnderTest):
                 "allow_distillation": self.lacks(Feature.DISTILLATION) is None,
                 "allow_cu_seqlens": self.lacks(Feature.CU_SEQLENS) is None,
                 "allow_fused": self.lacks(Feature.FUSED) is None,
-                "allow_chunking": self.lacks(Feature.CHUNKING) is None}
+                "allow_chunking": self.lacks(Feature.CHUNKING) is None,
+                "allow_sum_pi_squared": self.lacks(Feature.SUM_PI_SQUARED) is None, **self.LIMITS}
 
     # -- engine objects --------------------------------------------------------------------------
     def build(self, chunk: int | None) -> Any:

@@ -7,11 +7,12 @@ attention metadata (packed: ``torchtitan/utils.py``'s varlen metadata, boundarie
 positions restart; padded: a dense mask), ``output_args["labels"]`` the rolled ids; and
 ``prepare_model_outputs(logits, output_args, mb)``, which reads the temperature from the micro-batch.
 
-The engine object here maps that onto the suite's convention (the normalized hand-off): model inputs
-``input_ids``, ``position_ids``, ``attention_mask`` (padded: TorchTitan's mask; packed: None) and
-``cu_seqlens`` (the varlen metadata's ``cu_seq_q``), and an ``input_ids_rmpad_rolled`` alias of the
-labels (a view of the same tensor) in TorchTitan's own ``output_args`` dict, which is handed back to
-TorchTitan unchanged otherwise.
+The engine object hands the suite's model what TorchTitan hands its own: ``input_ids``, ``position_ids``
+(TorchTitan's ``positions``), ``attention_mask`` (padded: TorchTitan's mask; packed: None) and
+``cu_seqlens`` (the varlen metadata's ``cu_seq_q``); TorchTitan's own ``output_args`` go back to it
+untouched. :meth:`TorchTitanEngine.view_inputs` reads the labels from ``output_args["labels"]``; the
+temperature is not handed over (the output step reads ``micro_batch["temperature"]``), so the engine
+lacks :attr:`Feature.TEMPERATURE_HANDOFF`.
 
 ``torchtitan`` is stubbed where verl imports it at module level and it does not import (the
 TorchTitan on the package index does not match verl 0.9.1's imports); ``VarlenMetadata`` is given a
@@ -26,18 +27,45 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..protocol import Feature
+from ..known import KnownFailure, When
+from ..protocol import Feature, InputsView
+from ..verl_engine import SCALED_TEMPERATURE
 from .native import NativeVerlEngine
+from .verl_records import (PER_SAMPLE_ON_VOCAB, UNCLAMPED, VALUE_MISMATCH, entropy_cancellation, flag_types,
+                           loss_mask_attention)
 
 __all__ = ["TorchTitanEngine", "VarlenMetadata"]
 
 TEMPERATURE = ("prepare_model_outputs divides the (n, V) / (B, L, V) logits by micro_batch['temperature'] as is: a "
                "per-sample (B,) tensor broadcasts against the vocab axis, RuntimeError when B != V and silently "
                "wrong (vocab column j scaled by sample j's temperature) when B == V; engine bug")
+NO_CLAMP = ("prepare_model_outputs divides by the temperature without the 1e-8 clamp every other verl engine applies: "
+            "at T = 5e-9 log-probs are twice the clamped ones; engine bug")
 MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
         "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
-NO_SUM_PI = ("calculate_sum_pi_squared is ignored (no sum_pi_squared output); contract difference (feature not "
-             "offered; the suite has no capability for it yet)")
+IN_PLACE = ("the padded branch divides the model's logits by temperature in place (logits.div_); engine bug (verl "
+            "0.7.1's FSDP had it, later FSDP scales out of place)")
+#: the invariants whose cases force per-sample temperatures (the strategy limit keeps them out of the others)
+PER_SAMPLE_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-TEMP-001", "INV-TEMP-006")
+#: INV-TEMP-002 runs every case's temperature also as a (B,) tensor: B != V raises (equal values on B = V are right)
+AS_TENSOR_ON_VOCAB = When("B >= 2 samples with B != V (the check also hands the temperature as a (B,) tensor)",
+                          lambda case: case.batch_size >= 2 and case.batch_size != case.vocab)
+
+KNOWN_RECORDS: tuple[KnownFailure, ...] = (
+    *(KnownFailure(inv, TEMPERATURE, raises=(RuntimeError, AssertionError),
+                   matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)|" + VALUE_MISMATCH,
+                   when=PER_SAMPLE_ON_VOCAB) for inv in PER_SAMPLE_INVARIANTS),
+    KnownFailure("INV-TEMP-002", TEMPERATURE, raises=RuntimeError,
+                 matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)", when=AS_TENSOR_ON_VOCAB),
+    *(KnownFailure(inv, NO_CLAMP, matches=VALUE_MISMATCH, when=UNCLAMPED & ~PER_SAMPLE_ON_VOCAB, modes=modes)
+      for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()))),
+    # every padded case fails for the mask (records above excuse the cases they cover first)
+    *loss_mask_attention(reason=MASK),
+    KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),
+                 when=SCALED_TEMPERATURE),
+    entropy_cancellation(modes=("packed",)),
+    flag_types(),
+)
 
 
 class VarlenMetadata(NamedTuple):
@@ -61,7 +89,6 @@ class TorchTitanObject:
                         "attention_mask": None if packed else masks}
         if packed:
             model_inputs["cu_seqlens"] = masks.cu_seq_q
-        output_args["input_ids_rmpad_rolled"] = output_args["labels"].reshape(-1)
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
@@ -80,23 +107,22 @@ class TorchTitanEngine(NativeVerlEngine):
     sp_reason = ("context parallelism goes through torchtitan's prepare_context_parallel_input and a device "
                  "mesh, not run here")
     #: docs/engines/verl-torchtitan.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
-    KNOWN: dict[str, dict[str, str]] = {"*": {
-        **{key: TEMPERATURE for key in ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001", "INV-DEV-001",
-                                        "INV-KEYS-002", "INV-LAYOUT-001", "INV-LEAK-001", "INV-LEAK-002",
-                                        "INV-MUT-001", "INV-MUT-004", "INV-TEMP-002", "INV-TEMP-001",
-                                        "INV-VAL-001/packed", "INV-VAL-002/packed", "INV-MUT-002/packed")},
-        **{key: MASK for key in ("INV-MASK-001/padded", "INV-MASK-003/padded", "INV-TEMP-003/padded",
-                                 "INV-VAL-001/padded", "INV-VAL-002/padded", "INV-KEYS-003")},
-        "INV-MUT-002/padded": ("the padded branch divides the model's logits by temperature in place (logits.div_); "
-                               "engine bug (verl 0.7.1's FSDP had it, later FSDP scales out of place)"),
-        "INV-KEYS-001": NO_SUM_PI,
-        "INV-VAL-003": NO_SUM_PI,
-        "INV-TEMP-004/packed": ("hands no per-token temperature to the output step (it divides by "
-                                "micro_batch['temperature']); suite defect: INV-TEMP-004 reads verl's private "
-                                "output_args['temperature_rmpad'] instead of the normalized view"),
-    }}
+    KNOWN = {"*": KNOWN_RECORDS}
+    LIMITS = {**NativeVerlEngine.LIMITS,
+              # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that
+              # force per-sample temperatures carry its record
+              "per_sample_temperature": False}
+
+    def view_inputs(self, model_inputs, output_args) -> InputsView:
+        labels = output_args.get("labels")
+        return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
+                          attention_mask=model_inputs["attention_mask"], cu_seqlens=model_inputs.get("cu_seqlens"),
+                          labels=None if labels is None else labels.reshape(-1))
 
     def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
+        if Feature.parse(feature) is Feature.TEMPERATURE_HANDOFF:
+            return self._no("prepare_model_outputs reads micro_batch['temperature'] itself; the input step hands "
+                            "no temperature over")
         if Feature.parse(feature) is Feature.CU_SEQLENS:
             return self._no("the packed boundaries always reach the model as varlen metadata "
                             "(extra_kwargs['attention_masks']); there is no cu_seqlens setting to switch")

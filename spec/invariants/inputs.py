@@ -24,7 +24,7 @@ def _lens(ctx: Ctx) -> torch.Tensor:
            "not the response-only loss mask)", contract=1,
            protects="the model attends to every token of each full sequence (a response-only mask gives wrong log-probs, high KL: verl #6278)", modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
-    mask = ctx.inputs_run.inputs[0]["attention_mask"]
+    mask = ctx.inputs_run.views[0].attention_mask
     if mask is None:
         fail("padded mode returned attention_mask=None")
     lens = _lens(ctx)
@@ -40,8 +40,10 @@ def mask_values(ctx: Ctx) -> None:
 @invariant("INV-MASK-002", "padded attention mask is int32 on the ids' device", contract=1,
            protects="the model gets its mask as int32 on the ids' device (what attention kernels accept without a host copy)", modes=PADDED)
 def mask_dtype_device(ctx: Ctx) -> None:
-    mi = ctx.inputs_run.inputs[0]
-    mask, ids = mi["attention_mask"], mi["input_ids"]
+    view = ctx.inputs_run.views[0]
+    mask, ids = view.attention_mask, view.input_ids
+    if mask is None:
+        fail("padded mode returned attention_mask=None")
     if mask.dtype != torch.int32:
         fail(f"attention_mask dtype is {mask.dtype}, expected torch.int32")
     if mask.device != ids.device or mask.device.type != torch.device(ctx.device).type:
@@ -52,7 +54,9 @@ def mask_dtype_device(ctx: Ctx) -> None:
            protects="the padded batch has one row per sample and exactly total_nnz attended tokens",
            modes=PADDED)
 def mask_shape_sum(ctx: Ctx) -> None:
-    mask = ctx.inputs_run.inputs[0]["attention_mask"]
+    mask = ctx.inputs_run.views[0].attention_mask
+    if mask is None:
+        fail("padded mode returned attention_mask=None")
     want = (ctx.case.batch_size, max(ctx.case.seq_lens))
     if tuple(mask.shape) != want:
         fail(f"attention_mask shape {tuple(mask.shape)}, expected {want}")
@@ -112,32 +116,33 @@ def _with_padding(case):
            contract=1,
            protects="the model reads each sample's own tokens, in order, one row per sample", modes=PADDED)
 def padded_ids(ctx: Ctx) -> None:
-    _padded_rows(ctx, ctx.inputs_run.inputs[0]["input_ids"].cpu(), "input_ids", "sequence")
+    _padded_rows(ctx, ctx.inputs_run.views[0].input_ids.cpu(), "input_ids", "sequence")
 
 
 @invariant("INV-INPUT-002", "padded input_ids hold pad_token_id after each sequence", contract=1,
            protects="verl fills the padded columns with pad_token_id; the mask hides them", modes=PADDED,
            layout=True, adjust=_with_padding)
 def padded_ids_fill(ctx: Ctx) -> None:
-    _padding_values(ctx, ctx.inputs_run.inputs[0]["input_ids"].cpu(), ctx.case.pad_token_id, "input_ids")
+    _padding_values(ctx, ctx.inputs_run.views[0].input_ids.cpu(), ctx.case.pad_token_id, "input_ids")
 
 
 @invariant("INV-POS-001", "padded position_ids are (B, L) or (4, B, L) (mRoPE), each sample's positions kept",
            contract=1,
            protects="the model reads each token's own position (and mRoPE axes in the (4, B, L) layout)", modes=PADDED)
 def padded_positions(ctx: Ctx) -> None:
-    _padded_rows(ctx, ctx.inputs_run.inputs[0]["position_ids"].cpu(), "position_ids", "positions")
+    _padded_rows(ctx, ctx.inputs_run.views[0].position_ids.cpu(), "position_ids", "positions")
 
 
 @invariant("INV-POS-003", "padded position_ids hold 0 after each sequence", contract=1,
            protects="verl fills padded position columns with 0; the mask hides them", modes=PADDED,
            layout=True, adjust=_with_padding)
 def padded_positions_fill(ctx: Ctx) -> None:
-    _padding_values(ctx, ctx.inputs_run.inputs[0]["position_ids"].cpu(), 0, "position_ids")
+    _padding_values(ctx, ctx.inputs_run.views[0].position_ids.cpu(), 0, "position_ids")
 
 
 def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
-    return torch.cat([mi[key].cpu() for mi in ctx.inputs_run.inputs], dim=dim)
+    """Model input ``key`` (``input_ids``/``position_ids``) of every rank, joined along the tokens."""
+    return torch.cat([getattr(view, key).cpu() for view in ctx.inputs_run.views], dim=dim)
 
 
 @invariant("INV-POS-002", "packed inputs: ids (1, n), positions (1, n) or (4, 1, n), no mask; ranks' "
@@ -145,10 +150,10 @@ def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
            protects="the packed model input holds each sequence's tokens and positions, the ranks' slices joining to the row", modes=PACKED)
 def packed_inputs(ctx: Ctx) -> None:
     total = ctx.case.total_nnz
-    for r, mi in enumerate(ctx.inputs_run.inputs):
-        if mi.get("attention_mask") is not None:
+    for r, view in enumerate(ctx.inputs_run.views):
+        if view.attention_mask is not None:
             fail(f"rank {r}: packed attention_mask must be None")
-        ids, pos = mi["input_ids"], mi["position_ids"]
+        ids, pos = view.input_ids, view.position_ids
         if ids.dim() != 2 or ids.shape[0] != 1:
             fail(f"rank {r}: packed input_ids shape {tuple(ids.shape)}, expected (1, n)")
         want_pos = (4, 1, ids.shape[1]) if ctx.case.mrope else (1, ids.shape[1])
@@ -190,9 +195,9 @@ def _tail(ctx: Ctx):
 def packed_tail(ctx: Ctx) -> None:
     ids, total, padded = _tail(ctx)
     pad = padded - total
-    reported = ctx.inputs_run.output_args[0].get("pad_size", 0)
+    reported = ctx.inputs_run.views[0].pad_size
     if int(reported) != pad:
-        fail(f"output_args['pad_size'] is {reported}, expected {pad}")
+        fail(f"pad_size is {reported}, expected {pad}")
     if pad:
         pos = _joined(ctx, "position_ids")
         tail_pos = (pos[0, 0] if ctx.case.mrope else pos[0])[total:]
@@ -205,22 +210,34 @@ def packed_tail(ctx: Ctx) -> None:
            needs=("bucket",), layout=True, adjust=_bucketed)
 def packed_tail_fill(ctx: Ctx) -> None:
     ids, total, _ = _tail(ctx)
-    temps = torch.cat([a["temperature_rmpad"].cpu() for a in ctx.inputs_run.output_args])[total:]
+    temps = _token_temperatures(ctx)[total:]
     if bool((ids[total:] != 0).any()):
         fail(f"tail ids {ids[total:].tolist()[:8]}, verl fills zeros")
     if not torch.equal(temps, torch.ones_like(temps)):
         fail(f"tail temperature {temps.tolist()[:8]}, verl fills ones")
 
 
+def _token_temperatures(ctx: Ctx) -> torch.Tensor:
+    """The per-token temperature every rank hands its output step, joined (packed)."""
+    temps = [view.temperature for view in ctx.inputs_run.views]
+    if any(not isinstance(t, torch.Tensor) for t in temps):
+        fail(f"the packed hand-off carries temperature {temps[0]!r}, expected one per token")
+    return torch.cat([t.reshape(-1).cpu() for t in temps])
+
+
 def _rolled(ctx: Ctx) -> torch.Tensor:
-    return torch.cat([a["input_ids_rmpad_rolled"].reshape(-1).cpu() for a in ctx.inputs_run.output_args])
+    """The labels every rank's outputs score, joined (one per packed token)."""
+    labels = [view.labels for view in ctx.inputs_run.views]
+    if any(lab is None for lab in labels):
+        fail("the engine hands no labels (the ids its log-probs score) to its output step")
+    return torch.cat([lab.reshape(-1).cpu() for lab in labels])
 
 
 def _check_labels(ctx: Ctx, where: str) -> None:
     labels = _rolled(ctx)
     ids = _values(ctx, "input_ids").cpu()
     if labels.shape[0] < ids.shape[0]:
-        fail(f"input_ids_rmpad_rolled has {labels.shape[0]} labels for {ids.shape[0]} tokens")
+        fail(f"the rolled labels have {labels.shape[0]} labels for {ids.shape[0]} tokens")
     ends = offsets(ctx.case.seq_lens)[1:] - 1
     inner = torch.ones(ids.shape[0], dtype=torch.bool)
     inner[ends] = False
@@ -246,15 +263,16 @@ def labels_shard_edges(ctx: Ctx) -> None:
     _check_labels(ctx, f"sp={ctx.case.sp_size}: a shard edge")
 
 
-@invariant("INV-TEMP-004", "packed temperature_rmpad repeats each sample's temperature over its tokens",
-           contract=6,
-           protects="each packed token is scaled by its own sample's temperature", modes=PACKED, adjust=lambda c: distinct_temperatures(c))
+@invariant("INV-TEMP-004", "the packed per-token temperature (verl's temperature_rmpad) repeats each sample's "
+           "temperature over its tokens", contract=6,
+           protects="each packed token is scaled by its own sample's temperature", modes=PACKED,
+           needs=("temperature_handoff",), adjust=lambda c: distinct_temperatures(c))
 def temperature_rmpad(ctx: Ctx) -> None:
-    got = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in ctx.inputs_run.output_args])[: ctx.case.total_nnz]
+    got = _token_temperatures(ctx)[: ctx.case.total_nnz]
     want = torch.repeat_interleave(torch.tensor(ctx.case.temperatures(), dtype=torch.float32),
                                    torch.tensor(ctx.case.seq_lens))
     if not torch.allclose(got.float(), want):
-        fail(f"temperature_rmpad {got.tolist()}, expected {want.tolist()}")
+        fail(f"per-token temperature {got.tolist()}, expected {want.tolist()}")
 
 
 def _fused(c):
@@ -267,17 +285,18 @@ def _fused(c):
            protects="fused kernels get one float temperature and the right shifted labels", needs=("fused",),
            adjust=_fused)
 def fused_inputs(ctx: Ctx) -> None:
-    for r, mi in enumerate(ctx.inputs_run.inputs):
-        temp = mi.get("temperature")
+    if ctx.case.use_remove_padding:
+        _rolled(ctx)  # every rank hands its labels
+    for r, view in enumerate(ctx.inputs_run.views):
+        temp = view.model_temperature
         if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) \
                 or abs(float(temp) - ctx.case.temperatures()[0]) > 1e-6:
-            fail(f"rank {r}: model_inputs['temperature'] is {temp!r}, expected the float {ctx.case.temperature}")
+            fail(f"rank {r}: the model is handed temperature {temp!r}, expected the float {ctx.case.temperature}")
         if ctx.case.use_remove_padding:
-            labels = mi.get("shift_labels")
-            rolled = ctx.inputs_run.output_args[r]["input_ids_rmpad_rolled"].reshape(-1)
+            labels, rolled = view.model_labels, view.labels.reshape(-1)
             if labels is None or tuple(labels.shape) != (1, rolled.shape[0]) \
                     or not torch.equal(labels[0].cpu(), rolled.cpu()):
-                fail(f"rank {r}: shift_labels {None if labels is None else labels.tolist()}, expected the "
+                fail(f"rank {r}: the model's labels (shift_labels) {None if labels is None else labels.tolist()}, expected the "
                      f"rolled ids {rolled.tolist()} as (1, n)")
 
 
@@ -285,20 +304,26 @@ def fused_inputs(ctx: Ctx) -> None:
            protects="verl passes return_dict=True to a fused-kernel model", needs=("fused",),
            layout=True, adjust=_fused)
 def fused_return_dict(ctx: Ctx) -> None:
-    for r, mi in enumerate(ctx.inputs_run.inputs):
-        if mi.get("return_dict") is not True:
-            fail(f"rank {r}: model_inputs['return_dict'] is {mi.get('return_dict')!r}, verl passes True")
+    for r, view in enumerate(ctx.inputs_run.views):
+        if view.return_dict is not True:
+            fail(f"rank {r}: the model is handed return_dict={view.return_dict!r}, verl passes True")
 
 
-@invariant("INV-TEMP-005", "padded output_args['temperature'] is each sample's temperature, (B,)", contract=6,
-           protects="the padded output_args carry each sample's temperature, (B,)",
-           modes=PADDED, adjust=lambda c: distinct_temperatures(c.with_(use_fused_kernels=False)))
+@invariant("INV-TEMP-005", "the padded hand-off (verl's output_args['temperature']) is each sample's "
+           "temperature, (B,), or each token's, (total_nnz,)", contract=6,
+           protects="the padded output step scales each sample by its own temperature",
+           modes=PADDED, needs=("temperature_handoff",), adjust=lambda c: distinct_temperatures(c.with_(use_fused_kernels=False)))
 def padded_temperature(ctx: Ctx) -> None:
-    got = ctx.inputs_run.output_args[0].get("temperature")
-    want = torch.tensor(ctx.case.temperatures(), dtype=torch.float32)
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) \
-            or not torch.allclose(got.detach().cpu().float(), want, rtol=1e-6, atol=0):
-        fail(f"padded output_args['temperature'] is {got!r}, expected the per-sample {want.tolist()}")
+    got = ctx.inputs_run.views[0].temperature
+    per_sample = torch.tensor(ctx.case.temperatures(), dtype=torch.float32)
+    per_token = torch.repeat_interleave(per_sample, torch.tensor(ctx.case.seq_lens))
+    if isinstance(got, torch.Tensor):
+        flat = got.detach().cpu().float()
+        for want in (per_sample, per_token):
+            if tuple(flat.shape) == tuple(want.shape) and torch.allclose(flat, want, rtol=1e-6, atol=0):
+                return
+    fail(f"the padded hand-off carries temperature {got!r}, expected the per-sample {per_sample.tolist()} (or "
+         "that per token)")
 
 
 _AT_CLAMP = (TEMPERATURE_FLOOR, 5e-9, 1e-10, 1e-12)
@@ -323,7 +348,7 @@ def labels_whole_row(ctx: Ctx) -> None:  # layout: no response slice reads the w
     want = torch.roll(ids, -1)
     total = ids.shape[0]
     if labels.shape[0] < total or not torch.equal(labels[:total], want):
-        fail(f"input_ids_rmpad_rolled {labels[:total].tolist()}, expected the packed row rolled by one "
+        fail(f"rolled labels {labels[:total].tolist()}, expected the packed row rolled by one "
              f"{want.tolist()} (the roll comes before any bucket or sequence-parallel padding)")
     if bool((labels[total:] != 0).any()):
         fail(f"labels of the tail padding are {labels[total:].tolist()}, expected zeros")
@@ -347,13 +372,13 @@ def _with_tail(c):
            needs=("cu_seqlens",), adjust=_with_tail, strategy_kwargs={"padding": True})
 def cu_seqlens(ctx: Ctx) -> None:
     want, padded = _cu_want(ctx)
-    for r, mi in enumerate(ctx.inputs_run.inputs):
-        cu = mi.get("cu_seqlens")
+    for r, view in enumerate(ctx.inputs_run.views):
+        cu, ids = view.cu_seqlens, view.input_ids
         if cu is None:
-            fail(f"rank {r}: model_inputs lack cu_seqlens (keys {sorted(mi)})")
+            fail(f"rank {r}: the model is handed no cu_seqlens")
         # The contract fixes no dtype (flash-attn wants int32, which impl gives; verl gives int64).
-        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != mi["input_ids"].device.type:
-            fail(f"rank {r}: cu_seqlens is {cu.dtype} on {cu.device}, expected integers on {mi['input_ids'].device}")
+        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != ids.device.type:
+            fail(f"rank {r}: cu_seqlens is {cu.dtype} on {cu.device}, expected integers on {ids.device}")
         if not torch.equal(cu.cpu().long(), want):
             fail(f"rank {r}: cu_seqlens {cu.tolist()}, expected {want.tolist()} for a packed row of {padded} tokens")
 
@@ -363,8 +388,8 @@ def cu_seqlens(ctx: Ctx) -> None:
            modes=PACKED, needs=("cu_seqlens",), layout=True, adjust=_with_tail, strategy_kwargs={"padding": True})
 def cu_seqlens_cpu(ctx: Ctx) -> None:
     want, _ = _cu_want(ctx)
-    for r, mi in enumerate(ctx.inputs_run.inputs):
-        cu_cpu = mi.get("cu_seqlens_cpu")
+    for r, view in enumerate(ctx.inputs_run.views):
+        cu_cpu = view.cu_seqlens_host
         if cu_cpu is None or cu_cpu.device.type != "cpu" or not torch.equal(cu_cpu.long(), want):
             fail(f"rank {r}: cu_seqlens_cpu is {None if cu_cpu is None else cu_cpu.tolist()}, verl passes a CPU "
                  f"copy {want.tolist()}")

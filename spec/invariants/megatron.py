@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from ..megatron_packing import PackSpec, nested_from, thd_alignment
+from ..megatron_packing import PackSpec, case_bucket, nested_from, thd_alignment
 from ..protocol import ShardLayout
 from .core import Ctx, fail, invariant
 
@@ -27,9 +27,7 @@ def _trailing(ctx: Ctx) -> tuple[int, ...]:
 
 
 def _bucket(ctx: Ctx) -> int | None:
-    """The case's static bucket, else one chosen by the seed (the strategies draw buckets only for a
-    small share of packed cases; the packing must hold with and without one)."""
-    return ctx.case.pad_to_length or (None, 4, 7, 8, 16)[ctx.case.seed // 12 % 5]
+    return case_bucket(ctx.case)
 
 
 def _specs(ctx: Ctx, *, bshd: bool = False) -> list[PackSpec]:

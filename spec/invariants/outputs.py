@@ -66,6 +66,7 @@ def entropy_values(ctx: Ctx) -> None:
 
 @invariant("INV-VAL-003", "sum_pi_squared equals the oracle's sum(softmax(logits / T) ** 2)", contract=2,
            protects="sum_pi_squared (used for variance/KL estimates) is that of the tempered distribution",
+           needs=("sum_pi_squared",),
            adjust=lambda c: c.with_(calculate_sum_pi_squared=True, use_fused_kernels=False))
 def sum_pi_squared_values(ctx: Ctx) -> None:
     match_oracle(ctx, "sum_pi_squared", ctx.run.outputs["sum_pi_squared"])
@@ -126,7 +127,7 @@ def _has_padding(ctx: Ctx) -> bool:
     """Whether the run had padded logit slots to poison (else the example is recorded as not exercised)."""
     case = ctx.case
     if case.use_remove_padding:
-        widths = sum(mi["input_ids"].shape[-1] for mi in ctx.run.inputs)
+        widths = sum(view.input_ids.shape[-1] for view in ctx.run.views)
         has = widths > case.total_nnz
     else:
         has = len(set(case.seq_lens)) > 1
@@ -157,6 +158,8 @@ def no_value_leak(ctx: Ctx) -> None:
     for name in ("huge", "neg"):
         other = ctx.rerun(poison=name).outputs
         for key in base:
+            if not (base[key].is_nested and other[key].is_nested):
+                fail(f"output {key!r} is a dense {tuple(base[key].shape)} tensor, expected nested sequences")
             if not torch.equal(other[key].values(), base[key].values()):
                 diff = (other[key].values() - base[key].values()).abs().nan_to_num(float("inf")).max()
                 fail(f"output {key!r} changes when the padding holds {POISONS[name]:g} instead of NaN "

@@ -48,15 +48,28 @@ def _padded_len(case: EngineCase) -> int:
 def _replicated(run: Run) -> bool:
     """Every rank was handed the whole padded row (verl's vision-language path, where the model slices
     after its embedding) rather than its slice."""
-    ids = [mi["input_ids"].detach().cpu() for mi in run.inputs]
-    local = sum(a["input_ids_rmpad_rolled"].reshape(-1).shape[0] for a in run.output_args)
+    ids = [view.input_ids.detach().cpu() for view in run.views]
+    local = sum(_count(view.labels) for view in run.views)
     return len(ids) > 1 and ids[0].shape[-1] == local and all(torch.equal(x, ids[0]) for x in ids[1:])
 
 
 def _rows(run: Run, key: str) -> torch.Tensor:
     """Model input ``key`` over the whole padded row: the ranks' slices joined (or the replicated row)."""
-    parts = [mi[key].detach().cpu() for mi in run.inputs]
+    parts = [getattr(view, key).detach().cpu() for view in run.views]
     return parts[0] if _replicated(run) else torch.cat(parts, dim=-1)
+
+
+def _count(tensor: torch.Tensor | None) -> int:
+    """Tokens a per-token hand-off tensor holds, whatever its shape (-1 when the engine hands none)."""
+    return -1 if not isinstance(tensor, torch.Tensor) else tensor.numel()
+
+
+def _token_temperature(case: EngineCase, rank: int, view) -> torch.Tensor:
+    """The per-token temperature one rank hands its output step, flat on the CPU."""
+    if not isinstance(view.temperature, torch.Tensor):
+        fail(f"sp={case.sp_size} rank {rank}: the hand-off carries temperature {view.temperature!r}, expected one "
+             "per token")
+    return view.temperature.reshape(-1).cpu()
 
 
 def _restarts(tail: torch.Tensor) -> bool:
@@ -71,7 +84,7 @@ def _restarts(tail: torch.Tensor) -> bool:
 
 
 def _input_width_ok(run: Run, width: int, local: int) -> bool:
-    return width == local or (_replicated(run) and width == local * len(run.inputs))
+    return width == local or (_replicated(run) and width == local * len(run.views))
 
 
 def _check_outputs_equal_across_ranks(run: Run) -> None:
@@ -112,15 +125,17 @@ def ranks_global_roll(ctx: Ctx) -> None:
     padded = _padded_len(case)
     want = torch.cat([torch.roll(ids, -1), ids.new_zeros(padded - ids.shape[0])])
     local = padded // case.sp_size
-    for r, args in enumerate(run.output_args):
-        got = args["input_ids_rmpad_rolled"].reshape(-1).cpu()
+    for r, view in enumerate(run.views):
+        if view.labels is None:
+            fail(f"sp={case.sp_size} rank {r}: the engine hands no labels to its output step")
+        got = view.labels.reshape(-1).cpu()
         mine = want[r * local:(r + 1) * local]
         if got.shape != mine.shape or not torch.equal(got, mine):
             edge = [k for k in range(min(len(got), len(mine))) if got[k] != mine[k]]
             fail(f"sp={case.sp_size} rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} (its slice of "
                  f"the global row {ids.tolist()} rolled by one"
                  + (f"; first wrong at local position {edge[0]})" if edge else ")"))
-        labels = run.inputs[r].get("shift_labels")
+        labels = view.model_labels
         if case.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
                                        or not torch.equal(labels[0].cpu(), mine)):
             fail(f"sp={case.sp_size} rank {r}: fused shift_labels "
@@ -138,19 +153,19 @@ def ranks_pad_and_tail(ctx: Ctx) -> None:
     case = ctx.case
     total, padded = case.total_nnz, _padded_len(case)
     pad, local = padded - total, padded // case.sp_size
-    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
-        if int(args.get("pad_size", -1)) != pad:
-            fail(f"sp={case.sp_size} rank {r}: pad_size {args.get('pad_size')!r}, expected {pad} "
+    for r, view in enumerate(run.views):
+        if view.pad_size != pad:
+            fail(f"sp={case.sp_size} rank {r}: pad_size {view.pad_size!r}, expected {pad} "
                  f"(total_nnz={total}, bucket={case.pad_to_length})")
-        rolled = (args["input_ids_rmpad_rolled"].numel(),)  # its shape is the engine's private choice
-        if rolled != (local,) or mi["input_ids"].shape[0] != 1 or \
-                not _input_width_ok(run, mi["input_ids"].shape[-1], local):
-            fail(f"sp={case.sp_size} rank {r}: input_ids {tuple(mi['input_ids'].shape)}, rolled labels {rolled}, "
+        rolled = (_count(view.labels),)
+        if rolled != (local,) or view.input_ids.shape[0] != 1 or \
+                not _input_width_ok(run, view.input_ids.shape[-1], local):
+            fail(f"sp={case.sp_size} rank {r}: input_ids {tuple(view.input_ids.shape)}, rolled labels {rolled}, "
                  f"expected {local} tokens = (total_nnz {total} + pad {pad}) / sp (input_ids may be the whole "
                  "padded row when every rank gets it)")
     ids = _rows(run, "input_ids")[0]
     pos = _rows(run, "position_ids")
-    temps = torch.cat([a["temperature_rmpad"].reshape(-1).cpu() for a in run.output_args])
+    temps = torch.cat([_token_temperature(case, r, view) for r, view in enumerate(run.views)])
     tail_pos = pos[..., 0, total:] if case.mrope else pos[0, total:]
     if ids.shape[0] != padded or not _restarts(tail_pos) or not torch.equal(temps[total:], torch.ones(pad)):
         fail(f"sp={case.sp_size}: packed row of {ids.shape[0]} tokens (expected {padded}), tail positions "
@@ -190,15 +205,15 @@ def ranks_mrope_temperature(ctx: Ctx) -> None:
              f"({pos.shape[0]}, 1, {padded}) starting {pos.tolist()} with a tail from 0")
     want_temp = torch.cat([torch.repeat_interleave(torch.tensor(case.temperatures(), dtype=torch.float32),
                                                    torch.tensor(case.seq_lens)), torch.ones(padded - total)])
-    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
-        got = mi["position_ids"].cpu()
+    for r, view in enumerate(run.views):
+        got = view.position_ids.cpu()
         mine = row if _replicated(run) else row[..., r * local:(r + 1) * local]
         if tuple(got.shape) != tuple(mine.shape) or not torch.equal(got, mine):
             fail(f"sp={case.sp_size} rank {r}: position_ids {tuple(got.shape)} {got.tolist()}, expected "
                  f"{tuple(mine.shape)} {mine.tolist()}")
-        temps = args["temperature_rmpad"].reshape(-1).cpu().float()
-        if not torch.allclose(temps, want_temp[r * local:(r + 1) * local]):
-            fail(f"sp={case.sp_size} rank {r}: temperature_rmpad {temps.tolist()}, expected "
+        temps = _token_temperature(case, r, view).float()
+        if temps.shape[0] != local or not torch.allclose(temps, want_temp[r * local:(r + 1) * local]):
+            fail(f"sp={case.sp_size} rank {r}: per-token temperature {temps.tolist()}, expected "
                  f"{want_temp[r * local:(r + 1) * local].tolist()}")
     for r, outputs in enumerate(run.rank_outputs):
         match_oracle(ctx, "log_probs", outputs["log_probs"], f"at T={list(case.temperatures())} (sp={case.sp_size} "
@@ -226,9 +241,9 @@ def ranks_distillation(ctx: Ctx) -> None:
 
 
 @invariant("INV-RANK-006", "on real ranks each rank's model inputs are (1, n) ids and (1, n) or (4, 1, n) "
-           "positions (n = its n_local slice, or the whole row on every rank), its output_args' per-token tensors "
-           "hold (whatever their private shape) and fused shift_labels have the n_local tokens the model returns, and n_local * sp = total_nnz + "
-           "pad_size on every rank",
+           "positions (n = its n_local slice, or the whole row on every rank), the labels and temperature it hands "
+           "its output step (whatever their private shape) and fused shift_labels have the n_local tokens the model "
+           "returns, and n_local * sp = total_nnz + pad_size on every rank",
            contract=2, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
            protects="what a rank hands the model and what it reads back from the model's output describe the "
                     "same tokens")
@@ -236,27 +251,27 @@ def ranks_shape_contract(ctx: Ctx) -> None:
     run = _real(ctx, inputs_only=True)
     case = ctx.case
     widths = set()
-    for r, (mi, args) in enumerate(zip(run.inputs, run.output_args)):
+    for r, view in enumerate(run.views):
         # the model returns one row per input token, or per token of its slice when every rank is handed
         # the whole row (verl's vision-language path: the model slices after its embedding)
-        width = mi["input_ids"].shape[-1]
+        width = view.input_ids.shape[-1]
         n = width // case.sp_size if _replicated(run) else width
         widths.add(n)
-        shapes = {"input_ids": (tuple(mi["input_ids"].shape), (1, width)),
-                  "position_ids": (tuple(mi["position_ids"].shape), (4, 1, width) if case.mrope else (1, width)),
-                  # the engine's private output_args: only their token count is part of the contract
-                  "output_args['input_ids_rmpad_rolled']": ((args["input_ids_rmpad_rolled"].numel(),), (n,)),
-                  "output_args['temperature_rmpad']": ((args["temperature_rmpad"].numel(),), (n,))}
+        shapes = {"input_ids": (tuple(view.input_ids.shape), (1, width)),
+                  "position_ids": (tuple(view.position_ids.shape), (4, 1, width) if case.mrope else (1, width)),
+                  # the hand-off to the output step: only its token count is part of the contract
+                  "labels": ((_count(view.labels),), (n,)),
+                  "temperature": ((_count(view.temperature),), (n,))}
         if case.use_fused_kernels:
-            labels = mi.get("shift_labels")
+            labels = view.model_labels
             shapes["shift_labels"] = (None if labels is None else tuple(labels.shape), (1, n))
         for key, (got, want) in shapes.items():
             if got != want:
                 fail(f"sp={case.sp_size} rank {r}: {key} has shape {got}, expected {want} (the rank's model "
                      f"input and output hold {n} tokens)")
-        if n * case.sp_size != case.total_nnz + int(args["pad_size"]):
+        if n * case.sp_size != case.total_nnz + view.pad_size:
             fail(f"sp={case.sp_size} rank {r}: {n} tokens x {case.sp_size} ranks != total_nnz {case.total_nnz} + "
-                 f"pad_size {args['pad_size']}")
+                 f"pad_size {view.pad_size}")
     if len(widths) != 1:
         fail(f"sp={case.sp_size}: ranks hold different numbers of tokens {sorted(widths)}")
 
