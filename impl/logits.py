@@ -8,6 +8,7 @@ whatever the logits' dtype.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable
 
 import torch
@@ -132,6 +133,7 @@ def sample_temperature(value: Any, batch_size: int, device: torch.device) -> tor
         temps = value.to(device=device, dtype=torch.float32)
     else:
         raise TemperatureError(f"'temperature' must be a float or a tensor, got {type(value).__name__}")
-    if not bool(torch.isfinite(temps).all() & (temps > 0).all()):
+    lo, hi = torch.stack(temps.aminmax()).tolist()  # NaN propagates into both
+    if not (lo > 0 and hi < math.inf):
         raise TemperatureError(f"'temperature' must be finite and > 0, got {temps.tolist()}")
     return temps
