@@ -112,18 +112,6 @@ class TokenRoute:
         return labels
 
 
-def _scale(rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``rows.float() / temperature[:, None]``: float32 logits divided by their token's temperature.
-
-    bf16/f16 rows are promoted inside the division (type promotion upcasts exactly, then
-    divides in float32: the same bits) instead of being copied to float32 first, which cost
-    one more pass and one more chunk-sized float32 temporary.
-    """
-    if rows.dtype in (torch.bfloat16, torch.float16) and temperature.dtype == torch.float32:
-        return torch.div(rows, temperature.unsqueeze(-1))
-    return rows.float() / temperature.unsqueeze(-1)
-
-
 def _check_vocab(labels: torch.Tensor, vocab: int) -> None:
     lo, hi = torch.stack([labels.min(), labels.max()]).tolist()
     if lo < 0 or hi >= vocab:
@@ -179,10 +167,11 @@ def prepare_model_outputs(output: Any, output_args: Mapping[str, Any], micro_bat
         _check_vocab(labels, logits.shape[-1])
     scaled = None
     if flags.distillation_use_topk:  # the processor takes every scaled row at once
-        scaled = _scale(route.rows_between(logits, 0, route.rows), temperature)
+        scaled = route.rows_between(logits, 0, route.rows).float() / temperature.unsqueeze(-1)
         rows = lambda start, stop: scaled[start:stop]  # noqa: E731
     else:  # chunk by chunk: only chunk-sized float32 temporaries, never a full copy of the logits
-        rows = lambda start, stop: _scale(route.rows_between(logits, start, stop), temperature[start:stop])  # noqa: E731
+        rows = lambda start, stop: (  # noqa: E731
+            route.rows_between(logits, start, stop).float() / temperature[start:stop].unsqueeze(-1))
     stats = token_statistics(
         rows, route.rows, logits.shape[-1], labels,
         entropy=flags.calculate_entropy and not flags.use_fused_kernels,
