@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 
 from .errors import BatchMismatchError, NestedLayoutError, ShapeError
 from .flags import BatchFlags, read_flag
-from .layout import SequenceLayout
+from .layout import SequenceLayout, is_nested
 from .logits import sample_temperature, scalar_temperature
 
 __all__ = ["MicroBatchView", "get_key"]
@@ -56,10 +56,10 @@ class MicroBatchView:
     def position_values(self, micro_batch: TensorDictBase) -> torch.Tensor:
         """Packed positions: ``(total_nnz,)``, or ``(C, total_nnz)`` for mRoPE ``(B, C, j)``."""
         positions = get_key(micro_batch, "position_ids")
-        if isinstance(positions, torch.Tensor) and positions.is_nested and positions.dim() == 3:
-            layout = SequenceLayout.of(positions, "position_ids", ragged_dim=2)
+        if is_nested(positions) and positions.dim() == 3:
+            layout = SequenceLayout.of(positions, "position_ids", ragged_dim=2, like=self.layout)
         else:
-            layout = SequenceLayout.of(positions, "position_ids")
+            layout = SequenceLayout.of(positions, "position_ids", like=self.layout)
             if positions.dim() != 2:
                 raise NestedLayoutError(
                     f"'position_ids' must be (B, j) or (B, C, j), got shape {tuple(positions.shape)}")

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["jagged_to_padded", "padded_to_jagged", "rows_and_positions"]
+__all__ = ["jagged_to_padded", "padded_to_jagged", "rows_and_positions", "repeat_rows"]
 
 
 @lru_cache(maxsize=None)
@@ -27,6 +27,36 @@ def _has_kernel(device_type: str, name: str) -> bool:
     except (NotImplementedError, RuntimeError):
         return False
     return True
+
+
+@lru_cache(maxsize=None)
+def _has_segment_expand(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``_segment_reduce_backward`` (sum) expands per-segment values here, exactly."""
+    op = getattr(torch.ops.aten, "_segment_reduce_backward", None)
+    if op is None:
+        return False
+    try:
+        per_sample = torch.tensor([1.5, -2.0], device=device_type).to(dtype)
+        got = op(per_sample, per_sample, per_sample.new_empty(3), "sum", lengths=torch.tensor([1, 2], device=device_type),
+                 axis=0)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return bool(torch.equal(got.cpu(), torch.tensor([1.5, -2.0, -2.0]).to(dtype)))
+
+
+def repeat_rows(per_sample: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """``(total,)``: ``per_sample[i]`` repeated ``lengths[i]`` times, back to back (1-D ``per_sample``).
+
+    ``torch.repeat_interleave`` builds an int64 index of ``total`` entries and gathers
+    through it (3x the output's bytes, in fresh pages); the backward of a segment sum is
+    the same expansion written straight into the output, so it is used where torch has it
+    for this device and dtype (probed once) and no gradient is wanted.
+    """
+    if (per_sample.dim() == 1 and not per_sample.requires_grad
+            and _has_segment_expand(per_sample.device.type, per_sample.dtype)):
+        return torch.ops.aten._segment_reduce_backward(per_sample, per_sample, per_sample.new_empty(total), "sum",
+                                                       lengths=lengths, axis=0)
+    return torch.repeat_interleave(per_sample, lengths, dim=0, output_size=total)
 
 
 def rows_and_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from tensordict import TensorDictBase
 
 from .errors import FlagTypeError, UnsupportedConfigError
 
-__all__ = ["BatchFlags", "read_flag", "NO_PADDING"]
+__all__ = ["BatchFlags", "read_flag", "unwrap", "NO_PADDING"]
 
 NO_PADDING = "no_padding"
 _KNOWN_PAD_MODES = ("no_padding", "right", "left_right")
@@ -23,9 +23,21 @@ def read_flag(micro_batch: TensorDictBase, key: str, default: Any = None) -> Any
     """The plain Python value stored under ``key``, or ``default`` if absent."""
     if key not in micro_batch.keys():
         return default
-    value = micro_batch.get(key)
-    data = getattr(value, "data", value) if type(value).__name__ == "NonTensorData" else value
-    return data
+    return unwrap(micro_batch.get(key))
+
+
+def unwrap(value: Any) -> Any:
+    """The Python value a ``NonTensorData`` holds (``value`` itself for anything else).
+
+    Reads the stored field directly: the tensorclass attribute ``.data`` costs ~3 us under
+    tensordict 0.10 (seven flags a call add up on small batches).
+    """
+    if type(value).__name__ != "NonTensorData":
+        return value
+    try:
+        return value._non_tensordict["data"]
+    except (AttributeError, KeyError, TypeError):  # another tensordict's layout: the public attribute
+        return value.data
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -80,7 +92,7 @@ class BatchFlags:
         present = set(micro_batch.keys())  # one key listing; absent flags cost nothing
 
         def get(key: str, default: Any) -> Any:
-            return read_flag(micro_batch, key, default) if key in present else default
+            return unwrap(micro_batch.get(key)) if key in present else default
         max_len = get("max_response_len", None)
         if max_len is None:  # verl's spelling
             max_len = get("max_response_length", None)

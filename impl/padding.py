@@ -13,9 +13,10 @@ import warnings
 import torch
 from tensordict import TensorDictBase
 
+from .dense import padded_to_jagged
 from .errors import BatchMismatchError, LayoutWarning, NestedLayoutError, ShapeError
 from .flags import read_flag
-from .layout import SequenceLayout, nested_from_values
+from .layout import SequenceLayout, is_nested, make_jagged, nested_from_values
 
 __all__ = [
     "build_attention_mask_from_nested",
@@ -41,12 +42,12 @@ def response_lengths(data: TensorDictBase, device: torch.device) -> torch.Tensor
     """
     for key in ("responses", "response_mask", "loss_mask"):
         value = data.get(key, None) if key in data.keys() else None
-        if isinstance(value, torch.Tensor) and value.is_nested:
+        if is_nested(value):
             return SequenceLayout.of(value, key).lengths.to(device)
     if "attention_mask" in data.keys():  # a dense batch: the response columns are the last R of the mask
         for key in ("response_mask", "responses"):
             value = data.get(key, None) if key in data.keys() else None
-            if isinstance(value, torch.Tensor) and not value.is_nested:
+            if isinstance(value, torch.Tensor) and not is_nested(value):
                 width = value.shape[-1]
                 return data.get("attention_mask")[:, -width:].sum(-1).to(device=device, dtype=torch.int64)
     raise KeyError("cannot find the response lengths: the micro-batch needs nested 'responses' (or a nested "
@@ -89,7 +90,7 @@ def _response_starts(offsets: torch.Tensor, resp_lens: torch.Tensor, key: str) -
 
 
 def _values_and_offsets(tensor: torch.Tensor, data: TensorDictBase, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(tensor, torch.Tensor) and tensor.is_nested:
+    if is_nested(tensor):
         layout = SequenceLayout.of(tensor, key)
         return layout.values, layout.offsets
     if not isinstance(tensor, torch.Tensor):
@@ -135,16 +136,16 @@ def response_from_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> t
 def response_to_nested(tensor: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """A right-padded ``(B, R, *)`` response tensor as nested ``(B, r_i, *)``."""
     responses = SequenceLayout.of(response_mask, "response_mask")
-    if tensor.is_nested or tensor.dim() < 2 or tensor.shape[0] != responses.batch_size:
+    if is_nested(tensor) or tensor.dim() < 2 or tensor.shape[0] != responses.batch_size:
         raise ShapeError(f"'tensor' must be dense (B={responses.batch_size}, R, *), got "
                          f"{'nested ' if tensor.is_nested else ''}shape {tuple(tensor.shape)}")
     width = tensor.shape[1]
     if responses.max_seq_len > width:
         raise ShapeError(f"'tensor' has {width} response columns (shape {tuple(tensor.shape)}) but the "
                          f"longest response has {responses.max_seq_len} tokens")
-    lengths = responses.lengths.to(tensor.device)
-    rows = torch.arange(responses.batch_size, device=tensor.device)
-    values = _take_runs(tensor.reshape(-1, *tensor.shape[2:]), rows * width, lengths)
+    # torch's dense-to-jagged kernel: only the output is allocated (a split into 2B views, each
+    # a Python object, was faster by ~0.2 ms at B=256 but held ~0.1 MiB more than verl's loop).
+    values = padded_to_jagged(tensor, responses.offsets.to(tensor.device), responses.total_nnz)
     return nested_from_values(values, responses, "tensor")
 
 
@@ -225,7 +226,7 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
     left_right = prompt_ok & ((col_resp == width) | (tail.view(torch.uint8).argmin(1) == col_resp))
 
     responses = data.get("responses") if "responses" in data.keys() else None
-    nested_split = isinstance(responses, torch.Tensor) and responses.is_nested
+    nested_split = is_nested(responses)
     if nested_split:
         resp_layout = SequenceLayout.of(responses, "responses")
         if resp_layout.batch_size != batch:
@@ -236,7 +237,7 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
     prompt_lens = seq_lens - resp_lens
     prompts = data.get("prompts") if "prompts" in data.keys() else None
     prompt_mismatch = resp_lens.new_zeros(())
-    if nested_split and isinstance(prompts, torch.Tensor) and prompts.is_nested:
+    if nested_split and is_nested(prompts):
         nested_prompts = SequenceLayout.of(prompts, "prompts").lengths.to(device)
         if nested_prompts.shape == prompt_lens.shape:
             prompt_mismatch = (nested_prompts != prompt_lens).sum()
@@ -279,7 +280,7 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
         take = lambda flat: flat.index_select(0, index)  # noqa: E731
 
     def nested(flat: torch.Tensor, at: torch.Tensor = offsets, jagged_dim: int = 1) -> torch.Tensor:
-        return torch.nested.nested_tensor_from_jagged(flat, at, jagged_dim=jagged_dim)
+        return make_jagged(flat, at, jagged_dim)
 
     out = data.copy()
     out.set("input_ids", nested(take(input_ids.reshape(-1))))
@@ -295,7 +296,7 @@ def left_right_2_no_padding(data: TensorDictBase, *, strict: bool = False) -> Te
     out.set("loss_mask", loss_mask)
     for key in _PER_TOKEN_KEYS:
         value = data.get(key) if key in data.keys() else None
-        if not isinstance(value, torch.Tensor) or value.is_nested:
+        if not isinstance(value, torch.Tensor) or is_nested(value):
             continue
         if value.dim() < 2 or value.shape[:2] != (batch, seq):
             raise BatchMismatchError(f"{key!r} has shape {tuple(value.shape)}, expected ({batch}, {seq}, *)")

@@ -128,7 +128,7 @@ def test_token_statistics_above_two_to_the_twenty_vocab() -> None:
         return logits[start:stop]
 
     out = token_statistics(rows, total, vocab, labels, entropy=True, sum_pi_squared=True)
-    assert calls == [(0, 1), (1, 2), (2, 3)]  # 4 MiB chunks hold less than one row: one row each
+    assert calls == [(0, 1), (1, 2), (2, 3)]  # 1 MiB chunks hold less than one row: one row each
     lsm = torch.log_softmax(logits.double(), dim=-1)
     p = lsm.exp()
     assert torch.allclose(out["log_probs"].double(), lsm.gather(1, labels.unsqueeze(1)).squeeze(1), atol=1e-5)

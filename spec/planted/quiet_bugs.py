@@ -140,7 +140,7 @@ class LastPartialChunkUntempered(_OutputBug):
     keys = ("log_probs", "entropy", "sum_pi_squared")
 
     def redo(self, logits, temps, labels):
-        size = self.settings.entropy_chunk_size or max(1, (4 << 20) // (4 * logits.shape[-1]))
+        size = self.settings.entropy_chunk_size or max(1, impl.logits.CHUNK_BYTES // (4 * logits.shape[-1]))
         total = logits.shape[0]
         tail = total % size
         if total <= size or not tail:
