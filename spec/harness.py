@@ -175,6 +175,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         (lambda eng=eng, r=r: eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor))
         for r, eng in enumerate(engines)
     ]
-    run.rank_outputs = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    run.rank_outputs = [engine.view_outputs(outputs).per_sequence for outputs in raw]
     run.outputs = run.rank_outputs[0]
     return run

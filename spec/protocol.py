@@ -224,6 +224,9 @@ class EngineUnderTest:
         return verl_fsdp_view(model_inputs, output_args)
 
     def view_outputs(self, outputs: Mapping[str, torch.Tensor]) -> OutputsView:
+        """The normalized view of one rank's ``prepare_model_outputs`` result: the contract's keys
+        (``log_probs``, ``entropy``, ...), each nested over the full sequences. The default takes the dict as
+        it is (verl's convention); an engine returning another shape or other names maps it here."""
         return OutputsView(dict(outputs))
 
     def __repr__(self) -> str:

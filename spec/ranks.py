@@ -304,7 +304,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     run.model_outputs = [SimpleNamespace(**to_dev(b["model_output"])) for b in ordered]
     run.model_output_snapshots = [to_dev(b["model_output_snapshot"]) for b in ordered]
     run.output_args_snapshots = [to_dev(b["output_args_snapshot"]) for b in ordered]
-    run.rank_outputs = [to_dev(b["outputs"]) for b in ordered]
+    run.rank_outputs = [engine.view_outputs(to_dev(b["outputs"])).per_sequence for b in ordered]
     run.outputs = run.rank_outputs[0]
     run.micro_batch = on_device(ordered[0]["micro_batch"], device)
     return run

@@ -172,3 +172,43 @@ def test_the_inheriting_engines_run_the_preparation_checked_here() -> None:
     for child, parent, methods in pairs:
         for method in methods:
             assert getattr(child, method) is getattr(parent, method), f"{child.__name__}.{method} is its own"
+
+
+class _RenamedOutputs:
+    """impl's engine object, returning ``logprobs`` where the contract says ``log_probs``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def prepare_model_inputs(self, micro_batch):
+        return self.inner.prepare_model_inputs(micro_batch)
+
+    def prepare_model_outputs(self, *args, **kwargs):
+        out = self.inner.prepare_model_outputs(*args, **kwargs)
+        return {("logprobs" if k == "log_probs" else k): v for k, v in out.items()}
+
+
+class _Renaming(EngineUnderTest):
+    name = "renaming"
+
+    def make(self, head="lm", **settings):
+        return _RenamedOutputs(load_engine("impl").make(head, **settings))
+
+
+class _RenamingMapped(_Renaming):
+    name = "renaming-mapped"
+
+    def view_outputs(self, outputs):
+        from spec.protocol import OutputsView
+        return OutputsView({("log_probs" if k == "logprobs" else k): v for k, v in outputs.items()})
+
+
+def test_invariants_read_outputs_through_the_engines_view() -> None:
+    """An engine with its own output names fails the catalogue until its adapter maps them in view_outputs."""
+    info = CATALOGUE["INV-VAL-001"]
+    unmapped = run_invariant(info, _Renaming(), "packed", profile="dev", max_examples=5)
+    assert unmapped.status != "pass" and "log_probs" in (unmapped.error or ""), unmapped.error
+    keys = run_invariant(CATALOGUE["INV-KEYS-001"], _Renaming(), "packed", profile="dev", max_examples=5)
+    assert keys.status == "fail" and "logprobs" in keys.error, keys.error  # the key-set check names it
+    outcome = run_invariant(info, _RenamingMapped(), "packed", profile="dev", max_examples=5)
+    assert outcome.status == "pass", outcome.error

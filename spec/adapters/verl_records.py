@@ -9,7 +9,8 @@ from __future__ import annotations
 from ..known import ALWAYS, KnownFailure, When
 from ..verl_engine import CANCELLATION, KNOWN_BUGS, MASK_INVARIANTS
 
-__all__ = ["flag_types", "entropy_cancellation", "loss_mask_attention", "PER_SAMPLE_ON_VOCAB", "UNCLAMPED"]
+__all__ = ["flag_types", "entropy_cancellation", "loss_mask_attention", "PER_SAMPLE_ON_VOCAB", "UNCLAMPED",
+           "MASK_VISIBLE", "VALUE_MISMATCH"]
 
 #: a value of an output differs from the oracle's (or the other run's) beyond the tolerance
 VALUE_MISMATCH = r"'\w+' of sequence \d+.*: at \(\d+(, \d+)*,?\) got .* expected .* \(\|diff\|"
