@@ -166,16 +166,27 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     # ``body``'s source is hypothesis's example-database key and, derandomized, the seed of every drawn case:
     # keep it byte for byte. The bookkeeping of which examples passed under a record's condition hooks in
     # through the two names it calls, ``Ctx`` and ``matching``, bound here.
-    contexts: list = []
-    failed: set[int] = set()
+    #: per record, examples that passed (and exercised the property) although its condition held: evidence
+    #: that the failure is gone
+    passed_under = [0] * len(records)
+    current: list = []  # [context, failed] of the running example, settled when the next starts or the run ends
+
+    def settle() -> None:
+        """Count the finished example; its context (and the run it cached) is dropped here."""
+        if current:
+            ctx, failed = current.pop()
+            if not failed and ctx.vacuous is None:
+                for i, record in enumerate(records):
+                    passed_under[i] += bool(record.when(ctx.case))
 
     def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
+        settle()
         ctx = CheckContext(*args)
-        contexts.append(ctx)
+        current.append([ctx, False])
         return ctx
 
     def matching(candidates, case, exc):
-        failed.add(id(case))
+        current[-1][1] = True  # every exception of a check passes through here
         return match_record(candidates, case, exc)
 
     def body(case):
@@ -231,10 +242,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     outcome.exercised = state["exercised"]
     outcome.distinct_cases = len(state["cases"])
     outcome.known_hits = sum(hits)
-    # per record, examples that passed (and exercised the property) although its condition held: evidence
-    # that the failure is gone
-    passed = [c.case for c in contexts if id(c.case) not in failed and c.vacuous is None]
-    passed_under = [sum(1 for case in passed if record.when(case)) for record in records]
+    settle()
     outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
                       "reason": r.reason}
                      for r, h, p in zip(records, hits, passed_under)]
