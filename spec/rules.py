@@ -53,6 +53,13 @@ def distinct_temperatures(case: "EngineCase") -> "EngineCase":
     return case.with_(temperature=tuple(base * (1.0 + 0.25 * i) for i in range(case.batch_size)))
 
 
+def token_temperatures(case: "EngineCase") -> torch.Tensor:
+    """``(total_nnz,)`` float32: each sample's temperature repeated over its tokens (what the packed
+    hand-off carries, before any tail padding)."""
+    return torch.repeat_interleave(torch.tensor(case.temperatures(), dtype=torch.float32),
+                                   torch.tensor(case.seq_lens))
+
+
 def padded_length(total: int, bucket: int | None, sp_size: int) -> int:
     """The packed row's length after the static bucket (rounded up) and then the sequence-parallel pad."""
     padded = total if not bucket else -(-total // bucket) * bucket

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cases import TEMPERATURE_FLOOR
-from ..rules import distinct_temperatures, full_length_mask, offsets, padded_length
+from ..rules import distinct_temperatures, full_length_mask, offsets, padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)
@@ -269,8 +269,7 @@ def labels_shard_edges(ctx: Ctx) -> None:
            needs=("temperature_handoff",), adjust=lambda c: distinct_temperatures(c))
 def temperature_rmpad(ctx: Ctx) -> None:
     got = _token_temperatures(ctx)[: ctx.case.total_nnz]
-    want = torch.repeat_interleave(torch.tensor(ctx.case.temperatures(), dtype=torch.float32),
-                                   torch.tensor(ctx.case.seq_lens))
+    want = token_temperatures(ctx.case)
     if not torch.allclose(got.float(), want):
         fail(f"per-token temperature {got.tolist()}, expected {want.tolist()}")
 
@@ -316,7 +315,7 @@ def fused_return_dict(ctx: Ctx) -> None:
 def padded_temperature(ctx: Ctx) -> None:
     got = ctx.inputs_run.views[0].temperature
     per_sample = torch.tensor(ctx.case.temperatures(), dtype=torch.float32)
-    per_token = torch.repeat_interleave(per_sample, torch.tensor(ctx.case.seq_lens))
+    per_token = token_temperatures(ctx.case)
     if isinstance(got, torch.Tensor):
         flat = got.detach().cpu().float()
         for want in (per_sample, per_token):

@@ -14,6 +14,7 @@ import torch
 from ..cases import EngineCase
 from ..harness import Run
 from ..ranks import execute as execute_on_ranks
+from ..rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
 
 PACKED = ("packed",)
@@ -40,9 +41,7 @@ def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
 
 
 def _padded_len(case: EngineCase) -> int:
-    total = case.total_nnz
-    bucketed = total if not case.pad_to_length else -(-total // case.pad_to_length) * case.pad_to_length
-    return -(-bucketed // case.sp_size) * case.sp_size
+    return padded_length(case.total_nnz, case.pad_to_length, case.sp_size)
 
 
 def _replicated(run: Run) -> bool:
@@ -203,8 +202,7 @@ def ranks_mrope_temperature(ctx: Ctx) -> None:
             or not _restarts(row[:, 0, total:]):
         fail(f"sp={case.sp_size}: the ranks' position_ids make {tuple(row.shape)} {row.tolist()}, expected "
              f"({pos.shape[0]}, 1, {padded}) starting {pos.tolist()} with a tail from 0")
-    want_temp = torch.cat([torch.repeat_interleave(torch.tensor(case.temperatures(), dtype=torch.float32),
-                                                   torch.tensor(case.seq_lens)), torch.ones(padded - total)])
+    want_temp = torch.cat([token_temperatures(case), torch.ones(padded - total)])
     for r, view in enumerate(run.views):
         got = view.position_ids.cpu()
         mine = row if _replicated(run) else row[..., r * local:(r + 1) * local]
