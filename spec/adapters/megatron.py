@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -34,7 +33,7 @@ import torch
 from ..known import KnownFailure, When
 from ..megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
 from ..protocol import EngineUnderTest, Feature, ShardLayout
-from .stubs import StubReport, import_with_stubs
+from .stubs import import_verl_module
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 
@@ -154,14 +153,7 @@ class MegatronEngine(EngineUnderTest):
                           ("INV-MEG-003", "positions"), ("INV-MEG-004", "labels")))
 
     def __init__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                import verl
-            except ImportError as exc:
-                raise ImportError(f"--engine verl-megatron needs verl installed (pip install verl): {exc}") from exc
-            self.stubs: StubReport = import_with_stubs(MODULE, ("megatron",))
-        self.version = str(getattr(verl, "__version__", "?"))
+        self.version, self.stubs = import_verl_module(self.name, MODULE, ("megatron",))
         self.packer = VerlMegatronPacker(self.stubs.module)
         # contiguous CP needs megatron-core's PackedSeqParams.cp_partition_mode (verl raises without it)
         if not getattr(self.stubs.module, "_PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE", True):

@@ -9,13 +9,12 @@ a thin engine object; nothing of verl's code is copied and verl is not patched.
 from __future__ import annotations
 
 import inspect
-import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..known import KnownFailure
 from ..protocol import EngineUnderTest, Feature
-from .stubs import StubReport, import_with_stubs
+from .stubs import import_verl_module
 
 __all__ = ["NativeVerlEngine"]
 
@@ -40,17 +39,9 @@ class NativeVerlEngine(EngineUnderTest):
     }
 
     def __init__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                import verl  # noqa: F401 - the adapter needs verl; say so plainly
-            except ImportError as exc:
-                raise ImportError(f"--engine {self.name} needs verl installed (pip install verl): {exc}") from exc
-            self.stubs: StubReport = import_with_stubs(self.module, self.packages, self.records)
-        import verl
+        self.version, self.stubs = import_verl_module(self.name, self.module, self.packages, self.records)
         from verl.utils import torch_functional as verl_F
 
-        self.version = str(getattr(verl, "__version__", "?"))
         self._verl_F = verl_F
         self.cls = getattr(self.stubs.module, self.lm_class)
         self.outputs_params = tuple(inspect.signature(self.cls.prepare_model_outputs).parameters)

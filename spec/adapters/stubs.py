@@ -15,10 +15,11 @@ import importlib.util
 import os
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from unittest import mock
 
-__all__ = ["StubReport", "import_with_stubs", "module_level_imports"]
+__all__ = ["StubReport", "import_with_stubs", "import_verl_module", "module_level_imports"]
 
 
 @dataclass
@@ -104,3 +105,18 @@ def import_with_stubs(module_name: str, packages: tuple[str, ...],
                        if isinstance(sys.modules.get(n), mock.MagicMock)]
         report_real = [n for n in module_level_imports(module_name, packages) if n not in report_stub]
     return StubReport(importlib.import_module(module_name), report_real, report_stub)
+
+
+def import_verl_module(engine: str, module_name: str, packages: tuple[str, ...],
+                       records: dict[str, dict[str, object]] | None = None) -> tuple[str, StubReport]:
+    """verl's version and :func:`import_with_stubs` of one of its modules, for the adapter ``engine``: an
+    ImportError that says the adapter needs verl when verl is absent; verl's import-time warnings (its engine
+    registry warns about every optional backend) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            verl = importlib.import_module("verl")
+        except ImportError as exc:
+            raise ImportError(f"--engine {engine} needs verl installed (pip install verl): {exc}") from exc
+        report = import_with_stubs(module_name, packages, records)
+    return str(getattr(verl, "__version__", "?")), report

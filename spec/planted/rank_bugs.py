@@ -16,18 +16,13 @@ from impl.flags import read_flag
 from impl.inputs import prepare_model_inputs
 from impl.outputs import prepare_model_outputs
 
+from .inputs_bugs import ShardRoll
 
-class RollAfterSlice(impl.LMHeadEngine):
+
+class RollAfterSlice(ShardRoll):
     """Labels are rolled after slicing: each rank rolls its own shard (ids and fused shift_labels), so the
-    label of a shard's last token wraps to the shard's first instead of the next rank's first."""
-
-    def prepare_model_inputs(self, mb):
-        mi, oa = super().prepare_model_inputs(mb)
-        if self.settings.sp_size > 1 and "pad_size" in oa:
-            oa["input_ids_rmpad_rolled"] = torch.roll(mi["input_ids"][0], -1)
-            if "shift_labels" in mi:
-                mi["shift_labels"] = oa["input_ids_rmpad_rolled"].unsqueeze(0)
-        return mi, oa
+    label of a shard's last token wraps to the shard's first instead of the next rank's first. The same
+    mistake as ``shard_roll`` (one implementation), planted again to be rejected on real ranks."""
 
 
 def _total(mb) -> int:
