@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from spec.engines import ENGINES, builtin_engine_names, load_engine
 from spec.harness import execute
 from spec.cases import EngineCase
 from spec.invariants import CATALOGUE
+from spec.known import KnownFailure
 from spec.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
-from spec.protocol import Capabilities, EngineUnderTest, Feature, InputsView, ShardLayout
+from spec.protocol import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
 from spec.runner import run_invariant
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
@@ -137,10 +139,6 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
 def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str, page: str) -> None:
     """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
     condition, an exception type and a message pattern, and a mention in its docs/engines page."""
-    from pathlib import Path
-
-    from spec.known import KnownFailure
-
     obj = getattr(importlib.import_module(module), attr)
     records = obj.KNOWN if isinstance(obj, type) else obj
     doc = (Path(__file__).resolve().parents[1] / "docs" / "engines" / f"{page}.md").read_text()
@@ -199,7 +197,6 @@ class _RenamingMapped(_Renaming):
     name = "renaming-mapped"
 
     def view_outputs(self, outputs):
-        from spec.protocol import OutputsView
         return OutputsView({("log_probs" if k == "logprobs" else k): v for k, v in outputs.items()})
 
 

@@ -66,7 +66,7 @@ class AutomodelEngine(NativeVerlEngine):
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
-    #: docs/engines/verl-automodel.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
+    #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:

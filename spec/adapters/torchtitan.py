@@ -106,7 +106,7 @@ class TorchTitanEngine(NativeVerlEngine):
                    "Config": type("Config", (), {})})}}
     sp_reason = ("context parallelism goes through torchtitan's prepare_context_parallel_input and a device "
                  "mesh, not run here")
-    #: docs/engines/verl-torchtitan.md classifies each (keys: ``ID`` or ``ID/mode``, today's format)
+    #: precise records (KNOWN_RECORDS above); docs/engines/verl-torchtitan.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
     LIMITS = {**NativeVerlEngine.LIMITS,
               # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that
