@@ -146,19 +146,28 @@ def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> li
 
 
 def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
-            micro_batch: TensorDict | None = None, stop_after_inputs: bool = False) -> Run:
+            micro_batch: TensorDict | None = None, stop_after_inputs: bool = False,
+            reuse: list[Any] | None = None) -> Run:
     """Run ``case`` through ``engine``; exceptions from the engine propagate.
 
     An engine whose sequence parallelism needs a real process group (verl's Ulysses path) names
-    a ``sp_runner`` (:func:`spec.ranks.execute`): its ``sp > 1`` cases run on real ranks."""
+    a ``sp_runner`` (:func:`spec.ranks.execute`): its ``sp > 1`` cases run on real ranks.
+
+    ``reuse``: engine objects kept across calls, as a trainer keeps its engine. An empty list is
+    filled with the engine objects this call builds (one per rank); a filled one is used as is."""
     sp_runner = getattr(engine, "sp_runner", None)
+    if reuse is not None and (case.sp_size > 1 or len(reuse) not in (0, case.sp_size)):
+        raise ValueError(f"reuse holds {len(reuse)} engine objects for a case on {case.sp_size} rank(s); "
+                         "engine objects are reused on one rank only")
     if case.sp_size > 1 and sp_runner is not None:
         return sp_runner(engine, case, device, poison=poison, micro_batch=micro_batch,
                          stop_after_inputs=stop_after_inputs)
     mb = materialize(case, device) if micro_batch is None else micro_batch
     run = Run(case, device, mb, mb.clone(), model_for(case, device))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
-    engines = [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
+    engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
+    if reuse is not None and not reuse:
+        reuse.extend(engines)
     for eng in engines:
         model_inputs, output_args = eng.prepare_model_inputs(mb)
         run.inputs.append(model_inputs)

@@ -29,7 +29,7 @@ FUSED_PADDED = ("padded fused kernels return dense response slices output.log_pr
 NO_SHIFT_LABELS = ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without sequence "
                    "parallelism, which this engine does not offer); contract difference")
 NO_HOST_CU = ("no cu_seqlens_cpu beside cu_seqlens (TransformerEngine takes max_seqlen instead); layout difference")
-FUSED_PADDED_LABELS = ("INV-BATCH-001", "INV-BATCH-002", "INV-CHUNK-001", "INV-LAYOUT-001", "INV-LEAK-001",
+FUSED_PADDED_LABELS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-CHUNK-001", "INV-LAYOUT-001", "INV-LEAK-001",
                        "INV-LEAK-002", *sorted(MASK_INVARIANTS))
 FUSED = When("fused kernels", lambda case: case.use_fused_kernels)
 

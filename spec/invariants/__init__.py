@@ -9,6 +9,7 @@ from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
 from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
 from . import ranks  # noqa: F401 - the real-rank checks (spec/ranks.py)
 from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (issue 10: mutation survivors)
+from . import state  # noqa: F401 - an engine object kept across micro-batches
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

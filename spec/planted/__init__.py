@@ -22,6 +22,7 @@ from . import outputs_bugs as O
 from . import quiet_bugs as Q
 from . import rank_bugs as R
 from . import settings_bugs as S
+from . import state_bugs as T
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -176,6 +177,13 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("slice_through_float", ("INV-DTYPE-001",), helpers=(("no_padding_2_padding", S.slice_through_float),)),
     PlantedBug("dense_lengths_from_mask_sum", ("INV-RESP-001",),
                helpers=(("no_padding_2_padding", S.dense_lengths_from_mask_sum),)),
+    # an engine object kept across micro-batches (spec/invariants/state.py)
+    PlantedBug("mask_cached_by_shape", ("INV-BATCH-003",), lm=T.MaskCachedByShape,
+               quiet="a micro-batch of the same (B, L) with other lengths before, through the same engine object"),
+    PlantedBug("log_probs_in_reused_buffer", ("INV-MUT-005",), lm=T.LogProbsInReusedBuffer,
+               quiet="a later micro-batch through the same engine object"),
+    PlantedBug("entropy_flag_read_once", ("INV-BATCH-003",), lm=T.EntropyFlagReadOnce,
+               quiet="an earlier micro-batch with the other calculate_entropy, through the same engine object"),
 )}
 
 

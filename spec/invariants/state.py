@@ -1,0 +1,138 @@
+"""Invariants of an engine object kept across micro-batches, as a trainer keeps it: what a call returns
+must not depend on the calls before it, and must not change what they returned.
+
+Every other invariant builds a fresh engine object per run, so a cache keyed on a shape, a flag
+read once, or an output buffer reused between calls never shows there. Here one engine object
+first prepares a *sibling* micro-batch (:func:`sibling`: the same ``(B, L)`` with other rows, other
+tokens, logits and temperatures, entropy asked the other way round), then the drawn case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from ..cases import EngineCase
+from ..harness import Run, execute
+from .core import Ctx, fail, invariant, match_runs
+
+__all__ = ["sibling"]
+
+
+def _other_rows(case: EngineCase) -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
+    """Prompt and response lengths for the same ``(B, L)`` in another arrangement, and the row order used."""
+    b = case.batch_size
+    for order in (list(range(b))[::-1], list(range(1, b)) + [0]):
+        prompts, responses = (tuple(case.prompt_lens[i] for i in order),
+                              tuple(case.response_lens[i] for i in order))
+        if (prompts, responses) != (case.prompt_lens, case.response_lens):
+            return prompts, responses, order
+    # every row alike: the rows after the first give up a token where they have one to spare
+    prompts, responses = list(case.prompt_lens), list(case.response_lens)
+    for i in range(1, b):
+        if responses[i] > 1:
+            responses[i] -= 1
+        elif prompts[i] > 1:
+            prompts[i] -= 1
+    return tuple(prompts), tuple(responses), list(range(b))
+
+
+def sibling(case: EngineCase) -> EngineCase:
+    """The micro-batch a reused engine object prepares before ``case``: the same ``(B, L)`` (the rows reordered,
+    or shortened when they are all alike), other tokens and logits (the next seed), other temperatures and
+    entropy asked the other way round."""
+    prompts, responses, order = _other_rows(case)
+    if isinstance(case.temperature, tuple):
+        temperature: float | tuple[float, ...] = tuple(case.temperature[i] for i in order)
+        if temperature == case.temperature:
+            temperature = tuple(0.7 * t for t in case.temperature)
+    else:
+        temperature = 0.7 if case.temperature == 1.0 else 1.0
+    return case.with_(prompt_lens=prompts, response_lens=responses, temperature=temperature,
+                      calculate_entropy=not case.calculate_entropy, seed=int(case.seed) + 1)
+
+
+def _one_rank(case: EngineCase) -> EngineCase:
+    """One rank (engine objects are reused per rank) and two samples or more (rows to rearrange)."""
+    if case.batch_size == 1:
+        case = case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2,
+                          temperature=case.temperature * 2 if isinstance(case.temperature, tuple) else case.temperature)
+    return case.with_(sp_size=1)
+
+
+def _held(value: Any) -> Any:
+    """A copy of what a trainer holds from a call (tensors, nested tensors, views' fields)."""
+    if isinstance(value, torch.Tensor):
+        return (value.values().clone(), value.offsets().clone()) if value.is_nested else value.clone()
+    if isinstance(value, dict):
+        return {k: _held(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_held(v) for v in value)
+    return value
+
+
+def _changed(now: Any, before: Any) -> bool:
+    if isinstance(now, torch.Tensor):
+        now = (now.values(), now.offsets()) if now.is_nested else now
+        if isinstance(now, tuple):
+            return _changed(now, before)
+        return not (isinstance(before, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
+                    and torch.equal(now.nan_to_num(1.0) if now.is_floating_point() else now,
+                                    before.nan_to_num(1.0) if before.is_floating_point() else before))
+    if isinstance(now, dict):
+        return set(now) != set(before) or any(_changed(now[k], before[k]) for k in now)
+    if isinstance(now, (list, tuple)):
+        return len(now) != len(before) or any(_changed(a, b) for a, b in zip(now, before))
+    return now != before
+
+
+def _view_fields(run: Run) -> dict[str, Any]:
+    """The normalized hand-off of the run's one rank (``extra``, an engine's own objects, left out)."""
+    view = run.views[0]
+    return {f.name: getattr(view, f.name) for f in fields(view) if f.name != "extra"}
+
+
+def _after_sibling(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
+    """The sibling's run, a copy of what it returned, and the case's run, through one engine object."""
+    engines: list[Any] = []
+    first = execute(ctx.engine, sibling(ctx.case), ctx.device, reuse=engines)
+    held = {"outputs": _held(first.outputs), "inputs": _held(_view_fields(first))}
+    second = execute(ctx.engine, ctx.case, ctx.device, reuse=engines)
+    return first, held, second
+
+
+@invariant("INV-BATCH-003", "an engine object reused across micro-batches hands the model and returns exactly what "
+           "a fresh one does", contract=8,
+           protects="a micro-batch's inputs and outputs do not depend on the micro-batches the engine saw before",
+           adjust=_one_rank)
+def reused_engine_is_fresh(ctx: Ctx) -> None:
+    _, _, second = _after_sibling(ctx)
+    fresh, reused = _view_fields(ctx.run), _view_fields(second)
+    for name, want in fresh.items():
+        if _changed(reused[name], _held(want)):
+            fail(f"model hand-off {name!r} after another micro-batch through the same engine object differs from a "
+                 "fresh engine's (a cache or a value kept from the earlier call)")
+    if set(second.outputs) != set(ctx.run.outputs):
+        fail(f"output keys after another micro-batch through the same engine object {sorted(second.outputs)}, a fresh "
+             f"engine's {sorted(ctx.run.outputs)}")
+    match_runs(ctx, second.outputs, ctx.run.outputs, "after another micro-batch through the same engine object "
+               "vs a fresh engine")
+
+
+@invariant("INV-MUT-005", "a later micro-batch through the same engine object leaves what an earlier call returned "
+           "unchanged", contract=10,
+           protects="outputs and model inputs the trainer holds stay valid after the engine's next call",
+           adjust=_one_rank)
+def earlier_results_kept(ctx: Ctx) -> None:
+    first, held, _ = _after_sibling(ctx)
+    for key in sorted(set(first.outputs) | set(held["outputs"])):
+        if key not in first.outputs or key not in held["outputs"] or _changed(first.outputs[key],
+                                                                               held["outputs"][key]):
+            fail(f"output {key!r} of the earlier micro-batch changed when the same engine object prepared the next "
+                 "one (an output buffer reused across calls)")
+    for name, before in held["inputs"].items():
+        if _changed(_view_fields(first)[name], before):
+            fail(f"model hand-off {name!r} of the earlier micro-batch changed when the same engine object prepared "
+                 "the next one (an input buffer reused across calls)")
