@@ -119,6 +119,12 @@ class EngineCase:
     def mode(self) -> str:
         return "packed" if self.use_remove_padding else "padded"
 
+    @property
+    def split_view(self) -> bool:
+        """One case in three (by its seed) hands its nested tensors as views into a bigger buffer, as a micro-batch
+        split or sliced from a trainer's mini-batch arrives (``spec.materialize``); printed as ``split``."""
+        return int(self.seed) % 3 == 2
+
     def with_(self, **changes: object) -> "EngineCase":
         return replace(self, **changes)
 
@@ -161,6 +167,8 @@ class EngineCase:
             parts.append(f"chunk={self.entropy_chunk_size}")
         if self.head != "lm":
             parts.append(f"head={self.head}")
+        if self.split_view:
+            parts.append("split")
         parts.append(f"seed={self.seed}")
         return "EngineCase(" + " ".join(parts) + ")"
 

@@ -43,8 +43,22 @@ def mrope_positions(positions: torch.Tensor) -> torch.Tensor:
     return positions.unsqueeze(0) + torch.arange(MROPE_AXES, device=positions.device).unsqueeze(1)
 
 
+def _as_split_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The same nested tensor over a view into a buffer that holds other tokens before it, as
+    ``TensorDict.split`` / slicing of a trainer's mini-batch hands a micro-batch: the values start at a storage
+    offset (and, ragged on a later dim, are not contiguous); the offsets still start at 0."""
+    ragged = getattr(tensor, "_ragged_idx", 1)
+    values, axis = tensor.values(), ragged - 1
+    buffer = torch.cat([values.flip(axis), values], dim=axis)  # the tokens before it: real-looking, all wrong
+    view = buffer.narrow(axis, values.shape[axis], values.shape[axis])
+    return torch.nested.nested_tensor_from_jagged(view, tensor.offsets(), jagged_dim=ragged)
+
+
 def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorDict:
-    """The micro-batch of ``case``: nested tensors, temperature and flags."""
+    """The micro-batch of ``case``: nested tensors, temperature and flags.
+
+    When ``case.split_view``, every nested tensor's values are a view into a bigger buffer
+    (see :func:`_as_split_view`); the values themselves are the same."""
     gen = torch.Generator().manual_seed(case.seed)
     lens = case.seq_lens
     ids = torch.randint(0, case.vocab, (case.total_nnz,), generator=gen)
@@ -70,6 +84,8 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
         teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
         data["teacher_ids"] = jagged(teacher_ids, lens)
         data["teacher_logprobs"] = jagged(teacher_lp, lens)
+    if case.split_view:
+        data = {key: _as_split_view(value) if value.is_nested else value for key, value in data.items()}
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))

@@ -140,6 +140,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("positions_clamped_at_2048", ("INV-POS-002", "INV-POS-001", "INV-VAL-001"),
                lm=Q.PositionsClampedAt2048, quiet="sequences over 2,048 tokens"),
     PlantedBug("roll_in_2048_chunks", ("INV-LABEL-001",), lm=Q.RollIn2048Chunks, quiet="total_nnz > 2,048"),
+    PlantedBug("labels_from_storage_start", ("INV-LABEL-001",), lm=Q.LabelsFromStorageStart,
+               quiet="a micro-batch split from a mini-batch (values at a storage offset)"),
     PlantedBug("temperature_table_of_eight", ("INV-TEMP-001",), lm=Q.TemperatureTableOfEight,
                quiet="B > 8"),
     PlantedBug("left_right_valid_by_pad_id", ("INV-DENSE-001",),

@@ -20,7 +20,7 @@ from impl.flags import read_flag
 __all__ = [
     "LogSoftmaxInLogitsDtype", "EntropyLogsumexpMinusSum", "TemperatureClampMissing", "TemperatureInLogitsDtype",
     "LabelsMaskedAtPadId", "PaddedMaskFromPadId", "LabelIdsAsUint16", "PositionsClampedAt2048",
-    "RollIn2048Chunks", "TemperatureTableOfEight", "LastPartialChunkUntempered", "InplaceDivFloat32Logits",
+    "RollIn2048Chunks", "LabelsFromStorageStart", "TemperatureTableOfEight", "LastPartialChunkUntempered", "InplaceDivFloat32Logits",
     "ScaleBeforeUpcast", "left_right_valid_by_pad_id", "left_right_prompts_left_aligned",
     "left_right_response_len_from_mask_sum", "left_right_routed_experts_unmasked",
 ]
@@ -222,6 +222,22 @@ class RollIn2048Chunks(impl.LMHeadEngine):
             oa["input_ids_rmpad_rolled"] = labels
             if "shift_labels" in mi:
                 mi["shift_labels"] = labels[: mi["shift_labels"].shape[-1]].unsqueeze(0)
+        return mi, oa
+
+
+class LabelsFromStorageStart(impl.LMHeadEngine):
+    """Rolled labels are a zero-copy shift, ``torch.as_strided(values, (n - 1,), (1,), 1)`` then the first id: the
+    storage offset 1 is absolute, so a micro-batch split from a mini-batch (values a view at a storage offset)
+    reads the tokens stored before it."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        ids = mb["input_ids"].values()
+        if self.settings.sp_size == 1 and self.settings.pad_to_length is None and ids.shape[0] > 1:
+            labels = torch.cat([torch.as_strided(ids, (ids.shape[0] - 1,), (1,), 1), ids[:1]])
+            oa["input_ids_rmpad_rolled"] = labels.to(oa["input_ids_rmpad_rolled"].dtype)
+            if "shift_labels" in mi:
+                mi["shift_labels"] = oa["input_ids_rmpad_rolled"].unsqueeze(0)
         return mi, oa
 
 
