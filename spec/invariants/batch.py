@@ -10,29 +10,17 @@ from ..attribution import expect_engine_error
 from ..harness import execute
 from ..materialize import PadMode, materialize, select_rows
 from ..rules import distinct_temperatures
-from .core import Ctx, fail, invariant, match_runs
+from .core import Ctx, fail, invariant, match_runs, same
 from .inputs import _bucketed
 
 PACKED = ("packed",)
 
 
-def _tensor_items(td: TensorDict) -> dict[str, object]:
-    out = {}
-    for key in td.keys():
-        value = td.get(key)
-        if isinstance(value, torch.Tensor):
-            out[key] = ("nested", value.values().clone(), value.offsets().clone()) if value.is_nested else value
-        else:
-            out[key] = getattr(value, "data", value)
-    return out
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
+def _items(td: TensorDict) -> dict[str, object]:
+    """A micro-batch's entries: tensors as they are, flags by their value."""
+    items = {key: td.get(key) for key in td.keys()}
+    return {key: value if isinstance(value, torch.Tensor) else getattr(value, "data", value)
+            for key, value in items.items()}
 
 
 @invariant("INV-SP-001", "sequence-parallel size 2, 3 or 4 changes nothing in the outputs", contract=7,
@@ -63,16 +51,17 @@ def _rows_match(ctx: Ctx, rows: list[int], what: str) -> None:
     match_runs(ctx, part.outputs, whole, what, rows=rows)
 
 
-def _two_or_more(case):
-    """At least two samples (a permutation or a split of one sample is the identity)."""
+def two_or_more(case):
+    """At least two samples (a permutation or a split of one sample is the identity): one sample doubled."""
     if case.batch_size > 1:
         return case
-    return case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2)
+    temperature = case.temperature * 2 if isinstance(case.temperature, tuple) else case.temperature
+    return case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2, temperature=temperature)
 
 
 @invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8,
            protects="a sample's outputs do not depend on its place in the batch",
-           adjust=lambda c: distinct_temperatures(_two_or_more(c)))
+           adjust=lambda c: distinct_temperatures(two_or_more(c)))
 def permutation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     perm = list(range(b))[::-1]
@@ -82,7 +71,7 @@ def permutation(ctx: Ctx) -> None:
 
 @invariant("INV-BATCH-002", "a batch's outputs equal those of its halves run separately (concatenation)",
            contract=8,
-           protects="a sample's outputs do not depend on the other samples in its micro-batch", adjust=lambda c: distinct_temperatures(_two_or_more(c)))
+           protects="a sample's outputs do not depend on the other samples in its micro-batch", adjust=lambda c: distinct_temperatures(two_or_more(c)))
 def concatenation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     for rows in (list(range(b // 2)), list(range(b // 2, b))):
@@ -100,11 +89,11 @@ def cpu_cuda_agree(ctx: Ctx) -> None:
 @invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10,
            protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)")
 def batch_not_mutated(ctx: Ctx) -> None:
-    before, after = _tensor_items(ctx.run.snapshot), _tensor_items(ctx.run.micro_batch)
+    before, after = _items(ctx.run.snapshot), _items(ctx.run.micro_batch)
     if set(before) != set(after):
         fail(f"micro-batch keys changed: {sorted(before)} -> {sorted(after)}")
     for key in before:
-        if not _same(before[key], after[key]):
+        if not same(before[key], after[key]):
             fail(f"micro-batch {key!r} was modified in place")
 
 
@@ -114,8 +103,7 @@ def batch_not_mutated(ctx: Ctx) -> None:
 def logits_not_mutated(ctx: Ctx) -> None:
     for r, (out, snap) in enumerate(zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)):
         for key, before in snap.items():
-            now = getattr(out, key)
-            if not torch.equal(now.nan_to_num(1.0), before.nan_to_num(1.0)):
+            if not same(getattr(out, key), before):
                 fail(f"rank {r}: model output {key!r} was modified in place by prepare_model_outputs")
 
 
@@ -169,5 +157,5 @@ def output_args_not_mutated(ctx: Ctx) -> None:
         if set(args) != set(snap):
             fail(f"rank {r}: output_args keys changed: {sorted(snap)} -> {sorted(args)}")
         for key, before in snap.items():
-            if not _same(before, args[key]):
+            if not same(before, args[key]):
                 fail(f"rank {r}: output_args[{key!r}] was modified by prepare_model_outputs")

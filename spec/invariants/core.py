@@ -17,7 +17,7 @@ from ..oracle import Expected, expected
 from ..strategies import dense_cases, engine_cases
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
-           "match_oracle", "match_runs"]
+           "match_oracle", "match_runs", "held", "same"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -126,6 +126,44 @@ class Ctx:
 
 def fail(message: str) -> None:
     raise AssertionError(message)
+
+
+def _parts(value: Any) -> Any:
+    """A nested tensor as ``("nested", values, offsets)``; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return ("nested", value.values(), value.offsets())
+    return value
+
+
+def held(value: Any) -> Any:
+    """A copy of what a caller holds, to compare with :func:`same` later: tensors cloned (a nested one as its
+    cloned parts), dicts, lists and tuples item by item, anything else as it is."""
+    value = _parts(value)
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: held(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(held(item) for item in value)
+    return value
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exactly equal: tensors of one shape and dtype with equal elements (NaN equal to NaN in the same place;
+    a nested tensor by its values and offsets), dicts, lists and tuples item by item, anything else by ``==``."""
+    a, b = _parts(a), _parts(b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape \
+                or a.dtype != b.dtype:
+            return False
+        if torch.equal(a, b):
+            return True
+        return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def per_seq(nested: torch.Tensor) -> list[torch.Tensor]:

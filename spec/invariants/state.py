@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-import torch
 
 from ..cases import EngineCase
 from ..harness import Run, execute
-from .core import Ctx, fail, invariant, match_runs
+from .batch import two_or_more
+from .core import Ctx, fail, held, invariant, match_runs, same
 
 __all__ = ["sibling"]
 
@@ -56,36 +56,7 @@ def sibling(case: EngineCase) -> EngineCase:
 
 def _one_rank(case: EngineCase) -> EngineCase:
     """One rank (engine objects are reused per rank) and two samples or more (rows to rearrange)."""
-    if case.batch_size == 1:
-        case = case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2,
-                          temperature=case.temperature * 2 if isinstance(case.temperature, tuple) else case.temperature)
-    return case.with_(sp_size=1)
-
-
-def _held(value: Any) -> Any:
-    """A copy of what a trainer holds from a call (tensors, nested tensors, views' fields)."""
-    if isinstance(value, torch.Tensor):
-        return (value.values().clone(), value.offsets().clone()) if value.is_nested else value.clone()
-    if isinstance(value, dict):
-        return {k: _held(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_held(v) for v in value)
-    return value
-
-
-def _changed(now: Any, before: Any) -> bool:
-    if isinstance(now, torch.Tensor):
-        now = (now.values(), now.offsets()) if now.is_nested else now
-        if isinstance(now, tuple):
-            return _changed(now, before)
-        return not (isinstance(before, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
-                    and torch.equal(now.nan_to_num(1.0) if now.is_floating_point() else now,
-                                    before.nan_to_num(1.0) if before.is_floating_point() else before))
-    if isinstance(now, dict):
-        return set(now) != set(before) or any(_changed(now[k], before[k]) for k in now)
-    if isinstance(now, (list, tuple)):
-        return len(now) != len(before) or any(_changed(a, b) for a, b in zip(now, before))
-    return now != before
+    return two_or_more(case).with_(sp_size=1)
 
 
 def _view_fields(run: Run) -> dict[str, Any]:
@@ -98,9 +69,9 @@ def _after_sibling(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
     """The sibling's run, a copy of what it returned, and the case's run, through one engine object."""
     engines: list[Any] = []
     first = execute(ctx.engine, sibling(ctx.case), ctx.device, reuse=engines)
-    held = {"outputs": _held(first.outputs), "inputs": _held(_view_fields(first))}
+    kept = {"outputs": held(first.outputs), "inputs": held(_view_fields(first))}
     second = execute(ctx.engine, ctx.case, ctx.device, reuse=engines)
-    return first, held, second
+    return first, kept, second
 
 
 @invariant("INV-BATCH-003", "an engine object reused across micro-batches hands the model and returns exactly what "
@@ -111,7 +82,7 @@ def reused_engine_is_fresh(ctx: Ctx) -> None:
     _, _, second = _after_sibling(ctx)
     fresh, reused = _view_fields(ctx.run), _view_fields(second)
     for name, want in fresh.items():
-        if _changed(reused[name], _held(want)):
+        if not same(reused[name], want):
             fail(f"model hand-off {name!r} after another micro-batch through the same engine object differs from a "
                  "fresh engine's (a cache or a value kept from the earlier call)")
     if set(second.outputs) != set(ctx.run.outputs):
@@ -126,13 +97,13 @@ def reused_engine_is_fresh(ctx: Ctx) -> None:
            protects="outputs and model inputs the trainer holds stay valid after the engine's next call",
            adjust=_one_rank)
 def earlier_results_kept(ctx: Ctx) -> None:
-    first, held, _ = _after_sibling(ctx)
-    for key in sorted(set(first.outputs) | set(held["outputs"])):
-        if key not in first.outputs or key not in held["outputs"] or _changed(first.outputs[key],
-                                                                               held["outputs"][key]):
+    first, kept, _ = _after_sibling(ctx)
+    for key in sorted(set(first.outputs) | set(kept["outputs"])):
+        if key not in first.outputs or key not in kept["outputs"] or not same(first.outputs[key],
+                                                                               kept["outputs"][key]):
             fail(f"output {key!r} of the earlier micro-batch changed when the same engine object prepared the next "
                  "one (an output buffer reused across calls)")
-    for name, before in held["inputs"].items():
-        if _changed(_view_fields(first)[name], before):
+    for name, before in kept["inputs"].items():
+        if not same(_view_fields(first)[name], before):
             fail(f"model hand-off {name!r} of the earlier micro-batch changed when the same engine object prepared "
                  "the next one (an input buffer reused across calls)")
