@@ -26,14 +26,14 @@ What is known to be *wrong* in a verl release is a fact about that release, so
 gets no excuse it has not earned, and a fixed bug shows up as "unexpectedly passed".
 Each entry has a minimal counterexample in ``docs/verl-conformance.md``.
 
-Sequence parallelism runs on real ranks (:mod:`spec.ranks`): verl's Ulysses path slices and
+Sequence parallelism runs on real ranks (:mod:`spec.execute.ranks`): verl's Ulysses path slices and
 all-gathers through a ``torch.distributed`` process group (``verl.utils.ulysses``), so an
 ``sp > 1`` engine object is built with ``use_ulysses_sp=True``, ``ulysses_sequence_parallel_size``
 and ``ulysses_parallel_group`` (the group is read off the ``all_gather`` the suite hands every
 engine: :class:`impl.sequence_parallel.TorchDistributedAllGather` has it), and verl's module-level
 Ulysses group is set around each call the way verl's ``EngineEvalModeCtx``/``EngineTrainModeCtx``
 set it. The harness sends every ``sp > 1`` case of this engine to the real ranks
-(:attr:`VerlEngine.sp_runner`); the generic strategies still do not draw ``sp > 1`` for verl
+(:attr:`VerlEngine.sp_on_real_ranks`); the generic strategies still do not draw ``sp > 1`` for verl
 (cost), the sequence-parallel invariants force it.
 
 The padded attention mask of verl < 0.8 (built from the response-only ``loss_mask``,
@@ -50,12 +50,12 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
-from . import ranks
-from .cases import DISTILLATION_KEYS
-from .known import KnownFailure, When
-from .protocol import HELPERS, EngineUnderTest
+from ..cases.structure import DISTILLATION_KEYS
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import HELPERS, EngineUnderTest
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key"]
@@ -311,8 +311,6 @@ def _with_dense_attention_mask(fn: Callable) -> Callable:
 
     def no_padding_2_padding(tensor, data):
         if "attention_mask" not in data.keys() and data["prompts"].is_nested:
-            import torch
-
             lens = (data["input_ids"].offsets().diff() if "input_ids" in data.keys()
                     else data["prompts"].offsets().diff() + data["responses"].offsets().diff())
             cols = torch.arange(int(lens.max()), device=lens.device)
@@ -329,8 +327,8 @@ class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
     name = "verl"
-    #: sp > 1 needs a real process group: spec.harness sends those cases to real ranks
-    sp_runner = staticmethod(ranks.execute)
+    #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
+    sp_on_real_ranks = True
 
     def __init__(self) -> None:
         with warnings.catch_warnings():  # verl's engine registry warns about every optional backend it lacks
@@ -380,11 +378,6 @@ class VerlEngine(EngineUnderTest):
             records.append(KnownFailure(
                 "INV-VAL-003", "has no sum_pi_squared output: calculate_sum_pi_squared is ignored",
                 raises=(KeyError, AssertionError), matches=r"sum_pi_squared"))
-        if not caps.bucket and "bucket" not in _catalogue_needs("INV-PAD-001"):
-            records.append(KnownFailure(
-                "INV-PAD-001", "has no static bucket, which INV-PAD-001 always sets (suite gap: INV-PAD-001 should "
-                "declare needs=('bucket',))", raises=(TypeError, NotImplementedError, AttributeError),
-                matches=r"bucket|pad_to_length"))
         return tuple(replace(r, reason=f"verl {caps.version}: {r.reason}") for r in records)
 
     def _helper_unusable(self, name: str) -> str | None:
@@ -398,11 +391,6 @@ class VerlEngine(EngineUnderTest):
 
     def lacks(self, feature: str) -> str | None:  # type: ignore[override]
         caps = self.caps
-        if feature in ("sp", "real_ranks"):
-            reason = ranks.unavailable("cpu", 2)
-            return None if reason is None else (
-                f"verl runs Ulysses sequence parallelism through a torch.distributed process group, "
-                f"and real ranks cannot run here: {reason}")
         if feature == "chunking" and getattr(self._verl_F, "entropy_from_logits_with_chunking", None) is None:
             return f"verl {caps.version} has no entropy_from_logits_with_chunking"
         if feature == "cu_seqlens" and not caps.cu_seqlens:
@@ -475,14 +463,8 @@ def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:
     if group is None:
         raise NotImplementedError(
             "verl's Ulysses sequence parallelism needs a torch.distributed process group: pass an all_gather "
-            "with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks (spec.ranks)")
+            "with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks (spec.execute.ranks)")
     if dist.get_world_size(group) != sp_size or dist.get_rank(group) != sp_rank:
         raise ValueError(f"sp_size={sp_size}, sp_rank={sp_rank} do not match the process group "
                          f"(world {dist.get_world_size(group)}, rank {dist.get_rank(group)})")
 
-
-def _catalogue_needs(invariant: str) -> tuple[str, ...]:
-    from .invariants import CATALOGUE
-
-    info = CATALOGUE.get(invariant)
-    return tuple(info.needs) if info is not None else ("bucket",)

@@ -7,8 +7,8 @@ from enum import Enum
 import torch
 from tensordict import TensorDict
 
-from .cases import DenseCase, EngineCase
-from .rules import offsets as _offsets
+from .structure import DenseCase, EngineCase
+from ..truth.rules import offsets as _offsets
 
 __all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 

@@ -1,18 +1,17 @@
 """One home for each structural rule the suite checks against, shared by materialize, oracle and invariants.
 
-Nothing here imports an engine: these are the contract's definitions, written once.
+Nothing here imports an engine or a case type: these are the contract's definitions, written once (a case is
+read by its fields: ``EngineCase`` in :mod:`spec.cases.structure` sits above this layer).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .cases import EngineCase
+#: The contract clamps temperature below at this value before dividing.
+TEMPERATURE_FLOOR = 1e-8
 
-__all__ = ["offsets", "full_length_mask", "response_positions", "response_index", "distinct_temperatures",
+__all__ = ["TEMPERATURE_FLOOR", "offsets", "full_length_mask", "response_positions", "response_index", "distinct_temperatures",
            "padded_length"]
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..known import KnownFailure, When
-from ..protocol import InputsView, verl_fsdp_view
-from ..verl_engine import MASK_INVARIANTS
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import InputsView, verl_fsdp_view
+from .verl import MASK_INVARIANTS
 from .native import NativeVerlEngine
 from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 

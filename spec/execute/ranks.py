@@ -16,7 +16,7 @@ Per example every rank ``r < sp_size``:
    which also tells every rank whether another one failed, so an error raised on one rank
    does not leave the others waiting in a collective);
 4. runs the toy model on the all-gathered full row (the model sees the whole packed row, as
-   Ulysses attention does: :func:`spec.harness._call_model`), takes its slice with the tail
+   Ulysses attention does: :func:`spec.execute.harness._call_model`), takes its slice with the tail
    poisoned, and runs ``prepare_model_outputs`` (the engine's own all-gather, on the real group);
 5. sends back its inputs, ``output_args``, model output, snapshots and outputs.
 
@@ -24,7 +24,7 @@ A rank that raises has its exception re-raised in the caller (original type, ran
 attached as a note). A worker that dies, or does not answer within the task timeout
 (``SPEC_RANKS_TIMEOUT`` seconds, default 120), fails the call with :class:`RankFailure`
 carrying each rank's traceback (faulthandler dumps on fatal signals and on demand), and the
-pool is replaced. Every collective has the process group's timeout. What a rank runs: :mod:`spec.rank_worker`.
+pool is replaced. Every collective has the process group's timeout. What a rank runs: :mod:`spec.execute.rank_worker`.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from tensordict import TensorDict
 
-from .cases import EngineCase
-from .protocol import EngineUnderTest
-from .harness import Run, attach_views, model_for
-from .materialize import materialize
+from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest
+from .handoff import Run, attach_views, model_for
+from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
 
 __all__ = ["MAX_WORLD", "WORLDS", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool",
@@ -106,7 +106,7 @@ class RankPool:
         main = sys.modules.get("__main__")
         hidden = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
         try:
-            # the workers run spec.ranks only: never re-run the caller's main module (a script
+            # the workers run spec.execute.ranks only: never re-run the caller's main module (a script
             # without a __main__ guard, pytest's, python -m spec's), which also saves start-up time
             if "__file__" in hidden:
                 del main.__file__
@@ -194,7 +194,8 @@ class RankPool:
         timeout = task_timeout() if timeout is None else timeout
         name = task["engine"]
         if name not in self.loaded:  # the first use of an engine imports it (verl takes seconds)
-            self._broadcast({"engine": name, "load": True}, range(self.world), _STARTUP_TIMEOUT,
+            self._broadcast({"engine": name, "recipe": task["recipe"], "load": True}, range(self.world),
+                            _STARTUP_TIMEOUT,
                             f"loading engine {name!r}")
             self.loaded.add(name)
         return self._broadcast(task, range(world), timeout, f"case {task['case']!r} on engine {name!r}")
@@ -272,10 +273,10 @@ def _raise_rank_error(first_rank: int, blob: bytes | None, text: str) -> None:
 def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
             micro_batch: TensorDict | None = None, stop_after_inputs: bool = False,
             timeout: float | None = None, workers: RankPool | None = None) -> Run:
-    """:func:`spec.harness.execute` for ``case.sp_size`` (2 to 4) real ranks.
+    """:func:`spec.execute.harness.execute` for ``case.sp_size`` (2 to 4) real ranks.
 
-    ``engine`` is rebuilt in each worker from ``engine.name`` (``impl``, ``verl``,
-    ``planted:<bug>`` or ``module:attr``). Exceptions raised by the engine on a rank are
+    ``engine`` is rebuilt in each worker from its recipe (:meth:`spec.protocol.EngineUnderTest.recipe`: the
+    callable and arguments that built it, pickled by reference) and cached there under ``engine.name``. Exceptions raised by the engine on a rank are
     re-raised here; a dead or hung rank raises :class:`RankFailure`. ``workers``: a pool of one's own
     (default: the shared pool of the device's backend).
     """
@@ -285,7 +286,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     if reason:
         raise RankFailure(f"real ranks cannot run here: {reason}")
     mb = materialize(case, device) if micro_batch is None else micro_batch
-    task = {"engine": engine.name, "case": case, "device": device, "poison": poison,
+    task = {"engine": engine.name, "recipe": engine.recipe(), "case": case, "device": device, "poison": poison,
             "micro_batch": None if micro_batch is None else on_device(micro_batch, "cpu"),
             "stop_after_inputs": stop_after_inputs}
     replies = (workers or pool(device)).submit(task, case.sp_size, timeout)

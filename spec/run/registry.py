@@ -1,10 +1,11 @@
 """The engine registry: engine names -> engines under test, and ``module:attr`` loading.
 
 The protocol (what an engine under test is) lives in :mod:`spec.protocol`; the adapters in
-:mod:`spec.impl_engine`, :mod:`spec.verl_engine`, :mod:`spec.adapters` and :mod:`spec.planted`.
-This module imports them all, and nothing imports it back except the entry points (the CLI,
-the pytest plugin, conftest); ``EngineUnderTest``, ``HELPERS`` and ``FactoryEngine`` are
-re-exported for code written against the old single module.
+:mod:`spec.engines` and the planted bugs in :mod:`spec.planted`. This module imports them all, and
+nothing imports it back except the faces (the CLI, the pytest plugin, fuzz, conftest): a rank process
+rebuilds its engine from the engine's own recipe (:meth:`spec.protocol.EngineUnderTest.recipe`), not from
+here. ``EngineUnderTest``, ``HELPERS`` and ``FactoryEngine`` are re-exported for code written against the
+old single module.
 
 The verl adapters import verl (and, where verl imports them at module level, stub heavy
 modules) only when one is built, so listing engines needs no verl.
@@ -12,19 +13,18 @@ modules) only when one is built, so listing engines needs no verl.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
-from .adapters.automodel import AutomodelEngine
-from .adapters.factory import FactoryEngine
-from .adapters.megatron import MegatronEngine
-from .adapters.torchtitan import TorchTitanEngine
-from .adapters.veomni import VeOmniEngine
-from .impl_engine import ImplEngine
-from .planted import PLANTED, planted_engine
-from .planted.harmless import harmless_engine
-from .protocol import HELPERS, EngineUnderTest
-from .verl_engine import VerlEngine
+from ..engines.automodel import AutomodelEngine
+from ..engines.factory import FactoryEngine, engine_from_path
+from ..engines.impl import ImplEngine
+from ..engines.megatron import MegatronEngine
+from ..engines.torchtitan import TorchTitanEngine
+from ..engines.veomni import VeOmniEngine
+from ..engines.verl import VerlEngine
+from ..planted import PLANTED, planted_engine
+from ..planted.harmless import harmless_engine
+from ..protocol.engine import HELPERS, EngineUnderTest
 
 __all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names"]
 
@@ -61,13 +61,4 @@ def load_engine(spec: str) -> EngineUnderTest:
         return planted_engine(spec.split(":", 1)[1])
     if ":" not in spec:
         raise ValueError(f"unknown engine {spec!r}: use one of {builtin_engine_names()} or module:attr")
-    module_name, attr = spec.split(":", 1)
-    module = importlib.import_module(module_name)
-    target = getattr(module, attr)
-    if isinstance(target, EngineUnderTest):
-        return target
-    if isinstance(target, type) and issubclass(target, EngineUnderTest):
-        return target()
-    if callable(target) or hasattr(target, "prepare_model_inputs"):
-        return FactoryEngine(spec, target, module)
-    raise TypeError(f"{spec!r} is neither an EngineUnderTest, an engine class or object, nor a factory")
+    return engine_from_path(spec)

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from .cases import TEMPERATURE_FLOOR, EngineCase
-from .rules import response_positions
+from .rules import TEMPERATURE_FLOOR, response_positions
 from .toy_model import ToyCausalLM
 
 __all__ = ["Expected", "expected", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY"]
@@ -107,7 +106,7 @@ class Expected:
             return getattr(self, key)
         return self.distillation[key]
 
-    def response_log_probs(self, case: EngineCase) -> tuple[torch.Tensor, torch.Tensor]:
+    def response_log_probs(self, case: "EngineCase") -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, response_width)`` log-prob of each response token (zero past ``r_i``), and its tolerance."""
         out = torch.zeros(case.batch_size, case.response_width, dtype=torch.float64)
         tol = torch.zeros_like(out)
@@ -122,7 +121,7 @@ def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
     return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
 
 
-def expected(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
+def expected(case: "EngineCase", micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
     """Everything the contract says the engine returns for ``case``, sequence by sequence (entropy and
     sum_pi_squared only when the case asks for them)."""
     ids = micro_batch["input_ids"].unbind()

@@ -21,7 +21,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from .cases import EngineCase
+from .structure import EngineCase
 from .strategies import seq_lengths
 
 __all__ = ["DropinCase", "dropin_cases", "materialize_dropin", "from_engine_case", "LAYOUTS"]

@@ -4,9 +4,9 @@ Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), el
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
 is caught on every run; ``thorough`` is the nightly CPU job's (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
-spec/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+spec/cases/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
 
-The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/database.py``): derandomized
+The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/run/database.py``): derandomized
 profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
 """
 

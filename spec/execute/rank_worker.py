@@ -1,4 +1,4 @@
-"""The worker side of :mod:`spec.ranks`: what one rank process runs.
+"""The worker side of :mod:`spec.execute.ranks`: what one rank process runs.
 
 Each rank joins the process group (``FileStore`` rendezvous), makes the subgroups ``[0, w)`` for
 w in :data:`WORLDS`, then serves tasks from its queue until told to stop or its parent is gone:
@@ -27,11 +27,11 @@ from tensordict import TensorDict
 
 from impl.sequence_parallel import TorchDistributedAllGather
 
-from .cases import EngineCase
-from .protocol import EngineUnderTest
-from .harness import POISONS, _call_model, _fields, _poison_tail, _settings, model_for
-from .materialize import materialize, move
-from .oracle import TopKProcessor, topk_terms
+from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest
+from .handoff import POISONS, _call_model, _fields, _poison_tail, _settings, model_for
+from ..cases.materialize import materialize, move
+from ..truth.oracle import TopKProcessor, topk_terms
 
 __all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device"]
 
@@ -49,7 +49,7 @@ def task_timeout() -> float:
 # ---------------------------------------------------------------------------------------------
 
 class ShardedTopKProcessor(TopKProcessor):
-    """:class:`spec.oracle.TopKProcessor` that also takes one rank's Ulysses shard of the row.
+    """:class:`spec.truth.oracle.TopKProcessor` that also takes one rank's Ulysses shard of the row.
 
     Under sequence parallelism verl (and impl) hand ``logits_processor_func`` this rank's
     ``(1, ceil(total_nnz / sp), V)`` slice of the padded packed row; verl's own top-K processor
@@ -113,12 +113,12 @@ class _Worker:
     def device(self, device: str) -> str:
         return f"cuda:{self.rank}" if torch.device(device).type == "cuda" else "cpu"
 
-    def engine(self, name: str) -> EngineUnderTest:
+    def engine(self, name: str, recipe: tuple[Any, tuple[Any, ...]]) -> EngineUnderTest:
+        """The engine ``name``, built once from ``recipe`` (a callable and its arguments, unpickled by
+        reference: this module imports no adapter)."""
         if name not in self.engines:
-            # the registry sits above the adapters, and the verl adapter runs its ranks through this module
-            from .engines import load_engine
-
-            self.engines[name] = load_engine(name)
+            build, args = recipe
+            self.engines[name] = build(*args)
         return self.engines[name]
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +132,7 @@ class _Worker:
         try:
             settings = _settings(case.with_(sp_size=1), rank, None)
             settings.update(sp_size=world, sp_rank=rank, all_gather=TorchDistributedAllGather(group))
-            eng = self.engine(task["engine"]).make(case.head, **settings)
+            eng = self.engine(task["engine"], task["recipe"]).make(case.head, **settings)
             model_inputs, output_args = eng.prepare_model_inputs(mb)
             status = ("ok", (_nested_safe(model_inputs), _output_rows(output_args, model_inputs)))
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised below
@@ -266,7 +266,7 @@ def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, res
             try:
                 task = pickle.loads(blob)
                 if task.get("load"):
-                    worker.engine(task["engine"])
+                    worker.engine(task["engine"], task["recipe"])
                     reply = {"rank": rank, "loaded": True}
                 else:
                     reply = worker.run(task)

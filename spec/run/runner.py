@@ -10,13 +10,14 @@ import torch
 from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import HypothesisException
 
-from .attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
+from ..execute import ranks
+from ..execute.attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
 
-from .cases import DenseCase, EngineCase
-from .protocol import EngineUnderTest
-from .strategies import within_limits
-from .invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
-from .known import KnownFailure, applicable, as_records, matching as match_record
+from ..cases.structure import DenseCase, EngineCase
+from ..protocol.engine import EngineUnderTest
+from ..cases.strategies import within_limits
+from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
+from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "SEED_CASES", "DEVICES"]
 
@@ -76,12 +77,22 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> st
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
     for need in info.needs:
-        reason = engine.lacks(need)
+        reason = engine.lacks(need) or _real_ranks_unavailable(engine, need)
         if reason:
             return reason
     # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
     implied = getattr(engine, "implied_needs", None)
     return implied(tuple(info.needs)) if implied is not None else None
+
+
+def _real_ranks_unavailable(engine: EngineUnderTest, need: str) -> str | None:
+    """For an engine whose sequence parallelism runs on real ranks: why they cannot run here, or None."""
+    if need not in ("sp", "real_ranks") or not engine.sp_on_real_ranks:
+        return None
+    reason = ranks.unavailable("cpu", 2)
+    return None if reason is None else (
+        f"{engine.name} runs sequence parallelism through a torch.distributed process group, "
+        f"and real ranks cannot run here: {reason}")
 
 
 def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | None = None) -> list:

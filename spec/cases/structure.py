@@ -1,6 +1,6 @@
 """The structure of a test case: lengths, splits, flags, temperatures and a seed.
 
-Cases hold no tensors. :mod:`spec.materialize` makes the tensors from ``seed`` so
+Cases hold no tensors. :mod:`spec.cases.materialize` makes the tensors from ``seed`` so
 a failing case shrinks to a few small integers and prints as one line.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..truth.rules import TEMPERATURE_FLOOR
+
 __all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]
 
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
-#: The contract clamps temperature below at this value before dividing.
-TEMPERATURE_FLOOR = 1e-8
 
 #: Keys the suite's top-K distillation processor can produce (verl's names).
 DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
@@ -71,7 +71,7 @@ class EngineCase:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        # The model is built from (vocab, seed) alone (spec.harness.model_for); the seed carries the
+        # The model is built from (vocab, seed) alone (spec.execute.harness.model_for); the seed carries the
         # logits dtype to it. It stays an int everywhere else (hash, equality, repr).
         object.__setattr__(self, "seed", ModelSeed(self.seed, self.logits_dtype))
         if self.logits_dtype not in LOGITS_DTYPES:
@@ -122,7 +122,7 @@ class EngineCase:
     @property
     def split_view(self) -> bool:
         """One case in three (by its seed) hands its nested tensors as views into a bigger buffer, as a micro-batch
-        split or sliced from a trainer's mini-batch arrives (``spec.materialize``); printed as ``split``."""
+        split or sliced from a trainer's mini-batch arrives (``spec.cases.materialize``); printed as ``split``."""
         return int(self.seed) % 3 == 2
 
     def with_(self, **changes: object) -> "EngineCase":

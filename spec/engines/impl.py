@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import impl
 
-from .protocol import HELPERS, EngineUnderTest
+from ..protocol.engine import HELPERS, EngineUnderTest
 
 __all__ = ["ImplEngine"]
 

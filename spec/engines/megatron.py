@@ -30,9 +30,9 @@ from unittest import mock
 
 import torch
 
-from ..known import KnownFailure, When
-from ..megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
-from ..protocol import EngineUnderTest, Feature, ShardLayout
+from ..protocol.known import KnownFailure, When
+from ..truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
+from ..protocol.engine import EngineUnderTest, Feature, ShardLayout
 from .stubs import import_verl_module
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]

@@ -27,12 +27,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..known import KnownFailure, When
-from ..protocol import Feature, InputsView
-from ..verl_engine import SCALED_TEMPERATURE
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import Feature, InputsView
+from .verl import SCALED_TEMPERATURE
 from .native import NativeVerlEngine
-from .verl_records import (PER_SAMPLE_ON_VOCAB, UNCLAMPED, VALUE_MISMATCH, entropy_cancellation, flag_types,
-                           loss_mask_attention)
+from .verl_records import (
+    PER_SAMPLE_ON_VOCAB,
+    UNCLAMPED,
+    VALUE_MISMATCH,
+    entropy_cancellation,
+    flag_types,
+    loss_mask_attention,
+)
 
 __all__ = ["TorchTitanEngine", "VarlenMetadata"]
 

@@ -12,8 +12,8 @@ import inspect
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from ..known import KnownFailure
-from ..protocol import EngineUnderTest, Feature
+from ..protocol.known import KnownFailure
+from ..protocol.engine import EngineUnderTest, Feature
 from .stubs import import_verl_module
 
 __all__ = ["NativeVerlEngine"]
@@ -28,7 +28,7 @@ class NativeVerlEngine(EngineUnderTest):
     lm_class = ""
     records: dict[str, dict[str, object]] = {}
     sp_reason = "sequence/context parallelism runs through a process group the suite does not simulate"
-    #: version -> known-failure records (``spec.known.KnownFailure``); "*" for every version
+    #: version -> known-failure records (``spec.protocol.known.KnownFailure``); "*" for every version
     #: (docs/engines/<name>.md has a minimal counterexample for each)
     KNOWN: dict[str, tuple[KnownFailure, ...]] = {}
     #: strategy limits that keep a documented bug or contract difference out of unrelated invariants

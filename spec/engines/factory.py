@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
-from ..protocol import EngineUnderTest, Feature
+from ..protocol.engine import EngineUnderTest, Feature
 
-__all__ = ["FactoryEngine"]
+__all__ = ["FactoryEngine", "engine_from_path"]
 
 #: A setting the suite may ask for, and a value that probes whether an engine accepts it.
 _FEATURE_PROBES = {
@@ -60,3 +61,19 @@ class FactoryEngine(EngineUnderTest):
         except Exception:  # noqa: BLE001 - a factory that cannot build default engines has no helpers
             probe = None
         return getattr(probe, name, None) or getattr(self.module, name, None)
+
+
+def engine_from_path(path: str) -> EngineUnderTest:
+    """``module:attr``: an EngineUnderTest (subclass or instance), an engine class or object, or a factory."""
+    module_name, attr = path.split(":", 1)
+    module = importlib.import_module(module_name)
+    target = getattr(module, attr)
+    if isinstance(target, EngineUnderTest):
+        return target
+    if isinstance(target, type) and issubclass(target, EngineUnderTest):
+        return target()
+    if callable(target) or hasattr(target, "prepare_model_inputs"):
+        engine = FactoryEngine(path, target, module)
+        engine.built_by = (engine_from_path, (path,))  # its module does not pickle: a rank imports it again
+        return engine
+    raise TypeError(f"{path!r} is neither an EngineUnderTest, an engine class or object, nor a factory")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+import inspect
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
@@ -41,7 +42,7 @@ class Feature(str, Enum):
     FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
     DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
     CUDA = "cuda"
-    #: ranks as processes joined by a torch.distributed process group (spec/ranks.py)
+    #: ranks as processes joined by a torch.distributed process group (spec/execute/ranks.py)
     REAL_RANKS = "real_ranks"
     #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
     PACKING = "packing"
@@ -163,17 +164,37 @@ class OutputsView:
     per_sequence: dict[str, torch.Tensor]
 
 
+def _itself(engine: "EngineUnderTest") -> "EngineUnderTest":
+    return engine
+
+
 class EngineUnderTest:
     """Base class of every engine under test. Subclasses implement :meth:`make`, may override the rest."""
 
     name = "engine"
     #: a failure the suite knows about and documents (reported, not hidden); the runner looks it up by
     #: ``ID/mode`` then ``ID``
-    known_failures: Any = ()  # spec.known.KnownFailure records (a legacy {ID: reason} dict is read too)
+    known_failures: Any = ()  # spec.protocol.known.KnownFailure records (a legacy {ID: reason} dict is read too)
     #: how the engine splits a packed row across ranks
     layouts: tuple[ShardLayout, ...] = (ShardLayout.CONTIGUOUS,)
-    #: Megatron-style packer (``spec.megatron_packing.Packer``) where the engine offers ``Feature.PACKING``
+    #: Megatron-style packer (``spec.truth.megatron_packing.Packer``) where the engine offers ``Feature.PACKING``
     packer: Any = None
+    #: its ``sp > 1`` cases need a real process group (verl's Ulysses path): they run on real ranks
+    sp_on_real_ranks: bool = False
+    #: how a rank process rebuilds this engine: ``(callable, args)``, pickled by reference (set by whoever
+    #: builds an engine that its class alone cannot rebuild, e.g. the registry for ``planted:<bug>``)
+    built_by: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+
+    def recipe(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``(callable, args)`` that builds this engine again in another process: :attr:`built_by`, else the
+        class called with no arguments where it takes none, else the object itself (pickled by value)."""
+        if self.built_by is not None:
+            return self.built_by
+        try:
+            inspect.signature(type(self)).bind()
+        except TypeError:
+            return (_itself, (self,))
+        return (type(self), ())
 
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,

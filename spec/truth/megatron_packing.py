@@ -15,7 +15,7 @@ Unpacking gathers every rank's shard and returns the valid tokens, nested like `
 
 :class:`ReferencePacker` implements this from the statement above (an index map from each rank's
 rows to the global padded row); the planted packing bugs subclass it. verl's own packer is adapted
-in :mod:`spec.adapters.megatron`.
+in :mod:`spec.engines.megatron`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .protocol import ShardLayout
+from ..protocol.engine import ShardLayout
 
 __all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from .cases import DISTILLATION_KEYS, LOGITS_DTYPES, DenseCase, EngineCase
+from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, DenseCase, EngineCase
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS"]
 
