@@ -29,7 +29,7 @@ def entropy_cancellation(modes: tuple[str, ...] = ()) -> KnownFailure:
     """``verl_F.entropy_from_logits``: logsumexp(z) - sum(p z) cancels in float32 (low T, large vocabularies)."""
     record = _shared("INV-VAL-002")
     return KnownFailure(record.invariant, record.reason, raises=record.raises, matches=record.matches,
-                        when=CANCELLATION, modes=modes, certain=False)
+                        when=CANCELLATION, modes=modes, certain=False, bound=record.bound)
 
 
 def loss_mask_attention(invariants: frozenset[str] | set[str] = MASK_INVARIANTS, *, reason: str) -> tuple[KnownFailure, ...]:

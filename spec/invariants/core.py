@@ -17,7 +17,7 @@ from ..truth.oracle import Expected, expected
 from ..cases.strategies import dense_cases, engine_cases
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
-           "match_oracle", "match_runs", "held", "same"]
+           "match_oracle", "match_runs", "held", "same", "measure_bounds"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -204,11 +204,33 @@ def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     sequence, each token within the tolerance :mod:`spec.truth.oracle` derives for it."""
     wants = ctx.expected.of(key)
     tols = ctx.expected.tolerance[key]
+    bounds = {mechanism: per_key[key] for mechanism, per_key in ctx.expected.bounds.items() if per_key.get(key)}
     seqs = _sequences(got, f"{what or key}", len(wants))
     for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
         if actual.dim() != 1 or actual.shape[0] != ctx.case.seq_lens[i]:
             fail(f"{key!r} of sequence {i} has shape {tuple(actual.shape)}, expected ({ctx.case.seq_lens[i]},)")
-        close(actual[: want.shape[0]], want, f"{key!r} of sequence {i}{what and ' ' + what}", atol=tol)
+        try:
+            close(actual[: want.shape[0]], want, f"{key!r} of sequence {i}{what and ' ' + what}", atol=tol)
+        except AssertionError as exc:
+            measure_bounds(exc, actual[: want.shape[0]], want, {m: b[i] for m, b in bounds.items()})
+            raise
+
+
+def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor,
+                   bounds: dict[str, torch.Tensor]) -> None:
+    """Attach to ``exc`` the largest ``|actual - want| / bound`` per mechanism (``exc.bounds``; inf where a
+    value is NaN), and say it in the message: a known numerical deviation excuses the failure only within its
+    mechanism's bound (:attr:`spec.protocol.KnownFailure.bound`)."""
+    if not bounds:
+        return
+    err = (actual.detach().to("cpu", torch.float64) - want.detach().to("cpu", torch.float64)).abs()
+    ratios = {}
+    for mechanism, bound in bounds.items():
+        ratio = err / bound.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny)
+        ratios[mechanism] = float("inf") if bool(ratio.isnan().any()) else float(ratio.max())
+    exc.bounds = ratios
+    exc.args = (f"{exc.args[0] if exc.args else ''} [" + ", ".join(
+        f"|error| / {m} bound = {r:.3g}" for m, r in sorted(ratios.items())) + "]", *exc.args[1:])
 
 
 def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:

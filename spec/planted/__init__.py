@@ -10,13 +10,16 @@ May import protocol, truth, cases and engines (the bugs are planted in impl's ad
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import impl
 
 from ..engines.impl import ImplEngine
-from . import dropin_bugs as D
+from ..engines.verl import KNOWN_BUGS as VERL_KNOWN
+from ..engines.verl import SUM_PI_SQUARED_CANCELLATION
 from ..protocol.engine import ShardLayout
+from ..protocol.known import KnownFailure
+from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import megatron_bugs as M
@@ -42,6 +45,9 @@ class PlantedBug:
     #: for a quiet bug: the one condition under which it shows
     quiet: str = ""
     packer: type | None = None  # a Megatron-style packer (spec/truth/megatron_packing.py) with the bug
+    #: known-failure records the engine claims (as a real engine with a documented deviation does): the bug
+    #: must be caught although they apply to its region
+    known: tuple[KnownFailure, ...] = ()
 
     @property
     def doc(self) -> str:
@@ -123,6 +129,14 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="bf16/fp16 logits"),
     PlantedBug("entropy_logsumexp_minus_sum", ("INV-VAL-002",), lm=Q.EntropyLogsumexpMinusSum,
                quiet="T < 0.1"),
+    # a claimed numerical excuse (verl's float32-cancellation records) reaches only as far as its bound
+    PlantedBug("entropy_untempered_at_low_temperature", ("INV-VAL-002",), lm=Q.EntropyUntemperedAtLowTemperature,
+               quiet="T < 0.1, where the engine claims verl's entropy cancellation record",
+               known=tuple(r for r in VERL_KNOWN["*"] if r.invariant == "INV-VAL-002")),
+    PlantedBug("sum_pi_squared_tenfold_at_low_temperature", ("INV-VAL-003",),
+               lm=Q.SumPiSquaredTenfoldAtLowTemperature,
+               quiet="T < 0.1 or V > 32,768, where the engine claims verl's sum_pi_squared cancellation record",
+               known=(SUM_PI_SQUARED_CANCELLATION,)),
     PlantedBug("temperature_clamp_missing", ("INV-TEMP-006",), lm=Q.TemperatureClampMissing,
                quiet="T below 1e-8"),
     PlantedBug("temperature_in_logits_dtype", ("INV-VAL-001", "INV-TEMP-001"), lm=Q.TemperatureInLogitsDtype,
@@ -192,12 +206,14 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
 
 
 class PlantedEngine(ImplEngine):
-    """impl with one planted bug (impl's own known failures do not excuse it)."""
+    """impl with one planted bug (impl's own known failures do not excuse it; the records the bug claims,
+    :attr:`PlantedBug.known`, are its known failures)."""
 
-    known_failures: dict[str, str] = {}
+    known_failures: Any = {}
 
     def __init__(self, bug: PlantedBug):
         self.bug = bug
+        self.known_failures = bug.known
         self.name = f"planted:{bug.name}"
         self.engine_classes = {"lm": bug.lm or impl.LMHeadEngine, "value": bug.value or impl.ValueHeadEngine}
         self.packer = bug.packer() if bug.packer else None

@@ -18,7 +18,8 @@ import impl
 from impl.flags import read_flag
 
 __all__ = [
-    "LogSoftmaxInLogitsDtype", "EntropyLogsumexpMinusSum", "TemperatureClampMissing", "TemperatureInLogitsDtype",
+    "LogSoftmaxInLogitsDtype", "EntropyLogsumexpMinusSum", "EntropyUntemperedAtLowTemperature",
+    "SumPiSquaredTenfoldAtLowTemperature", "TemperatureClampMissing", "TemperatureInLogitsDtype",
     "LabelsMaskedAtPadId", "PaddedMaskFromPadId", "LabelIdsAsUint16", "PositionsClampedAt2048",
     "RollIn2048Chunks", "LabelsFromStorageStart", "TemperatureTableOfEight", "LastPartialChunkUntempered", "InplaceDivFloat32Logits",
     "ScaleBeforeUpcast", "left_right_valid_by_pad_id", "left_right_prompts_left_aligned",
@@ -98,6 +99,30 @@ class EntropyLogsumexpMinusSum(_OutputBug):
     def redo(self, logits, temps, labels):
         z = logits.float() / temps.clamp(min=1e-8).unsqueeze(-1)
         return {"entropy": torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)}
+
+
+class EntropyUntemperedAtLowTemperature(EntropyLogsumexpMinusSum):
+    """Entropy as logsumexp(z) - sum(softmax(z) * z), whose low-temperature branch (T < 0.1) forgets to
+    divide by T: the engine claims verl's float32-cancellation record there, which must not excuse an error
+    beyond what cancellation can make."""
+
+    def redo(self, logits, temps, labels):
+        tempered = super().redo(logits, temps, labels)["entropy"]
+        untempered = super().redo(logits, torch.ones_like(temps), labels)["entropy"]
+        return {"entropy": torch.where(temps < 0.1, untempered, tempered)}
+
+
+class SumPiSquaredTenfoldAtLowTemperature(_OutputBug):
+    """sum_pi_squared 10x too large below T = 0.1 (or over a vocabulary above 32,768): where the engine
+    claims verl's float32-cancellation record, which must not excuse an error beyond that mechanism."""
+
+    keys = ("sum_pi_squared",)
+
+    def redo(self, logits, temps, labels):
+        z = logits.float() / temps.clamp(min=1e-8).unsqueeze(-1)
+        spq = torch.softmax(z, -1).pow(2).sum(-1)
+        wide = logits.shape[-1] > 32_768
+        return {"sum_pi_squared": torch.where((temps < 0.1) | wide, spq * 10, spq)}
 
 
 class TemperatureClampMissing(_OutputBug):

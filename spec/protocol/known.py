@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-__all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]
+__all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
+           "within_bound"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class KnownFailure:
     #: False for a failure its condition makes possible but not certain (a float32 cancellation shows on some
     #: logits and not others): with no hit it is reported as not reached, never as stale
     certain: bool = True
+    #: for a numerical deviation: ``(mechanism, limit)``; the record excuses a failure only when the check
+    #: measured the error against that mechanism's bound (``exc.bounds[mechanism]``: the largest
+    #: |error| / bound over the tokens) and it is at most ``limit``. A wrong value beyond what the mechanism
+    #: can produce, or a NaN, is not excused.
+    bound: tuple[str, float] | None = None
 
     def __post_init__(self) -> None:
         re.compile(self.matches)  # fail at definition, not mid-run
@@ -83,12 +89,22 @@ class KnownFailure:
         if not isinstance(exc, self.raises) or not self.when(case):
             return False
         text = f"{type(exc).__name__}: {exc}"
-        return re.search(self.matches, text) is not None
+        if re.search(self.matches, text) is None:
+            return False
+        return self.bound is None or within_bound(exc, *self.bound)
 
     def describe(self) -> str:
         types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
+        bounded = f", within {self.bound[1]:g}x the {self.bound[0]} bound" if self.bound else ""
         return (f"{self.key} when {self.when.text}: {'/'.join(t.__name__ for t in types)} "
-                f"matching {self.matches!r} ({self.reason})")
+                f"matching {self.matches!r}{bounded} ({self.reason})")
+
+
+def within_bound(exc: BaseException, mechanism: str, limit: float) -> bool:
+    """Whether the check that raised ``exc`` measured its error within ``limit`` times ``mechanism``'s bound
+    (a check that measured nothing for that mechanism excuses nothing; NaN is never within)."""
+    ratio = getattr(exc, "bounds", {}).get(mechanism)
+    return ratio is not None and ratio <= limit
 
 
 def applicable(records: Iterable[KnownFailure], invariant: str, mode: str) -> list[KnownFailure]:
