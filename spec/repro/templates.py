@@ -200,7 +200,7 @@ def check_keys(c, mb, run):
     for r, outputs in enumerate(run.rank_outputs):
         got, want = set(outputs), expected_keys(c)
         if got != want:
-            return f"rank {r}: output keys {sorted(got)}, the flags ask for {sorted(want)}"
+            return f"rank {r}: got output keys {sorted(got)}, expected {sorted(want)} (what the flags ask for)"
     return None
 
 
@@ -213,14 +213,14 @@ def check_values(c, mb, run):
             value = outputs[key]
             if not (isinstance(value, torch.Tensor) and value.is_nested):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"rank {r}: {key!r} is {shape}, expected a nested tensor of {c.batch_size} sequences"
+                return f"rank {r}: {key!r}: got {shape}, expected a nested tensor of {c.batch_size} sequences"
             seqs = value.unbind()
             if len(seqs) != c.batch_size:
-                return f"rank {r}: {key!r} has {len(seqs)} sequences, expected {c.batch_size}"
+                return f"rank {r}: {key!r}: got {len(seqs)} sequences, expected {c.batch_size}"
             for i, (seq, (exp, tol)) in enumerate(zip(seqs, want[key])):
                 seq = seq.detach().to("cpu", torch.float64)
                 if seq.dim() != 1 or seq.shape[0] != c.seq_lens[i]:
-                    return f"rank {r}: {key!r} of sequence {i} has shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
+                    return f"rank {r}: {key!r} of sequence {i}: got shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
                 bad = _first_bad(seq[: exp.shape[0]], exp, tol)
                 if bad is not None:
                     t, count = bad
@@ -234,7 +234,7 @@ def check_float32(c, mb, run):
     for r, outputs in enumerate(run.rank_outputs):
         for key, value in sorted(outputs.items()):
             if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
-                return f"rank {r}: {key!r} has dtype {value.dtype}, expected torch.float32"
+                return f"rank {r}: {key!r}: got dtype {value.dtype}, expected torch.float32"
     return None
 
 
@@ -243,25 +243,25 @@ def check_mask(c, mb, run):
         return None
     mask = run.views[0]["attention_mask"]
     if mask is None:
-        return "padded mode hands the model no attention_mask"
+        return "padded mode: got attention_mask None, expected (B, max_seq_len) int32"
     width = max(c.seq_lens)
     if tuple(mask.shape) != (c.batch_size, width):
-        return f"attention_mask has shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
+        return f"attention_mask: got shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
     want = (torch.arange(width).unsqueeze(0) < torch.tensor(c.seq_lens).unsqueeze(1)).to(torch.int64)
     got = mask.detach().to("cpu", torch.int64)
     for i in range(c.batch_size):
         if not torch.equal(got[i], want[i]):
-            return (f"attention_mask row {i} is {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
+            return (f"attention_mask row {i}: got {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
                     f"{c.seq_lens[i]}, response length {c.response_lens[i]})")
     if mask.dtype != torch.int32:
-        return f"attention_mask dtype is {mask.dtype}, expected torch.int32"
+        return f"attention_mask: got dtype {mask.dtype}, expected torch.int32"
     return None
 
 
 def check_labels(c, mb, run):
     labels = [v["labels"] for v in run.views]
     if any(lab is None for lab in labels):
-        return None if not c.use_remove_padding else "the engine hands its output step no labels"
+        return None if not c.use_remove_padding else "got no labels handed to the output step, expected the rolled ids"
     labels = torch.cat([lab.reshape(-1).cpu() for lab in labels])
     ids = mb["input_ids"].values().cpu()
     ends = torch.tensor(c.seq_lens).cumsum(0) - 1
@@ -269,8 +269,8 @@ def check_labels(c, mb, run):
         if k in ends.tolist():
             continue
         if int(labels[k]) != int(ids[k + 1]):
-            return (f"label at packed position {k} is {int(labels[k])}, the next token of its sequence is "
-                    f"{int(ids[k + 1])} (ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
+            return (f"label at packed position {k}: got {int(labels[k])}, expected {int(ids[k + 1])} (the next "
+                    f"token of its sequence; ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
     return None
 
 
@@ -288,20 +288,20 @@ def _same(a, b):
 def check_unchanged(c, mb, run, fresh):
     for key in fresh.keys():
         if key not in mb.keys():
-            return f"micro-batch key {key!r} was removed"
+            return f"micro-batch key {key!r}: got it removed, expected it unchanged"
         a, b = mb.get(key), fresh.get(key)
         a, b = getattr(a, "data", a), getattr(b, "data", b)
         if not _same(a, b):
-            return f"micro-batch key {key!r} was changed by the engine"
+            return f"micro-batch key {key!r}: got it changed by the engine, expected it unchanged"
     if set(mb.keys()) != set(fresh.keys()):
-        return f"micro-batch keys changed: {sorted(fresh.keys())} -> {sorted(mb.keys())}"
+        return f"micro-batch keys: got {sorted(mb.keys())}, expected {sorted(fresh.keys())}"
     for r, (out, before) in enumerate(zip(run.model_outputs, run.logits_before)):
         if not _same(out.logits, before):
-            return f"rank {r}: model output 'logits' was modified in place by prepare_model_outputs"
+            return f"rank {r}: model output 'logits': got them modified in place by prepare_model_outputs, expected them unchanged"
     for r, (args, before) in enumerate(zip(run.output_args, run.args_before)):
         for key in before:
             if key not in args or not _same(args[key], before[key]):
-                return f"rank {r}: output_args[{key!r}] was changed or removed by prepare_model_outputs"
+                return f"rank {r}: output_args[{key!r}]: got it changed or removed by prepare_model_outputs, expected it unchanged"
     return None
 
 
@@ -314,7 +314,7 @@ def check_slice(c, mb, run):
         return None
     got = fn(lp, mb).detach().to("cpu", torch.float64)
     if tuple(got.shape) != (c.batch_size, c.response_width):
-        return f"no_padding_2_padding(log_probs) has shape {tuple(got.shape)}, expected {(c.batch_size, c.response_width)}"
+        return f"no_padding_2_padding(log_probs): got shape {tuple(got.shape)}, expected {(c.batch_size, c.response_width)}"
     want = reference(c, mb, run.model)["log_probs"]
     for i, (exp, tol) in enumerate(want):
         p, r = c.prompt_lens[i], c.response_lens[i]
@@ -322,10 +322,10 @@ def check_slice(c, mb, run):
         bad = _first_bad(got[i, :r], exp_row, tol_row)
         if bad is not None:
             t, count = bad
-            return (f"no_padding_2_padding(log_probs)[{i}, {t}] is {got[i, t].item():.8g}, expected "
+            return (f"no_padding_2_padding(log_probs)[{i}, {t}]: got {got[i, t].item():.8g}, expected "
                     f"{exp_row[t].item():.8g} (the log-prob of response token {t}; {count} of {r} differ)")
         if bool((got[i, r:] != 0).any()):
-            return f"no_padding_2_padding(log_probs)[{i}, {r}:] is {got[i, r:].tolist()}, expected zeros past the response"
+            return f"no_padding_2_padding(log_probs)[{i}, {r}:]: got {got[i, r:].tolist()}, expected zeros past the response"
     return None
 
 
@@ -340,7 +340,8 @@ def main():
         try:
             result = execute(c, mb, POISON)
         except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
-            print(f"FAIL on {run['label']}: the engine raised {type(exc).__name__}: {exc}")
+            print(f"FAIL {INVARIANT} on {run['label']}: got the engine raising {type(exc).__name__}: {exc}, "
+                  "expected outputs (the micro-batch is valid)")
             return 1
         for name in CHECK_NAMES:
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
