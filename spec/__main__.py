@@ -31,6 +31,8 @@ def _add_verify(sub) -> None:
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
     verify.add_argument("--no-repro", action="store_true",
                         help="write no standalone reproducers (default: one per failure, <out>/<engine>/repro/)")
+    verify.add_argument("--repro-known", action="store_true",
+                        help="also write a reproducer for each known failure that fired (its first excused case)")
 
 
 def _add_fuzz(sub) -> None:
@@ -94,12 +96,12 @@ def _verify(args: argparse.Namespace) -> int:
     sys.stderr.write("\n")
     safe = engine.name.replace(":", "-").replace("/", "-")
     reproducers = None
-    if not args.no_repro and any(o.status == "fail" for o in outcomes):
+    if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
         from .repro import write_reproducers
 
         reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
                                         titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
-                                                if o.invariant in CATALOGUE})
+                                                if o.invariant in CATALOGUE}, known=args.repro_known)
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
                    base=Path(args.out)))
     paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,

@@ -90,7 +90,8 @@ def _reproducers(reproducers, base: Path | None) -> list[str]:
         link = path.relative_to(base).as_posix() if base is not None and path.is_relative_to(base) else path.as_posix()
         deps = "" if rep.standalone else " (imports the suite's adapter)"
         detail = (rep.detail or "").replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {rep.invariant} | {rep.mode} | [{path.name}]({link}){deps} | {meaning.get(rep.status, rep.status)} "
+        known = " (known failure)" if getattr(rep, "known", False) else ""
+        lines.append(f"| {rep.invariant}{known} | {rep.mode} | [{path.name}]({link}){deps} | {meaning.get(rep.status, rep.status)} "
                      f"| {detail} |")
     return lines
 

@@ -31,7 +31,7 @@ Variant = Callable[[EngineCase], list[tuple[str, EngineCase]]]
 
 
 def _alone(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    return [("the shrunk case", case)]
+    return [("the case", case)]
 
 
 def _both_modes(case: EngineCase) -> list[tuple[str, EngineCase]]:
@@ -41,7 +41,7 @@ def _both_modes(case: EngineCase) -> list[tuple[str, EngineCase]]:
 
 def _float_and_tensor(case: EngineCase) -> list[tuple[str, EngineCase]]:
     temps = case.temperatures()
-    runs = [("the shrunk case", case)]
+    runs = [("the case", case)]
     if len(set(temps)) == 1:
         other = case.with_(temperature=temps) if not case.per_sample_temperature else case.with_(temperature=temps[0])
         runs.append(("the same temperature as a (B,) tensor" if not case.per_sample_temperature
@@ -59,14 +59,14 @@ def _doubled(case: EngineCase) -> EngineCase:
 def _permuted(case: EngineCase) -> list[tuple[str, EngineCase]]:
     case = _doubled(case)
     rows = list(range(case.batch_size))[::-1]
-    return [("the shrunk case", case), (f"its samples in the order {rows}", case.subset(rows))]
+    return [("the case", case), (f"its samples in the order {rows}", case.subset(rows))]
 
 
 def _halves(case: EngineCase) -> list[tuple[str, EngineCase]]:
     case = _doubled(case)
     half = case.batch_size // 2
     first, second = list(range(half)), list(range(half, case.batch_size))
-    return [("the shrunk case", case), (f"samples {first} alone", case.subset(first)),
+    return [("the case", case), (f"samples {first} alone", case.subset(first)),
             (f"samples {second} alone", case.subset(second))]
 
 

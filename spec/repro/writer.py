@@ -40,10 +40,11 @@ class Reproducer:
     status: str
     detail: str = ""
     standalone: bool = True  # imports nothing of the suite
+    known: bool = False  # written for a known failure (the verdict excused it)
 
     def as_dict(self) -> dict[str, Any]:
         return {"invariant": self.invariant, "mode": self.mode, "path": str(self.path), "status": self.status,
-                "detail": self.detail, "standalone": self.standalone}
+                "detail": self.detail, "standalone": self.standalone, "known": self.known}
 
 
 def safe_name(engine: str) -> str:
@@ -133,27 +134,42 @@ def run_reproducer(path: Path) -> tuple[int, str]:
     return code, out.getvalue().strip()
 
 
-def write_reproducers(outcomes: list[Any], engine: EngineUnderTest, folder: Path, *,
-                      titles: dict[str, str] | None = None, check: bool = True) -> list[Reproducer]:
-    """A reproducer for every failed outcome (status ``fail``) with its shrunk case; each run once when
-    ``check`` to record whether it reproduces standalone."""
-    made = []
+def _targets(outcomes: list[Any], known: bool) -> list[tuple[Any, str, Any, str | None, str]]:
+    """(outcome, file stem, case, what the suite saw, label) for every failed outcome, and with ``known`` for the
+    first case each known-failure record excused (a known failure is a failure too: it gets its reproducer)."""
+    out = []
     for o in outcomes:
-        if o.status != "fail":
-            continue
-        path = folder / f"{o.invariant}-{o.mode}.py"
-        path, why = write_reproducer(path, invariant=o.invariant, mode=o.mode, engine=engine,
-                                     case=getattr(o, "case", None), title=(titles or {}).get(o.invariant, ""),
-                                     error=o.error)
+        if o.status == "fail":
+            out.append((o, f"{o.invariant}-{o.mode}", getattr(o, "case", None), o.error, ""))
+        if known:
+            for n, (key, (case, message)) in enumerate(sorted(getattr(o, "known_cases", {}).items(),
+                                                              key=lambda kv: kv[0])):
+                out.append((o, f"{o.invariant}-{o.mode}-known{n + 1 if n else ''}", case, message,
+                            f"known failure {key}"))
+    return out
+
+
+def write_reproducers(outcomes: list[Any], engine: EngineUnderTest, folder: Path, *,
+                      titles: dict[str, str] | None = None, check: bool = True,
+                      known: bool = False) -> list[Reproducer]:
+    """A reproducer for every failed outcome (status ``fail``) with its shrunk case, and with ``known`` one per
+    known-failure record that fired (its first excused case, not shrunk); each run once when ``check`` to record
+    whether it reproduces standalone."""
+    made = []
+    for o, stem, case, error, label in _targets(outcomes, known):
+        path = folder / f"{stem}.py"
+        title = (titles or {}).get(o.invariant, "") + (f" [{label}]" if label else "")
+        path, why = write_reproducer(path, invariant=o.invariant, mode=o.mode, engine=engine, case=case,
+                                     title=title, error=error)
         snippet_standalone = "(and this suite" not in path.read_text()
         if why:
-            made.append(Reproducer(o.invariant, o.mode, path, "not standalone", why, snippet_standalone))
+            made.append(Reproducer(o.invariant, o.mode, path, "not standalone", why, snippet_standalone, bool(label)))
             continue
         if not check:
-            made.append(Reproducer(o.invariant, o.mode, path, "written", "", snippet_standalone))
+            made.append(Reproducer(o.invariant, o.mode, path, "written", "", snippet_standalone, bool(label)))
             continue
         code, printed = run_reproducer(path)
         status = {1: "reproduces", 0: "passes"}.get(code, "error")
         last = printed.splitlines()[-1] if printed else ""
-        made.append(Reproducer(o.invariant, o.mode, path, status, last, snippet_standalone))
+        made.append(Reproducer(o.invariant, o.mode, path, status, last, snippet_standalone, bool(label)))
     return made

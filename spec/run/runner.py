@@ -61,6 +61,8 @@ class Outcome:
     other_failures: list[dict] = field(default_factory=list)
     #: the shrunk counterexample itself (an EngineCase or DenseCase), for its reproducer (spec/repro); not in JSON
     case: Any = field(default=None, repr=False, compare=False)
+    #: per known-failure record that fired: (the first case it excused, the message); not in JSON
+    known_cases: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def test_id(self) -> str:
@@ -69,6 +71,7 @@ class Outcome:
     def as_dict(self) -> dict:
         data = asdict(self)
         data.pop("case", None)
+        data.pop("known_cases", None)
         return {**data, "test_id": self.test_id}
 
 
@@ -204,7 +207,10 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
 
     def matching(candidates, case, exc):
         current[-1][1] = True  # every exception of a check passes through here
-        return match_record(candidates, case, exc)
+        record = match_record(candidates, case, exc)
+        if record is not None and record.key not in outcome.known_cases:  # its first case, for a reproducer
+            outcome.known_cases[record.key] = (case, _one_line(exc))
+        return record
 
     def body(case):
         state["n"] += 1
