@@ -97,8 +97,14 @@ def test_the_impl_twin_is_the_same_reproducer(written) -> None:
         assert "import impl" in text and not re.search(r"^\s*(import|from)\s+spec\b", text, re.M), bug
 
 
-def test_impl_twins_pass_without_the_suite(written) -> None:
+def test_impl_twins_pass_without_the_suite(written, tmp_path) -> None:
     twins = [str(twin) for *_, twin in written]
+    # a user's engine given as module:attr is imported from its own module, not through the suite
+    _, outcome, _, _ = written[1]
+    user, why = write_reproducer(tmp_path / "user.py", invariant=outcome.invariant, mode=outcome.mode,
+                                 engine=load_engine("tests.factory_engine:make_engine"), case=outcome.case)
+    assert why is None and "tests.factory_engine" in user.read_text()
+    twins.append(str(user))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([sys.executable, "-c", RUN_WITHOUT_SPEC, *twins], capture_output=True, text=True,
                           env=env, cwd=str(Path(twins[0]).parent), timeout=300)
