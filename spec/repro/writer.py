@@ -52,8 +52,9 @@ def safe_name(engine: str) -> str:
 
 
 def _settings_of(case: EngineCase) -> dict[str, Any]:
-    settings = {k: v for k, v in _settings(case, 0, None).items() if k != "all_gather"}
-    settings.setdefault("sp_size", case.sp_size)
+    """The engine settings of ``case`` (rank 0's, without the all-gather seam), as the harness passes them."""
+    settings = {k: v for k, v in _settings(case.with_(sp_size=1), 0, None).items()}
+    settings["sp_size"] = case.sp_size
     return settings
 
 
