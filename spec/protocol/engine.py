@@ -172,8 +172,8 @@ class ReproSnippet:
       (``prepare_model_inputs(mb)``, ``prepare_model_outputs(output, output_args, mb, logits_processor_func)``);
     * ``helper(name)``: the padding helper ``name`` (``no_padding_2_padding``, ...) or None;
 
-    and optionally ``view_inputs(model_inputs, output_args) -> dict`` (keys ``attention_mask``, ``labels``:
-    the mask the model got and the flat labels the output step scores) and ``view_outputs(outputs) -> dict``
+    and optionally ``view_inputs(model_inputs, output_args) -> dict`` (keys ``attention_mask``, ``labels``,
+    ``input_ids``, ``position_ids``: what the model got and the flat labels the output step scores) and ``view_outputs(outputs) -> dict``
     (the contract's keys, nested over the full sequences) where the engine's convention is not verl's.
 
     ``requires``: what to ``pip install`` besides torch and tensordict; ``standalone``: the code imports
@@ -293,7 +293,8 @@ class EngineUnderTest:
                 "    return _ENGINE.helper(name)\n\n\n"
                 "def view_inputs(model_inputs, output_args):\n"
                 "    view = _ENGINE.view_inputs(model_inputs, output_args)\n"
-                "    return {'attention_mask': view.attention_mask, 'labels': view.labels}\n\n\n"
+                "    return {'attention_mask': view.attention_mask, 'labels': view.labels, 'input_ids': view.input_ids,\n"
+                "            'position_ids': view.position_ids}\n\n\n"
                 "def view_outputs(outputs):\n"
                 "    return _ENGINE.view_outputs(outputs).per_sequence\n")
         return ReproSnippet(code, requires=module.split(".")[0], standalone=False)

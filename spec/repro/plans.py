@@ -9,7 +9,8 @@ becomes "each of the runs equals the reference": where the two runs disagree, on
 Checks (their code is in :mod:`.templates`): ``keys`` (the output keys the flags ask for), ``values``
 (every output against the reference, per token, within the oracle's tolerance), ``float32`` (the
 outputs' dtype), ``mask`` (padded attention mask: n_i leading ones, int32, ``(B, max n)``), ``labels``
-(each packed token's label is the next token of its sequence), ``unchanged`` (the micro-batch, the
+(each packed token's label is the next token of its sequence), ``inputs`` (the ids and positions the model is
+handed hold each sample's own, packed or padded), ``unchanged`` (the micro-batch, the
 model's logits and ``output_args`` are left as they were), ``slice`` (``no_padding_2_padding`` of the
 log-probs against the reference's response slice).
 
@@ -114,6 +115,9 @@ PLANS: dict[str, Plan] = {
     "INV-MASK-002": Plan(("mask",)),
     "INV-MASK-003": Plan(("mask", "keys", "values")),
     "INV-LABEL-001": Plan(("labels", "keys", "values")),
+    "INV-INPUT-001": Plan(("inputs", "keys", "values")),
+    "INV-POS-001": Plan(("inputs", "keys", "values")),
+    "INV-POS-002": Plan(("inputs", "keys", "values")),
     "INV-MUT-001": Plan(("unchanged",)),
     "INV-MUT-002": Plan(("unchanged",)),
     "INV-MUT-004": Plan(("unchanged",)),

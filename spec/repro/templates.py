@@ -22,6 +22,7 @@ PREAMBLE = '''from __future__ import annotations
 import math
 import sys
 import threading
+import traceback
 from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,8 +94,8 @@ def _views_in(model_inputs, output_args):
     if "view_inputs" in globals():
         return view_inputs(model_inputs, output_args)
     labels = output_args.get("input_ids_rmpad_rolled")
-    return {"attention_mask": model_inputs.get("attention_mask"),
-            "labels": None if labels is None else labels.reshape(-1)}
+    return {"attention_mask": model_inputs.get("attention_mask"), "input_ids": model_inputs.get("input_ids"),
+            "position_ids": model_inputs.get("position_ids"), "labels": None if labels is None else labels.reshape(-1)}
 
 
 def _views_out(outputs):
@@ -329,7 +330,62 @@ def check_slice(c, mb, run):
     return None
 
 
-CHECKS = {"keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
+def _first_row_diff(got, want):
+    bad = (got != want).nonzero()
+    return tuple(int(i) for i in bad[0]) if bad.numel() else None
+
+
+def check_inputs(c, mb, run):
+    """The ids and positions the model is handed: packed (1, n) / (1, n) or (4, 1, n), the ranks' slices joined;
+    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions first in its row."""
+    views = run.views
+    if any(v.get("input_ids") is None for v in views):
+        return None
+    seq_ids, seq_pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
+    mrope = seq_pos[0].dim() == 2
+    if c.use_remove_padding:
+        ids = torch.cat([v["input_ids"].cpu() for v in views], dim=-1)
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            return f"packed input_ids: got shape {tuple(ids.shape)}, expected (1, n)"
+        want = mb["input_ids"].values().cpu()
+        at = _first_row_diff(ids[0, : want.shape[0]], want)
+        if at is not None or ids.shape[1] < want.shape[0]:
+            return f"packed input_ids: got {ids[0].tolist()}, expected {want.tolist()} first (then any tail padding)"
+        if any(v.get("position_ids") is None for v in views):
+            return "packed position_ids: got None, expected the packed positions"
+        pos = torch.cat([v["position_ids"].cpu() for v in views], dim=-1)
+        want_shape = (4, 1) if mrope else (1,)
+        if tuple(pos.shape[:-1]) != want_shape:
+            return f"packed position_ids: got shape {tuple(pos.shape)}, expected {(*want_shape, 'n')}"
+        want_pos = torch.cat(list(seq_pos), dim=-1).cpu()
+        got_pos = pos[:, 0, : want_pos.shape[-1]] if mrope else pos[0, : want_pos.shape[-1]]
+        at = _first_row_diff(got_pos, want_pos)
+        if at is not None:
+            return f"packed position_ids at {at}: got {got_pos[at].item()}, expected {want_pos[at].item()}"
+        return None
+    ids, pos = views[0]["input_ids"].cpu(), views[0].get("position_ids")
+    width = max(c.seq_lens)
+    if tuple(ids.shape) != (c.batch_size, width):
+        return f"padded input_ids: got shape {tuple(ids.shape)}, expected {(c.batch_size, width)}"
+    for i, seq in enumerate(seq_ids):
+        n = seq.shape[0]
+        if not torch.equal(ids[i, :n], seq.cpu()):
+            return f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} first (then padding)"
+    if pos is None:
+        return "padded position_ids: got None, expected (B, L) or (4, B, L)"
+    pos = pos.cpu()
+    want_shape = (4, c.batch_size, width) if mrope else (c.batch_size, width)
+    if tuple(pos.shape) != want_shape:
+        return f"padded position_ids: got shape {tuple(pos.shape)}, expected {want_shape}"
+    for i, sp in enumerate(seq_pos):
+        n = sp.shape[-1]
+        got = pos[:, i, :n] if mrope else pos[i, :n]
+        if not torch.equal(got, sp.cpu()):
+            return f"padded position_ids of sample {i}: got {got.tolist()}, expected {sp.tolist()}"
+    return None
+
+
+CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
           "labels": check_labels, "slice": check_slice}
 
 
@@ -340,8 +396,10 @@ def main():
         try:
             result = execute(c, mb, POISON)
         except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
-            print(f"FAIL {INVARIANT} on {run['label']}: got the engine raising {type(exc).__name__}: {exc}, "
-                  "expected outputs (the micro-batch is valid)")
+            print(f"FAIL {INVARIANT} on {run['label']}: got {type(exc).__name__}: {exc} (raised by the engine, or by the "
+                  "stand-in model fed what the engine handed it: traceback below), expected outputs (the "
+                  "micro-batch is valid)")
+            traceback.print_exc()
             return 1
         for name in CHECK_NAMES:
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
