@@ -29,6 +29,10 @@ def _add_verify(sub) -> None:
     verify.add_argument("--no-layout", action="store_true",
                         help="skip the layout profile (verl's layout conventions, never part of the verdict)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
+    verify.add_argument("--no-repro", action="store_true",
+                        help="write no standalone reproducers (default: one per failure, <out>/<engine>/repro/)")
+    verify.add_argument("--repro-known", action="store_true",
+                        help="also write a reproducer for each known failure that fired (its first excused case)")
 
 
 def _add_fuzz(sub) -> None:
@@ -75,6 +79,7 @@ def _verify(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .report import failed, markdown, summary_line, write_reports
     from .run.runner import instances, run_invariant
+    from .invariants import CATALOGUE
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
@@ -89,10 +94,20 @@ def _verify(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         outcomes.append(run_invariant(info, engine, mode, device, **quiet))
     sys.stderr.write("\n")
-    print(markdown(outcomes, engine=engine.name, profile=profile, device=device))
     safe = engine.name.replace(":", "-").replace("/", "-")
+    reproducers = None
+    if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
+        from .repro import write_reproducers
+
+        reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
+                                        titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
+                                                if o.invariant in CATALOGUE}, known=args.repro_known)
+    print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
+                   base=Path(args.out)))
     paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,
-                          device=device)
+                          device=device, reproducers=reproducers)
+    for rep in reproducers or ():
+        print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]
     verdict = [o for o in outcomes if not o.layout]
     print(f"verify: {summary_line(verdict)}" + (f" (layout profile: {summary_line(layout)})" if layout else "")

@@ -74,7 +74,30 @@ def _table(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
-def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str) -> str:
+def _reproducers(reproducers, base: Path | None) -> list[str]:
+    """The reproducers section: each failure's file (linked relative to the report) and whether it fails
+    standalone; those that cannot be reproduced standalone are listed as such."""
+    if not reproducers:
+        return []
+    meaning = {"reproduces": "fails standalone (exit 1)", "passes": "does NOT reproduce standalone (exit 0)",
+               "not standalone": "no standalone reproducer", "error": "reproducer error", "written": "written, not run"}
+    lines = ["", "## Reproducers", "",
+             "One file per failure: `python <file>` rebuilds the shrunk case with plain torch + tensordict, calls the "
+             "engine, compares with a float64 reference and exits 1 printing got vs expected (spec/repro/).", "",
+             "| invariant | mode | reproducer | standalone run | detail |", "|---|---|---|---|---|"]
+    for rep in reproducers:
+        path = Path(rep.path)
+        link = path.relative_to(base).as_posix() if base is not None and path.is_relative_to(base) else path.as_posix()
+        deps = "" if rep.standalone else " (imports the suite's adapter)"
+        detail = (rep.detail or "").replace("|", "\\|").replace("\n", " ")
+        known = " (known failure)" if getattr(rep, "known", False) else ""
+        lines.append(f"| {rep.invariant}{known} | {rep.mode} | [{path.name}]({link}){deps} | {meaning.get(rep.status, rep.status)} "
+                     f"| {detail} |")
+    return lines
+
+
+def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str, reproducers=None,
+             base: Path | None = None) -> str:
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     word = "FAILS" if failed(outcomes) else "passes"
     lines = [f"# Conformance report: engine `{engine}`", "",
@@ -84,17 +107,21 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str)
         lines += ["", "## Layout profile (verl's layout conventions; informational, not part of the verdict)", "",
                   f"**{summary_line(layout)}**", ""]
         lines += _table(layout)
+    lines += _reproducers(reproducers, base)
     return "\n".join(lines) + "\n"
 
 
-def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: str, device: str) -> list[Path]:
+def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: str, device: str,
+                  reproducers=None) -> list[Path]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js = stem.with_suffix(".md"), stem.with_suffix(".json")
-    md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device))
+    md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device, reproducers=reproducers,
+                           base=stem.parent))
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     js.write_text(json.dumps({"engine": engine, "profile": profile, "device": device,
                               "verdict": "fail" if failed(outcomes) else "pass",
                               "summary": summary_line(verdict),
                               "layout_summary": summary_line(layout),
-                              "outcomes": [o.as_dict() for o in outcomes]}, indent=2))
+                              "outcomes": [o.as_dict() for o in outcomes],
+                              "reproducers": [r.as_dict() for r in reproducers or ()]}, indent=2))
     return [md, js]

@@ -30,6 +30,10 @@ def test_verify_planted_bug_fails_with_one_line_counterexample(tmp_path: Path) -
     assert run.returncode == 1, run.stdout + run.stderr
     row = next(line for line in run.stdout.splitlines() if line.startswith("| INV-MASK-001 |"))
     assert "FAIL" in row and "`EngineCase(" in row and "attention_mask row" in row
+    # its standalone reproducer, run once by verify and linked from the report (spec/repro/)
+    assert (tmp_path / "planted-loss_mask_attention" / "repro" / "INV-MASK-001-padded.py").exists()
+    md = (tmp_path / "verify-planted-loss_mask_attention.md").read_text()
+    assert "](planted-loss_mask_attention/repro/INV-MASK-001-padded.py)" in md and "fails standalone (exit 1)" in md
 
 
 def test_verify_user_factory_engine(tmp_path: Path) -> None:

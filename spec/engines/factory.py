@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from ..protocol.engine import EngineUnderTest, Feature
+from ..protocol.engine import EngineUnderTest, Feature, ReproSnippet
 
 __all__ = ["FactoryEngine", "engine_from_path"]
 
@@ -55,6 +55,15 @@ class FactoryEngine(EngineUnderTest):
             return None
         return super().lacks(feature)
 
+    def repro_snippet(self, settings: Any) -> ReproSnippet | None:
+        """A user's engine follows verl's calling convention by definition: the reproducer imports it from its own
+        module and calls it as :meth:`make` does, with nothing of this suite (an engine object or class given as
+        ``module:attr`` included)."""
+        module, attr = (self.name.split(":", 1) + [""])[:2] if ":" in self.name else (None, None)
+        if not module:
+            return super().repro_snippet(settings)
+        return ReproSnippet(FACTORY_SNIPPET.format(module=module, attr=attr), requires=module.split(".")[0])
+
     def helper(self, name: str) -> Callable | None:
         try:
             probe = self.make()
@@ -77,3 +86,28 @@ def engine_from_path(path: str) -> EngineUnderTest:
         engine.built_by = (engine_from_path, (path,))  # its module does not pickle: a rank imports it again
         return engine
     raise TypeError(f"{path!r} is neither an EngineUnderTest, an engine class or object, nor a factory")
+
+
+#: a user's engine, imported from its own module and called as :meth:`FactoryEngine.make` calls it
+FACTORY_SNIPPET = """import importlib
+
+_MODULE = importlib.import_module({module!r})
+_TARGET = getattr(_MODULE, {attr!r})
+
+
+def make_engine(head, **settings):
+    settings = {{k: v for k, v in settings.items() if not (k == "sp_size" and v == 1)}}
+    if hasattr(_TARGET, "prepare_model_inputs") and not isinstance(_TARGET, type):  # an engine object
+        return _TARGET
+    if isinstance(_TARGET, type):  # an engine class
+        return _TARGET(**settings)
+    return _TARGET(head=head, **settings)
+
+
+def helper(name):
+    try:
+        probe = make_engine("lm")
+    except Exception:  # noqa: BLE001
+        probe = None
+    return getattr(probe, name, None) or getattr(_MODULE, name, None)
+"""

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import impl
 
-from ..protocol.engine import HELPERS, EngineUnderTest
+from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
 
 __all__ = ["ImplEngine"]
 
@@ -19,3 +19,21 @@ class ImplEngine(EngineUnderTest):
 
     def helper(self, name: str) -> Callable | None:
         return getattr(impl, name) if name in HELPERS else None
+
+    def repro_snippet(self, settings: Any) -> ReproSnippet | None:
+        """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""
+        if type(self) is not ImplEngine:
+            return super().repro_snippet(settings)
+        return ReproSnippet(IMPL_SNIPPET, requires="rl-ioprep (this project's impl/)", standalone=True)
+
+
+IMPL_SNIPPET = """import impl
+
+
+def make_engine(head, **settings):
+    return {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}[head](**settings)
+
+
+def helper(name):
+    return getattr(impl, name, None)
+"""

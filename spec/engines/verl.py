@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ..cases.structure import DISTILLATION_KEYS
 from ..protocol.known import KnownFailure, When
-from ..protocol.engine import HELPERS, EngineUnderTest
+from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key", "CANCELLATION", "SUM_PI_SQUARED_CANCELLATION"]
@@ -457,8 +457,65 @@ class VerlEngine(EngineUnderTest):
             return _with_dense_attention_mask(fn)
         return fn
 
+    def repro_snippet(self, settings: Any) -> ReproSnippet | None:
+        """The attribute setup of :meth:`make`, written out against verl's own classes (sequence parallelism
+        needs a process group: no standalone snippet). A subclass (VeOmni) keeps the default."""
+        if type(self) is not VerlEngine:
+            return super().repro_snippet(settings)
+        if int(settings.get("sp_size", 1) or 1) > 1:
+            return None
+        call = ("self.engine.prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)"
+                if self.caps.processor else "self.engine.prepare_model_outputs(output, output_args, micro_batch)")
+        bucket = ("    eng.pad_to_length = bool(pad_to_length)\n"
+                  "    eng.pad_to_length_bucket = int(pad_to_length) if pad_to_length else 1\n") if self.caps.bucket else ""
+        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket), requires=f"verl=={self.caps.version}")
+
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
+
+
+#: verl's FSDP engine object built as :meth:`VerlEngine.make` builds it, for a standalone reproducer
+VERL_SNIPPET = """import warnings
+from types import SimpleNamespace
+
+warnings.filterwarnings("ignore")
+from verl.utils import torch_functional as verl_F  # noqa: E402
+from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
+from verl.workers.utils import padding  # noqa: E402
+
+
+class _Engine:
+    \"\"\"verl's FSDP engine without its constructor (no model, no process group): only the attributes
+    prepare_model_inputs / prepare_model_outputs read are set.\"\"\"
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def prepare_model_inputs(self, micro_batch):
+        return self.engine.prepare_model_inputs(micro_batch)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        return {call}
+
+
+def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None):
+    cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
+    eng = object.__new__(cls)
+    eng.use_ulysses_sp = False
+    eng.ulysses_sequence_parallel_size = 1
+    eng.ulysses_parallel_group = None
+    chunk = entropy_chunk_size
+    eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
+                                        entropy_from_logits_chunk_size=int(chunk or 2048))
+    eng.compute_entropy_from_logits = verl_F.entropy_from_logits_with_chunking if chunk else verl_F.entropy_from_logits
+    eng.module = SimpleNamespace(config=SimpleNamespace())
+    eng.pass_packed_cu_seqlens = pass_cu_seqlens
+{bucket}    return _Engine(eng)
+
+
+def helper(name):
+    return getattr(padding, name, None)
+"""
 
 
 def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:

@@ -12,11 +12,12 @@ from .engine import (
     Feature,
     InputsView,
     OutputsView,
+    ReproSnippet,
     ShardLayout,
     verl_fsdp_view,
 )
 from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
+           "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
            "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]

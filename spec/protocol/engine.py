@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
+           "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
 
 
 class Feature(str, Enum):
@@ -164,6 +164,26 @@ class OutputsView:
     per_sequence: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ReproSnippet:
+    """How a standalone reproducer (``spec/repro``) builds and calls this engine: Python source that defines
+
+    * ``make_engine(head, **settings)``: an object with verl's FSDP calling convention
+      (``prepare_model_inputs(mb)``, ``prepare_model_outputs(output, output_args, mb, logits_processor_func)``);
+    * ``helper(name)``: the padding helper ``name`` (``no_padding_2_padding``, ...) or None;
+
+    and optionally ``view_inputs(model_inputs, output_args) -> dict`` (keys ``attention_mask``, ``labels``,
+    ``input_ids``, ``position_ids``: what the model got and the flat labels the output step scores) and ``view_outputs(outputs) -> dict``
+    (the contract's keys, nested over the full sequences) where the engine's convention is not verl's.
+
+    ``requires``: what to ``pip install`` besides torch and tensordict; ``standalone``: the code imports
+    nothing of this suite (False for the default, which imports the adapter itself)."""
+
+    code: str
+    requires: str = ""
+    standalone: bool = True
+
+
 def _itself(engine: "EngineUnderTest") -> "EngineUnderTest":
     return engine
 
@@ -249,6 +269,35 @@ class EngineUnderTest:
         (``log_probs``, ``entropy``, ...), each nested over the full sequences. The default takes the dict as
         it is (verl's convention); an engine returning another shape or other names maps it here."""
         return OutputsView(dict(outputs))
+
+    def repro_snippet(self, settings: Mapping[str, Any]) -> ReproSnippet | None:
+        """How a standalone reproducer builds this engine for ``settings`` (:class:`ReproSnippet`), or None
+        where it cannot (an engine object only a live process can rebuild). The default rebuilds the engine
+        under test from its :meth:`recipe` by import and goes through the adapter's own views, so it
+        imports the adapter (``standalone=False``); an adapter whose engine can be called without it
+        (impl, verl's FSDP engine) writes the calls out instead."""
+        build, args = self.recipe()
+        module, name = getattr(build, "__module__", None), getattr(build, "__qualname__", "")
+        if build is _itself or not module or "<" in name or "." in name:
+            return None
+        try:
+            literal = repr(tuple(args))
+            eval(literal, {})  # noqa: S307 - only literals may be written into the file
+        except Exception:  # noqa: BLE001 - arguments that are not literals: not reproducible by import
+            return None
+        code = (f"from {module} import {name} as _build\n"
+                f"_ENGINE = _build(*{literal})\n\n\n"
+                "def make_engine(head, **settings):\n"
+                "    return _ENGINE.make(head, **settings)\n\n\n"
+                "def helper(name):\n"
+                "    return _ENGINE.helper(name)\n\n\n"
+                "def view_inputs(model_inputs, output_args):\n"
+                "    view = _ENGINE.view_inputs(model_inputs, output_args)\n"
+                "    return {'attention_mask': view.attention_mask, 'labels': view.labels, 'input_ids': view.input_ids,\n"
+                "            'position_ids': view.position_ids}\n\n\n"
+                "def view_outputs(outputs):\n"
+                "    return _ENGINE.view_outputs(outputs).per_sequence\n")
+        return ReproSnippet(code, requires=module.split(".")[0], standalone=False)
 
     def __repr__(self) -> str:
         return f"<engine {self.name}>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
@@ -58,13 +59,20 @@ class Outcome:
     known: list[dict] = field(default_factory=list)
     #: further distinct failures hypothesis reported (each its own minimal case)
     other_failures: list[dict] = field(default_factory=list)
+    #: the shrunk counterexample itself (an EngineCase or DenseCase), for its reproducer (spec/repro); not in JSON
+    case: Any = field(default=None, repr=False, compare=False)
+    #: per known-failure record that fired: (the first case it excused, the message); not in JSON
+    known_cases: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def test_id(self) -> str:
         return f"{self.invariant}-{self.engine}-{self.mode}-{self.device}"
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "test_id": self.test_id}
+        data = asdict(self)
+        data.pop("case", None)
+        data.pop("known_cases", None)
+        return {**data, "test_id": self.test_id}
 
 
 def instances(infos=None) -> list[tuple[InvariantInfo, str]]:
@@ -131,6 +139,7 @@ def _mark(exc: BaseException, case, kind: str) -> None:
     comes from its last replay, the minimal example, so its case is the shrunk counterexample."""
     try:
         exc._spec_case = repr(case)  # type: ignore[attr-defined]
+        exc._spec_case_obj = case  # type: ignore[attr-defined]
         exc._spec_kind = kind  # type: ignore[attr-defined]
     except (AttributeError, TypeError):
         pass
@@ -198,7 +207,10 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
 
     def matching(candidates, case, exc):
         current[-1][1] = True  # every exception of a check passes through here
-        return match_record(candidates, case, exc)
+        record = match_record(candidates, case, exc)
+        if record is not None and record.key not in outcome.known_cases:  # its first case, for a reproducer
+            outcome.known_cases[record.key] = (case, _one_line(exc))
+        return record
 
     def body(case):
         state["n"] += 1
@@ -281,6 +293,7 @@ def _record_failure(outcome: Outcome, exc: BaseException) -> None:
     first, *rest = marked
     outcome.status = first._spec_kind  # type: ignore[attr-defined]
     outcome.counterexample = first._spec_case  # type: ignore[attr-defined]
+    outcome.case = getattr(first, "_spec_case_obj", None)
     outcome.error = _message(first, outcome.status)
     outcome.other_failures = [{"status": e._spec_kind, "counterexample": e._spec_case,  # type: ignore[attr-defined]
                                "error": _message(e, e._spec_kind)} for e in rest]  # type: ignore[attr-defined]

@@ -1,0 +1,67 @@
+"""A case's micro-batch as data a standalone file rebuilds with plain torch and tensordict.
+
+Each nested tensor becomes its values (flat list, dtype, shape), its offsets and its ragged dim; a micro-batch
+split from a mini-batch (``case.split_view``) is rebuilt as the same view into a bigger buffer. Flags become
+plain values (``pad_mode`` its string; the file wraps it in a ``str`` Enum as verl's ``DatasetPadMode`` is).
+The case's structure (lengths, temperatures, flags, settings) goes with it: what the file's reference and
+hand-off read.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+
+from ..cases.materialize import materialize
+from ..cases.structure import EngineCase
+
+__all__ = ["batch_data", "case_data", "INLINE_LIMIT"]
+
+#: up to this many tensor elements per run the values are written into the file; beyond, into a .pt beside it
+INLINE_LIMIT = 4096
+
+
+def case_data(case: EngineCase) -> dict[str, Any]:
+    """What the file's hand-off and reference read of the case (plain Python values)."""
+    return {
+        "prompt_lens": list(case.prompt_lens), "response_lens": list(case.response_lens),
+        "seq_lens": list(case.seq_lens), "total_nnz": case.total_nnz, "batch_size": case.batch_size,
+        "vocab": case.vocab, "seed": int(case.seed), "logits_dtype": case.logits_dtype, "head": case.head,
+        "temperatures": [float(t) for t in case.temperatures()], "use_remove_padding": case.use_remove_padding,
+        "calculate_entropy": case.calculate_entropy, "calculate_sum_pi_squared": case.calculate_sum_pi_squared,
+        "distillation_keys": list(case.distillation_keys), "distillation_use_topk": case.distillation_use_topk,
+        "distillation_only": case.distillation_only, "use_fused_kernels": case.use_fused_kernels,
+        "topk": case.topk, "sp_size": case.sp_size, "pad_to_length": case.pad_to_length,
+        "pass_cu_seqlens": case.pass_cu_seqlens, "entropy_chunk_size": case.entropy_chunk_size,
+        "response_width": case.response_width, "split_view": case.split_view,
+    }
+
+
+def _plain(value: Any) -> Any:
+    value = getattr(value, "data", value)
+    return value.value if isinstance(value, Enum) else value
+
+
+def batch_data(case: EngineCase) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
+    """``(data, tensors, elements)``: ``data`` describes every key of the case's micro-batch (nested: dtype,
+    shape of the values, offsets, ragged dim; dense: dtype and shape; flags: the value), ``tensors`` holds the
+    values by key, ``elements`` counts them (the writer inlines them below :data:`INLINE_LIMIT`)."""
+    td = materialize(case, "cpu")
+    data: dict[str, Any] = {"nested": {}, "dense": {}, "flags": {}}
+    tensors: dict[str, torch.Tensor] = {}
+    for key in td.keys():
+        value = td.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            values = value.values().contiguous()
+            data["nested"][key] = {"dtype": str(values.dtype).removeprefix("torch."), "shape": list(values.shape),
+                                   "offsets": value.offsets().tolist(),
+                                   "ragged_dim": int(getattr(value, "_ragged_idx", 1))}
+            tensors[key] = values
+        elif isinstance(value, torch.Tensor):
+            data["dense"][key] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
+            tensors[key] = value.contiguous()
+        else:
+            data["flags"][key] = _plain(value)
+    return data, tensors, sum(t.numel() for t in tensors.values())

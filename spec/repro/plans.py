@@ -1,0 +1,130 @@
+"""Which checks a reproducer runs for a failed invariant, and on which runs of the case.
+
+A reproducer states the invariant's consumer-visible property as checks on one or more runs of the
+shrunk case (the case itself, plus the variants a run-vs-run invariant compares it with). Every run is
+checked against the float64 reference written out in the file, so a run-vs-run invariant (packed vs
+padded, a permutation, halves, a float vs a tensor temperature, sequence parallelism, a bucket, chunking)
+becomes "each of the runs equals the reference": where the two runs disagree, one of them is wrong.
+
+Checks (their code is in :mod:`.templates`): ``keys`` (the output keys the flags ask for), ``values``
+(every output against the reference, per token, within the oracle's tolerance), ``float32`` (the
+outputs' dtype), ``mask`` (padded attention mask: n_i leading ones, int32, ``(B, max n)``), ``labels``
+(each packed token's label is the next token of its sequence), ``inputs`` (the ids and positions the model is
+handed hold each sample's own, packed or padded), ``unchanged`` (the micro-batch, the
+model's logits and ``output_args`` are left as they were), ``slice`` (``no_padding_2_padding`` of the
+log-probs against the reference's response slice).
+
+Invariants without a plan have no standalone reproducer: the file written for them says so, and the
+report lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..cases.structure import EngineCase
+
+__all__ = ["Plan", "plan_for", "PLANS"]
+
+#: a variant: (label, the case of the run) from the shrunk case
+Variant = Callable[[EngineCase], list[tuple[str, EngineCase]]]
+
+
+def _alone(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    return [("the case", case)]
+
+
+def _both_modes(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    return [("packed", case.with_(use_remove_padding=True)),
+            ("padded", case.with_(use_remove_padding=False, sp_size=1, pad_to_length=None))]
+
+
+def _float_and_tensor(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    temps = case.temperatures()
+    runs = [("the case", case)]
+    if len(set(temps)) == 1:
+        other = case.with_(temperature=temps) if not case.per_sample_temperature else case.with_(temperature=temps[0])
+        runs.append(("the same temperature as a (B,) tensor" if not case.per_sample_temperature
+                     else "the same temperature as a float", other))
+    return runs
+
+
+def _doubled(case: EngineCase) -> EngineCase:
+    if case.batch_size > 1:
+        return case
+    temperature = case.temperature * 2 if isinstance(case.temperature, tuple) else case.temperature
+    return case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2, temperature=temperature)
+
+
+def _permuted(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    case = _doubled(case)
+    rows = list(range(case.batch_size))[::-1]
+    return [("the case", case), (f"its samples in the order {rows}", case.subset(rows))]
+
+
+def _halves(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    case = _doubled(case)
+    half = case.batch_size // 2
+    first, second = list(range(half)), list(range(half, case.batch_size))
+    return [("the case", case), (f"samples {first} alone", case.subset(first)),
+            (f"samples {second} alone", case.subset(second))]
+
+
+def _sp(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    return [(f"sp={max(case.sp_size, 2)}", case.with_(sp_size=max(case.sp_size, 2))), ("sp=1", case.with_(sp_size=1))]
+
+
+def _bucket(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    bucket = case.pad_to_length or case.total_nnz + 3
+    return [(f"bucket={bucket}", case.with_(pad_to_length=bucket)), ("no bucket", case.with_(pad_to_length=None))]
+
+
+def _chunked(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    chunk = case.entropy_chunk_size or 2
+    return [(f"entropy chunk size {chunk}", case.with_(entropy_chunk_size=chunk)),
+            ("no chunking", case.with_(entropy_chunk_size=None))]
+
+
+@dataclass(frozen=True)
+class Plan:
+    checks: tuple[str, ...]
+    runs: Variant = _alone
+    #: what fills the padded logit slots and the packed tail (the suite's poisons)
+    poison: str = "nan"
+
+
+VALUES = Plan(("keys", "values"))
+
+#: invariant ID -> its plan (an ID missing here has no standalone reproducer)
+PLANS: dict[str, Plan] = {
+    **{inv: VALUES for inv in ("INV-VAL-001", "INV-VAL-002", "INV-VAL-003", "INV-VAL-004", "INV-VAL-005",
+                               "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-KEYS-001", "INV-LEAK-001",
+                               "INV-LAYOUT-001")},
+    "INV-LEAK-002": Plan(("keys", "values"), poison="huge"),
+    "INV-DEV-001": Plan(("keys", "values", "float32")),
+    "INV-KEYS-002": Plan(("keys", "values"), _both_modes),
+    "INV-KEYS-003": Plan(("keys", "values"), _both_modes),
+    "INV-TEMP-002": Plan(("keys", "values"), _float_and_tensor),
+    "INV-BATCH-001": Plan(("keys", "values"), _permuted),
+    "INV-BATCH-002": Plan(("keys", "values"), _halves),
+    "INV-SP-001": Plan(("keys", "values"), _sp),
+    "INV-SP-002": Plan(("keys", "values"), _bucket),
+    "INV-CHUNK-001": Plan(("keys", "values"), _chunked),
+    "INV-MASK-001": Plan(("mask", "keys", "values")),
+    "INV-MASK-002": Plan(("mask",)),
+    "INV-MASK-003": Plan(("mask", "keys", "values")),
+    "INV-LABEL-001": Plan(("labels", "keys", "values")),
+    "INV-INPUT-001": Plan(("inputs", "keys", "values")),
+    "INV-POS-001": Plan(("inputs", "keys", "values")),
+    "INV-POS-002": Plan(("inputs", "keys", "values")),
+    "INV-MUT-001": Plan(("unchanged",)),
+    "INV-MUT-002": Plan(("unchanged",)),
+    "INV-MUT-004": Plan(("unchanged",)),
+    "INV-SLICE-001": Plan(("slice",)),
+    "INV-SLICE-002": Plan(("slice", "keys", "values")),
+}
+
+
+def plan_for(invariant: str) -> Plan | None:
+    return PLANS.get(invariant)

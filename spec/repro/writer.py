@@ -1,0 +1,176 @@
+"""Writes a standalone reproducer for each failed outcome, and runs it once to say whether it reproduces.
+
+``reports/<engine>/repro/<INV-ID>-<mode>.py``: the shrunk case's micro-batch (inline, or a ``.pt`` beside the
+file when large), the engine built and called as its adapter does (:meth:`EngineUnderTest.repro_snippet`), the
+suite's stand-in model and hand-off written out, a float64 reference, and the invariant's checks
+(:mod:`.plans`). It exits 1 printing got vs expected at the first wrong position, 0 when correct. An invariant
+without a plan, or an engine without a snippet for the case's settings, gets a file that says what it
+cannot reproduce standalone and exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pprint
+import runpy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cases.structure import EngineCase
+from ..execute.handoff import _settings
+from ..protocol.engine import EngineUnderTest, ReproSnippet
+from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .plans import Plan, plan_for
+from .templates import PREAMBLE, RUNTIME, suite_blocks
+
+__all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
+
+
+@dataclass
+class Reproducer:
+    invariant: str
+    mode: str
+    path: Path
+    #: "reproduces" (exit 1), "passes" (exit 0: the failure does not show standalone), "not standalone" (no
+    #: plan or no snippet: exit 2), "error" (the file itself failed)
+    status: str
+    detail: str = ""
+    standalone: bool = True  # imports nothing of the suite
+    known: bool = False  # written for a known failure (the verdict excused it)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"invariant": self.invariant, "mode": self.mode, "path": str(self.path), "status": self.status,
+                "detail": self.detail, "standalone": self.standalone, "known": self.known}
+
+
+def safe_name(engine: str) -> str:
+    return engine.replace(":", "-").replace("/", "-")
+
+
+def _settings_of(case: EngineCase) -> dict[str, Any]:
+    """The engine settings of ``case`` (rank 0's, without the all-gather seam), as the harness passes them."""
+    settings = {k: v for k, v in _settings(case.with_(sp_size=1), 0, None).items()}
+    settings["sp_size"] = case.sp_size
+    return settings
+
+
+def _header(invariant: str, mode: str, engine: str, title: str, case: Any, error: str | None,
+            snippet: ReproSnippet | None) -> str:
+    needs = "pip install torch tensordict" + (f" {snippet.requires}" if snippet and snippet.requires else "")
+    lines = [f"Reproducer: {invariant} ({mode}) on engine {engine}.", "", title, "",
+             f"Shrunk case: {case!r}", f"What the suite saw: {error or '?'}", "",
+             f"Needs: {needs}" + ("" if snippet is None or snippet.standalone else
+                                  "  (and this suite: the engine has no standalone snippet, its adapter is imported)"),
+             "Exit 1: the engine is wrong on this case (got vs expected printed); 0: it is right; 2: not reproducible "
+             "standalone.", "Written by `python -m spec verify` (spec/repro/); edit freely."]
+    return '"""' + "\n".join(line.replace('"""', "'''").replace("\\", "\\\\") for line in lines) + '\n"""\n'
+
+
+def _unsupported(header: str, why: str) -> str:
+    return header + f"import sys\n\nprint({('NOT STANDALONE: ' + why)!r})\nsys.exit(2)\n"
+
+
+def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnderTest, case: Any,
+                     title: str = "", error: str | None = None) -> tuple[Path, str | None]:
+    """Write the reproducer of ``invariant``'s failure on ``case``; returns ``(path, why not standalone)``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan = plan_for(invariant)
+    snippet = engine.repro_snippet(_settings_of(case)) if isinstance(case, EngineCase) else None
+    header = _header(invariant, mode, engine.name, title, case, error, snippet)
+    why = None
+    if not isinstance(case, EngineCase):
+        why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
+    elif plan is None:
+        why = (f"{invariant} has no standalone check in spec/repro/plans.py; rerun it with `python -m spec verify "
+               f"--engine {engine.name} --only {invariant}`")
+    elif snippet is None:
+        why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
+    if why:
+        path.write_text(_unsupported(header, why))
+        return path, why
+    path.write_text(_source(header, invariant, plan, snippet, case, path))
+    return path, None
+
+
+def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path) -> str:
+    runs, heavy = [], {}
+    for label, variant in plan.runs(case):
+        data, tensors, elements = batch_data(variant)
+        inline = elements <= INLINE_LIMIT
+        values = {k: v.tolist() for k, v in tensors.items()} if inline else None
+        if not inline:
+            heavy[label] = tensors
+        runs.append({"label": label, "case": case_data(variant), "data": data, "values": values})
+    pt = path.with_suffix(".pt")
+    if heavy:
+        torch.save(heavy, pt)
+    elif pt.exists():
+        pt.unlink()
+    return "\n".join([
+        header, PREAMBLE,
+        "# ---- engine under test (begin) ----", snippet.code.strip(), "# ---- engine under test (end) ----", "",
+        suite_blocks(),
+        f"INVARIANT = {invariant!r}", f"CHECK_NAMES = {list(plan.checks)!r}", f"POISON = {plan.poison!r}",
+        "RUNS = " + pprint.pformat(runs, width=120, sort_dicts=False), "",
+        RUNTIME])
+
+
+def run_reproducer(path: Path) -> tuple[int, str]:
+    """Run a written reproducer in this process (torch and the engine are imported already): its exit code and
+    what it printed."""
+    out = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Exception as exc:  # noqa: BLE001 - a broken reproducer is reported, not raised
+            print(f"reproducer error: {type(exc).__name__}: {exc}")
+            code = 3
+    return code, out.getvalue().strip()
+
+
+def _targets(outcomes: list[Any], known: bool) -> list[tuple[Any, str, Any, str | None, str]]:
+    """(outcome, file stem, case, what the suite saw, label) for every failed outcome, and with ``known`` for the
+    first case each known-failure record excused (a known failure is a failure too: it gets its reproducer)."""
+    out = []
+    for o in outcomes:
+        if o.status == "fail":
+            out.append((o, f"{o.invariant}-{o.mode}", getattr(o, "case", None), o.error, ""))
+        if known:
+            for n, (key, (case, message)) in enumerate(sorted(getattr(o, "known_cases", {}).items(),
+                                                              key=lambda kv: kv[0])):
+                out.append((o, f"{o.invariant}-{o.mode}-known{n + 1 if n else ''}", case, message,
+                            f"known failure {key}"))
+    return out
+
+
+def write_reproducers(outcomes: list[Any], engine: EngineUnderTest, folder: Path, *,
+                      titles: dict[str, str] | None = None, check: bool = True,
+                      known: bool = False) -> list[Reproducer]:
+    """A reproducer for every failed outcome (status ``fail``) with its shrunk case, and with ``known`` one per
+    known-failure record that fired (its first excused case, not shrunk); each run once when ``check`` to record
+    whether it reproduces standalone."""
+    made = []
+    for o, stem, case, error, label in _targets(outcomes, known):
+        path = folder / f"{stem}.py"
+        title = (titles or {}).get(o.invariant, "") + (f" [{label}]" if label else "")
+        path, why = write_reproducer(path, invariant=o.invariant, mode=o.mode, engine=engine, case=case,
+                                     title=title, error=error)
+        snippet_standalone = "(and this suite" not in path.read_text()
+        if why:
+            made.append(Reproducer(o.invariant, o.mode, path, "not standalone", why, snippet_standalone, bool(label)))
+            continue
+        if not check:
+            made.append(Reproducer(o.invariant, o.mode, path, "written", "", snippet_standalone, bool(label)))
+            continue
+        code, printed = run_reproducer(path)
+        status = {1: "reproduces", 0: "passes"}.get(code, "error")
+        last = printed.splitlines()[-1] if printed else ""
+        made.append(Reproducer(o.invariant, o.mode, path, status, last, snippet_standalone, bool(label)))
+    return made
