@@ -31,7 +31,7 @@ def detects(bug: PlantedBug, profile: str, seed: int | None = None) -> str | Non
         info = CATALOGUE[inv]
         for mode in info.modes:
             outcome = run_invariant(info, engine, mode, "cpu", profile=profile, shrink=False, seed=seed)
-            if outcome.status == "fail" and (outcome.error or "").startswith("AssertionError"):
+            if outcome.rejected_by_check:
                 return f"{inv}/{mode}"
     return None
 
