@@ -26,7 +26,7 @@ from typing import Callable
 
 from .invariants import CATALOGUE
 from .planted import PLANTED
-from .runner import instances
+from .run.runner import instances
 
 __all__ = ["ROOT", "BLOCKS", "FILES", "blocks_in", "render", "stale", "main"]
 

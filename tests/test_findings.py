@@ -2,7 +2,7 @@
 
 * INV-FLAG-003 tries every one of its bad flag values, not one picked by ``seed % 24`` (under ``ci`` four were
   never drawn): an engine that silently accepts any single one of them is rejected.
-* INV-SET-001 counts only the engine's own exception as a rejection (``spec/attribution.py``), never the
+* INV-SET-001 counts only the engine's own exception as a rejection (``spec/execute/attribution.py``), never the
   suite's (it caught ``except Exception``).
 * INV-MASK-004's message states the mask expected at the width asked for, not at the width that came back.
 * An ``AssertionError`` raised inside the engine is the engine's (``engine raised AssertionError: ...``), never
@@ -16,13 +16,13 @@ import re
 import pytest
 
 import impl
-from spec.attribution import suite_side
+from spec.execute.attribution import suite_side
 from spec.detection import detects
-from spec.impl_engine import ImplEngine
+from spec.engines.impl import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.invariants.settings import BAD_FLAGS, FLAG_DEFAULTS
 from spec.planted import PlantedBug, PlantedEngine, planted_engine
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 
 
 def _accepting(key: str, bad) -> type:

@@ -42,7 +42,7 @@ def test_what_one_test_saves_the_next_does_not_see() -> None:
     first.save(KEY, b"saved by an earlier test")
     # what conftest.py's fixture does before every test
     from conftest import PROFILE
-    from spec.profiles import use_database
+    from spec.run.profiles import use_database
 
     use_database(InMemoryExampleDatabase(), PROFILE)
     for name in ("default", "ci"):
@@ -51,7 +51,7 @@ def test_what_one_test_saves_the_next_does_not_see() -> None:
 
 def test_subprocesses_get_a_fresh_in_memory_database() -> None:
     assert os.environ["SPEC_EXAMPLE_DB"] == ":memory:"
-    code = ("from hypothesis import settings; import spec.profiles; "
+    code = ("from hypothesis import settings; import spec.run.profiles; "
             "print(type(settings.get_profile('default').database._db).__name__)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
@@ -62,7 +62,7 @@ def test_profiles_do_not_inherit_hypothesis_ci_profile() -> None:
     """With ``CI`` set, hypothesis loads its own derandomized ``ci`` profile at import; the suite's ``default``,
     ``dev`` and ``thorough`` profiles stay random (a nightly ``thorough`` run on GitHub, where ``CI=true``, must
     draw new cases), and only the suite's ``ci`` profile is derandomized."""
-    code = ("from hypothesis import settings; import spec.profiles; "
+    code = ("from hypothesis import settings; import spec.run.profiles; "
             "print(*[settings.get_profile(n).derandomize for n in ('default', 'dev', 'thorough', 'ci')])")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CI": "true", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
@@ -70,7 +70,7 @@ def test_profiles_do_not_inherit_hypothesis_ci_profile() -> None:
 
 
 def test_the_default_directory_follows_hypothesis_storage_directory(tmp_path: Path) -> None:
-    code = "from spec.database import example_database; print(example_database('').path)"
+    code = "from spec.run.database import example_database; print(example_database('').path)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore",
            "HYPOTHESIS_STORAGE_DIRECTORY": str(tmp_path / "store")}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)

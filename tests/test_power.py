@@ -15,7 +15,7 @@ CASES = [(bug, inv) for bug in PLANTED.values() for inv in bug.caught_by]
 def rejected_by_check(outcome) -> bool:
     """A rejection is a failed check (an assertion the invariant makes) with its counterexample: not the engine
     raising (``engine raised ...``, an ``assert`` inside the engine included) nor a suite error
-    (:attr:`spec.runner.Outcome.rejected_by_check`)."""
+    (:attr:`spec.run.runner.Outcome.rejected_by_check`)."""
     return outcome.rejected_by_check
 
 
