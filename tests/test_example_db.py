@@ -5,7 +5,7 @@ planted bug and saves it; worker 2, under the derandomized ``ci`` profile, repla
 and only case, through a read-only view that leaves the database unchanged. A control ``ci``
 run on an empty database needs many cases to find the same bug, so the replay is what made it
 immediate. The test runs on a directory database always, and on a real Redis server when one can
-be had: ``$SPEC_TEST_REDIS_URL`` (``.ci/run`` starts one), else a ``redis-server`` it starts and
+be had: ``$SPEC_TEST_REDIS_URL`` (the GitHub workflow's Redis service), else a ``redis-server`` it starts and
 stops itself; without either it skips the Redis run and says so.
 """
 
