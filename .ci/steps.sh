@@ -16,8 +16,6 @@ cd "$(dirname "$0")/.."
 export CI="${CI:-true}"          # selects the `ci` hypothesis profile (derandomized)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 
-C="-c constraints-torch.txt"
-
 # name            the bash it runs (one line each; order matters for .ci/run only where a note says so)
 STEPS=(
 "tests            venv ci && with_redis && pip install torch==2.13.0 -e '.[test]' && pytest -n auto"
@@ -33,7 +31,7 @@ venv() {  # venv NAME [PIP ARGS...]: .venv-NAME with torch 2.13.0 (CPU) and the 
     . ".venv-$name/bin/activate"
     python -m pip install -q --upgrade pip
     python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple}
-    if [ "$#" -gt 0 ]; then python -m pip install -q $C "$@"; fi
+    if [ "$#" -gt 0 ]; then python -m pip install -q -c constraints-torch.txt "$@"; fi
 }
 
 with_redis() {  # a redis-server binary for tests/test_example_db.py's Redis run, unless CI gives a server
