@@ -60,7 +60,7 @@ def test_subprocesses_get_a_fresh_in_memory_database() -> None:
 
 def test_profiles_do_not_inherit_hypothesis_ci_profile() -> None:
     """With ``CI`` set, hypothesis loads its own derandomized ``ci`` profile at import; the suite's ``default``,
-    ``dev`` and ``thorough`` profiles stay random (a nightly ``thorough`` run on GitHub, where ``CI=true``, must
+    ``dev`` and ``thorough`` profiles stay random (a ``thorough`` or ``default`` run on GitHub, where ``CI=true``, must
     draw new cases), and only the suite's ``ci`` profile is derandomized."""
     code = ("from hypothesis import settings; import spec.run.profiles; "
             "print(*[settings.get_profile(n).derandomize for n in ('default', 'dev', 'thorough', 'ci')])")

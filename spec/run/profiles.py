@@ -2,12 +2,14 @@
 
 Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
-is caught on every run; ``thorough`` is the nightly CPU job's (ten times ``ci``'s examples, so ten
+is caught on every run; ``thorough`` is for a long run by hand (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
-spec/cases/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+spec/cases/strategies.py; no workflow runs it); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+Every profile derives from hypothesis's own defaults, not from whatever profile hypothesis loaded at import.
 
 The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/run/database.py``): derandomized
 profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
+:func:`use_database` swaps it for every profile (the project's tests give each test an empty one).
 """
 
 from __future__ import annotations
