@@ -86,3 +86,17 @@ def test_no_hand_written_test_counts() -> None:
     hits += [f"{f}:{i}" for f in ("README.md",) for i, line in enumerate(_read(f).splitlines(), 1)
              if count.search(line)]
     assert not hits, hits
+
+
+def test_the_planted_table_names_the_invariants_that_claim_each_bug() -> None:
+    """spec/README.md's planted-bug table: its counterexamples are measured (``spec verify --engine planted:...``),
+    but its "rejected by" column is the registry's ``caught_by`` and must stay so."""
+    from spec.planted import PLANTED
+
+    section = _read("spec/README.md").split("## Planted bugs and their shrunk counterexamples", 1)[1].split("\n## ")[0]
+    rows = {m.group(1): m.group(2) for line in section.splitlines()
+            if (m := re.match(r"^\| `([a-z0-9_]+)` \| .*? \| ((?:INV-[A-Z]+-\d{3}(?:, )?)+) \| ", line))}
+    assert rows and set(rows) <= set(PLANTED), sorted(set(rows) - set(PLANTED))
+    wrong = {name: (listed, ", ".join(PLANTED[name].caught_by)) for name, listed in rows.items()
+             if listed != ", ".join(PLANTED[name].caught_by)}
+    assert not wrong, f"rejected-by column differs from caught_by: {wrong}"
