@@ -12,7 +12,15 @@ import os
 import pytest
 import torch
 
-from spec.run.profiles import load_profile
+# Every test measures on its own empty example database (never the working directory's, never one a user
+# configured): subprocesses a test starts get a fresh in-memory one each (unless the test names another),
+# and each test in this process gets a fresh one (the fixture below). Replay of a shared database is
+# tested explicitly (tests/test_example_db.py, tests/test_fuzz.py) on databases those tests create.
+os.environ["SPEC_EXAMPLE_DB"] = ":memory:"
+
+from hypothesis.database import InMemoryExampleDatabase  # noqa: E402
+
+from spec.run.profiles import load_profile, use_database  # noqa: E402
 
 PROFILE = load_profile()
 
@@ -61,6 +69,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("instance", params, ids=ids)
     elif "device" in metafunc.fixturenames:
         metafunc.parametrize("device", device_names(config))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_example_database() -> None:
+    """A fresh, empty in-memory example database for every test (see the top of this file)."""
+    use_database(InMemoryExampleDatabase(), PROFILE)
 
 
 @pytest.fixture(autouse=True)

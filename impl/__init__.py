@@ -1,6 +1,6 @@
 """A standalone, vectorised implementation of an RL engine's model input/output preparation.
 
-See ``shared/CONTRACT.md`` for the contract; ``LMHeadEngine`` and ``ValueHeadEngine`` are
+See ``docs/contract.md`` for the contract; ``LMHeadEngine`` and ``ValueHeadEngine`` are
 drop-ins for verl's FSDP engines' ``prepare_model_inputs``/``prepare_model_outputs``.
 """
 

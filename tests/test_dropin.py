@@ -3,7 +3,7 @@
 Each class is a batch shape verl's own CPU tests of ``verl.workers.utils.padding`` or verl's
 trainer feed the helpers, built here from its description (nothing is copied from verl). For
 each, impl either returns verl's result (compared bit for bit in the same process when verl is
-importable: ``tox -e verl091``, or ``. /work/venv-verl/bin/activate; PYTHONPATH=$PWD pytest
+importable: ``tox -e verl091`` (``.ci/steps.sh verl091``), or ``. .venv-verl/bin/activate; PYTHONPATH=$PWD pytest
 tests/test_dropin.py``) or raises / warns as docs/verl-differences.md says. Without verl the
 comparisons skip; the expectations computed here from the dense tensors still run.
 """

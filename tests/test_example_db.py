@@ -5,7 +5,7 @@ planted bug and saves it; worker 2, under the derandomized ``ci`` profile, repla
 and only case, through a read-only view that leaves the database unchanged. A control ``ci``
 run on an empty database needs many cases to find the same bug, so the replay is what made it
 immediate. The test runs on a directory database always, and on a real Redis server when one can
-be had: ``$SPEC_TEST_REDIS_URL`` (``.ci/run`` starts one), else a ``redis-server`` it starts and
+be had: ``$SPEC_TEST_REDIS_URL`` (the GitHub workflow's Redis service), else a ``redis-server`` it starts and
 stops itself; without either it skips the Redis run and says so.
 """
 
@@ -18,10 +18,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from hypothesis import Verbosity
+from hypothesis.configuration import storage_directory
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
 from spec.run.database import DatabaseUnavailable, KeepFailures, check_reachable, example_database, replay_database
@@ -44,29 +47,63 @@ def worker(profile: str, database: str, seed: int | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def free_port() -> int:
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port nothing listens on while the block runs: bound here (so no other process can take it)
+    but never listening, so a connection to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def _fresh_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _wait_for_redis(url: str, seconds: float = 15.0) -> None:
+def start_redis(binary: str, attempts: int = 5) -> tuple[subprocess.Popen, str]:
+    """A redis-server of one's own on a free loopback port, and its URL.
+
+    Redis cannot be asked for port 0 (0 turns its TCP listener off), so a port is picked, and if another
+    process took it before redis bound it (redis exits), the start is retried on a fresh port."""
     import redis
 
-    client, until = redis.Redis.from_url(url), time.time() + seconds
+    for _ in range(attempts):
+        port = _fresh_port()
+        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no", "--daemonize", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url, until = f"redis://127.0.0.1:{port}/0", time.monotonic() + 30
+        client = redis.Redis.from_url(url, socket_connect_timeout=1)
+        while proc.poll() is None and time.monotonic() < until:
+            try:
+                client.ping()
+                return proc, url
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        proc.terminate()
+        proc.wait(timeout=15)
+    raise RuntimeError(f"redis-server did not start on a free port in {attempts} attempts")
+
+
+def _wait_for_redis(url: str, seconds: float = 30.0) -> None:
+    import redis
+
+    client, until = redis.Redis.from_url(url), time.monotonic() + seconds
     while True:
         try:
             client.ping()
             return
         except redis.ConnectionError:
-            if time.time() > until:
+            if time.monotonic() > until:
                 raise
             time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
 def redis_url():
-    """A Redis database: .ci/run's server ($SPEC_TEST_REDIS_URL), else one started (and stopped) here."""
+    """A Redis database: $SPEC_TEST_REDIS_URL (CI's service container), else one started (and stopped) here."""
     pytest.importorskip("redis", reason="the redis package is not installed (pip install -e '.[test]')")
     import redis
 
@@ -77,10 +114,7 @@ def redis_url():
         if binary is None:
             pytest.skip("redis-server not installed (apt-get install redis-server): "
                         "only the directory-database run of the two-worker replay test ran")
-        url = f"redis://127.0.0.1:{free_port()}/0"
-        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", url.rsplit(":", 1)[1].split("/")[0],
-                                 "--save", "", "--appendonly", "no", "--daemonize", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc, url = start_redis(binary)
     try:
         _wait_for_redis(url)
         redis.Redis.from_url(url).flushdb()
@@ -144,7 +178,9 @@ def test_setting_selects_the_database(tmp_path: Path) -> None:
     configured.save(b"k", b"v")
     configured.delete(b"k", b"v")  # a configured (shared) database never loses a saved failure
     assert list(configured.fetch(b"k")) == [b"v"]
-    assert example_database("").path == Path(".hypothesis/examples")
+    # hypothesis's own directory, as its settings give it ($HYPOTHESIS_STORAGE_DIRECTORY honoured)
+    assert example_database("").path == storage_directory("examples", intent_to_write=False).path
+    assert isinstance(example_database(":memory:"), KeepFailures) and not list(example_database(":memory:").fetch(b"k"))
     assert example_database("none") is None and replay_database("none") is None
     view = replay_database(str(tmp_path / "absent"))
     assert isinstance(view, ReadOnlyDatabase) and list(view.fetch(b"k")) == []
@@ -164,11 +200,12 @@ def test_unreachable_redis_never_breaks_a_ci_run() -> None:
     pytest.importorskip("redis", reason="the redis package is not installed")
     from hypothesis.extra.redis import RedisExampleDatabase
 
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    writer = example_database(url)
-    assert isinstance(writer, KeepFailures) and isinstance(writer._db, RedisExampleDatabase)
-    with pytest.raises(DatabaseUnavailable, match="unreachable"):
-        check_reachable(writer)
-    reader = replay_database(url)
-    with pytest.warns(UserWarning, match="unreadable"):
-        assert list(reader.fetch(b"key")) == []
+    with closed_port() as port:
+        url = f"redis://127.0.0.1:{port}/0"  # bound by this test, listening nowhere
+        writer = example_database(url)
+        assert isinstance(writer, KeepFailures) and isinstance(writer._db, RedisExampleDatabase)
+        with pytest.raises(DatabaseUnavailable, match="unreachable"):
+            check_reachable(writer)
+        reader = replay_database(url)
+        with pytest.warns(UserWarning, match="unreadable"):
+            assert list(reader.fetch(b"key")) == []

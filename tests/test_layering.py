@@ -25,7 +25,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("execute", ("spec.execute",), ("protocol", "truth", "cases")),
     ("invariants", ("spec.invariants",), ("protocol", "truth", "cases", "execute")),
     ("run", ("spec.run",), ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants")),
-    ("faces", ("spec.__main__", "spec.report", "spec.fuzz", "spec.detection", "spec.pytest_plugin", "spec.repro"),
+    ("faces", ("spec.__main__", "spec.report", "spec.fuzz", "spec.detection", "spec.docs", "spec.pytest_plugin",
+               "spec.repro"),
      ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants", "run")),
 )
 

@@ -2,11 +2,13 @@
 
 Worked cases with hand-checkable structure; failures of a rank (exception, crash, hang) must
 fail the call in bounded time with that rank's traceback; the CUDA (nccl) path skips without GPUs.
+
+"Bounded time" is asserted by what the failure says, never by a wall clock (which would include process
+start-up and imports on a loaded machine): an exception or a crash on one rank must come back as that
+exception or as "died", not as the task timeout's "did not answer"; a hung rank as the timeout it was given.
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -68,28 +70,24 @@ def own_pool():
 
 
 def test_an_error_on_one_rank_does_not_hang_the_others(own_pool) -> None:
-    start = time.monotonic()
+    # the other rank waits in a collective: without the error being shared it would hit the 60 s task timeout
+    # and come back as a RankFailure ("did not answer"), not as rank one's ValueError
     with pytest.raises(ValueError, match="rank one refuses") as info:
         ranks.execute(RAISE, SEED.with_(sp_size=2), timeout=60, workers=own_pool)
-    assert time.monotonic() - start < 30
     assert any("rank_engines.py" in note and "in misbehave" in note for note in info.value.__notes__)
 
 
 def test_a_crashed_rank_fails_in_bounded_time_with_its_traceback(own_pool) -> None:
-    start = time.monotonic()
-    with pytest.raises(ranks.RankFailure, match=r"rank\(s\) \[1\] died") as info:
+    with pytest.raises(ranks.RankFailure, match=r"rank\(s\) \[1\] died") as info:  # not "did not answer"
         ranks.execute(CRASH, SEED.with_(sp_size=2), timeout=60, workers=own_pool)
-    assert time.monotonic() - start < 30
     message = str(info.value)
     assert "exit code -11" in message and "in misbehave" in message  # SIGSEGV, and faulthandler's stack
     assert not own_pool.alive()
 
 
 def test_a_hung_rank_fails_in_bounded_time_with_its_traceback(own_pool) -> None:
-    start = time.monotonic()
     with pytest.raises(ranks.RankFailure, match="did not answer within 8 s") as info:
         ranks.execute(HANG, SEED.with_(sp_size=2), timeout=8, workers=own_pool)
-    assert time.monotonic() - start < 30
     message = str(info.value)
     assert "--- rank 1" in message and "misbehave" in message  # rank 1's stack: asleep in the engine
 

@@ -8,7 +8,7 @@
   failure), each in padded mode only. The same instances pass once only the mask is
   replaced by the full-length one (a counterfactual engine below; verl is not patched).
 
-Run by ``tox -e verl091`` / ``tox -e verl071`` and by ``.ci/run`` (0.9.1). The catalogue
+Run by the CI steps ``verl091`` and ``verl071`` (``.ci/steps.sh``; ``tox -e verl091`` / ``tox -e verl071`` run them). The catalogue
 run is ``python -m spec verify --engine verl --profile ci`` in a subprocess, or the JSON
 report such a run already wrote (``VERL_CONFORMANCE_REPORT``, set by tox/CI right after
 their own verify step, so the catalogue is not run twice).

@@ -159,7 +159,8 @@ class AttributedEngine:
         return self._engine
 
     def make(self, *args: Any, **kwargs: Any) -> Any:
-        return _AttributedObject(self._engine.make(*args, **kwargs))
+        """The engine's object; what its construction raises is the engine's (a rejected setting)."""
+        return _AttributedObject(_engine_side(self._engine.make, "make (the engine's constructor)")(*args, **kwargs))
 
     def helper(self, name: str) -> Callable | None:
         fn = self._engine.helper(name)

@@ -73,7 +73,7 @@ def mask_helper(ctx: Ctx) -> None:
     lens = _lens(ctx)
     for width in (None, max(ctx.case.seq_lens) + 2):
         mask = build(ids) if width is None else build(ids, max_seq_len=width)
-        want = full_length_mask(ctx.case.seq_lens, mask.shape[-1], torch.int32)
+        want = full_length_mask(ctx.case.seq_lens, width or max(lens), torch.int32)  # at the width asked for
         if mask.dtype != torch.int32 or tuple(mask.shape) != (len(lens), width or max(lens)) \
                 or not torch.equal(mask.cpu(), want):
             fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "

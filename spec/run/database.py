@@ -7,7 +7,11 @@ drawing new cases. Where they are saved:
 =====================================  =====================================================
 ``SPEC_EXAMPLE_DB``                    database
 =====================================  =====================================================
-unset or empty                         ``.hypothesis/examples`` (a directory, Hypothesis's own)
+unset or empty                         Hypothesis's own directory: ``examples`` under its storage
+                                       directory (``$HYPOTHESIS_STORAGE_DIRECTORY``, else
+                                       ``.hypothesis`` in the working directory)
+``:memory:``                           a fresh in-memory database per process, empty at start
+                                       (the project's tests use one per test, see conftest.py)
 a path (``/srv/spec-db``)              that directory
 ``redis://host:port/db`` (``rediss``)  :class:`hypothesis.extra.redis.RedisExampleDatabase`
 ``github-artifact://owner/repo[/name]``  the nightly's uploaded directory, read only
@@ -34,26 +38,34 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from hypothesis.configuration import storage_directory
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
     ExampleDatabase,
     GitHubArtifactDatabase,
+    InMemoryExampleDatabase,
     MultiplexedDatabase,
     ReadOnlyDatabase,
 )
 
-__all__ = ["ENV", "REDIS_TTL", "default_directory", "example_database", "replay_database", "describe", "check_reachable",
+__all__ = ["ENV", "MEMORY", "REDIS_TTL", "default_directory", "example_database", "replay_database", "describe", "check_reachable",
            "DatabaseUnavailable", "KeepFailures"]
 
 ENV = "SPEC_EXAMPLE_DB"
+#: the setting for a fresh in-memory database (empty at start, gone with the process)
+MEMORY = ":memory:"
 #: Redis entries expire this long after they were last saved or read (every CI run reads them).
 REDIS_TTL = timedelta(days=30)
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 def default_directory() -> Path:
-    """Hypothesis's own default: ``.hypothesis/examples`` (``$HYPOTHESIS_STORAGE_DIRECTORY/examples``)."""
-    return Path(os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY") or ".hypothesis") / "examples"
+    """Hypothesis's own default, as its settings give it: ``examples`` under its storage directory
+    (``$HYPOTHESIS_STORAGE_DIRECTORY``, else ``.hypothesis`` in the working directory)."""
+    try:
+        return storage_directory("examples", intent_to_write=False).path
+    except TypeError:  # hypothesis before 6.131: storage_directory(*names) returns the path itself
+        return Path(storage_directory("examples"))
 
 
 class DatabaseUnavailable(RuntimeError):
@@ -99,7 +111,7 @@ def example_database(url: str | None = None, *, strict: bool = True) -> ExampleD
         try:
             return example_database(setting)
         except (DatabaseUnavailable, ValueError) as exc:
-            warnings.warn(f"{exc}; saving examples under .hypothesis/examples instead", stacklevel=2)
+            warnings.warn(f"{exc}; saving examples under {default_directory()} instead", stacklevel=2)
             return example_database("")
     db = _open(setting)
     return KeepFailures(db) if setting and db is not None else db
@@ -113,6 +125,8 @@ def _open(setting: str) -> ExampleDatabase | None:
         return DirectoryBasedExampleDatabase(default_directory())
     if setting.lower() == "none":
         return None
+    if setting == MEMORY:
+        return InMemoryExampleDatabase()
     scheme = urlsplit(setting).scheme.lower()
     if scheme in _REDIS_SCHEMES:
         return _redis(setting)
@@ -120,7 +134,7 @@ def _open(setting: str) -> ExampleDatabase | None:
         return _github(setting)
     if scheme not in ("", "file"):
         raise ValueError(f"{ENV}={setting!r}: use a directory, redis://host:port/db, "
-                         "github-artifact://owner/repo[/name] or none")
+                         "github-artifact://owner/repo[/name], :memory: or none")
     return DirectoryBasedExampleDatabase(Path(urlsplit(setting).path if scheme == "file" else setting))
 
 
@@ -232,6 +246,8 @@ def describe(db: ExampleDatabase | None) -> str:
         return f"read-only {describe(inner)}"
     if isinstance(db, DirectoryBasedExampleDatabase):
         return f"directory {db.path}"
+    if isinstance(db, InMemoryExampleDatabase):
+        return "in-memory"
     client = getattr(db, "redis", None)
     if client is not None:
         kw = client.connection_pool.connection_kwargs

@@ -2,12 +2,14 @@
 
 Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
-is caught on every run; ``thorough`` is the nightly CPU job's (ten times ``ci``'s examples, so ten
+is caught on every run; ``thorough`` is for a long run by hand (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
-spec/cases/strategies.py); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+spec/cases/strategies.py; no workflow runs it); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
+Every profile derives from hypothesis's own defaults, not from whatever profile hypothesis loaded at import.
 
 The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/run/database.py``): derandomized
 profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
+:func:`use_database` swaps it for every profile (the project's tests give each test an empty one).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Verbosity, settings
+from hypothesis.database import ReadOnlyDatabase
 
 from .database import example_database, replay_database
 
-__all__ = ["PROFILES", "load_profile", "DEFAULT_PROFILE"]
+__all__ = ["PROFILES", "load_profile", "use_database", "DEFAULT_PROFILE"]
 
 DEFAULT_PROFILE = "default"
 _QUIET_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -34,12 +37,32 @@ PROFILES = {
                   suppress_health_check=_QUIET_CHECKS),
 }
 
-_DATABASES = {True: replay_database(), False: example_database(strict=False)}  # $SPEC_EXAMPLE_DB
-for _name, _kwargs in PROFILES.items():
-    settings.register_profile(_name, **_kwargs)
-    # derandomize=True forces database=None within one settings(); a child profile may set it.
-    _db = _DATABASES[bool(_kwargs.get("derandomize"))]
-    settings.register_profile(_name, settings.get_profile(_name), database=_db)
+
+
+#: hypothesis's own defaults: every profile derives from these, never from the settings loaded at import (with
+#: a ``CI`` variable set, hypothesis loads its own ``ci`` profile first, and a profile registered without a
+#: parent would inherit its ``derandomize=True``: every ``default`` run, seeds and all, would be the same run)
+_BASE = settings.get_profile("default")
+
+
+def _register(writer, reader) -> None:
+    for name, kwargs in PROFILES.items():
+        settings.register_profile(name, _BASE, **kwargs)
+        # derandomize=True forces database=None within one settings(); a child profile may set it.
+        settings.register_profile(name, settings.get_profile(name),
+                                  database=reader if kwargs.get("derandomize") else writer)
+
+
+_register(example_database(strict=False), replay_database())  # $SPEC_EXAMPLE_DB
+
+
+def use_database(db, loaded: str | None = None) -> None:
+    """Every profile on ``db`` from now on (the derandomized ones through a read-only view), and ``loaded``
+    reloaded so that ``settings.default`` sees it. The project's tests give each test a fresh in-memory one
+    (conftest.py): a measurement never replays what another test saved."""
+    _register(db, None if db is None else ReadOnlyDatabase(db))
+    if loaded is not None:
+        settings.load_profile(loaded)
 
 
 def load_profile(name: str | None = None) -> str:

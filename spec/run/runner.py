@@ -65,6 +65,12 @@ class Outcome:
     known_cases: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def rejected_by_check(self) -> bool:
+        """A failed check (an assertion an invariant makes) with its counterexample: not the engine raising
+        (``engine raised ...``, its own ``assert`` included), a suite error, or a known failure."""
+        return self.status == "fail" and bool(self.counterexample) and (self.error or "").startswith("AssertionError")
+
+    @property
     def test_id(self) -> str:
         return f"{self.invariant}-{self.engine}-{self.mode}-{self.device}"
 
@@ -155,7 +161,7 @@ def _message(exc: BaseException, kind: str) -> str:
     if kind == "error":
         cause = exc.__cause__ if isinstance(exc, SuiteError) and exc.__cause__ is not None else exc
         return f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)}"
-    if origin(exc) == ENGINE and not isinstance(exc, AssertionError):
+    if origin(exc) == ENGINE:  # an engine's own ``assert`` included: never read as a check's failed assertion
         return f"engine raised {describe(exc)}"
     return describe(exc)
 

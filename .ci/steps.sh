@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The CI steps: ONE list, run in order by .ci/run (the 2-core machine) and one GitHub job each by
+# .github/workflows/ci.yml (its `steps` job reads this list: `.ci/steps.sh --list`).
+#
+#   .ci/steps.sh --list          the step names, as a JSON array
+#   .ci/steps.sh --show STEP     the bash a step runs
+#   .ci/steps.sh STEP            run one step (from the repository root, CI=true)
+#
+# Adding a step is one line in STEPS: a name and the bash it runs. `venv NAME [PIP ARGS...]` makes (or
+# reuses) the virtual environment .venv-NAME, activates it and pip-installs the arguments into it, so a
+# step is self-contained on a fresh GitHub runner and shares nothing with the other steps' environments.
+# torch 2.13.0 goes in first (the CPU build here; the workflow installs it from the CPU index), then every
+# package under constraints-torch.txt so pip cannot swap torch for a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CI="${CI:-true}"          # selects the `ci` hypothesis profile (derandomized)
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+
+# name            the bash it runs (one line each; order matters for .ci/run only where a note says so)
+STEPS=(
+"tests            venv ci && with_redis && pip install torch==2.13.0 -e '.[test]' && pytest -n auto"
+"verl091          venv verl verl==0.9.1 -e '.[test]' && python -m spec verify --engine verl --profile ci --out reports/verl && VERL_EXPECT_VERSION=0.9.1 VERL_EXPECT_MASK_BUG=0 VERL_CONFORMANCE_REPORT=reports/verl/verify-verl.json pytest -p no:cacheprovider tests/test_verl_conformance.py && pytest -p no:cacheprovider tests/test_dropin.py"
+"verl-engines     venv verl-engines verl==0.9.1 -e '.[test]' && pip install -q --no-deps veomni==0.1.12 megatron-core==0.16.1 && pytest -p no:cacheprovider tests/test_adapters.py && for e in verl-veomni verl-megatron verl-torchtitan verl-automodel; do python -m spec verify --engine \$e --profile ci --out reports/\$e || exit 1; done"
+"verl071          venv verl071 verl==0.7.1 'numpy<2' 'pyarrow>=19,<20' 'datasets<4' -e '.[test]' && VERL_EXPECT_VERSION=0.7.1 VERL_EXPECT_MASK_BUG=1 pytest -p no:cacheprovider tests/test_verl_conformance.py"
+)
+
+venv() {  # venv NAME [PIP ARGS...]: .venv-NAME with torch 2.13.0 (CPU) and the arguments, activated
+    local name=$1; shift
+    [ -x ".venv-$name/bin/python" ] || python3 -m venv ".venv-$name"
+    # shellcheck disable=SC1090
+    . ".venv-$name/bin/activate"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple}
+    if [ "$#" -gt 0 ]; then python -m pip install -q -c constraints-torch.txt "$@"; fi
+}
+
+with_redis() {  # a redis-server binary for tests/test_example_db.py's Redis run, unless CI gives a server
+    # The test starts its own server (a fresh port, retried if taken) when $SPEC_TEST_REDIS_URL is unset;
+    # the workflow sets that URL to its Redis service container. policy-rc.d keeps the OS package from
+    # starting (and leaving behind) a system service. Without either, the Redis run skips and says so.
+    if [ -n "${SPEC_TEST_REDIS_URL:-}" ] || command -v redis-server >/dev/null 2>&1; then return 0; fi
+    local made_policy=0
+    if [ -w /usr/sbin ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
+    fi
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+        || echo "redis-server could not be installed: the Redis run of tests/test_example_db.py will skip"
+    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+    return 0
+}
+
+names() { local s; for s in "${STEPS[@]}"; do echo "${s%% *}"; done; }
+
+command_of() {
+    local s
+    for s in "${STEPS[@]}"; do
+        if [ "${s%% *}" = "$1" ]; then s="${s#* }"; echo "${s#"${s%%[![:space:]]*}"}"; return 0; fi
+    done
+    echo "unknown CI step '$1'; the steps: $(names | tr '\n' ' ')" >&2
+    return 2
+}
+
+case "${1:-}" in
+    --list) names | python3 -c 'import json, sys; print(json.dumps(sys.stdin.read().split()))' ;;
+    --names) names ;;
+    --show) command_of "$2" ;;
+    ""|-h|--help) sed -n '2,12p' "$0"; echo "steps: $(names | tr '\n' ' ')" ;;
+    *)
+        cmd=$(command_of "$1")
+        echo "=== CI step $1: $cmd"
+        eval "$cmd"
+        ;;
+esac

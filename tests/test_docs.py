@@ -1,0 +1,102 @@
+"""Docs that cannot drift: every generated block equals what the code gives, and the contract is in the repository.
+
+* Every ``<!-- generated:NAME -->`` block in README.md, spec/README.md and docs/ equals ``spec.docs.BLOCKS[NAME]()``
+  (``python -m spec.docs`` rewrites them), names a generator that exists, and every generator has a block.
+* docs/contract.md is the contract every doc links to: each invariant's ``contract=`` number is a numbered
+  clause there; no doc, invariant or module points to a contract outside the repository or to a build
+  machine's absolute path.
+* No hand-written test-suite pass/skip counts in the docs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from spec import docs
+from spec.invariants import CATALOGUE
+
+CONTRACT = docs.ROOT / "docs" / "contract.md"
+
+
+def _read(name: str) -> str:
+    return (docs.ROOT / name).read_text()
+
+
+def test_every_generated_block_matches_the_code() -> None:
+    stale = docs.stale()
+    assert not stale, f"generated blocks differ from the code (run `python -m spec.docs`): {stale}"
+
+
+def test_every_generator_has_a_block_and_rendering_is_stable() -> None:
+    used = {name for f in docs.FILES for name, _, _ in docs.blocks_in(_read(f))}
+    assert used == set(docs.BLOCKS), f"generators without a block: {sorted(set(docs.BLOCKS) - used)}"
+    for f in docs.FILES:
+        once = docs.render(_read(f))
+        assert docs.render(once) == once, f
+
+
+def test_a_changed_count_is_caught() -> None:
+    """The check is live: a block whose number is off by one is reported."""
+    text = _read("README.md")
+    body = docs.BLOCKS["planted-counts"]()
+    n = int(body.split()[0])
+    wrong = text.replace(body, body.replace(str(n), str(n - 1), 1), 1)
+    assert wrong != text and docs.render(wrong) == text
+
+
+def _clauses() -> set[int]:
+    text = CONTRACT.read_text()
+    section = text.split("## Invariants the suite must hold", 1)[1].split("\n## ", 1)[0]
+    return {int(m.group(1)) for m in re.finditer(r"^(\d+)\. ", section, re.M)}
+
+
+def test_every_contract_number_is_a_clause_of_docs_contract_md() -> None:
+    clauses = _clauses()
+    assert clauses == set(range(1, max(clauses) + 1)), f"clauses are not numbered 1..n: {sorted(clauses)}"
+    missing = {info.id: info.contract for info in CATALOGUE.values() if info.contract not in clauses}
+    assert not missing, f"contract= numbers that are no clause of docs/contract.md: {missing}"
+
+
+def test_the_contract_has_the_micro_batch_placeholder() -> None:
+    assert "## Micro-batch layer" in CONTRACT.read_text()
+
+
+def _sources() -> list:
+    root = docs.ROOT
+    paths = [root / f for f in docs.FILES] + [root / "bench" / "README.md"]
+    paths += [p for d in ("spec", "impl", "tests", "bench", "mutation") for p in (root / d).rglob("*.py")]
+    return [p for p in paths if p.exists()]
+
+
+@pytest.mark.parametrize("pattern", [r"shared/CONTRACT\.md", r"(?<![\w.])CONTRACT\.md", r"/work/"])
+def test_no_doc_or_module_points_outside_the_repository(pattern: str) -> None:
+    this = docs.ROOT / "tests" / "test_docs.py"
+    hits = [f"{p.relative_to(docs.ROOT)}:{i}" for p in _sources() if p != this
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(pattern, line)]
+    assert not hits, f"{pattern!r} in {hits}: link docs/contract.md (or a path in the repository) instead"
+
+
+def test_no_hand_written_test_counts() -> None:
+    """Pass/skip counts of a test run go stale with every new test: generate them or leave them out."""
+    count = re.compile(r"\b\d+ (passed|skipped)\b")
+    hits = [f"{f}:{i}: {line.strip()[:80]}" for f in docs.FILES
+            for i, line in enumerate(_read(f).splitlines(), 1) if count.search(line) and "pytest" in line.lower()]
+    hits += [f"{f}:{i}" for f in ("README.md",) for i, line in enumerate(_read(f).splitlines(), 1)
+             if count.search(line)]
+    assert not hits, hits
+
+
+def test_the_planted_table_names_the_invariants_that_claim_each_bug() -> None:
+    """spec/README.md's planted-bug table: its counterexamples are measured (``spec verify --engine planted:...``),
+    but its "rejected by" column is the registry's ``caught_by`` and must stay so."""
+    from spec.planted import PLANTED
+
+    section = _read("spec/README.md").split("## Planted bugs and their shrunk counterexamples", 1)[1].split("\n## ")[0]
+    rows = {m.group(1): m.group(2) for line in section.splitlines()
+            if (m := re.match(r"^\| `([a-z0-9_]+)` \| .*? \| ((?:INV-[A-Z]+-\d{3}(?:, )?)+) \| ", line))}
+    assert rows and set(rows) <= set(PLANTED), sorted(set(rows) - set(PLANTED))
+    wrong = {name: (listed, ", ".join(PLANTED[name].caught_by)) for name, listed in rows.items()
+             if listed != ", ".join(PLANTED[name].caught_by)}
+    assert not wrong, f"rejected-by column differs from caught_by: {wrong}"
