@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import impl
 
+from .microbatch_layer import MicroBatchLayer, layer_from
 from .protocol import HELPERS, EngineUnderTest
 
 __all__ = ["ImplEngine"]
@@ -19,3 +20,11 @@ class ImplEngine(EngineUnderTest):
 
     def helper(self, name: str) -> Callable | None:
         return getattr(impl, name) if name in HELPERS else None
+
+    def microbatch_layer(self) -> MicroBatchLayer | None:
+        """``impl.microbatch``: a drop-in with verl 0.9.1's names (None while impl has no such module)."""
+        try:
+            import impl.microbatch as layer
+        except ImportError:
+            return None
+        return layer_from("impl", [layer])
