@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import ranks
+from .attribution import ENGINE, tag
 from .microbatch_cases import MiniBatchCase
 
 __all__ = ["dp_micro_batch_counts", "MICROBATCH_TASK"]
@@ -33,5 +34,8 @@ def dp_micro_batch_counts(engine: Any, case: MiniBatchCase, device: str = "cpu")
     replies = ranks.pool(device).submit(task, case.world)
     errors = sorted((body["error"] for body in replies.values() if "error" in body), key=lambda e: e[0])
     if errors:
-        ranks.raise_rank_error(*errors[0])
+        try:
+            ranks.raise_rank_error(*errors[0])
+        except Exception as exc:  # noqa: BLE001 - raised by the layer on a rank: the engine's
+            raise tag(exc, ENGINE)
     return [replies[r] for r in range(case.world)]

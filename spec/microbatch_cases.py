@@ -281,8 +281,8 @@ def _lengths(draw, tier: str, group: int, groups: int) -> tuple[tuple[int, ...],
         else:
             prompts = draw(seq_lengths(batch, max_len=max_len))
         return prompts, responses, style, None
-    max_prompt = draw(st.sampled_from((4, 16, 64)))
-    max_response = draw(st.sampled_from((8, 32, 128) if tier == "batch" else (8, 32, 64)))
+    max_prompt = draw(st.sampled_from((4, 16)))
+    max_response = draw(st.sampled_from((8, 32)))
     plan = (max_prompt, max_response, max(group, draw(st.integers(1, 8))), draw(st.integers(0, 2 ** 16)))
     prompts, responses = _seeded_lengths(style, batch, *plan)
     return prompts, responses, style, plan
@@ -312,8 +312,8 @@ def _budget(draw, seq_lens: tuple[int, ...], group: int, sp: int, allow_over: bo
 @st.composite
 def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = False, allow_large: bool = False,
                     max_groups: int = 8, extras: bool = True, world: int = 1, max_group_size: int = 4,
-                    fixed_divides: bool | None = True, count_rules: bool = True, refusals: bool = False
-                    ) -> MiniBatchCase:
+                    fixed_divides: bool | None = True, count_rules: bool = True, refusals: bool = False,
+                    min_group_size: int = 1) -> MiniBatchCase:
     """A :class:`MiniBatchCase`.
 
     ``dynamic``: pin the dynamic (token budget) or fixed-size path (None draws it). ``allow_over``: budgets below
@@ -326,10 +326,11 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     """
     tier = draw(_mb_tier(allow_large))
     group = draw(st.sampled_from(tuple(range(1, max_group_size + 1)))) if draw(st.booleans()) else 1
+    group = max(group, min_group_size)
     if tier == "small":
         groups = draw(st.integers(1, max_groups))
     elif tier == "batch":
-        groups = max(1, draw(st.integers(9, 64)) // group)
+        groups = max(1, draw(st.integers(9, 32)) // group)
     else:
         groups = max(1, draw(st.integers(256, 2048)) // group)
     prompts, responses, style, plan = draw(_lengths(tier, group, groups))
@@ -337,6 +338,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     sp = draw(st.sampled_from((1, 1, 1, 2, 4)))
     seq = tuple(p + r for p, r in zip(prompts, responses))
     budget = draw(_budget(seq, group, sp, allow_over)) if dynamic else max(seq)
+    if tier == "large" and dynamic:  # at most ~16 micro-batches: a large case stays a second, not a minute
+        budget = max(budget, -(-sum(seq) // (16 * sp)))
     mbs = 1
     if not dynamic:
         divisors = [m for m in range(1, groups + 1) if groups % m == 0]

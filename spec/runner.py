@@ -146,6 +146,13 @@ def _message(exc: BaseException, kind: str) -> str:
     return describe(exc)
 
 
+def _capped(info: InvariantInfo, parent: settings) -> dict:
+    """An invariant may cap its share of a profile's examples (``example_share``: the micro-batch layer's, whose
+    every example cuts a whole mini-batch): ``max_examples`` scaled by it, at least 10."""
+    share = getattr(info, "example_share", None)
+    return {} if not share else {"max_examples": max(10, int(parent.max_examples * share))}
+
+
 def stream_key(info: InvariantInfo, mode: str) -> bytes:
     """Each invariant x mode has its own seed stream (and example-database key): under
     ``derandomize`` hypothesis seeds from the test's digest, which this key enters."""
@@ -230,7 +237,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             test = example(case=case)(test)
         if seed is not None:
             test = hypothesis_seed(zlib.crc32(stream_key(info, mode)) ^ seed)(test)
-        return settings(parent, phases=phases, **setting_overrides)(test)
+        return settings(parent, phases=phases, **{**_capped(info, parent), **setting_overrides})(test)
 
     parent = settings.get_profile(profile) if profile is not None else settings.default
     # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.

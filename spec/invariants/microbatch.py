@@ -52,6 +52,9 @@ class MicroBatchInfo(InvariantInfo):
     (an engine whose layer lacks one skips it, with the reason)."""
 
     functions: tuple[str, ...] = ()
+    #: the share of a profile's examples each micro-batch invariant draws (every example cuts a whole mini-batch:
+    #: 40 under ci, 16 under default, 400 under thorough)
+    example_share: float = 0.4
 
     def cases(self, mode, engine):  # noqa: ARG002 - the mode (end to end) is set by ``adjust``
         return minibatch_cases(**self.strategy_kwargs)
@@ -71,9 +74,10 @@ class MicroBatchInfo(InvariantInfo):
             if mode in ("packed", "padded"):
                 case = case.with_(use_remove_padding=mode == "packed")
             if kwargs.get("world", 1) > 1:
-                case = case.with_(other_ranks=((case.prompt_lens[:1], case.response_lens[:1]),))
-            if kwargs.get("allow_over") == "always":
-                case = case.with_(max_token_len=max(case.seq_lens) - 1)
+                g = case.force_group_size
+                case = case.with_(other_ranks=((case.prompt_lens[:g], case.response_lens[:g]),))
+            if kwargs.get("min_group_size", 1) > 1 and case.batch_size % 2 == 0:
+                case = case.with_(force_group_size=2, max_token_len=max(case.max_token_len, max(case.group_tokens)))
             cases.append(case)
         return cases
 
@@ -254,7 +258,7 @@ def partition(ctx: Ctx) -> None:
 
 @mb_invariant(
     "INV-MB-002", "prepare_micro_batches with force_group_size g: each group of g consecutive samples lies in one "
-    "micro-batch, whole", functions=("prepare_micro_batches",), dynamic=True, max_group_size=4,
+    "micro-batch, whole", functions=("prepare_micro_batches",), dynamic=True, max_group_size=4, min_group_size=2,
     protects="samples a loss compares (a reward model's chosen/rejected pair, a GRPO group) are never split")
 def groups_together(ctx: Ctx) -> None:
     case = ctx.case
@@ -271,10 +275,6 @@ def groups_together(ctx: Ctx) -> None:
         homes = sorted({where[i] for i in range(start, start + g)})
         if len(homes) > 1:
             fail(f"group of samples {start}..{start + g - 1} (force_group_size={g}) split across micro-batches {homes}")
-
-
-def _force_group_sizes(case: MiniBatchCase) -> MiniBatchCase:
-    return case
 
 
 @mb_invariant(
@@ -323,10 +323,11 @@ def count_rules(ctx: Ctx) -> None:
     feasible = case.count_feasible()
     try:
         _, micro, indices = cut(ctx)
-    except ValueError:
+    except ValueError as exc:
         if feasible is not True:
             return  # refused: no count within the groups meets the rules and the budget
-        raise
+        fail(f"refused although a count within the {case.num_groups} groups meets the rules and the budget "
+             f"{case.budget} (longest group {max(case.group_tokens)} tokens): {type(exc).__name__}: {str(exc)[:300]}")
     count = len(micro)
     sizes = [int(mb.batch_size[0]) if mb.batch_size else 0 for mb in micro]
     if case.min_num_micro_batch and count < case.min_num_micro_batch:
@@ -345,14 +346,24 @@ def count_rules(ctx: Ctx) -> None:
     "INV-MB-005", "prepare_micro_batches on data-parallel ranks (a gloo group, same_micro_num_in_dp): every rank "
     "gets the same number of micro-batches, each rank's still a partition within its budget",
     functions=("prepare_micro_batches",), needs=("microbatch", "real_ranks"), dynamic=True, world=2, extras=False,
+    count_rules=False,
     protects="ranks run the same number of forward/backward steps: none hangs in a collective "
     "the others never join")
 def dp_same_count(ctx: Ctx) -> None:
     case = ctx.case
-    if any(refusable_case(case.rank_case(r)) for r in range(case.world)):
-        ctx.not_exercised("a rank's mini-batch the layer may refuse")
+    feasible = dp_count_feasible(case)
+    if feasible is None:
+        ctx.not_exercised("whether one count fits every rank's groups cannot be told from the bounds")
         return
-    replies = dp_micro_batch_counts(ctx.engine, case, ctx.device)
+    try:
+        replies = dp_micro_batch_counts(ctx.engine, case, ctx.device)
+    except ValueError:
+        if feasible is False:
+            return  # the count every rank needs exceeds a rank's groups: refused on every rank
+        raise
+    if feasible is False:
+        fail(f"the ranks need {dp_lower_count(case)} or more micro-batches but a rank has only "
+             f"{min(case.rank_case(r).num_groups for r in range(case.world))} groups, yet every rank accepted")
     counts = [r["count"] for r in replies]
     if len(set(counts)) > 1:
         fail(f"ranks got {counts} micro-batches (their own counts would be {[r['alone'] for r in replies]}); "
@@ -363,10 +374,6 @@ def dp_same_count(ctx: Ctx) -> None:
         over = [t for t in reply["tokens"] if t > rank_case.budget]
         if over:
             fail(f"rank {rank}: micro-batches of {over} tokens, over the budget {rank_case.budget}")
-
-
-def _fixed_cases(case: MiniBatchCase) -> MiniBatchCase:
-    return case.with_(use_dynamic_bsz=False)
 
 
 @mb_invariant(
@@ -424,6 +431,35 @@ def restore_order(ctx: Ctx) -> None:
              f"{want.tolist()[:8]} (the samples' first ids in mini-batch order)")
 
 
+def dp_lower_count(case: MiniBatchCase) -> int:
+    """The fewest micro-batches the ranks can agree on: no rank's tokens fit fewer budgets."""
+    return max(-(-case.rank_case(r).total_nnz // case.budget) for r in range(case.world))
+
+
+def dp_count_feasible(case: MiniBatchCase) -> bool | None:
+    """Whether one count fits every rank (True), none can (False), or the bounds cannot tell (None): a count k fits
+    a rank when its bin-packing optimum <= k <= its groups."""
+    ranks_ = [case.rank_case(r) for r in range(case.world)]
+    if any(rc.over_budget for rc in ranks_):
+        return None
+    fewest = min(rc.num_groups for rc in ranks_)
+    if dp_lower_count(case) > fewest:
+        return False
+    return True if max(_ffd(rc) for rc in ranks_) <= fewest else None
+
+
+def _ffd(case: MiniBatchCase) -> int:
+    sizes, bins = sorted(case.group_tokens, reverse=True), []
+    for size in sizes:
+        for i, used in enumerate(bins):
+            if used + size <= case.budget:
+                bins[i] += size
+                break
+        else:
+            bins.append(size)
+    return len(bins)
+
+
 def _offsets(lens: list[int]) -> torch.Tensor:
     return torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int64).cumsum(0), (1, 0))
 
@@ -439,22 +475,27 @@ def keys_and_layouts(ctx: Ctx) -> None:
     if refusable(ctx):
         return
     mini = materialize_minibatch(case, ctx.device)
-    before = {key: held(mini.get(key)) for key in mini.keys()}
+    before = _snapshot(mini)
     micro, indices = layer(ctx).get("prepare_micro_batches")(
         mini, num_batches_divided_by=case.num_batches_divided_by, min_num_micro_batch=case.min_num_micro_batch,
         use_dynamic_bsz_balance=case.balance)
     micro = list(micro)
-    changed = [key for key in before if key not in mini.keys() or not same(held(mini.get(key)), before[key])]
-    if changed or set(mini.keys()) != set(before):
+    after = _snapshot(mini)
+    changed = [key for key in before if key not in after or not same(after[key], before[key])]
+    if changed or set(after) != set(before):
         fail(f"the mini-batch was changed: keys {changed or sorted(set(mini.keys()) ^ set(before))}")
     for k, (mb, part) in enumerate(zip(micro, rows_of(case, micro, indices))):
         check_sample_keys(mb, mini, part, f"micro-batch {k}")
 
 
-@st.composite
-def _chunks(draw, case: MiniBatchCase) -> int:
-    divisors = [c for c in range(1, case.batch_size + 1) if case.batch_size % c == 0]
-    return draw(st.sampled_from(divisors))
+def _snapshot(td: TensorDict) -> dict[str, Any]:
+    """What a caller holds in ``td``: tensors cloned, stacks as lists, flags as their plain values."""
+    out = {}
+    for key in td.keys():
+        value = td.get(key)
+        out[key] = held(value) if isinstance(value, torch.Tensor) else (
+            value.tolist() if _is_stack(value) else _plain(value))
+    return out
 
 
 def _chunk_count(case: MiniBatchCase) -> int:
