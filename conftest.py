@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from spec.profiles import load_profile
+from spec.run.profiles import load_profile
 
 PROFILE = load_profile()
 
@@ -48,8 +48,8 @@ def device_names(config: pytest.Config) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     if "instance" in metafunc.fixturenames:
-        from spec.engines import load_engine
-        from spec.runner import instances
+        from spec.run.registry import load_engine
+        from spec.run.runner import instances
 
         params, ids = [], []
         for name in engine_names(config):

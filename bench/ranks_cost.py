@@ -1,4 +1,4 @@
-"""Cost of the real-rank harness (spec/ranks.py): pool start-up and time per example.
+"""Cost of the real-rank harness (spec/execute/ranks.py): pool start-up and time per example.
 
     PYTHONPATH=$PWD python bench/ranks_cost.py [--engine impl|verl] [--examples 30]
 
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from spec import ranks
-from spec.cases import EngineCase
-from spec.engines import load_engine
-from spec.harness import execute
+from spec.execute import ranks
+from spec.cases.structure import EngineCase
+from spec.run.registry import load_engine
+from spec.execute.harness import execute
 
 
 def cases(n: int, sp: int) -> list[EngineCase]:

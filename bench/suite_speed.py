@@ -19,14 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default="impl")
     args = parser.parse_args(argv)
 
-    from spec.profiles import load_profile
+    from spec.run.profiles import load_profile
 
     load_profile(args.profile)
     import torch
     from hypothesis import Verbosity
 
-    from spec.engines import load_engine
-    from spec.runner import instances, run_invariant
+    from spec.run.registry import load_engine
+    from spec.run.runner import instances, run_invariant
 
     torch.set_num_threads(1)
     engine = load_engine(args.engine)

@@ -66,15 +66,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .engines import load_engine
-    from .profiles import load_profile
+    from .run.registry import load_engine
+    from .run.profiles import load_profile
 
     profile = load_profile(args.profile)
     import torch
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .report import failed, markdown, summary_line, write_reports
-    from .runner import instances, run_invariant
+    from .run.runner import instances, run_invariant
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
@@ -103,7 +103,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _fuzz(args: argparse.Namespace) -> int:
     """A fuzz campaign (spec/fuzz.py) on the database named by $SPEC_EXAMPLE_DB; exit 1 if it found a failure."""
-    from .database import DatabaseUnavailable, check_reachable, describe, example_database
+    from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
     from .fuzz import failed, run_campaign, safe_name, write_reports
 
     try:
@@ -140,7 +140,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from .engines import PLANTED, describe_engines, load_engine
+    from .run.registry import PLANTED, describe_engines, load_engine
 
     if args.capabilities:
         caps = load_engine(args.capabilities).capabilities()

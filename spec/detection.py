@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .invariants import CATALOGUE
 from .planted import PLANTED, PlantedBug, planted_engine
-from .runner import run_invariant
+from .run.runner import run_invariant
 
 __all__ = ["detects", "detection_table", "main"]
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from hypothesis import settings  # noqa: F401 - profiles registered on import
 
-    from . import profiles  # noqa: F401
+    from .run import profiles  # noqa: F401
 
     torch.set_num_threads(1)
     names = [n for n in args.bugs.split(",") if n] or list(PLANTED)

@@ -1,8 +1,8 @@
 """``python -m spec fuzz``: the catalogue as a fuzz campaign on N local worker processes.
 
 Each worker cycles through the catalogue's (invariant, mode) targets and runs short rounds of
-:func:`spec.runner.run_invariant`, each with a fresh seed, against the shared example database
-(``SPEC_EXAMPLE_DB``, see :mod:`spec.database`). A round first replays every failure saved for
+:func:`spec.run.runner.run_invariant`, each with a fresh seed, against the shared example database
+(``SPEC_EXAMPLE_DB``, see :mod:`spec.run.database`). A round first replays every failure saved for
 its target (by any worker, on any machine sharing the database), then draws new cases; a failure
 is shrunk and saved under the target's key, which is exactly the key the ``ci`` profile replays
 first. A target stops being fuzzed once it has failed. Workers on other machines join the same
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from hypothesis import Verbosity
 
-from .database import example_database
-from .engines import load_engine
-from .runner import instances, run_invariant, skip_reason
+from .run.database import example_database
+from .run.registry import load_engine
+from .run.runner import instances, run_invariant, skip_reason
 
 __all__ = ["TargetStats", "targets", "run_campaign", "markdown"]
 

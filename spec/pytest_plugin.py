@@ -1,7 +1,7 @@
 """pytest plugin (entry point ``pytest11: ioprep``): the catalogue in an engine's own test session.
 
 ``pytest --ioprep-engine mypkg.mod:make_engine`` adds one test per invariant x mode x device
-(``ioprep::INV-MASK-001-<engine>-padded-cpu``), run by :func:`spec.runner.run_invariant` exactly as
+(``ioprep::INV-MASK-001-<engine>-padded-cpu``), run by :func:`spec.run.runner.run_invariant` exactly as
 ``python -m spec verify`` runs them: skipped with the reason where the engine lacks a feature, xfailed
 for its known failures, failed with the minimal counterexample. ``--ioprep-profile`` picks the
 hypothesis profile, ``--ioprep-only`` an ID prefix, ``--ioprep-device`` the devices,
@@ -36,10 +36,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _suite() -> Any:
-    import spec.engines
-    import spec.profiles
+    import spec.run.registry
+    import spec.run.profiles
     import spec.report
-    import spec.runner
+    import spec.run.runner
 
     return spec
 

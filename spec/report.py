@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from .invariants import CATALOGUE
-from .runner import Outcome
+from .run.runner import Outcome
 
 __all__ = ["summary_line", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
            "FAILING"]

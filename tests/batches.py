@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from spec.materialize import PadMode, jagged
+from spec.cases.materialize import PadMode, jagged
 
 
 def lengths_batch(prompts: list[list[int]], responses: list[list[int]], *, temperature=1.0, mrope: bool = False,

@@ -11,11 +11,11 @@ import sys
 
 from hypothesis import Verbosity, settings
 
-from spec.database import describe
-from spec.engines import load_engine
+from spec.run.database import describe
+from spec.run.registry import load_engine
 from spec.invariants import CATALOGUE
-from spec.profiles import load_profile
-from spec.runner import run_invariant
+from spec.run.profiles import load_profile
+from spec.run.runner import run_invariant
 
 
 def main(argv: list[str]) -> None:

@@ -9,7 +9,7 @@ import faulthandler
 import time
 
 import impl
-from spec.engines import EngineUnderTest
+from spec.run.registry import EngineUnderTest
 
 
 class _OnRankOne(impl.LMHeadEngine):

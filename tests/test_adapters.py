@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec.engines import ENGINES, builtin_engine_names, load_engine
-from spec.harness import execute
-from spec.cases import EngineCase
+from spec.run.registry import ENGINES, builtin_engine_names, load_engine
+from spec.execute.harness import execute
+from spec.cases.structure import EngineCase
 from spec.invariants import CATALOGUE
-from spec.known import KnownFailure
-from spec.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
-from spec.protocol import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
-from spec.runner import run_invariant
+from spec.protocol.known import KnownFailure
+from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
+from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
+from spec.run.runner import run_invariant
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed (the verl tox envs run these)")
@@ -133,9 +133,9 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
             assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))
 
 
-@pytest.mark.parametrize("module, attr, page", [("spec.adapters.torchtitan", "KNOWN_RECORDS", "verl-torchtitan"),
-                                                ("spec.adapters.automodel", "KNOWN_RECORDS", "verl-automodel"),
-                                                ("spec.adapters.megatron", "MegatronEngine", "verl-megatron")])
+@pytest.mark.parametrize("module, attr, page", [("spec.engines.torchtitan", "KNOWN_RECORDS", "verl-torchtitan"),
+                                                ("spec.engines.automodel", "KNOWN_RECORDS", "verl-automodel"),
+                                                ("spec.engines.megatron", "MegatronEngine", "verl-megatron")])
 def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str, page: str) -> None:
     """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
     condition, an exception type and a message pattern, and a mention in its docs/engines page."""

@@ -1,4 +1,4 @@
-"""The shared example database (spec/database.py): one setting, SPEC_EXAMPLE_DB, and replay.
+"""The shared example database (spec/run/database.py): one setting, SPEC_EXAMPLE_DB, and replay.
 
 Two worker processes share one database: worker 1 (a writer profile with its own seed) finds a
 planted bug and saves it; worker 2, under the derandomized ``ci`` profile, replays it as its first
@@ -24,10 +24,10 @@ import pytest
 from hypothesis import Verbosity
 from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
-from spec.database import DatabaseUnavailable, KeepFailures, check_reachable, example_database, replay_database
-from spec.engines import load_engine
+from spec.run.database import DatabaseUnavailable, KeepFailures, check_reachable, example_database, replay_database
+from spec.run.registry import load_engine
 from spec.invariants import CATALOGUE
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A bug the derandomized ci profile needs dozens of cases to find (its minimal case is an mRoPE

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import impl
-from spec.harness import ThreadedAllGather
+from spec.execute.harness import ThreadedAllGather
 from spec.planted import LossMaskAttention
 from tests.batches import lengths_batch, seed_batch
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spec.engines import load_engine
-from spec.runner import instances, run_invariant
+from spec.run.registry import load_engine
+from spec.run.runner import instances, run_invariant
 
 ENGINE = load_engine("impl")
 CASES = [(info, mode) for info, mode in instances() if "cuda" not in info.needs]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import Verbosity
 
-from spec.database import replay_database
-from spec.engines import load_engine
+from spec.run.database import replay_database
+from spec.run.registry import load_engine
 from spec.invariants import CATALOGUE
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 from tests.test_example_db import BUG, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

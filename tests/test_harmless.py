@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from spec.engines import HELPERS
+from spec.run.registry import HELPERS
 from spec.planted.harmless import HARMLESS, harmless_engine
-from spec.runner import instances, run_invariant
+from spec.run.runner import instances, run_invariant
 
 EXAMPLES = 20
 
@@ -69,9 +69,9 @@ def _same_values(d0: dict, d1: dict) -> bool:
 
 def test_harmless_engines_really_differ_from_impl() -> None:
     """Each harmless engine changes something a check could see (else it would show nothing)."""
-    from spec.cases import EngineCase
-    from spec.harness import execute
-    from spec.impl_engine import ImplEngine
+    from spec.cases.structure import EngineCase
+    from spec.execute.harness import execute
+    from spec.engines.impl import ImplEngine
 
     case = EngineCase(prompt_lens=(2, 1), response_lens=(1, 2), vocab=5, pad_to_length=8, pass_cu_seqlens=True,
                       calculate_entropy=True)

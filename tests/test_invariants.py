@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 
 
 def test_invariant(instance) -> None:

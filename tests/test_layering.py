@@ -1,49 +1,40 @@
-"""Layering: the protocol imports nothing from spec; spec's module-level imports form no cycle; the
-function-local imports that remain are listed here, each with its reason.
+"""Layering: spec/'s subpackages form a stack, and each module imports only from its own layer or the
+layers below it (the table :data:`LAYERS`), with no import cycle between modules. Every import counts:
+module-level, function-local and ``TYPE_CHECKING`` alike; there is no list of exceptions.
 
-Imports are read with ``ast`` (no module is executed): module-level statements only, relative
-imports resolved against the importing module's package.
+Imports are read with ``ast`` (no module is executed); relative imports are resolved against the importing
+module's package.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 
-#: (module, imported module) -> why the import stays inside a function
-LOCAL_IMPORTS = {
-    ("spec.__main__", "spec.engines"): "the CLI imports the suite per sub-command (list needs no torch run)",
-    ("spec.__main__", "spec.profiles"): "per sub-command",
-    ("spec.__main__", "spec.report"): "per sub-command",
-    ("spec.__main__", "spec.runner"): "per sub-command",
-    ("spec.__main__", "spec.invariants"): "per sub-command",
-    ("spec.__main__", "torch"): "per sub-command",
-    ("spec.__main__", "hypothesis"): "per sub-command",
-    ("spec.pytest_plugin", "spec.engines"): "the plugin is loaded by every pytest session of the environment "
-                                            "(entry point); it imports the suite only with --ioprep-engine",
-    ("spec.pytest_plugin", "spec.profiles"): "same",
-    ("spec.pytest_plugin", "spec.report"): "same",
-    ("spec.pytest_plugin", "spec.runner"): "same",
-    ("spec.verl_engine", "spec.invariants"): "_catalogue_needs: spec.invariants.core imports spec.engines (the "
-                                             "registry), which imports this adapter; goes once core/harness/runner "
-                                             "import spec.protocol instead",
-    ("spec.verl_engine", "torch"): "_with_dense_attention_mask (verl 0.7.1 only); torch could move to the top",
-    ("spec.invariants.batch", "spec.materialize"): "a second import of a module already imported at the top",
-    ("spec.__main__", "spec.database"): "per sub-command (fuzz)",
-    ("spec.__main__", "spec.fuzz"): "per sub-command (fuzz)",
-    ("spec.database", "redis"): "optional: only a redis:// database needs the redis package",
-    ("spec.database", "hypothesis.extra.redis"): "optional: imports the redis package",
-    ("spec.detection", "hypothesis"): "a command-line script: its worker processes import the suite themselves",
-    ("spec.detection", "spec.profiles"): "same",
-    ("spec.detection", "torch"): "same",
-    ("spec.rank_worker", "spec.engines"): "a rank loads its engine from the registry, which sits above the verl "
-                                          "adapter that runs its ranks through this module",
-    ("spec.rules", "spec.cases"): "an import under TYPE_CHECKING (annotations only)",
-}
-#: third-party modules an adapter imports only when built: the engine it adapts is optional
-OPTIONAL = ("verl", "veomni", "torchtitan", "nemo_automodel", "megatron", "flash_attn")
+#: spec's layers, bottom to top: (layer, its modules' prefixes, the lower layers it may import). A module may
+#: import its own layer and the layers listed; nothing above it.
+LAYERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("protocol", ("spec.protocol",), ()),
+    ("truth", ("spec.truth",), ("protocol",)),
+    ("cases", ("spec.cases",), ("protocol", "truth")),
+    ("engines", ("spec.engines",), ("protocol", "truth", "cases")),
+    ("planted", ("spec.planted",), ("protocol", "truth", "cases", "engines")),
+    ("execute", ("spec.execute",), ("protocol", "truth", "cases")),
+    ("invariants", ("spec.invariants",), ("protocol", "truth", "cases", "execute")),
+    ("run", ("spec.run",), ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants")),
+    ("faces", ("spec.__main__", "spec.report", "spec.fuzz", "spec.detection", "spec.pytest_plugin"),
+     ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants", "run")),
+)
+
+
+def layer_of(module: str) -> str | None:
+    for layer, prefixes, _ in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return layer
+    return None
 
 
 def module_name(path: Path) -> str:
@@ -53,14 +44,13 @@ def module_name(path: Path) -> str:
 
 def resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     if node.level == 0:
-        return [node.module] if node.module else []
+        return [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if node.module else []
     base = module.split(".")
     base = base if is_package else base[:-1]
     base = base[: len(base) - (node.level - 1)]
     target = ".".join(base + ([node.module] if node.module else []))
-    if node.module:
-        return [target]
-    return [f"{target}.{alias.name}" for alias in node.names]  # from . import x: x is a module
+    named = [f"{target}.{alias.name}" for alias in node.names]  # from pkg import x: x may be a module
+    return [target, *named] if node.module else named
 
 
 def imports(tree: ast.Module, module: str, is_package: bool, *, local: bool) -> set[str]:
@@ -81,12 +71,18 @@ def spec_modules() -> dict[str, tuple[ast.Module, bool]]:
     return {module_name(p): (ast.parse(p.read_text()), p.name == "__init__.py") for p in SPEC.rglob("*.py")}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, local: bool = True) -> dict[str, set[str]]:
+    """module -> the spec modules it imports (every import, function-local ones included, unless ``local``
+    is False)."""
     mods = spec_modules()
     edges = {}
     for name, (tree, pkg) in mods.items():
+        found = imports(tree, name, pkg, local=False) | (imports(tree, name, pkg, local=True) if local else set())
+        # ``from pkg import mod`` imports pkg.mod (pkg itself is the package it sits in, not a dependency)
+        found -= {t.rpartition(".")[0] for t in found if t in mods and t.rpartition(".")[0] in found
+                  and t.rpartition(".")[0] in mods and name.startswith(t.rpartition(".")[0] + ".")}
         targets = set()
-        for target in imports(tree, name, pkg, local=False):
+        for target in found:
             while target and target not in mods:  # from pkg.mod import name -> pkg.mod
                 target = target.rpartition(".")[0]
             if target and target != name:
@@ -95,54 +91,87 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
-def test_protocol_imports_nothing_from_spec() -> None:
-    tree, _ = spec_modules()["spec.protocol"]
-    every = imports(tree, "spec.protocol", False, local=False) | imports(tree, "spec.protocol", False, local=True)
-    assert not [m for m in every if m == "spec" or m.startswith("spec.")], every
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """The imports :data:`LAYERS` does not allow, as ``module -> target (layer -> layer)``."""
+    allowed = {layer: {layer, *below} for layer, _, below in LAYERS}
+    bad = []
+    for module, targets in sorted(edges.items()):
+        here = layer_of(module)
+        for target in sorted(targets):
+            there = layer_of(target)
+            if target == "spec" or there is None or here is None:
+                continue
+            if there not in allowed[here]:
+                bad.append(f"{module} -> {target} ({here} may not import {there})")
+    return bad
 
 
-def test_no_import_cycle_in_spec() -> None:
-    edges = graph()
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(node: str) -> None:
+    def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
-            if nxt not in state:
-                visit(nxt)
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
         stack.pop()
         state[node] = 2
+        return None
 
     for node in sorted(edges):
-        if node not in state:
-            visit(node)
+        if node not in state and (found := visit(node)):
+            return found
+    return None
 
 
-def test_registry_is_above_the_adapters_and_the_protocol_below_all() -> None:
+def test_every_spec_module_has_a_layer() -> None:
+    homeless = [m for m in spec_modules() if m != "spec" and layer_of(m) is None]
+    assert not homeless, f"modules outside every layer of LAYERS: {homeless}"
+
+
+def test_every_subpackage_says_what_it_holds() -> None:
+    for init in sorted(SPEC.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 20, f"{init.relative_to(SPEC.parent)} needs a docstring saying what it holds"
+
+
+def test_protocol_imports_nothing_from_spec() -> None:
     edges = graph()
-    assert {"spec.adapters.veomni", "spec.adapters.torchtitan", "spec.adapters.automodel", "spec.adapters.megatron",
-            "spec.verl_engine", "spec.impl_engine", "spec.protocol"} <= edges["spec.engines"]
-    for adapter in ("spec.adapters.veomni", "spec.adapters.torchtitan", "spec.adapters.automodel",
-                    "spec.adapters.megatron", "spec.adapters.factory", "spec.impl_engine", "spec.verl_engine"):
-        assert "spec.engines" not in edges[adapter], f"{adapter} imports the registry"
-        assert "spec.protocol" in edges[adapter] or "spec.verl_engine" in edges[adapter] \
-            or "spec.adapters.native" in edges[adapter]
+    leaks = {m: sorted(t for t in targets if layer_of(t) != "protocol")
+             for m, targets in edges.items() if layer_of(m) == "protocol"}
+    assert not any(leaks.values()), leaks
 
 
-def test_function_local_imports_are_the_listed_ones() -> None:
-    unexplained = []
-    for name, (tree, pkg) in spec_modules().items():
-        for target in imports(tree, name, pkg, local=True):
-            if target.split(".")[0] in OPTIONAL or target.split(".")[0] in ("impl", "tensordict", "pytest"):
-                continue
-            if (name, target) not in LOCAL_IMPORTS:
-                unexplained.append(f"{name}: {target}")
-    assert not unexplained, ("function-local imports without a reason in tests/test_layering.py's LOCAL_IMPORTS: "
-                             + ", ".join(sorted(unexplained)))
+def test_imports_follow_the_layers() -> None:
+    bad = violations(graph())
+    assert not bad, "imports against tests/test_layering.py's LAYERS:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_in_spec() -> None:
+    found = cycle(graph())
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_the_layer_check_sees_an_upward_and_a_local_import() -> None:
+    tree = ast.parse("def f():\n    from ..run.registry import load_engine\n")
+    local = imports(tree, "spec.engines.x", False, local=True)
+    assert "spec.run.registry" in local
+    assert violations({"spec.engines.x": {"spec.run.registry"}}) == [
+        "spec.engines.x -> spec.run.registry (engines may not import run)"]
+    assert cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_the_registry_sits_above_every_adapter() -> None:
+    edges = graph()
+    adapters = {m for m in edges if layer_of(m) == "engines" and m != "spec.engines"}
+    assert {"spec.engines.impl", "spec.engines.verl", "spec.engines.veomni", "spec.engines.torchtitan",
+            "spec.engines.automodel", "spec.engines.megatron"} <= adapters
+    assert {"spec.engines.impl", "spec.engines.verl", "spec.engines.veomni", "spec.engines.torchtitan",
+            "spec.engines.automodel", "spec.engines.megatron", "spec.planted"} <= edges["spec.run.registry"]
 
 
 #: keys of verl's private hand-off (its ``output_args`` and fused/flash-attention extras): the adapters map them
@@ -190,3 +219,16 @@ def test_the_private_key_check_sees_a_private_read() -> None:
                     '    c = ctx.inputs_run.micro_batch["input_ids"]\n')
     reads = _private_reads(bad)
     assert len(reads) == 4 and not any("micro_batch" in r for r in reads), reads
+
+
+def test_spec_readme_names_every_module_of_the_layout() -> None:
+    """spec/README.md's layer table names every module of spec/ (a package by its folder) and nothing that is
+    not there: the table cannot drift from the tree."""
+    readme = (SPEC / "README.md").read_text()
+    section = readme[readme.index("## How it fits together"):readme.index("The path of one case through it")]
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", section)) - {"tests/test_layering.py"}
+    on_disk = {p.relative_to(SPEC).as_posix() for p in SPEC.rglob("*.py")
+               if p.name != "__init__.py" and p.parent.name not in ("invariants", "planted")}
+    on_disk |= {"invariants/", "planted/"}
+    assert not on_disk - named, f"modules missing from spec/README.md's layer table: {sorted(on_disk - named)}"
+    assert not {n for n in named if not (SPEC / n).exists()}, "spec/README.md names modules that do not exist"

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec.engines import load_engine
+from spec.run.registry import load_engine
 from spec.invariants import CATALOGUE
 from spec.invariants.microbatch import check_nested, check_sample_keys, rows_of
-from spec.microbatch_cases import MiniBatchCase, materialize_minibatch, minibatch_cases
-from spec.microbatch_layer import MICROBATCH_FUNCTIONS, layer_from
+from spec.cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
+from spec.protocol.microbatch import MICROBATCH_FUNCTIONS, layer_from
 from spec.protocol import EngineUnderTest
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 
 MB = sorted(key for key in CATALOGUE if key.startswith("INV-MB-"))
 

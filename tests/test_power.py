@@ -7,7 +7,7 @@ import pytest
 
 from spec.invariants import CATALOGUE
 from spec.planted import PLANTED, planted_engine
-from spec.runner import run_invariant
+from spec.run.runner import run_invariant
 
 CASES = [(bug, inv) for bug in PLANTED.values() for inv in bug.caught_by]
 

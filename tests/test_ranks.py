@@ -1,4 +1,4 @@
-"""Real ranks (spec/ranks.py): processes joined by torch.distributed, against the in-process runs.
+"""Real ranks (spec/execute/ranks.py): processes joined by torch.distributed, against the in-process runs.
 
 Worked cases with hand-checkable structure; failures of a rank (exception, crash, hang) must
 fail the call in bounded time with that rank's traceback; the CUDA (nccl) path skips without GPUs.
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import impl
-from spec import ranks
-from spec.cases import EngineCase
-from spec.engines import load_engine
-from spec.harness import execute
-from spec.materialize import materialize
+from spec.execute import ranks
+from spec.cases.structure import EngineCase
+from spec.run.registry import load_engine
+from spec.execute.harness import execute
+from spec.cases.materialize import materialize
 from tests.rank_engines import CRASH, HANG, RAISE
 
 pytestmark = pytest.mark.skipif(ranks.unavailable("cpu") is not None, reason=str(ranks.unavailable("cpu")))

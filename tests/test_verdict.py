@@ -17,17 +17,17 @@ import pytest
 import torch
 
 import impl
-from spec.attribution import AttributedEngine, expect_engine_error, recording
-from spec.cases import EngineCase
-from spec.harness import execute
-from spec.impl_engine import ImplEngine
+from spec.execute.attribution import AttributedEngine, expect_engine_error, recording
+from spec.cases.structure import EngineCase
+from spec.execute.harness import execute
+from spec.engines.impl import ImplEngine
 from spec.invariants import CATALOGUE
-from spec.known import ALWAYS, KnownFailure, When
+from spec.protocol.known import ALWAYS, KnownFailure, When
 from spec.planted import helper_bugs as H
 from spec.planted import planted_engine
 from spec.report import failed, markdown, write_reports
-from spec.runner import run_invariant
-from spec.verl_engine import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
+from spec.run.runner import run_invariant
+from spec.engines.verl import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
 
 CI = dict(profile="ci")
 
@@ -121,7 +121,7 @@ def test_known_failure_whose_condition_never_held_is_not_stale() -> None:
 
 
 def test_mrope_condition() -> None:
-    from spec.cases import DenseCase
+    from spec.cases.structure import DenseCase
 
     assert MROPE_EQUAL_OR_SINGLE(DenseCase((1,), (2,), 1, 2, mrope=True))
     assert MROPE_EQUAL_OR_SINGLE(DenseCase((1, 2), (2, 1), 2, 2, mrope=True))
@@ -214,7 +214,7 @@ def _hypothesis_case(exc: BaseException) -> str | None:
     note = next((n for n in getattr(exc, "__notes__", []) if "case=" in n), None)
     if note is None:
         return None
-    from spec.cases import DenseCase
+    from spec.cases.structure import DenseCase
 
     start = note.index("case=") + len("case=")
     depth, end = 0, start
@@ -231,7 +231,7 @@ def _hypothesis_case(exc: BaseException) -> str | None:
     ("pad_mode_unchecked", "INV-ERR-001", "any"),
 ])
 def test_counterexample_is_the_one_hypothesis_reports(monkeypatch, bug, invariant_id, mode) -> None:
-    import spec.runner as runner
+    import spec.run.runner as runner
 
     seen = []
     original = runner._record_failure

@@ -4,7 +4,7 @@
   invariant that applies to it; its documented known failures aside.
 * A verl that builds the padded mask from the response-only ``loss_mask`` (0.7.1, verl
   issue #6278) must fail, and exactly on "the mask failure": the invariants of
-  ``spec.verl_engine.MASK_INVARIANTS`` that apply to it (run, not skipped, not a known
+  ``spec.engines.verl.MASK_INVARIANTS`` that apply to it (run, not skipped, not a known
   failure), each in padded mode only. The same instances pass once only the mask is
   replaced by the full-length one (a counterfactual engine below; verl is not patched).
 
@@ -30,12 +30,12 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed: run `tox -e verl091` or `tox -e verl071`")
 
-from spec.cases import EngineCase  # noqa: E402
-from spec.engines import load_engine  # noqa: E402
+from spec.cases.structure import EngineCase  # noqa: E402
+from spec.run.registry import load_engine  # noqa: E402
 from spec.invariants import CATALOGUE  # noqa: E402
-from spec.materialize import materialize  # noqa: E402
-from spec.runner import run_invariant  # noqa: E402
-from spec.verl_engine import MASK_INVARIANTS, VerlEngine  # noqa: E402
+from spec.cases.materialize import materialize  # noqa: E402
+from spec.run.runner import run_invariant  # noqa: E402
+from spec.engines.verl import MASK_INVARIANTS, VerlEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "verl-conformance.md"
@@ -92,7 +92,7 @@ def verify_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def verdict_rows(outcomes: list[dict]) -> list[dict]:
     """The outcomes that make the verdict: layout-profile ones are informational. Known failures are
-    applied per case by spec.runner (a record excuses only its cases and its failure)."""
+    applied per case by spec.run.runner (a record excuses only its cases and its failure)."""
     return [o for o in outcomes if not o.get("layout")]
 
 
@@ -131,7 +131,7 @@ def test_installed_versions_are_the_pinned_ones(engine: VerlEngine, mask_bug: bo
 
 
 def _all_records():
-    from spec.verl_engine import KNOWN_BUGS
+    from spec.engines.verl import KNOWN_BUGS
 
     return [r for records in KNOWN_BUGS.values() for r in records]
 

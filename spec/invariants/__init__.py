@@ -1,13 +1,14 @@
 """The invariant catalogue: every rule of the contract, each with a stable ID, in one place.
 
 ``CATALOGUE`` maps IDs to :class:`InvariantInfo`. The checks live in the modules
-below, grouped by what they look at.
+below, grouped by what they look at. May import protocol, truth, cases and execute (a check re-runs a case
+through :mod:`spec.execute`); never an engine's adapter, the runner or the registry.
 """
 
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
 from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
 from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
-from . import ranks  # noqa: F401 - the real-rank checks (spec/ranks.py)
+from . import ranks  # noqa: F401 - the real-rank checks (spec/execute/ranks.py)
 from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (issue 10: mutation survivors)
 from . import state  # noqa: F401 - an engine object kept across micro-batches
 from . import microbatch  # noqa: F401 - the micro-batch layer (prepare_micro_batches and its utilities)

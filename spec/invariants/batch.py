@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ..attribution import expect_engine_error
-from ..harness import execute
-from ..materialize import PadMode, materialize, select_rows
-from ..rules import distinct_temperatures
+from ..execute.attribution import expect_engine_error
+from ..execute.harness import execute
+from ..cases.materialize import PadMode, materialize, select_rows
+from ..truth.rules import distinct_temperatures
 from .core import Ctx, fail, invariant, match_runs, same
 from .inputs import _bucketed
 
@@ -109,7 +109,7 @@ def logits_not_mutated(ctx: Ctx) -> None:
 
 def _expect_error(ctx: Ctx, case, what: str, micro_batch=None) -> None:
     """Passes only when the engine's own call raised: an exception of the suite's model or processor
-    is no rejection (spec/attribution.py). impl's exception types are tested in tests/test_errors.py."""
+    is no rejection (spec/execute/attribution.py). impl's exception types are tested in tests/test_errors.py."""
     expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=micro_batch), what)
 
 

@@ -9,12 +9,12 @@ from typing import Any, Callable
 import torch
 from hypothesis import strategies as st
 
-from ..cases import DenseCase, EngineCase
-from ..protocol import EngineUnderTest
-from ..harness import Run, execute, model_for
-from ..materialize import materialize
-from ..oracle import Expected, expected
-from ..strategies import dense_cases, engine_cases
+from ..cases.structure import DenseCase, EngineCase
+from ..protocol.engine import EngineUnderTest
+from ..execute.harness import Run, execute, model_for
+from ..cases.materialize import materialize
+from ..truth.oracle import Expected, expected
+from ..cases.strategies import dense_cases, engine_cases
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
            "match_oracle", "match_runs", "held", "same"]
@@ -201,7 +201,7 @@ def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
 
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
-    sequence, each token within the tolerance :mod:`spec.oracle` derives for it."""
+    sequence, each token within the tolerance :mod:`spec.truth.oracle` derives for it."""
     wants = ctx.expected.of(key)
     tols = ctx.expected.tolerance[key]
     seqs = _sequences(got, f"{what or key}", len(wants))

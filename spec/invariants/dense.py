@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from ..materialize import materialize_dense
+from ..cases.materialize import materialize_dense
 from .core import Ctx, fail, invariant
 
 L2N = ("left_right_2_no_padding",)

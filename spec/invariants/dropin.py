@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dropin_cases import dropin_cases, from_engine_case, materialize_dropin
+from ..cases.dropin import dropin_cases, from_engine_case, materialize_dropin
 from .core import CATALOGUE, Ctx, InvariantInfo, fail
 
 NEEDS = ("left_right_2_no_padding", "no_padding_2_padding")
@@ -22,7 +22,7 @@ NEEDS = ("left_right_2_no_padding", "no_padding_2_padding")
 
 @dataclass(frozen=True)
 class DropinInfo(InvariantInfo):
-    """An invariant drawn from :func:`spec.dropin_cases.dropin_cases` (``strategy_kwargs``)."""
+    """An invariant drawn from :func:`spec.cases.dropin.dropin_cases` (``strategy_kwargs``)."""
 
     def cases(self, mode, engine):  # noqa: ARG002 - the layout, not the mode, picks the cases
         return dropin_cases(**self.strategy_kwargs)

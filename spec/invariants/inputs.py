@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cases import TEMPERATURE_FLOOR
-from ..rules import distinct_temperatures, full_length_mask, offsets, padded_length, token_temperatures
+from ..cases.structure import TEMPERATURE_FLOOR
+from ..truth.rules import distinct_temperatures, full_length_mask, offsets, padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)

@@ -1,4 +1,4 @@
-"""Megatron-style packing (spec/megatron_packing.py): what its TP x CP design adds to the contract.
+"""Megatron-style packing (spec/truth/megatron_packing.py): what its TP x CP design adds to the contract.
 
 Each example checks every TP in {1, 2, 4} x CP in {1, 2, 4} x CP layout the engine offers; the
 drawn case gives the sequence lengths and a seed from which the trailing dims ((L,), (L, K) or
@@ -12,8 +12,8 @@ import itertools
 
 import torch
 
-from ..megatron_packing import PackSpec, case_bucket, nested_from, thd_alignment
-from ..protocol import ShardLayout
+from ..truth.megatron_packing import PackSpec, case_bucket, nested_from, thd_alignment
+from ..protocol.engine import ShardLayout
 from .core import Ctx, fail, invariant
 
 ANY = ("any",)

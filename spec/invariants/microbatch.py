@@ -1,7 +1,7 @@
 """The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract-microbatch.md): from a trainer's
 mini-batch to micro-batches and back.
 
-Each check draws a :class:`spec.microbatch_cases.MiniBatchCase` and calls the engine's layer
+Each check draws a :class:`spec.cases.microbatch.MiniBatchCase` and calls the engine's layer
 (``engine.microbatch_layer()``, verl 0.9.1's names) through the attribution boundary, so what the layer raises
 counts as the engine's. What a check reads is what a consumer of the layer reads: which samples each micro-batch
 holds (values, by their own offsets), the token total of each micro-batch, the count, every key and its nested
@@ -21,13 +21,13 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ..attribution import engine_side
-from ..execute_microbatch import dp_micro_batch_counts
-from ..harness import execute, model_for
-from ..materialize import materialize
-from ..microbatch_cases import MiniBatchCase, materialize_minibatch, minibatch_cases
-from ..microbatch_layer import MicroBatchLayer
-from ..oracle import expected
+from ..cases.materialize import materialize
+from ..cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
+from ..execute.attribution import engine_side
+from ..execute.harness import execute, model_for
+from ..execute.microbatch import dp_micro_batch_counts
+from ..protocol.microbatch import MicroBatchLayer
+from ..truth.oracle import expected
 from .core import CATALOGUE, Ctx, InvariantInfo, close, fail, held, same
 
 __all__ = ["MicroBatchInfo", "PINNED"]

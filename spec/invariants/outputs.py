@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cases import EngineCase
-from ..harness import POISONS
-from ..rules import distinct_temperatures, offsets
+from ..cases.structure import EngineCase
+from ..execute.harness import POISONS
+from ..truth.rules import distinct_temperatures, offsets
 from .core import Ctx, fail, invariant, match_oracle, match_runs
 
 

@@ -1,6 +1,6 @@
 """Invariants on real ranks: sequence parallelism run in separate processes over ``torch.distributed``.
 
-Each check runs its case on ``sp_size`` real ranks (:mod:`spec.ranks`: gloo on CPU, nccl on CUDA),
+Each check runs its case on ``sp_size`` real ranks (:mod:`spec.execute.ranks`: gloo on CPU, nccl on CUDA),
 whatever seam the engine offers for simulated ranks: impl gathers through
 ``TorchDistributedAllGather`` on the real group, verl through its own Ulysses path. ``adjust``
 forces ``sp`` into 2..4 (a case drawn with ``sp = 1`` gets ``2 + seed % 3``, so failures shrink
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cases import EngineCase
-from ..harness import Run
-from ..ranks import execute as execute_on_ranks
-from ..rules import padded_length, token_temperatures
+from ..cases.structure import EngineCase
+from ..execute.harness import Run
+from ..execute.ranks import execute as execute_on_ranks
+from ..truth.rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
 
 PACKED = ("packed",)

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ..attribution import expect_engine_error
-from ..harness import Run, execute
-from ..materialize import materialize, materialize_dense
+from ..execute.attribution import expect_engine_error
+from ..execute.harness import Run, execute
+from ..cases.materialize import materialize, materialize_dense
 from .core import Ctx, fail, invariant
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "same_run", "recode_flags"]
@@ -161,7 +161,7 @@ def flags_rejected(ctx: Ctx) -> None:
     key, bad = _bad_flag(ctx.case)
     mb = materialize(ctx.case, ctx.device)
     mb.set_non_tensor(key, bad)
-    # only the engine's own exception is a rejection (spec/attribution.py); impl's types: tests/test_errors.py
+    # only the engine's own exception is a rejection (spec/execute/attribution.py); impl's types: tests/test_errors.py
     expect_engine_error(lambda: execute(ctx.engine, ctx.case, ctx.device, micro_batch=mb), f"flag {key}={bad!r}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rules import offsets, response_positions
+from ..truth.rules import offsets, response_positions
 from .core import Ctx, close, fail, invariant
 
 NP2P = ("no_padding_2_padding",)

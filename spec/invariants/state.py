@@ -13,8 +13,8 @@ from dataclasses import fields
 from typing import Any
 
 
-from ..cases import EngineCase
-from ..harness import Run, execute
+from ..cases.structure import EngineCase
+from ..execute.harness import Run, execute
 from .batch import two_or_more
 from .core import Ctx, fail, held, invariant, match_runs, same
 

@@ -3,6 +3,8 @@
 Each entry names the invariant(s) that must reject it; ``tests/test_power.py`` asserts
 that they do under the ``ci`` profile, and ``spec/README.md`` records the shrunk
 counterexample each one produces. The first two are the seeds' historical verl bugs.
+Harmless engines (differences no consumer reads, which the verdict must pass) are in :mod:`.harmless`.
+May import protocol, truth, cases and engines (the bugs are planted in impl's adapter).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Callable
 
 import impl
 
-from ..impl_engine import ImplEngine
+from ..engines.impl import ImplEngine
 from . import dropin_bugs as D
-from ..protocol import ShardLayout
+from ..protocol.engine import ShardLayout
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import megatron_bugs as M
@@ -40,7 +42,7 @@ class PlantedBug:
     layout: bool = False
     #: for a quiet bug: the one condition under which it shows
     quiet: str = ""
-    packer: type | None = None  # a Megatron-style packer (spec/megatron_packing.py) with the bug
+    packer: type | None = None  # a Megatron-style packer (spec/truth/megatron_packing.py) with the bug
     #: a micro-batch layer with the bug: impl's layer in, the planted one out (spec/planted/microbatch_bugs.py)
     microbatch: Callable | None = None
 
@@ -169,7 +171,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
     PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
-    # on real ranks (spec/ranks.py, spec/invariants/ranks.py)
+    # on real ranks (spec/execute/ranks.py, spec/invariants/ranks.py)
     PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007"), lm=R.RollAfterSlice),
     PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
@@ -230,4 +232,6 @@ class PlantedEngine(ImplEngine):
 def planted_engine(name: str) -> PlantedEngine:
     if name not in PLANTED:
         raise ValueError(f"unknown planted bug {name!r}; known: {sorted(PLANTED)}")
-    return PlantedEngine(PLANTED[name])
+    engine = PlantedEngine(PLANTED[name])
+    engine.built_by = (planted_engine, (name,))  # a rank process builds it by name
+    return engine

@@ -17,7 +17,7 @@ import torch
 import impl
 from impl.flags import read_flag
 
-from ..impl_engine import ImplEngine
+from ..engines.impl import ImplEngine
 
 __all__ = ["HARMLESS", "HarmlessEngine", "harmless_engine", "ContiguousCopies", "PerSequenceLabels", "TailPadIds",
            "CuSeqlensInt64", "RowShapedOutputArgs", "LastLabelPad"]
@@ -164,7 +164,9 @@ class HarmlessEngine(ImplEngine):
 def harmless_engine(name: str) -> HarmlessEngine:
     if name not in HARMLESS:
         raise ValueError(f"unknown harmless engine {name!r}; known: {sorted(HARMLESS)}")
-    return HarmlessEngine(HARMLESS[name])
+    engine = HarmlessEngine(HARMLESS[name])
+    engine.built_by = (harmless_engine, (name,))  # a rank process builds it by name
+    return engine
 
 
 # ``--engine spec.planted.harmless:<Name>`` (load_engine calls an EngineUnderTest subclass with no arguments)

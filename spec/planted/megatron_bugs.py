@@ -1,11 +1,11 @@
-"""Planted packing bugs: the reference packer (spec/megatron_packing.py) with one plausible mistake."""
+"""Planted packing bugs: the reference packer (spec/truth/megatron_packing.py) with one plausible mistake."""
 
 from __future__ import annotations
 
 import torch
 
-from ..megatron_packing import PackSpec, ReferencePacker, nested_from
-from ..protocol import ShardLayout
+from ..truth.megatron_packing import PackSpec, ReferencePacker, nested_from
+from ..protocol.engine import ShardLayout
 
 
 class ZigzagHalvesSwapped(ReferencePacker):

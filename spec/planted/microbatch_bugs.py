@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ..microbatch_layer import MicroBatchLayer
+from ..protocol.microbatch import MicroBatchLayer
 
 __all__ = ["restore_off_by_one_when_reordered", "budget_check_exclusive", "equal_lengths_stacked_dense",
            "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder"]

@@ -1,6 +1,6 @@
 """Planted bugs on the real-rank path: sequence-parallel mistakes that only show across processes.
 
-Each is impl with one mistake, rejected through real ranks (:mod:`spec.ranks`, gloo) by an
+Each is impl with one mistake, rejected through real ranks (:mod:`spec.execute.ranks`, gloo) by an
 assertion of an ``INV-RANK-*`` invariant.
 """
 

@@ -1,0 +1,255 @@
+"""Hypothesis strategies for engine cases: structure only, never tensor contents.
+
+Every strategy shrinks towards a batch of one, length-one prompts and responses, the smallest
+vocabulary, float32 logits, temperature 1.0, packed mode and every flag off.
+
+Reach (what engines see, drawn cheaply): a size *tier* is drawn first and shrinks to ``small``.
+
+- ``small`` (most cases): B <= 5, prompts and responses <= ``max_len`` tokens, vocab <= 129.
+- ``long``: sequences up to 4,096 tokens (prompt and response up to 2,048 each), ``total_nnz`` up
+  to 16,384, a small vocabulary so logits stay small (n x V <= 2**20).
+- ``wide``: vocabularies of 32,768 .. 152,064 ids (ids above 32,767 and 65,535 occur), few tokens
+  (n x V <= 2**21: the toy model's head is low rank, only the (n, V) logits grow).
+- ``batch``: B from 8 to 64 short sequences.
+
+A large tier is drawn with probability ``1/4`` (:data:`TIER_WEIGHTS`), so a 40-example ``default``
+run sees about three cases of each large tier and a 100-example ``ci`` run about eight; the ``thorough`` profile (more
+examples) sees proportionally more. Logits come in float32, bfloat16 or float16; temperatures are
+1.0, log-uniform over [1e-3, 1e2], or at/below the contract's 1e-8 clamp; token ids are uniform over
+[0, V) so they include the pad id, and some cases end every response with eos = pad.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, DenseCase, EngineCase
+
+__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS"]
+
+MODES = ("packed", "padded")
+TIERS = ("small", "long", "wide", "batch")
+#: the share of cases in each tier (a large tier is drawn with probability 1/4, then one of three)
+TIER_WEIGHTS = {"small": 3 / 4, "long": 1 / 12, "wide": 1 / 12, "batch": 1 / 12}
+_VOCABS = (2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 127, 128, 129)
+_WIDE_VOCABS = (32_769, 65_537, 100_000, 131_072, 151_936, 152_064)
+_LONG_VOCABS = (2, 7, 16, 64)
+#: the largest float below, at and below the contract's 1e-8 temperature clamp
+_CLAMPED_TEMPERATURES = (1e-8, 5e-9, 1e-10)
+_LOGITS_BUDGET = {"long": 2 ** 20, "wide": 2 ** 21}
+
+
+def _check_bounds(**bounds: int) -> None:
+    for name, value in bounds.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@st.composite
+def _tier(draw) -> str:
+    """``small`` unless two coin flips both come up (1/4), then one of the large tiers; shrinks to small.
+    (Coin flips, not a weighted ``sampled_from``: hypothesis draws indices far from uniformly.)"""
+    if draw(st.booleans()) and draw(st.booleans()):
+        return draw(st.sampled_from(TIERS[1:]))
+    return "small"
+
+
+@st.composite
+def seq_lengths(draw, batch_size: int, *, max_len: int) -> tuple[int, ...]:
+    """``batch_size`` lengths in ``[1, max_len]``, reaching the corners on purpose:
+    all equal, the longest first, the longest last, or free. Shrinks to all ones."""
+    style = draw(st.sampled_from(("free", "equal", "longest_first", "longest_last")))
+    if style == "equal":
+        return (draw(st.integers(1, max_len)),) * batch_size
+    lens = list(draw(st.lists(st.integers(1, max_len), min_size=batch_size, max_size=batch_size)))
+    if style != "free" and batch_size > 1:
+        longest = lens.index(max(lens))
+        target = 0 if style == "longest_first" else batch_size - 1
+        lens[longest], lens[target] = lens[target], lens[longest]
+    return tuple(lens)
+
+
+def one_temperature():
+    """One temperature: exactly 1.0 (where it shrinks), log-uniform over [1e-3, 1e2] (low ones often),
+    or at/below the 1e-8 clamp."""
+    log_uniform = st.integers(-300, 200).map(lambda k: float(f"{10 ** (k / 100):.4g}"))
+    return st.one_of(st.just(1.0), log_uniform, st.sampled_from((0.05, 0.01, 0.001)),
+                     st.sampled_from(_CLAMPED_TEMPERATURES))
+
+
+def temperatures(batch_size: int, *, per_sample: bool | None = None):
+    """A float (shrinks to 1.0) or ``batch_size`` per-sample values (distinct or not)."""
+    scalar = one_temperature()
+    vector = st.lists(one_temperature(), min_size=batch_size, max_size=batch_size).map(tuple)
+    if per_sample is None:
+        return scalar | vector
+    return vector if per_sample else scalar
+
+
+def _budgeted(lens_p: tuple[int, ...], lens_r: tuple[int, ...], vocab: int, budget: int):
+    """Shorten sequences (keeping >= 1 token each) until total_nnz * vocab <= budget."""
+    cap = max(2, budget // (vocab * len(lens_p)))
+    return (tuple(max(1, min(p, cap // 2)) for p in lens_p), tuple(max(1, min(r, cap - cap // 2)) for r in lens_r))
+
+
+#: what each ``engine_cases`` limit excludes, as a test on a case (the pinned seed examples must honour an
+#: engine's ``strategy_limits`` as the drawn cases do)
+_LIMIT_EXCLUDES = {
+    "allow_sp": lambda c: c.sp_size > 1,
+    "allow_bucket": lambda c: bool(c.pad_to_length),
+    "allow_fused": lambda c: c.use_fused_kernels,
+    "allow_distillation": lambda c: bool(c.distillation_keys),
+    "allow_cu_seqlens": lambda c: c.pass_cu_seqlens,
+    "allow_chunking": lambda c: bool(c.entropy_chunk_size),
+    "allow_sum_pi_squared": lambda c: c.calculate_sum_pi_squared,
+}
+
+
+def within_limits(case: EngineCase, **limits) -> bool:
+    """Whether ``engine_cases(**limits)`` could draw ``case`` as far as the engine-facing limits go (features,
+    per-sample temperature, logits dtypes); size bounds are not checked."""
+    for key, excludes in _LIMIT_EXCLUDES.items():
+        if limits.get(key, True) is False and excludes(case):
+            return False
+    per_sample = limits.get("per_sample_temperature")
+    if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
+        return False
+    return case.logits_dtype in limits.get("logits_dtypes", LOGITS_DTYPES)
+
+
+@st.composite
+def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: int = 8,
+                 head: str = "lm", allow_sp: bool = True, allow_bucket: bool = True,
+                 allow_fused: bool = True, allow_distillation: bool = True, allow_cu_seqlens: bool = True,
+                 allow_chunking: bool = True, allow_sum_pi_squared: bool = True, allow_large: bool = True,
+                 padding: bool = False,
+                 per_sample_temperature: bool | None = None, tier: str | None = None,
+                 logits_dtypes: tuple[str, ...] = LOGITS_DTYPES) -> EngineCase:
+    """An :class:`EngineCase` with every flag combination the contract allows.
+
+    ``mode`` pins packed/padded (``None`` draws it). Sequence parallelism and the
+    static bucket only apply to the packed mode; the bucket is never combined with
+    top-K distillation (the contract makes that an error), fused kernels need one
+    float temperature, and sequence parallelism is not drawn with distillation (the
+    suite's processor aligns teacher tensors with the whole packed row).
+
+    ``logits_dtypes`` restricts the logits' dtypes (an engine's ``strategy_limits`` may, to keep a
+    documented low-precision limitation from drowning its other results). ``tier`` pins the size tier.
+    ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
+    (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
+    """
+    _check_bounds(max_batch=max_batch, max_len=max_len)
+    if mode not in (None, *MODES):
+        raise ValueError(f"mode must be None or one of {MODES}, got {mode!r}")
+    tier = tier or (draw(_tier()) if allow_large else "small")
+    if tier == "batch":
+        batch = draw(st.integers(8, 64))
+    else:
+        batch = draw(st.integers(1, 4 if tier == "long" else 3 if tier == "wide" else max_batch))
+    length = {"long": 2048, "wide": 8}.get(tier, max_len)
+    prompts = draw(seq_lengths(batch, max_len=length))
+    responses = draw(seq_lengths(batch, max_len=length))
+    if tier == "long":  # one sequence of 2,049 .. 4,096 tokens (integer draws favour small values)
+        at = draw(st.integers(0, batch - 1))
+        prompts = prompts[:at] + (draw(st.integers(1025, 2048)),) + prompts[at + 1:]
+        responses = responses[:at] + (draw(st.integers(1024, 2048)),) + responses[at + 1:]
+    if tier == "wide":
+        vocab = draw(st.sampled_from(_WIDE_VOCABS))
+    elif tier == "long":
+        vocab = draw(st.sampled_from(_LONG_VOCABS))
+    else:
+        vocab = draw(st.sampled_from(_VOCABS))
+    if tier in _LOGITS_BUDGET:
+        prompts, responses = _budgeted(prompts, responses, vocab if head == "lm" else 1, _LOGITS_BUDGET[tier])
+    packed = (not draw(st.booleans())) if mode is None else mode == "packed"
+    # fused kernels in about a quarter of the cases
+    fused = head == "lm" and allow_fused and draw(st.booleans()) and draw(st.booleans())
+    temperature = draw(temperatures(batch, per_sample=False if fused else per_sample_temperature))
+    distill: tuple[str, ...] = ()
+    if head == "lm" and allow_distillation and not fused and draw(st.booleans()):
+        distill = tuple(draw(st.lists(st.sampled_from(DISTILLATION_KEYS), min_size=1, max_size=3, unique=True)))
+    sp = 1
+    bucket = None
+    if packed and allow_sp and not distill:
+        sp = draw(st.sampled_from((1, 2, 3, 4)))
+    if packed and allow_bucket and not distill and draw(st.booleans()):
+        bucket = draw(st.sampled_from((4, 7, 8, 16) if tier != "long" else (4, 7, 1024, 4096)))
+    if padding:
+        if batch == 1 or len({p + r for p, r in zip(prompts, responses)}) == 1:
+            prompts = prompts[:-1] + (prompts[-1] + 1,) if batch > 1 else prompts
+            if batch == 1:
+                batch, prompts, responses = 2, prompts + (prompts[0] + 1,), responses * 2
+                if isinstance(temperature, tuple):
+                    temperature = temperature * 2
+        total = sum(prompts) + sum(responses)
+        if packed and (allow_bucket or allow_sp):
+            distill = ()
+            if allow_bucket:
+                bucket = bucket or 8
+                bucket = bucket if total % bucket else bucket + 1
+            elif total % sp == 0:
+                sp = next(k for k in (2, 3, 4, 5, 7) if total % k)
+    width = None
+    if draw(st.booleans()):
+        width = max(responses) + draw(st.integers(0, 3))
+    chunks = (None, None, 1, 2, 3, 7) if tier != "long" else (None, None, 1000, 2047, 4096)
+    pad_choice = draw(st.sampled_from(("zero", "one", "last")))
+    pad_id = {"zero": 0, "one": min(1, vocab - 1), "last": vocab - 1}[pad_choice]
+    eos_choice = draw(st.sampled_from(("none", "pad", "other")))
+    eos = {"none": None, "pad": pad_id, "other": (pad_id + 1) % vocab}[eos_choice]
+    return EngineCase(
+        prompt_lens=prompts, response_lens=responses,
+        vocab=vocab,
+        temperature=temperature,
+        mrope=draw(st.booleans()),
+        use_remove_padding=packed,
+        calculate_entropy=head == "lm" and draw(st.booleans()),
+        calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),
+        distillation_keys=distill,
+        distillation_only=bool(distill) and draw(st.booleans()),
+        use_fused_kernels=fused,
+        topk=draw(st.integers(1, 4)),
+        pad_token_id=pad_id,
+        max_response_len=width,
+        sp_size=sp,
+        pad_to_length=bucket,
+        pass_cu_seqlens=packed and allow_cu_seqlens and draw(st.booleans()),
+        entropy_chunk_size=draw(st.sampled_from(chunks)) if allow_chunking else None,
+        head=head,
+        logits_dtype=draw(st.sampled_from(logits_dtypes)),
+        eos_token_id=eos if head == "lm" else None,
+        mask_hole_rate=draw(st.sampled_from((0.2, 0.0, 0.5))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@st.composite
+def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool = True,
+                topk: bool | None = None, routed_experts: bool | None = None) -> DenseCase:
+    """A left-padded-prompt, right-padded-response dense batch (with slack columns).
+
+    Token ids are uniform over [0, V) (so real tokens equal the pad id), some cases end every
+    response with eos = pad, vocabularies reach 152,064 ids and batches 64 rows."""
+    _check_bounds(max_batch=max_batch, max_len=max_len)
+    tier = draw(_tier()) if allow_large else "small"
+    batch = draw(st.integers(8, 64)) if tier == "batch" else draw(st.integers(1, max_batch))
+    length = 256 if tier == "long" else max_len
+    prompts = draw(seq_lengths(batch, max_len=length))
+    responses = draw(seq_lengths(batch, max_len=length))
+    vocab = draw(st.sampled_from(_WIDE_VOCABS if tier == "wide" else (2, 7, 50, 129)))
+    pad_choice = draw(st.sampled_from(("zero", "one", "last")))
+    with_topk = draw(st.booleans()) if topk is None else topk
+    with_experts = draw(st.booleans()) if routed_experts is None else routed_experts
+    return DenseCase(
+        prompt_lens=prompts, response_lens=responses,
+        prompt_width=max(prompts) + draw(st.integers(0, 2)),
+        response_width=max(responses) + draw(st.integers(0, 2)),
+        mrope=draw(st.booleans()),
+        topk=draw(st.sampled_from((1, 3))) if with_topk else 0,
+        mask_holes=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+        vocab=vocab,
+        pad_token_id={"zero": 0, "one": 1, "last": vocab - 1}[pad_choice],
+        eos_is_pad=draw(st.booleans()),
+        routed_experts=draw(st.sampled_from((8, 64, 256))) if with_experts else 0,
+    )

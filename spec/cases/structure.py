@@ -1,0 +1,209 @@
+"""The structure of a test case: lengths, splits, flags, temperatures and a seed.
+
+Cases hold no tensors. :mod:`spec.cases.materialize` makes the tensors from ``seed`` so
+a failing case shrinks to a few small integers and prints as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..truth.rules import TEMPERATURE_FLOOR
+
+__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]
+
+#: The dtypes a model may return its logits in.
+LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+
+#: Keys the suite's top-K distillation processor can produce (verl's names).
+DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
+                     "overlap_token_advantage")
+
+
+class ModelSeed(int):
+    """An ``int`` seed that also names the dtype the toy model returns its logits in."""
+
+    logits_dtype: str
+
+    def __new__(cls, value: int, logits_dtype: str = "float32") -> "ModelSeed":
+        seed = super().__new__(cls, int(value))
+        seed.logits_dtype = logits_dtype
+        return seed
+
+    def __repr__(self) -> str:
+        return str(int(self))
+
+    def __reduce__(self):
+        return (ModelSeed, (int(self), self.logits_dtype))
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One micro-batch and the engine configuration it runs under."""
+
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+    vocab: int = 16
+    #: one float (stored as a flag) or one value per sample (a ``(B,)`` tensor)
+    temperature: float | tuple[float, ...] = 1.0
+    mrope: bool = False
+    use_remove_padding: bool = True
+    calculate_entropy: bool = False
+    calculate_sum_pi_squared: bool = False
+    #: keys of the top-K distillation processor; empty = distillation off
+    distillation_keys: tuple[str, ...] = ()
+    distillation_only: bool = False
+    use_fused_kernels: bool = False
+    topk: int = 2
+    pad_token_id: int = 0
+    max_response_len: int | None = None
+    sp_size: int = 1
+    pad_to_length: int | None = None
+    pass_cu_seqlens: bool = False
+    entropy_chunk_size: int | None = None
+    head: str = "lm"
+    #: dtype of the model's logits (the contract's outputs are float32 whatever this is)
+    logits_dtype: str = "float32"
+    #: when set, every response ends with this token (pad == eos when it equals ``pad_token_id``)
+    eos_token_id: int | None = None
+    #: share of response tokens with loss_mask 0 (holes inside responses: multi-turn tool output)
+    mask_hole_rate: float = 0.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # The model is built from (vocab, seed) alone (spec.execute.harness.model_for); the seed carries the
+        # logits dtype to it. It stays an int everywhere else (hash, equality, repr).
+        object.__setattr__(self, "seed", ModelSeed(self.seed, self.logits_dtype))
+        if self.logits_dtype not in LOGITS_DTYPES:
+            raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}")
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab:
+                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab})")
+        if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
+            raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
+        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
+            raise ValueError("prompt and response lengths must be >= 1")
+
+    # -- derived structure ---------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens))
+
+    @property
+    def total_nnz(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def distillation_use_topk(self) -> bool:
+        return bool(self.distillation_keys)
+
+    @property
+    def per_sample_temperature(self) -> bool:
+        return isinstance(self.temperature, tuple)
+
+    def temperatures(self) -> tuple[float, ...]:
+        if isinstance(self.temperature, tuple):
+            return self.temperature
+        return (float(self.temperature),) * self.batch_size
+
+    @property
+    def response_width(self) -> int:
+        return self.max_response_len if self.max_response_len is not None else max(self.response_lens)
+
+    @property
+    def mode(self) -> str:
+        return "packed" if self.use_remove_padding else "padded"
+
+    @property
+    def split_view(self) -> bool:
+        """One case in three (by its seed) hands its nested tensors as views into a bigger buffer, as a micro-batch
+        split or sliced from a trainer's mini-batch arrives (``spec.cases.materialize``); printed as ``split``."""
+        return int(self.seed) % 3 == 2
+
+    def with_(self, **changes: object) -> "EngineCase":
+        return replace(self, **changes)
+
+    def subset(self, rows: list[int]) -> "EngineCase":
+        """The same case restricted to (and reordered as) ``rows``."""
+        temps = self.temperature
+        if isinstance(temps, tuple):
+            temps = tuple(temps[i] for i in rows)
+        return replace(self, prompt_lens=tuple(self.prompt_lens[i] for i in rows),
+                       response_lens=tuple(self.response_lens[i] for i in rows), temperature=temps)
+
+    def __repr__(self) -> str:
+        parts = [f"p={list(self.prompt_lens)}", f"r={list(self.response_lens)}", f"V={self.vocab}",
+                 f"T={list(self.temperature) if isinstance(self.temperature, tuple) else self.temperature}",
+                 self.mode]
+        flags = [name for name, on in (
+            ("mrope", self.mrope), ("entropy", self.calculate_entropy),
+            ("sum_pi_squared", self.calculate_sum_pi_squared), ("distillation_only", self.distillation_only),
+            ("fused", self.use_fused_kernels)) if on]
+        parts += flags
+        if self.distillation_keys:
+            parts.append(f"topk={self.topk}:{','.join(self.distillation_keys)}")
+        if self.logits_dtype != "float32":
+            parts.append(self.logits_dtype)
+        if self.pad_token_id:
+            parts.append(f"pad_token_id={self.pad_token_id}")
+        if self.eos_token_id is not None:
+            parts.append(f"eos={self.eos_token_id}")
+        if self.mask_hole_rate != 0.2:
+            parts.append(f"holes={self.mask_hole_rate}")
+        if self.max_response_len is not None:
+            parts.append(f"max_response_len={self.max_response_len}")
+        if self.sp_size > 1:
+            parts.append(f"sp={self.sp_size}")
+        if self.pad_to_length:
+            parts.append(f"bucket={self.pad_to_length}")
+        if self.pass_cu_seqlens:
+            parts.append("cu_seqlens")
+        if self.entropy_chunk_size:
+            parts.append(f"chunk={self.entropy_chunk_size}")
+        if self.head != "lm":
+            parts.append(f"head={self.head}")
+        if self.split_view:
+            parts.append("split")
+        parts.append(f"seed={self.seed}")
+        return "EngineCase(" + " ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class DenseCase:
+    """A dense left-right padded batch, as a trainer hands it to ``left_right_2_no_padding``."""
+
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+    prompt_width: int
+    response_width: int
+    mrope: bool = False
+    topk: int = 0  # 0 = no teacher tensors
+    mask_holes: bool = False  # zeros inside the response mask (multi-turn tool output)
+    seed: int = 0
+    vocab: int = 50
+    pad_token_id: int = 0
+    #: every response ends with the pad id (pad == eos), so a real token equals the pad id
+    eos_is_pad: bool = False
+    #: MoE router replay: ``routed_experts`` (B, S, layers, top-k) of this many experts (0 = absent)
+    routed_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pad_token_id < self.vocab:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary [0, {self.vocab})")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    def __repr__(self) -> str:
+        extra = (" mrope" if self.mrope else "") + (f" topk={self.topk}" if self.topk else "") + (
+            " holes" if self.mask_holes else "") + (f" V={self.vocab}" if self.vocab != 50 else "") + (
+            f" pad={self.pad_token_id}" if self.pad_token_id else "") + (" eos=pad" if self.eos_is_pad else "") + (
+            f" experts={self.routed_experts}" if self.routed_experts else "")
+        return (f"DenseCase(p={list(self.prompt_lens)} r={list(self.response_lens)} "
+                f"P={self.prompt_width} R={self.response_width}{extra} seed={self.seed})")

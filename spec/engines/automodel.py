@@ -1,0 +1,85 @@
+"""verl's Automodel (NeMo) engine as an engine under test (``--engine verl-automodel``).
+
+``AutomodelEngineWithLMHead`` has its own ``prepare_model_inputs(mb) -> (model_inputs, output_args)``
+(verl's FSDP convention, keys included) and ``prepare_model_outputs(output, output_args, mb)`` without
+``logits_processor_func``: no top-K distillation, no value head, no bucket, no sequence parallelism.
+The suite's ``pass_cu_seqlens`` setting maps onto its TransformerEngine attention backend
+(``engine_config.attn_implementation == "te"``), the one under which it passes ``cu_seqlens``.
+
+``nemo_automodel`` is stubbed where verl imports it at module level and it does not import here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import InputsView, verl_fsdp_view
+from .verl import MASK_INVARIANTS
+from .native import NativeVerlEngine
+from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
+
+__all__ = ["AutomodelEngine"]
+
+MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
+        "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
+FUSED_PADDED = ("padded fused kernels return dense response slices output.log_probs[:, -L-1:-1] (L = the "
+                "max_response_length flag, default 1024) instead of nested full sequences; engine bug (FSDP's "
+                "engine re-packs them by the full lengths)")
+NO_SHIFT_LABELS = ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without sequence "
+                   "parallelism, which this engine does not offer); contract difference")
+NO_HOST_CU = ("no cu_seqlens_cpu beside cu_seqlens (TransformerEngine takes max_seqlen instead); layout difference")
+FUSED_PADDED_LABELS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-CHUNK-001", "INV-LAYOUT-001", "INV-LEAK-001",
+                       "INV-LEAK-002", *sorted(MASK_INVARIANTS))
+FUSED = When("fused kernels", lambda case: case.use_fused_kernels)
+
+KNOWN_RECORDS: tuple[KnownFailure, ...] = (
+    *(KnownFailure(inv, FUSED_PADDED, raises=(AssertionError, RuntimeError),
+                   matches=r"dense tensor|dense \(|not a nested tensor|is not finite|values expected sparse",
+                   when=FUSED, modes=() if inv == "INV-KEYS-003" else ("padded",))
+      for inv in dict.fromkeys(FUSED_PADDED_LABELS)),
+    *loss_mask_attention(reason=MASK),
+    KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
+    KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
+    entropy_cancellation(modes=("packed",)),
+    flag_types(),
+)
+
+
+class AutomodelObject:
+    def __init__(self, eng: Any):
+        self.verl_engine = eng
+
+    def prepare_model_inputs(self, micro_batch):
+        return self.verl_engine.prepare_model_inputs(micro_batch)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch)
+
+
+class AutomodelEngine(NativeVerlEngine):
+    """verl's FSDP convention (:func:`verl_fsdp_view`), but the TransformerEngine backend is handed
+    ``cu_seqlens`` as ``(1, B + 1)``: the view flattens it."""
+
+    name = "verl-automodel"
+    module = "verl.workers.engine.automodel.transformer_impl"
+    packages = ("nemo_automodel",)
+    lm_class = "AutomodelEngineWithLMHead"
+    sp_reason = "context parallelism goes through the engine's device mesh, not run here"
+    #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
+    KNOWN = {"*": KNOWN_RECORDS}
+
+    def view_inputs(self, model_inputs, output_args) -> InputsView:
+        view = verl_fsdp_view(model_inputs, output_args)
+        if view.cu_seqlens is not None:
+            view.cu_seqlens = view.cu_seqlens.reshape(-1)
+        return view
+
+    def make(self, head: str = "lm", **settings: Any) -> AutomodelObject:
+        cu_seqlens = bool(settings.get("pass_cu_seqlens"))
+        obj = super().make(head, **settings)
+        obj.verl_engine.engine_config.attn_implementation = "te" if cu_seqlens else "sdpa"
+        return obj
+
+    def wrap(self, eng: Any) -> AutomodelObject:
+        return AutomodelObject(eng)

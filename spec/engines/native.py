@@ -1,0 +1,119 @@
+"""Shared construction for verl engines with their own ``prepare_model_*`` (TorchTitan, Automodel).
+
+Like the FSDP adapter: the engine class is instantiated without ``__init__`` (no model, no process
+group, no device mesh) and only the attributes its preparation reads are set, with the values its
+constructor would give them for a single-rank, uncompiled run. The calling convention is adapted in
+a thin engine object; nothing of verl's code is copied and verl is not patched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from ..protocol.known import KnownFailure
+from ..protocol.engine import EngineUnderTest, Feature
+from .stubs import import_verl_module
+
+__all__ = ["NativeVerlEngine"]
+
+
+class NativeVerlEngine(EngineUnderTest):
+    """Base of the TorchTitan and Automodel adapters. Subclasses set ``module``, ``packages``,
+    ``lm_class``, ``records`` and implement :meth:`wrap`."""
+
+    module = ""
+    packages: tuple[str, ...] = ()
+    lm_class = ""
+    records: dict[str, dict[str, object]] = {}
+    sp_reason = "sequence/context parallelism runs through a process group the suite does not simulate"
+    #: version -> known-failure records (``spec.protocol.known.KnownFailure``); "*" for every version
+    #: (docs/engines/<name>.md has a minimal counterexample for each)
+    KNOWN: dict[str, tuple[KnownFailure, ...]] = {}
+    #: strategy limits that keep a documented bug or contract difference out of unrelated invariants
+    LIMITS: dict[str, Any] = {
+        # verl computes and returns outputs in the logits' own dtype (a documented contract difference of every
+        # verl engine, docs/verl-conformance.md): bf16/fp16 logits would fail every value invariant for it
+        "logits_dtypes": ("float32",),
+    }
+
+    def __init__(self) -> None:
+        self.version, self.stubs = import_verl_module(self.name, self.module, self.packages, self.records)
+        from verl.utils import torch_functional as verl_F
+
+        self._verl_F = verl_F
+        self.cls = getattr(self.stubs.module, self.lm_class)
+        self.outputs_params = tuple(inspect.signature(self.cls.prepare_model_outputs).parameters)
+        self.known_failures = (*self.KNOWN.get("*", ()), *self.KNOWN.get(self.version, ()))
+
+    # -- capabilities ------------------------------------------------------------------------------
+    def _no(self, what: str) -> str:
+        return f"{self.name} {self.version}: {what}"
+
+    def lacks(self, feature: str | Feature) -> str | None:
+        feature = Feature.parse(feature)
+        if feature is Feature.VALUE and not hasattr(self.stubs.module, self.lm_class.replace("LMHead", "ValueHead")):
+            return self._no(f"{self.module} has no value-head engine")
+        if feature is Feature.DISTILLATION and "logits_processor_func" not in self.outputs_params:
+            return self._no("prepare_model_outputs takes no logits_processor_func (no top-K distillation)")
+        if feature is Feature.BUCKET and "pad_to_length" not in _source(self.cls.prepare_model_inputs):
+            return self._no("prepare_model_inputs has no static pad_to_length bucket")
+        if feature is Feature.CHUNKING and "entropy_from_logits_with_chunking" not in _source(self.cls.prepare_model_outputs):
+            return self._no("prepare_model_outputs does not chunk the entropy")
+        if feature is Feature.FUSED and "use_fused_kernels" not in _source(self.cls.prepare_model_inputs):
+            return self._no("prepare_model_inputs has no fused-kernel path")
+        if feature is Feature.SUM_PI_SQUARED and "calculate_sum_pi_squared" not in _source(self.cls.prepare_model_outputs):
+            return self._no("prepare_model_outputs never reads calculate_sum_pi_squared (no sum_pi_squared output)")
+        if feature is Feature.SP:
+            return self._no(self.sp_reason)
+        if feature in (Feature.BUILD_ATTENTION_MASK, Feature.NO_PADDING_2_PADDING, Feature.LEFT_RIGHT_2_NO_PADDING,
+                       Feature.RESPONSE_FROM_NESTED, Feature.RESPONSE_TO_NESTED):
+            return self._no(f"{feature.value} is verl.workers.utils.padding's, shared by every verl engine and "
+                            "checked under --engine verl; not re-run here")
+        return super().lacks(feature)
+
+    def strategy_limits(self) -> dict[str, Any]:
+        return {"allow_sp": self.lacks(Feature.SP) is None, "allow_bucket": self.lacks(Feature.BUCKET) is None,
+                "allow_distillation": self.lacks(Feature.DISTILLATION) is None,
+                "allow_cu_seqlens": self.lacks(Feature.CU_SEQLENS) is None,
+                "allow_fused": self.lacks(Feature.FUSED) is None,
+                "allow_chunking": self.lacks(Feature.CHUNKING) is None,
+                "allow_sum_pi_squared": self.lacks(Feature.SUM_PI_SQUARED) is None, **self.LIMITS}
+
+    # -- engine objects --------------------------------------------------------------------------
+    def build(self, chunk: int | None) -> Any:
+        """The verl engine object, built without ``__init__`` (single rank, not compiled)."""
+        eng = object.__new__(self.cls)
+        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
+                                            entropy_from_logits_chunk_size=int(chunk or 2048),
+                                            use_torch_compile=False, attn_type="varlen", attn_implementation="sdpa")
+        eng.compute_entropy_from_logits = (self._verl_F.entropy_from_logits_with_chunking if chunk
+                                           else self._verl_F.entropy_from_logits)
+        return eng
+
+    def make(self, head: str = "lm", **settings: Any) -> Any:
+        for feature, keys in ((Feature.SP, ("sp_size",)), (Feature.BUCKET, ("pad_to_length",)),
+                              (Feature.CU_SEQLENS, ("pass_cu_seqlens",)), (Feature.CHUNKING, ("entropy_chunk_size",))):
+            if any(settings.get(k) not in (None, False, 1, 0) for k in keys) and self.lacks(feature):
+                raise NotImplementedError(self.lacks(feature))
+        if head != "lm":
+            raise NotImplementedError(self.lacks(Feature.VALUE))
+        unknown = set(settings) - {"sp_size", "sp_rank", "all_gather", "pad_to_length", "pass_cu_seqlens",
+                                   "entropy_chunk_size"}
+        if unknown:
+            raise TypeError(f"unknown engine settings for {self.name}: {sorted(unknown)}")
+        return self.wrap(self.build(settings.get("entropy_chunk_size")))
+
+    def wrap(self, eng: Any) -> Any:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<engine {self.name} {self.version}>"
+
+
+def _source(fn: Callable) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""

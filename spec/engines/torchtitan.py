@@ -1,0 +1,143 @@
+"""verl's TorchTitan engine as an engine under test (``--engine verl-torchtitan``).
+
+``TorchTitanEngineWithLMHead`` has its own preparation with another calling convention:
+``prepare_model_inputs(mb) -> (input_ids, extra_inputs, extra_kwargs, output_args)`` where
+``extra_inputs["positions"]`` are the position ids and ``extra_kwargs["attention_masks"]`` is the
+attention metadata (packed: ``torchtitan/utils.py``'s varlen metadata, boundaries found where the
+positions restart; padded: a dense mask), ``output_args["labels"]`` the rolled ids; and
+``prepare_model_outputs(logits, output_args, mb)``, which reads the temperature from the micro-batch.
+
+The engine object hands the suite's model what TorchTitan hands its own: ``input_ids``, ``position_ids``
+(TorchTitan's ``positions``), ``attention_mask`` (padded: TorchTitan's mask; packed: None) and
+``cu_seqlens`` (the varlen metadata's ``cu_seq_q``); TorchTitan's own ``output_args`` go back to it
+untouched. :meth:`TorchTitanEngine.view_inputs` reads the labels from ``output_args["labels"]``; the
+temperature is not handed over (the output step reads ``micro_batch["temperature"]``), so the engine
+lacks :attr:`Feature.TEMPERATURE_HANDOFF`.
+
+``torchtitan`` is stubbed where verl imports it at module level and it does not import (the
+TorchTitan on the package index does not match verl 0.9.1's imports); ``VarlenMetadata`` is given a
+stand-in record with TorchTitan's fields (``cu_seq_q, cu_seq_k, max_q, max_k``) so verl's own
+``_create_varlen_metadata_for_document`` runs. Context parallelism (``prepare_context_parallel_input``,
+a TorchTitan function) is not run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import Feature, InputsView
+from .verl import SCALED_TEMPERATURE
+from .native import NativeVerlEngine
+from .verl_records import (
+    PER_SAMPLE_ON_VOCAB,
+    UNCLAMPED,
+    VALUE_MISMATCH,
+    entropy_cancellation,
+    flag_types,
+    loss_mask_attention,
+)
+
+__all__ = ["TorchTitanEngine", "VarlenMetadata"]
+
+TEMPERATURE = ("prepare_model_outputs divides the (n, V) / (B, L, V) logits by micro_batch['temperature'] as is: a "
+               "per-sample (B,) tensor broadcasts against the vocab axis, RuntimeError when B != V and silently "
+               "wrong (vocab column j scaled by sample j's temperature) when B == V; engine bug")
+NO_CLAMP = ("prepare_model_outputs divides by the temperature without the 1e-8 clamp every other verl engine applies: "
+            "at T = 5e-9 log-probs are twice the clamped ones; engine bug")
+MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
+        "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
+IN_PLACE = ("the padded branch divides the model's logits by temperature in place (logits.div_); engine bug (verl "
+            "0.7.1's FSDP had it, later FSDP scales out of place)")
+#: the invariants whose cases force per-sample temperatures (the strategy limit keeps them out of the others)
+PER_SAMPLE_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-TEMP-001", "INV-TEMP-006")
+#: INV-TEMP-002 runs every case's temperature also as a (B,) tensor: B != V raises (equal values on B = V are right)
+AS_TENSOR_ON_VOCAB = When("B >= 2 samples with B != V (the check also hands the temperature as a (B,) tensor)",
+                          lambda case: case.batch_size >= 2 and case.batch_size != case.vocab)
+
+KNOWN_RECORDS: tuple[KnownFailure, ...] = (
+    *(KnownFailure(inv, TEMPERATURE, raises=(RuntimeError, AssertionError),
+                   matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)|" + VALUE_MISMATCH,
+                   when=PER_SAMPLE_ON_VOCAB) for inv in PER_SAMPLE_INVARIANTS),
+    KnownFailure("INV-TEMP-002", TEMPERATURE, raises=RuntimeError,
+                 matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)", when=AS_TENSOR_ON_VOCAB),
+    *(KnownFailure(inv, NO_CLAMP, matches=VALUE_MISMATCH, when=UNCLAMPED & ~PER_SAMPLE_ON_VOCAB, modes=modes)
+      for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()))),
+    # every padded case fails for the mask (records above excuse the cases they cover first)
+    *loss_mask_attention(reason=MASK),
+    KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),
+                 when=SCALED_TEMPERATURE),
+    entropy_cancellation(modes=("packed",)),
+    flag_types(),
+)
+
+
+class VarlenMetadata(NamedTuple):
+    """Stand-in for ``torchtitan.models.common.attention.VarlenMetadata`` (same fields)."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class TorchTitanObject:
+    def __init__(self, eng: Any):
+        self.verl_engine = eng
+
+    def prepare_model_inputs(self, micro_batch):
+        input_ids, extra_inputs, extra_kwargs, output_args = self.verl_engine.prepare_model_inputs(micro_batch)
+        masks = extra_kwargs["attention_masks"]
+        packed = not isinstance(masks, torch.Tensor)
+        model_inputs = {"input_ids": input_ids, "position_ids": extra_inputs["positions"],
+                        "attention_mask": None if packed else masks}
+        if packed:
+            model_inputs["cu_seqlens"] = masks.cu_seq_q
+        return model_inputs, output_args
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        return self.verl_engine.prepare_model_outputs(output.logits, output_args, micro_batch)
+
+
+class TorchTitanEngine(NativeVerlEngine):
+    name = "verl-torchtitan"
+    module = "verl.workers.engine.torchtitan.transformer_impl"
+    packages = ("torchtitan",)
+    lm_class = "TorchTitanEngineWithLMHead"
+    records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
+               # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
+               "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {
+                   "Config": type("Config", (), {})})}}
+    sp_reason = ("context parallelism goes through torchtitan's prepare_context_parallel_input and a device "
+                 "mesh, not run here")
+    #: precise records (KNOWN_RECORDS above); docs/engines/verl-torchtitan.md classifies each
+    KNOWN = {"*": KNOWN_RECORDS}
+    LIMITS = {**NativeVerlEngine.LIMITS,
+              # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that
+              # force per-sample temperatures carry its record
+              "per_sample_temperature": False}
+
+    def view_inputs(self, model_inputs, output_args) -> InputsView:
+        labels = output_args.get("labels")
+        return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
+                          attention_mask=model_inputs["attention_mask"], cu_seqlens=model_inputs.get("cu_seqlens"),
+                          labels=None if labels is None else labels.reshape(-1))
+
+    def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
+        if Feature.parse(feature) is Feature.TEMPERATURE_HANDOFF:
+            return self._no("prepare_model_outputs reads micro_batch['temperature'] itself; the input step hands "
+                            "no temperature over")
+        if Feature.parse(feature) is Feature.CU_SEQLENS:
+            return self._no("the packed boundaries always reach the model as varlen metadata "
+                            "(extra_kwargs['attention_masks']); there is no cu_seqlens setting to switch")
+        return super().lacks(feature)
+
+    def wrap(self, eng: Any) -> TorchTitanObject:
+        eng.parallel_dims = _NoCP()
+        return TorchTitanObject(eng)
+
+
+class _NoCP:
+    cp_enabled = False

@@ -1,0 +1,68 @@
+"""verl's VeOmni engines as an engine under test (``--engine verl-veomni``).
+
+``verl.workers.engine.veomni.transformer_impl.VeOmniEngineWithLMHead`` / ``...WithValueHead`` inherit
+FSDP's ``prepare_model_inputs`` / ``prepare_model_outputs`` and add their own input transforms
+(``_apply_veomni_input_transforms``: varlen flash-attention kwargs from the packed position ids, the
+VL image/video masks, VeOmni's sequence-parallel slicing; fused kernels: ``labels``/``shift_labels``/
+``return_log_probs``; router replay). The object is built without its constructor, exactly like the
+FSDP adapter (:class:`spec.engines.verl.VerlEngine`, reused here); the extra attributes VeOmni reads
+are set to "off": ``_router_replay = None``, a model type that is not a VL type.
+
+``veomni`` itself installs CPU-only from the package index (``pip install --no-deps veomni``); when it
+does not import, its module-level imports are stubbed (:mod:`spec.engines.stubs`) and the varlen
+kwargs come from a mock (the report says which).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..protocol.engine import Feature
+from ..protocol.known import as_records
+from .verl import VerlEngine, VerlEngineObject
+from .stubs import StubReport, import_with_stubs
+
+__all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
+
+MODULE = "verl.workers.engine.veomni.transformer_impl"
+
+#: failures of VeOmni beyond the FSDP ones it inherits (docs/engines/verl-veomni.md)
+KNOWN_FAILURES: dict[str, str] = {}
+
+
+def load_veomni() -> StubReport:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return import_with_stubs(MODULE, ("veomni",))
+
+
+class VeOmniEngine(VerlEngine):
+    """The installed verl's VeOmni engines, through the FSDP adapter's construction."""
+
+    name = "verl-veomni"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stubs = load_veomni()
+        impl = self.stubs.module
+        self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
+        # FSDP's precise records (spec/engines/verl.py), plus VeOmni's own (none today)
+        self.known_failures = (*as_records(self.known_failures),
+                               *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
+
+    def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
+        if Feature.parse(feature) is Feature.SP:
+            return ("VeOmni slices for sequence parallelism through veomni.distributed.parallel_state (a process "
+                    "group); the suite's thread-rank all_gather seam is not VeOmni's, so sp > 1 is not run")
+        return super().lacks(feature)
+
+    def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
+        obj = super().make(head, **settings)
+        eng = obj.verl_engine
+        eng._router_replay = None  # router replay off (VeOmniEngine.__init__ sets it from the config)
+        eng.module.config.model_type = "toy"  # not a VL model type: no image/video masks
+        return obj
+
+    def __repr__(self) -> str:
+        return f"<engine verl-veomni {self.caps.version}>"

@@ -1,0 +1,528 @@
+"""verl's FSDP engines as an engine under test (``--engine verl``).
+
+Builds ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead`` /
+``FSDPEngineWithValueHead`` without their constructor (no model, no process group,
+no device mesh): only the attributes that ``prepare_model_inputs`` and
+``prepare_model_outputs`` read are set. Nothing of verl's code is copied here; the
+adapter sets attributes and adapts the calling convention, nothing else.
+
+What the installed verl *has* is probed (signatures, attributes, module members), not
+read off its version string:
+
+* ``prepare_model_outputs(..., logits_processor_func)``: verl 0.9 takes the top-K
+  distillation processor as a 4th positional argument; verl 0.7.1 has no such parameter
+  and no distillation.
+* ``FSDPEngine._get_packed_pad_size``: the static bucket (``pad_to_length`` /
+  ``pad_to_length_bucket`` engine attributes).
+* whether ``prepare_model_outputs`` reads the ``calculate_sum_pi_squared`` flag at all
+  (verl 0.7.1 ships ``calculate_sum_pi_squared_from_logits`` but its engine never reads
+  the flag).
+* ``verl.workers.utils.padding.<helper>``, and whether ``verl.utils.attention_utils`` works
+  without flash-attn (verl 0.7.1's does not, so its ``left_right_2_no_padding`` cannot run
+  on CPU).
+
+What is known to be *wrong* in a verl release is a fact about that release, so
+:data:`KNOWN_BUGS` is keyed by version (plus ``"*"`` for every version): a new release
+gets no excuse it has not earned, and a fixed bug shows up as "unexpectedly passed".
+Each entry has a minimal counterexample in ``docs/verl-conformance.md``.
+
+Sequence parallelism runs on real ranks (:mod:`spec.execute.ranks`): verl's Ulysses path slices and
+all-gathers through a ``torch.distributed`` process group (``verl.utils.ulysses``), so an
+``sp > 1`` engine object is built with ``use_ulysses_sp=True``, ``ulysses_sequence_parallel_size``
+and ``ulysses_parallel_group`` (the group is read off the ``all_gather`` the suite hands every
+engine: :class:`impl.sequence_parallel.TorchDistributedAllGather` has it), and verl's module-level
+Ulysses group is set around each call the way verl's ``EngineEvalModeCtx``/``EngineTrainModeCtx``
+set it. The harness sends every ``sp > 1`` case of this engine to the real ranks
+(:attr:`VerlEngine.sp_on_real_ranks`); the generic strategies still do not draw ``sp > 1`` for verl
+(cost), the sequence-parallel invariants force it.
+
+The padded attention mask of verl < 0.8 (built from the response-only ``loss_mask``,
+verl issue #6278) is deliberately *not* a known failure: a run against such a verl must
+fail, on exactly the invariants of :data:`MASK_INVARIANTS` that apply to it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..cases.structure import DISTILLATION_KEYS
+from ..protocol.known import KnownFailure, When
+from ..protocol.engine import HELPERS, EngineUnderTest
+from ..protocol.microbatch import MicroBatchLayer, layer_from
+from .microbatch_records import MICROBATCH_RECORDS
+
+__all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
+           "known_key", "verl_microbatch_layer"]
+
+#: The rule for "the mask failure" (docs/verl-conformance.md): an invariant belongs here iff its
+#: check, in padded mode, reads the attention mask or compares an output the model computed under
+#: that mask against a mask-independent reference (the per-sequence oracle or the packed run).
+#: A wrong padded mask can make exactly these fail and nothing else.
+MASK_INVARIANTS = frozenset({
+    "INV-MASK-001",   # the mask rows themselves (n_i leading ones)
+    "INV-MASK-003",   # the mask's shape and sum (total_nnz)
+    "INV-VAL-001",    # padded log_probs vs the oracle
+    "INV-VAL-002",    # padded entropy vs the oracle
+    "INV-VAL-003",    # padded sum_pi_squared vs the oracle
+    "INV-VAL-004",    # padded distillation keys vs the oracle
+    "INV-VAL-005",    # padded value head vs the oracle
+    "INV-KEYS-003",   # padded vs packed values
+    "INV-TEMP-001",   # padded log_probs vs the oracle, per-sample temperatures
+    "INV-TEMP-003",   # padded log_probs vs the oracle, T = 1
+    "INV-SLICE-002",  # the response slice of padded log_probs vs the oracle
+    "INV-TEMP-006",   # padded log_probs vs the oracle at temperatures at and below the 1e-8 clamp
+})
+
+
+def known_key(invariant: str, mode: str | None = None) -> str:
+    """The key of a known-failure record: ``ID`` (every mode) or ``ID/mode`` (that mode only)."""
+    return invariant if mode is None else f"{invariant}/{mode}"
+
+
+def _seq_lens(case: Any) -> tuple[int, ...]:
+    return tuple(p + r for p, r in zip(case.prompt_lens, case.response_lens))
+
+
+#: Conditions on the drawn case (EngineCase or DenseCase) that verl's known failures need.
+MROPE_EQUAL_OR_SINGLE = When("mRoPE positions with B = 1 or all sequence lengths equal",
+                             lambda c: c.mrope and len(set(_seq_lens(c))) == 1)
+SCALED_TEMPERATURE = When("a temperature other than 1 (the in-place division changes the logits)",
+                          lambda c: not getattr(c, "use_fused_kernels", False)
+                          and any(t != 1.0 for t in c.temperatures()))
+UNEQUAL_RESPONSES = When("response lengths differ", lambda c: len(set(c.response_lens)) > 1)
+EQUAL_RESPONSES_WIDER = When("all response lengths equal and the max_response_len flag wider than them",
+                             lambda c: len(set(c.response_lens)) == 1 and c.response_width > c.response_lens[0])
+TEACHER = When("teacher top-K tensors present (topk >= 1)", lambda c: bool(c.topk))
+#: where a float32 difference of two large, nearly equal terms loses the digits of a small result
+CANCELLATION = When("a temperature below 0.1 or a vocabulary above 32,768 (float32 cancellation)",
+                    lambda c: min(c.temperatures()) < 0.1 or c.vocab > 32_768)
+
+#: version -> the known-failure records of that release ("*": every release). Each names the cases it
+#: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
+KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
+    "*": (
+        KnownFailure(
+            "INV-MUT-003", "left_right_2_no_padding converts the TensorDict it is given in place and returns it "
+            "(pops input_ids, writes nested input_ids/position_ids, loss_mask, max_seq_len, max_response_len, "
+            "indices); contract difference by design, not a wrong value",
+            raises=AssertionError,
+            # exactly verl's key change: the dense keys before, the same plus verl's added keys after
+            matches=r"input keys changed: \[[^\]]*\] -> \[(?=[^\]]*'indices')(?=.*'loss_mask')"
+                    r"(?=.*'max_response_len')(?=.*'max_seq_len')[^\]]*\]$"),
+        KnownFailure(
+            "INV-DENSE-002", "left_right_2_no_padding builds mRoPE position_ids with torch.nested.as_nested_tensor, "
+            "which makes the 4 axes ragged when all lengths are equal or B = 1 ((B, j, n) instead of (B, 4, j)); "
+            "verl bug (verl PR #5689 / issue #7899)",
+            when=MROPE_EQUAL_OR_SINGLE, raises=AssertionError,
+            matches=r"mRoPE position_ids have shape \(\d+, j\d*, \d+\) ragged at dim 1, expected \(B, 4, j\)"),
+        KnownFailure(
+            "INV-FLAG-003", "reads every flag with get_non_tensor_data and tests it by truthiness, with no type "
+            "check: use_remove_padding='False' (a str) runs packed, None runs padded, a float pad_token_id pads "
+            "with it; contract difference (invariant 10), not a wrong value for well-typed flags",
+            raises=AssertionError, matches=r"^AssertionError: flag \w+=.* was accepted (silently|by the engine)"),
+        KnownFailure(
+            "INV-SET-001", "the engine takes its settings as attributes and never checks them (verl validates "
+            "its config dataclasses elsewhere, before an engine is built): an entropy chunk size of 0 or a bucket "
+            "of -8 reaches prepare_model_inputs unchecked; contract difference, not a wrong value for valid settings",
+            raises=AssertionError, matches=r"^AssertionError: engine settings \{.*\} were accepted silently"),
+        KnownFailure(
+            "INV-VAL-002", "entropy_from_logits computes logsumexp(z) - sum(softmax(z) * z): two large, nearly equal "
+            "float32 terms whose difference is a small entropy (low temperature, large vocabulary); verl bug "
+            "(precision), impl had it too and now sums -p log p",
+            when=CANCELLATION, certain=False, raises=AssertionError,
+            matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"),
+    ),
+    "0.7.1": (
+        KnownFailure(
+            "INV-MUT-002", "prepare_model_outputs divides the model's logits by temperature in place "
+            "(logits.div_) in both modes; verl bug, fixed by the out-of-place _scale_logits_by_temperature "
+            "of later verl", when=SCALED_TEMPERATURE, raises=AssertionError,
+            matches=r"model output 'logits' was modified in place"),
+        KnownFailure(
+            "INV-VAL-005", "the value head's padded branch keeps the trailing 1: values are (B, j, 1), packed gives "
+            "(B, j); verl bug, fixed in later verl", modes=("padded",), raises=AssertionError,
+            matches=r"values'? of sequence \d+(:| has) shape \(\d+, 1\), expected \(\d+,\)"),
+        KnownFailure(
+            "INV-FUSED-001", "fused kernels get no shift_labels: the model rolls its own (per-shard under sp > 1) "
+            "ids; verl bug #6068, fixed in later verl", modes=("packed",), raises=AssertionError,
+            matches=r"shift_labels\)? None, expected the rolled ids"),
+        KnownFailure(
+            "INV-SLICE-003", "no_padding_2_padding handles (total_nnz,) values only: with trailing dims F.pad pads "
+            "the last (feature) axis, so rows of unequal responses cannot be stacked; fixed in later verl",
+            when=UNEQUAL_RESPONSES, raises=RuntimeError, matches=r"stack expects each tensor to be equal size"),
+        KnownFailure(
+            "INV-SLICE-003", "no_padding_2_padding handles (total_nnz,) values only: with trailing dims and equal "
+            "responses F.pad silently widens the feature axis instead of the response axis; fixed in later verl",
+            when=EQUAL_RESPONSES_WIDER, raises=AssertionError,
+            matches=r"no_padding_2_padding shape \(\d+, \d+, \d+\), expected \(\d+, \d+, 3\)"),
+        KnownFailure(
+            "INV-DENSE-004", "left_right_2_no_padding predates top-K distillation: teacher_ids/teacher_logprobs "
+            "stay dense (B, S, K)", when=TEACHER, raises=AssertionError,
+            matches=r"teacher_ids has shape \(\d+, \d+, \d+\), expected nested"),
+    ),
+}
+
+#: version -> strategy limits that keep a known bug out of unrelated invariants (each documented).
+KNOWN_BUG_LIMITS: dict[str, dict[str, Any]] = {
+    # Every verl release here computes log-probs, entropy, sum_pi_squared and the distillation terms in the
+    # logits' own dtype and returns them in it: bf16/fp16 logits give bf16/fp16 outputs (INV-DEV-001), off by
+    # up to 3e-3 in log-prob and 6e-3 in sum_pi_squared (INV-VAL-001..004, TEMP-001/003, SLICE-002), and fp16
+    # logits / T overflow to inf/NaN at T = 1e-8 (INV-TEMP-006, LEAK-001). A contract difference (outputs are
+    # float32) found by the bf16/fp16 tier; docs/verl-conformance.md has the minimal counterexamples. Drawing
+    # those dtypes would fail 30 value invariants for this one reason and hide any other bug behind it.
+    "*": {"logits_dtypes": ("float32",)},
+    # 0.7.1's padded fused branch returns dense response slices output.log_probs[:, -L-1:-1] (L = the
+    # max_response_length flag, default 1024) instead of nested full sequences: drawing fused cases
+    # would make every padded-value invariant fail for that reason and drown the mask failure.
+    "0.7.1": {"allow_fused": False},
+}
+
+
+@dataclass(frozen=True)
+class VerlCapabilities:
+    version: str
+    processor: bool  # prepare_model_outputs takes logits_processor_func (top-K distillation)
+    bucket: bool  # static pad_to_length bucket
+    sum_pi_squared: bool  # calculate_sum_pi_squared is read by prepare_model_outputs
+    cu_seqlens: bool  # the engine reads pass_packed_cu_seqlens (packed cu_seqlens in the model inputs)
+    helpers: tuple[str, ...]  # padding helpers verl ships
+    attention_utils_error: str | None  # why verl.utils.attention_utils cannot run here (0.7.1 without flash-attn)
+
+
+def _attention_utils_error() -> str | None:
+    try:
+        from verl.utils.attention_utils import _get_attention_functions
+
+        _get_attention_functions()
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 - an unexpected layout: let the helper run and show what happens
+        return None
+    return None
+
+
+def probe_verl() -> VerlCapabilities:
+    """What the installed verl offers (ImportError when verl is not installed)."""
+    import verl
+    from verl.workers.engine.fsdp import transformer_impl
+    from verl.workers.utils import padding
+
+    lm = transformer_impl.FSDPEngineWithLMHead
+    try:
+        source = inspect.getsource(lm.prepare_model_outputs)
+    except (OSError, TypeError):  # no source: assume the flag is read, so a missing key is reported
+        source = "calculate_sum_pi_squared"
+    return VerlCapabilities(
+        version=str(getattr(verl, "__version__", "?")),
+        processor="logits_processor_func" in inspect.signature(lm.prepare_model_outputs).parameters,
+        bucket=hasattr(transformer_impl.FSDPEngine, "_get_packed_pad_size"),
+        sum_pi_squared="calculate_sum_pi_squared" in source,
+        cu_seqlens="pass_packed_cu_seqlens" in _module_source(transformer_impl),
+        helpers=tuple(name for name in HELPERS if callable(getattr(padding, name, None))),
+        attention_utils_error=_attention_utils_error(),
+    )
+
+
+#: where the installed verl keeps its micro-batch layer (0.9.1; a module an older verl lacks is skipped)
+MICROBATCH_MODULES = ("verl.workers.engine.utils", "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils")
+
+
+def verl_microbatch_layer() -> MicroBatchLayer | None:
+    """The installed verl's own micro-batch functions, probed by import and name (never by version): every verl
+    engine calls these same functions (``prepare_micro_batches``, ``postprocess_batch_func``)."""
+    sources = []
+    for name in MICROBATCH_MODULES:
+        try:
+            sources.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    if not sources:
+        return None
+    layer = layer_from("verl", sources)
+    if not layer.functions:
+        return None
+    balancing = next((m for m in sources if m.__name__ == "verl.utils.seqlen_balancing"), None)
+    cutters = {name: _cpu_collectives(layer.functions[name], balancing)
+               for name in ("prepare_micro_batches", "rearrange_micro_batches") if name in layer.functions}
+    return layer.with_functions("verl", **cutters) if balancing is not None else layer
+
+
+def _cpu_collectives(fn: Callable, balancing: Any) -> Callable:
+    """verl's ``rearrange_micro_batches`` puts the tensors of its data-parallel ``all_reduce`` on
+    ``get_device_name()``, which on a machine without an accelerator still answers ``"cuda"`` (verl's platform
+    fallback is 'nvidia'). On such a machine the call runs with that module's ``get_device_name`` answering
+    ``"cpu"``, the device of the gloo group the suite's real ranks use; nothing else changes, and with an
+    accelerator the function is verl's own, untouched."""
+    import torch
+
+    if torch.cuda.is_available() or not callable(getattr(balancing, "get_device_name", None)):
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        saved = balancing.get_device_name
+        balancing.get_device_name = lambda: "cpu"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            balancing.get_device_name = saved
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def _module_source(module: Any) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+class VerlEngineObject:
+    """One verl engine object behind the suite's calling convention.
+
+    ``prepare_model_outputs(output, output_args, micro_batch, logits_processor_func=None)``
+    passes the processor where verl takes one; a verl without the parameter is called with
+    three arguments, exactly as its own ``forward_step`` calls it (it then ignores
+    ``distillation_use_topk``: the suite reports the missing keys, it does not hide them).
+    """
+
+    def __init__(self, engine: Any, caps: VerlCapabilities, ulysses: Any = None):
+        self.verl_engine = engine
+        self.caps = caps
+        self.ulysses = ulysses  # verl.utils.ulysses
+
+    @contextmanager
+    def _ulysses_group(self):
+        """verl's Ulysses group for the call, as verl's engine mode contexts set it (None when sp = 1)."""
+        ulysses = self.ulysses
+        if ulysses is None:
+            yield
+            return
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        ulysses.set_ulysses_sequence_parallel_group(getattr(self.verl_engine, "ulysses_parallel_group", None))
+        try:
+            yield
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+
+    def prepare_model_inputs(self, micro_batch):
+        self._vision_config_for(micro_batch)
+        with self._ulysses_group():
+            return self.verl_engine.prepare_model_inputs(micro_batch)
+
+    def _vision_config_for(self, micro_batch) -> None:
+        """mRoPE position ids come from vision-language models, whose config has a ``vision_config``: verl's
+        Ulysses path then pads ids and positions without slicing them (the model slices after the embedding)
+        and slices only the labels and temperature. The adapter presents such a config for mRoPE batches
+        (verl reads it only when sp > 1) and a text-only one otherwise."""
+        config = self.verl_engine.module.config
+        if micro_batch["position_ids"].dim() == 3:
+            config.vision_config = SimpleNamespace()
+        elif hasattr(config, "vision_config"):
+            del config.vision_config
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        with self._ulysses_group():
+            if self.caps.processor:
+                return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch,
+                                                              logits_processor_func)
+            return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch)
+
+    def __repr__(self) -> str:
+        return f"<verl {self.caps.version} {type(self.verl_engine).__name__}>"
+
+
+def _reads_attention_mask_before_branching(fn: Callable) -> bool:
+    """Whether ``no_padding_2_padding`` reads ``data["attention_mask"]`` even for nested input."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return 'data["attention_mask"]' in source.split("if prompt_ids.is_nested", 1)[0]
+
+
+def _with_dense_attention_mask(fn: Callable) -> Callable:
+    """Calls verl 0.7.1's ``no_padding_2_padding``, which reads ``data["attention_mask"]`` before
+    it branches although its nested branch never uses the value (lengths come from the nested
+    ``prompts``/``responses``). In verl's own flow the key is always there: the dense mask that
+    ``left_right_2_no_padding`` keeps. The suite's micro-batches are nested from the start, so
+    the dense full-length mask is added to a shallow copy when the key is missing. The caller's
+    TensorDict is not touched and no value verl computes is changed
+    (tests/test_verl_conformance.py checks that the mask's value does not matter)."""
+
+    def no_padding_2_padding(tensor, data):
+        if "attention_mask" not in data.keys() and data["prompts"].is_nested:
+            lens = (data["input_ids"].offsets().diff() if "input_ids" in data.keys()
+                    else data["prompts"].offsets().diff() + data["responses"].offsets().diff())
+            cols = torch.arange(int(lens.max()), device=lens.device)
+            data = data.copy()
+            data.set("attention_mask", (cols.unsqueeze(0) < lens.unsqueeze(1)).to(torch.int64))
+        return fn(tensor, data)
+
+    no_padding_2_padding.__wrapped__ = fn  # type: ignore[attr-defined]
+    no_padding_2_padding.__doc__ = _with_dense_attention_mask.__doc__
+    return no_padding_2_padding
+
+
+class VerlEngine(EngineUnderTest):
+    """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
+
+    name = "verl"
+    #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
+    sp_on_real_ranks = True
+
+    def __init__(self) -> None:
+        with warnings.catch_warnings():  # verl's engine registry warns about every optional backend it lacks
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                self.caps = probe_verl()
+            except ImportError as exc:
+                raise ImportError(f"--engine verl needs verl installed (pip install verl): {exc}") from exc
+        from verl.utils import torch_functional as verl_F
+        from verl.utils import ulysses
+        from verl.workers.engine.fsdp import transformer_impl
+        from verl.workers.utils import padding
+
+        self._verl_F = verl_F
+        self._ulysses = ulysses
+        self._classes = {"lm": transformer_impl.FSDPEngineWithLMHead,
+                         "value": transformer_impl.FSDPEngineWithValueHead}
+        self._padding = padding
+        self.known_failures = self._known_failures()
+
+    # -- what this verl lacks, supports, and is known to get wrong ---------------------------
+    def _known_failures(self) -> tuple[KnownFailure, ...]:
+        """The records of this release, plus the feature gaps the probes find (each on the cases that
+        ask for the missing feature only)."""
+        caps = self.caps
+        records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
+                   *MICROBATCH_RECORDS.get(caps.version, ())]
+        missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
+                                          ("distillation_use_topk", caps.processor)) if not has]
+        if missing:
+            keys = (["sum_pi_squared"] if not caps.sum_pi_squared else []) + \
+                   (list(DISTILLATION_KEYS) if not caps.processor else [])
+            asks = When(f"the case sets {' or '.join(missing)}", lambda c: (
+                (c.calculate_sum_pi_squared and not caps.sum_pi_squared)
+                or (bool(c.distillation_keys) and not caps.processor)))
+            only = "|".join(f"'{k}'" for k in keys)
+            records.append(KnownFailure(
+                "INV-KEYS-001", f"ignores {' and '.join(missing)} (no such output in this verl): the keys the flags "
+                "ask for are missing in both modes", when=asks, raises=AssertionError,
+                matches=rf"\(missing \[(?:(?:{only})(?:, )?)+\]\)$"))
+        if caps.sum_pi_squared:
+            records.append(KnownFailure(
+                "INV-VAL-003", "calculate_sum_pi_squared_from_logits computes exp(logsumexp(2z) - 2 logsumexp(z)): "
+                "the difference of two large float32 terms at low temperature or a large vocabulary; verl bug "
+                "(precision)", when=CANCELLATION, certain=False, raises=AssertionError,
+                matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"))
+        if not caps.sum_pi_squared:
+            records.append(KnownFailure(
+                "INV-VAL-003", "has no sum_pi_squared output: calculate_sum_pi_squared is ignored",
+                raises=(KeyError, AssertionError), matches=r"sum_pi_squared"))
+        return tuple(replace(r, reason=f"verl {caps.version}: {r.reason}") for r in records)
+
+    def _helper_unusable(self, name: str) -> str | None:
+        """Why verl's helper ``name`` cannot run here, or None."""
+        if name not in self.caps.helpers:
+            return f"verl {self.caps.version} ships no verl.workers.utils.padding.{name}"
+        if name == "left_right_2_no_padding" and self.caps.attention_utils_error:
+            return (f"verl {self.caps.version}'s left_right_2_no_padding calls verl.utils.attention_utils.unpad_input,"
+                    f" which needs flash-attn (CUDA only) in this verl: {self.caps.attention_utils_error}")
+        return None
+
+    def lacks(self, feature: str) -> str | None:  # type: ignore[override]
+        caps = self.caps
+        if feature == "chunking" and getattr(self._verl_F, "entropy_from_logits_with_chunking", None) is None:
+            return f"verl {caps.version} has no entropy_from_logits_with_chunking"
+        if feature == "cu_seqlens" and not caps.cu_seqlens:
+            return f"verl {caps.version} never passes cu_seqlens to the model (no pass_packed_cu_seqlens)"
+        if feature == "bucket" and not caps.bucket:
+            return f"verl {caps.version} has no static pad_to_length bucket"
+        if feature == "distillation" and not caps.processor:
+            return f"verl {caps.version}: prepare_model_outputs takes no logits_processor_func (no top-K distillation)"
+        if feature in HELPERS:
+            return self._helper_unusable(feature)
+        return super().lacks(feature)  # type: ignore[misc]
+
+    def strategy_limits(self) -> dict[str, Any]:  # type: ignore[override]
+        caps = self.caps
+        return {"allow_sp": False, "allow_bucket": caps.bucket, "allow_distillation": caps.processor,
+                "allow_cu_seqlens": caps.cu_seqlens,
+                **KNOWN_BUG_LIMITS["*"], **KNOWN_BUG_LIMITS.get(caps.version, {})}
+
+    # -- engine objects and helpers -----------------------------------------------------------
+    def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
+        sp_size = int(settings.pop("sp_size", 1) or 1)
+        sp_rank = settings.pop("sp_rank", 0)
+        group = getattr(settings.pop("all_gather", None), "group", None)
+        bucket = settings.pop("pad_to_length", None)
+        cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
+        chunk = settings.pop("entropy_chunk_size", None)
+        if settings:
+            raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
+        if sp_size > 1:
+            _check_sp_group(group, sp_size, sp_rank)
+        if bucket and not self.caps.bucket:
+            raise NotImplementedError(self.lacks("bucket"))
+        eng = object.__new__(self._classes[head])
+        # what FSDPEngine.__init__ derives from ulysses_sequence_parallel_size (the group: its device mesh's "sp")
+        eng.use_ulysses_sp = sp_size > 1
+        eng.ulysses_sequence_parallel_size = sp_size
+        eng.ulysses_parallel_group = group if sp_size > 1 else None
+        chunked = getattr(self._verl_F, "entropy_from_logits_with_chunking", None)
+        if chunk and chunked is None:
+            raise NotImplementedError(self.lacks("chunking"))
+        # verl's entropy chunking (engine_config.entropy_from_logits_with_chunking), packed path
+        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
+                                            entropy_from_logits_chunk_size=int(chunk or 2048))
+        eng.compute_entropy_from_logits = chunked if chunk else self._verl_F.entropy_from_logits
+        # read only for sp > 1 (vision_config: see VerlEngineObject._vision_config_for) and by the value head
+        # (v_head absent: an HF token classifier)
+        eng.module = SimpleNamespace(config=SimpleNamespace())
+        if cu_seqlens and not self.caps.cu_seqlens:
+            raise NotImplementedError(self.lacks("cu_seqlens"))
+        eng.pass_packed_cu_seqlens = cu_seqlens
+        if self.caps.bucket:
+            eng.pad_to_length = bool(bucket)
+            eng.pad_to_length_bucket = int(bucket) if bucket else 1
+        return VerlEngineObject(eng, self.caps, self._ulysses)
+
+    def microbatch_layer(self) -> MicroBatchLayer | None:
+        if not hasattr(self, "_microbatch"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._microbatch = verl_microbatch_layer()
+        return self._microbatch
+
+    def helper(self, name: str) -> Callable | None:
+        if name not in HELPERS or self._helper_unusable(name):
+            return None
+        fn = getattr(self._padding, name)
+        if name == "no_padding_2_padding" and _reads_attention_mask_before_branching(fn):
+            return _with_dense_attention_mask(fn)
+        return fn
+
+    def __repr__(self) -> str:
+        return f"<engine verl {self.caps.version}>"
+
+
+def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:
+    """verl's Ulysses path reads world size and rank off a real process group: it must match the settings."""
+    if group is None:
+        raise NotImplementedError(
+            "verl's Ulysses sequence parallelism needs a torch.distributed process group: pass an all_gather "
+            "with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks (spec.execute.ranks)")
+    if dist.get_world_size(group) != sp_size or dist.get_rank(group) != sp_rank:
+        raise ValueError(f"sp_size={sp_size}, sp_rank={sp_rank} do not match the process group "
+                         f"(world {dist.get_world_size(group)}, rank {dist.get_rank(group)})")
+

@@ -1,0 +1,120 @@
+"""What one run of a case holds, and the hand-off around the model: the engine's settings per rank, the
+stand-in model for a case, and its outputs handed to each rank with every padded slot poisoned. Shared by
+the in-process harness (:mod:`.harness`) and the real ranks (:mod:`.ranks`, :mod:`.rank_worker`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+
+from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest, InputsView
+from ..truth.toy_model import ToyCausalLM
+
+__all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+
+#: what fills every padded logit slot and the packed tail: nothing of it may reach an output
+POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
+
+
+class ThreadedAllGather:
+    """An in-process all-gather among ``world`` ranks running in threads."""
+
+    def __init__(self, world: int, timeout: float = 60.0):
+        self.world = world
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+
+    def member(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def all_gather(local: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = local
+            self.barrier.wait()
+            gathered = torch.cat([s for s in self.slots], dim=0)  # type: ignore[misc]
+            self.barrier.wait()
+            return gathered
+        return all_gather
+
+
+def model_for(case: EngineCase, device: str) -> ToyCausalLM:
+    return ToyCausalLM(case.vocab, seed=case.seed, out_dim=1 if case.head == "value" else None, device=device)
+
+
+@dataclass
+class Run:
+    case: EngineCase
+    device: str
+    micro_batch: TensorDict
+    snapshot: TensorDict
+    model: ToyCausalLM
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # one per rank, as the engine returned them
+    output_args: list[dict[str, Any]] = field(default_factory=list)
+    #: what invariants read: each rank's hand-off through the engine's own :meth:`EngineUnderTest.view_inputs`
+    views: list[InputsView] = field(default_factory=list)
+    model_outputs: list[Any] = field(default_factory=list)  # what each rank was handed
+    model_output_snapshots: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    output_args_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
+    rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def attach_views(run: Run, engine: EngineUnderTest) -> None:
+    """Fill ``run.views`` from the hand-off as ``prepare_model_inputs`` returned it (before the output step
+    could touch ``output_args``)."""
+    run.views = [engine.view_inputs(mi, args) for mi, args in zip(run.inputs, run.output_args)]
+
+
+def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if case.sp_size > 1:
+        settings.update(sp_size=case.sp_size, sp_rank=rank, all_gather=gather.member(rank))
+    if case.pad_to_length:
+        settings["pad_to_length"] = case.pad_to_length
+    if case.pass_cu_seqlens:
+        settings["pass_cu_seqlens"] = True
+    if case.entropy_chunk_size:
+        settings["entropy_chunk_size"] = case.entropy_chunk_size
+    return settings
+
+
+def _poison_padded(tensor: torch.Tensor, case: EngineCase, value: float) -> torch.Tensor:
+    lens = torch.tensor(case.seq_lens, device=tensor.device)
+    cols = torch.arange(tensor.shape[1], device=tensor.device)
+    pad = (cols.unsqueeze(0) >= lens.unsqueeze(1))
+    pad = pad.view(*pad.shape, *([1] * (tensor.dim() - 2)))
+    return tensor.masked_fill(pad, value)
+
+
+def _poison_tail(tensor: torch.Tensor, total: int, value: float) -> torch.Tensor:
+    out = tensor.clone()
+    out[:, total:] = value
+    return out
+
+
+def _fields(out: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
+
+
+def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,
+                poison: float) -> list[SimpleNamespace]:
+    """Run the model once over the whole batch; hand each rank its slice with the padding poisoned."""
+    if not case.use_remove_padding:
+        (mi,) = inputs
+        out = model(**mi)
+        return [SimpleNamespace(**{k: _poison_padded(v, case, poison) for k, v in _fields(out).items()})]
+    joined = dict(inputs[0])
+    for key in ("input_ids", "position_ids", "shift_labels"):
+        if key in joined:
+            joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
+    out = model(**joined)
+    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _fields(out).items()}
+    widths = [mi["input_ids"].shape[-1] for mi in inputs]
+    per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
+    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}) for r in range(len(inputs))]
+
+

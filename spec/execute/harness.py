@@ -1,0 +1,100 @@
+"""Runs one case through an engine under test, end to end, with the model stand-in.
+
+micro-batch -> engine.prepare_model_inputs -> toy model -> poisoned padding ->
+engine.prepare_model_outputs. Sequence parallelism is simulated with one engine per
+rank and an all-gather across threads; the model sees the whole packed row, as
+Ulysses attention does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+
+from ..cases.materialize import materialize
+from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest
+from ..truth.oracle import TopKProcessor
+from . import ranks
+from .handoff import (
+    POISONS,
+    Run,
+    ThreadedAllGather,
+    _call_model,
+    _fields,
+    _settings,
+    attach_views,
+    model_for,
+)
+
+__all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+
+def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> list[Any]:
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return results
+
+
+def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
+            micro_batch: TensorDict | None = None, stop_after_inputs: bool = False,
+            reuse: list[Any] | None = None) -> Run:
+    """Run ``case`` through ``engine``; exceptions from the engine propagate.
+
+    An engine whose sequence parallelism needs a real process group (verl's Ulysses path) sets
+    :attr:`~spec.protocol.EngineUnderTest.sp_on_real_ranks` (or names its own ``sp_runner``): its ``sp > 1``
+    cases run on real ranks (:func:`spec.execute.ranks.execute`).
+
+    ``reuse``: engine objects kept across calls, as a trainer keeps its engine. An empty list is
+    filled with the engine objects this call builds (one per rank); a filled one is used as is."""
+    sp_runner = getattr(engine, "sp_runner", None) or (ranks.execute if engine.sp_on_real_ranks else None)
+    if reuse is not None and (case.sp_size > 1 or len(reuse) not in (0, case.sp_size)):
+        raise ValueError(f"reuse holds {len(reuse)} engine objects for a case on {case.sp_size} rank(s); "
+                         "engine objects are reused on one rank only")
+    if case.sp_size > 1 and sp_runner is not None:
+        return sp_runner(engine, case, device, poison=poison, micro_batch=micro_batch,
+                         stop_after_inputs=stop_after_inputs)
+    mb = materialize(case, device) if micro_batch is None else micro_batch
+    run = Run(case, device, mb, mb.clone(), model_for(case, device))
+    gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
+    engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
+    if reuse is not None and not reuse:
+        reuse.extend(engines)
+    for eng in engines:
+        model_inputs, output_args = eng.prepare_model_inputs(mb)
+        run.inputs.append(model_inputs)
+        run.output_args.append(output_args)
+    attach_views(run, engine)
+    if stop_after_inputs:
+        return run
+    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison])
+    run.model_output_snapshots = [{k: v.clone() for k, v in _fields(o).items()} for o in run.model_outputs]
+    run.output_args_snapshots = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+                                 for args in run.output_args]
+    processor = TopKProcessor(case.distillation_keys) if case.distillation_use_topk else None
+    calls = [
+        (lambda eng=eng, r=r: eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor))
+        for r, eng in enumerate(engines)
+    ]
+    raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    run.rank_outputs = [engine.view_outputs(outputs).per_sequence for outputs in raw]
+    run.outputs = run.rank_outputs[0]
+    return run

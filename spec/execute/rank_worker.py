@@ -1,0 +1,320 @@
+"""The worker side of :mod:`spec.execute.ranks`: what one rank process runs.
+
+Each rank joins the process group (``FileStore`` rendezvous), makes the subgroups ``[0, w)`` for
+w in :data:`WORLDS`, then serves tasks from its queue until told to stop or its parent is gone:
+it materialises the case, builds its engine with ``TorchDistributedAllGather(subgroup)``, runs
+``prepare_model_inputs``, exchanges inputs and status with the other ranks, runs the toy model on
+the full row and ``prepare_model_outputs``, and replies with pickled bytes. Its stdout, stderr and
+faulthandler dumps (fatal signals, ``SIGUSR1``) go to ``rank<r>.log`` in the pool's directory.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import queue
+import shutil
+import signal
+import traceback
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from impl.sequence_parallel import TorchDistributedAllGather
+
+from ..cases.microbatch import MiniBatchCase, materialize_minibatch
+from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest
+from .handoff import POISONS, _call_model, _fields, _poison_tail, _settings, model_for
+from ..cases.materialize import materialize, move
+from ..truth.oracle import TopKProcessor, topk_terms
+
+__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task"]
+
+WORLDS = (2, 3, 4)
+
+
+def task_timeout() -> float:
+    """Seconds one example may take on the ranks (``SPEC_RANKS_TIMEOUT``, default 120)."""
+    return float(os.environ.get("SPEC_RANKS_TIMEOUT", "120"))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the processor under sequence parallelism
+# ---------------------------------------------------------------------------------------------
+
+class ShardedTopKProcessor(TopKProcessor):
+    """:class:`spec.truth.oracle.TopKProcessor` that also takes one rank's Ulysses shard of the row.
+
+    Under sequence parallelism verl (and impl) hand ``logits_processor_func`` this rank's
+    ``(1, ceil(total_nnz / sp), V)`` slice of the padded packed row; verl's own top-K processor
+    pads the teacher tensors to a multiple of ``sp`` and keeps the same slice
+    (``verl.trainer.distillation.fsdp.losses``). This one does the same; whole-row logits are
+    aligned with the whole row as before. The tail pad's teacher ids are 0 and log-probs 0.
+    """
+
+    def __init__(self, keys: tuple[str, ...], sp_size: int, sp_rank: int):
+        super().__init__(keys)
+        self.sp_size, self.sp_rank = sp_size, sp_rank
+
+    def __call__(self, student_logits: torch.Tensor, data: TensorDict, **kw: object) -> dict[str, torch.Tensor]:
+        teacher_ids = data["teacher_ids"].values()
+        total = teacher_ids.shape[0]
+        local = -(-total // self.sp_size)
+        if self.sp_size == 1 or student_logits.dim() != 3 or student_logits.shape[1] == total:
+            return super().__call__(student_logits, data, **kw)
+        if student_logits.shape[:2] != (1, local):
+            raise ValueError(f"student_logits {tuple(student_logits.shape)} align neither with the {total} "
+                             f"teacher tokens nor with rank {self.sp_rank}'s shard of {local}")
+        span = slice(self.sp_rank * local, (self.sp_rank + 1) * local)
+        pad = local * self.sp_size - total
+        ids = torch.cat([teacher_ids, teacher_ids.new_zeros(pad, teacher_ids.shape[1])])[span]
+        lp = data["teacher_logprobs"].values().float()
+        lp = torch.cat([lp, lp.new_zeros(pad, lp.shape[1])])[span]
+        terms = topk_terms(student_logits[0].float(), ids, lp)
+        return {key: terms[key].float().unsqueeze(0) for key in self.keys}  # float32, as TopKProcessor
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side
+# ---------------------------------------------------------------------------------------------
+
+def _nested_safe(obj: Any) -> Any:
+    """Detach and move to CPU whatever crosses the process boundary."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _nested_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_nested_safe(v) for v in obj)
+    return obj
+
+
+def _namespace_dict(out: Any) -> dict[str, Any]:
+    return dict(vars(out)) if hasattr(out, "__dict__") else dict(out)
+
+
+def _clone_args(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+class _Worker:
+    """State of one rank: its subgroups and the engines it has loaded."""
+
+    def __init__(self, rank: int, backend: str, groups: dict[int, Any]):
+        self.rank, self.backend, self.groups = rank, backend, groups
+        self.engines: dict[str, EngineUnderTest] = {}
+
+    def device(self, device: str) -> str:
+        return f"cuda:{self.rank}" if torch.device(device).type == "cuda" else "cpu"
+
+    def engine(self, name: str, recipe: tuple[Any, tuple[Any, ...]]) -> EngineUnderTest:
+        """The engine ``name``, built once from ``recipe`` (a callable and its arguments, unpickled by
+        reference: this module imports no adapter)."""
+        if name not in self.engines:
+            build, args = recipe
+            self.engines[name] = build(*args)
+        return self.engines[name]
+
+    def run(self, task: dict[str, Any]) -> dict[str, Any]:
+        if task.get("kind") == "microbatch":
+            return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
+        case: EngineCase = task["case"]
+        world, rank = case.sp_size, self.rank
+        group = self.groups[world]
+        device = self.device(task["device"])
+        mb = materialize(case, device) if task["micro_batch"] is None else on_device(task["micro_batch"], device)
+        reply: dict[str, Any] = {"rank": rank}
+        status: tuple[str, Any] = ("ok", None)
+        try:
+            settings = _settings(case.with_(sp_size=1), rank, None)
+            settings.update(sp_size=world, sp_rank=rank, all_gather=TorchDistributedAllGather(group))
+            eng = self.engine(task["engine"], task["recipe"]).make(case.head, **settings)
+            model_inputs, output_args = eng.prepare_model_inputs(mb)
+            status = ("ok", (_nested_safe(model_inputs), _output_rows(output_args, model_inputs)))
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised below
+            status = ("error", _describe(exc))
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, status, group=group)
+        failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
+        if failed:
+            first_rank, (exc_bytes, text) = failed[0]
+            reply["error"] = (first_rank, exc_bytes, text)
+            return reply
+        reply["inputs"], reply["output_args"] = _nested_safe(model_inputs), _nested_safe(output_args)
+        if task["stop_after_inputs"]:
+            return reply
+        model = model_for(case, device)
+        all_inputs = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s[1][0].items()}
+                      for s in everyone]
+        widths = [s[1][1] for s in everyone]
+        model_output = _model_on_full_row(model, all_inputs, widths, case, POISONS[task["poison"]])[rank]
+        output_snapshot = {k: v.clone() for k, v in _fields(model_output).items()}
+        args_snapshot = _clone_args(output_args)
+        processor = (ShardedTopKProcessor(case.distillation_keys, world, rank)
+                     if case.distillation_use_topk else None)
+        try:
+            outputs = eng.prepare_model_outputs(model_output, output_args, mb, processor)
+        except Exception as exc:  # noqa: BLE001 - re-raised by the caller
+            reply["error"] = (rank, *_describe(exc))
+            return reply
+        reply.update(model_output=_nested_safe(_namespace_dict(model_output)),
+                     model_output_snapshot=_nested_safe(output_snapshot),
+                     output_args_after=_nested_safe(dict(output_args)),
+                     output_args_snapshot=_nested_safe(args_snapshot),
+                     outputs=_nested_safe(dict(outputs)))
+        if rank == 0:
+            reply["micro_batch"] = on_device(mb, "cpu")
+        return reply
+
+
+def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, groups: dict[int, Any]
+                     ) -> dict[str, Any]:
+    """One data-parallel rank of :func:`spec.execute.microbatch.dp_micro_batch_counts`: its own mini-batch cut alone
+    and with the group. The ranks tell each other whether they failed before the collective call, so an error on
+    one rank does not leave the others waiting in it."""
+    mine = case.rank_case(rank)
+    group = groups[case.world]
+    reply: dict[str, Any] = {"rank": rank}
+    layer = engine.microbatch_layer()
+    kwargs = dict(num_batches_divided_by=mine.num_batches_divided_by, min_num_micro_batch=mine.min_num_micro_batch,
+                  use_dynamic_bsz_balance=mine.balance)
+    status: tuple[str, Any] = ("ok", None)
+    try:
+        data = materialize_minibatch(mine, "cpu")
+        alone = len(layer.get("prepare_micro_batches")(data, dp_group=None, **kwargs)[0])
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised by the caller
+        status = ("error", _describe(exc))
+    everyone: list[Any] = [None] * case.world
+    dist.all_gather_object(everyone, status, group=group)
+    failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
+    if failed:
+        first_rank, (exc_bytes, text) = failed[0]
+        reply["error"] = (first_rank, exc_bytes, text)
+        return reply
+    try:
+        micro, indices = layer.get("prepare_micro_batches")(data, dp_group=group, same_micro_num_in_dp=True, **kwargs)
+        micro = list(micro)
+    except Exception as exc:  # noqa: BLE001 - re-raised by the caller
+        reply["error"] = (rank, *_describe(exc))
+        return reply
+    reply.update(alone=alone, count=len(micro),
+                 rows=[[int(i) for i in part] for part in indices] if indices is not None else None,
+                 tokens=[int(mb["input_ids"].offsets()[-1]) for mb in micro])
+    return reply
+
+
+def _output_rows(output_args: dict[str, Any], model_inputs: dict[str, Any]) -> int:
+    """A rank's number of model-output rows: the length of its per-token ``output_args`` (what it will
+    read the model's output against), else its input width."""
+    rolled = output_args.get("input_ids_rmpad_rolled")
+    if isinstance(rolled, torch.Tensor):
+        return int(rolled.reshape(-1).shape[0])
+    return int(model_inputs["input_ids"].shape[-1])
+
+
+def _model_on_full_row(model: Any, inputs: list[dict[str, Any]], widths: list[int], case: EngineCase,
+                       poison: float) -> list[SimpleNamespace]:
+    """The model on the whole packed row, each rank handed its ``widths[r]`` rows, tail poisoned.
+
+    The row is the ranks' input slices concatenated (text models) or, when every rank was handed the
+    same whole padded row (verl's vision-language path: the model slices after its embedding), that row.
+    """
+    replicated = len({mi["input_ids"].shape[-1] for mi in inputs}) == 1 and \
+        inputs[0]["input_ids"].shape[-1] == sum(widths) and len(inputs) > 1 and \
+        all(torch.equal(mi["input_ids"], inputs[0]["input_ids"]) for mi in inputs[1:])
+    joined = dict(inputs[0])
+    for key in ("input_ids", "position_ids", "shift_labels"):
+        if key in joined and not (replicated and key != "shift_labels"):
+            joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
+    if not replicated:
+        return _call_model(model, inputs, case, poison)
+    out = model(**joined)
+    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _fields(out).items()}
+    per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
+    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}) for r in range(len(inputs))]
+
+
+def on_device(micro_batch: TensorDict, device: str) -> TensorDict:
+    on_cpu = all(v.device.type == "cpu" for v in micro_batch.values() if isinstance(v, torch.Tensor))
+    return micro_batch if on_cpu and torch.device(device).type == "cpu" else move(micro_batch, device)
+
+
+def _describe(exc: BaseException) -> tuple[bytes | None, str]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text only
+        blob = None
+    return blob, text
+
+
+def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: str, tasks: Any,
+                 results: Any, parent: int) -> None:
+    """One rank: join the group, then serve tasks until told to stop (or the parent is gone: torch's
+    launcher also sends a rank SIGINT when its parent dies)."""
+    torch.set_num_threads(1)
+    if os.path.isdir("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        with open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1) as log:
+            for fd in (1, 2):  # the rank's own prints, warnings and fatal-signal tracebacks go to its log
+                os.dup2(log.fileno(), fd)
+            faulthandler.enable(file=log, all_threads=True)
+            if hasattr(signal, "SIGUSR1"):
+                faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+            try:
+                _serve(rank, world, backend, store_path, tasks[rank], results, parent)
+            except BaseException:
+                log.write(traceback.format_exc())
+                raise
+            finally:
+                faulthandler.disable()
+    finally:
+        if rank == 0 and os.getppid() != parent:  # the parent exited without closing the pool: tidy up
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, results: Any, parent: int) -> None:
+    timeout = timedelta(seconds=task_timeout())
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timeout)
+    try:
+        groups = {w: dist.new_group(list(range(w)), timeout=timeout) for w in WORLDS if w <= world}
+        worker = _Worker(rank, backend, groups)
+        results.put(pickle.dumps(("ready", rank, {})))
+        while True:
+            try:
+                item = tasks.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the parent is gone: do not linger
+                    return
+                continue
+            if item is None:
+                return
+            task_id, blob = item
+            try:
+                task = pickle.loads(blob)
+                if task.get("load"):
+                    worker.engine(task["engine"], task["recipe"])
+                    reply = {"rank": rank, "loaded": True}
+                else:
+                    reply = worker.run(task)
+            except Exception as exc:  # noqa: BLE001 - a suite-side failure is reported like an engine's
+                reply = {"rank": rank, "error": (rank, *_describe(exc))}
+            try:
+                out = pickle.dumps((task_id, rank, reply))
+            except Exception as exc:  # noqa: BLE001 - an unpicklable reply is an error, not a hang
+                out = pickle.dumps((task_id, rank, {"rank": rank, "error": (rank, *_describe(exc))}))
+            results.put(out)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,22 @@
+"""The protocol an engine under test implements (:mod:`.engine`) and the records of its known failures
+(:mod:`.known`). Imports nothing of spec: every other layer builds on it.
+"""
+
+from .engine import (
+    ENGINE_FEATURE,
+    HELPER_FEATURES,
+    HELPERS,
+    Capabilities,
+    EngineObject,
+    EngineUnderTest,
+    Feature,
+    InputsView,
+    OutputsView,
+    ShardLayout,
+    verl_fsdp_view,
+)
+from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
+
+__all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
+           "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
+           "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]

@@ -1,0 +1,299 @@
+"""Runs catalogue entries against an engine with hypothesis; one code path for pytest and the CLI."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
+from hypothesis.errors import HypothesisException
+
+from ..execute import ranks
+from ..execute.attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
+
+from ..cases.structure import DenseCase, EngineCase
+from ..protocol.engine import EngineUnderTest
+from ..cases.strategies import within_limits
+from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
+from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
+
+__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "SEED_CASES", "DEVICES"]
+
+DEVICES = ("cpu", "cuda")
+
+#: The seeds' worked examples (verl PRs #6345, #6386), pinned on every invariant.
+SEED_CASES = (
+    EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=1.0),
+    EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=(0.5, 2.0), calculate_entropy=True,
+               distillation_keys=("distillation_losses", "student_mass")),
+)
+SEED_DENSE = (
+    DenseCase(prompt_lens=(3, 2), response_lens=(2, 1), prompt_width=3, response_width=2, topk=2),
+    DenseCase(prompt_lens=(2, 2), response_lens=(1, 1), prompt_width=2, response_width=1, mrope=True),
+    DenseCase(prompt_lens=(2,), response_lens=(3,), prompt_width=2, response_width=3, mrope=True),
+)
+
+
+@dataclass
+class Outcome:
+    invariant: str
+    engine: str
+    mode: str
+    device: str
+    #: pass | fail (a check's assertion, or the engine raised) | error (the suite itself failed) | skip
+    #: | xfail (only known failures fired) | xpass (a known-failure record never fired: stale)
+    status: str
+    examples: int = 0
+    exercised: int = 0  # examples on which the property was exercised (not marked ctx.not_exercised)
+    distinct_cases: int = 0
+    known_hits: int = 0  # examples excused by a known-failure record (the run went on)
+    seconds: float = 0.0
+    counterexample: str | None = None  # the minimal falsifying case, as hypothesis reports it
+    error: str | None = None
+    reason: str | None = None
+    layout: bool = False  # a layout-profile invariant: reported apart, never part of the verdict
+    #: per applicable known-failure record: its key, condition, hits
+    known: list[dict] = field(default_factory=list)
+    #: further distinct failures hypothesis reported (each its own minimal case)
+    other_failures: list[dict] = field(default_factory=list)
+
+    @property
+    def test_id(self) -> str:
+        return f"{self.invariant}-{self.engine}-{self.mode}-{self.device}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "test_id": self.test_id}
+
+
+def instances(infos=None) -> list[tuple[InvariantInfo, str]]:
+    """Every (invariant, mode) pair of the catalogue, in ID order."""
+    infos = infos if infos is not None else [CATALOGUE[k] for k in sorted(CATALOGUE)]
+    return [(info, mode) for info in infos for mode in info.modes]
+
+
+def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> str | None:
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    for need in info.needs:
+        reason = engine.lacks(need) or _real_ranks_unavailable(engine, need)
+        if reason:
+            return reason
+    # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
+    implied = getattr(engine, "implied_needs", None)
+    reason = implied(tuple(info.needs)) if implied is not None else None
+    # an invariant that names the functions it calls (the micro-batch layer's) is skipped where one is missing
+    extra = getattr(info, "skip_reason_for", None)
+    return reason or (extra(engine) if extra is not None else None)
+
+
+def _real_ranks_unavailable(engine: EngineUnderTest, need: str) -> str | None:
+    """For an engine whose sequence parallelism runs on real ranks: why they cannot run here, or None."""
+    if need not in ("sp", "real_ranks") or not engine.sp_on_real_ranks:
+        return None
+    reason = ranks.unavailable("cpu", 2)
+    return None if reason is None else (
+        f"{engine.name} runs sequence parallelism through a torch.distributed process group, "
+        f"and real ranks cannot run here: {reason}")
+
+
+def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | None = None) -> list:
+    """The pinned cases every invariant also runs, minus those the engine's strategy limits exclude (an
+    engine that offers no distillation is not handed a distillation case here either)."""
+    if info.kind == "dense":
+        return list(SEED_DENSE)
+    pinned = getattr(info, "pinned", None)  # invariants on other case types pin their own worked examples
+    if pinned is not None:
+        return [info.adjust(case) if info.adjust else case for case in pinned(mode)]
+    limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
+    cases = []
+    for case in SEED_CASES:
+        if not within_limits(case, **limits):
+            continue
+        if mode in ("packed", "padded"):
+            case = case.with_(use_remove_padding=mode == "packed")
+        if info.head != case.head:
+            case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
+        cases.append(info.adjust(case) if info.adjust else case)
+    return cases
+
+
+def _one_line(exc: BaseException) -> str:
+    return describe(exc)
+
+
+def _kind(exc: BaseException) -> str:
+    """``fail`` for a check's assertion or anything the engine's own call raised; ``error`` for the suite's."""
+    if origin(exc) == ENGINE:
+        return "fail"
+    if isinstance(exc, AssertionError) and origin(exc) is None:
+        return "fail"
+    return "error"
+
+
+def _mark(exc: BaseException, case, kind: str) -> None:
+    """Remember on the exception itself which case raised it: the exception hypothesis finally raises
+    comes from its last replay, the minimal example, so its case is the shrunk counterexample."""
+    try:
+        exc._spec_case = repr(case)  # type: ignore[attr-defined]
+        exc._spec_kind = kind  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _message(exc: BaseException, kind: str) -> str:
+    if kind == "error":
+        cause = exc.__cause__ if isinstance(exc, SuiteError) and exc.__cause__ is not None else exc
+        return f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)}"
+    if origin(exc) == ENGINE and not isinstance(exc, AssertionError):
+        return f"engine raised {describe(exc)}"
+    return describe(exc)
+
+
+def _capped(info: InvariantInfo, parent: settings) -> dict:
+    """An invariant may cap its share of a profile's examples (``example_share``: the micro-batch layer's, whose
+    every example cuts a whole mini-batch): ``max_examples`` scaled by it, at least 10."""
+    share = getattr(info, "example_share", None)
+    return {} if not share else {"max_examples": max(10, int(parent.max_examples * share))}
+
+
+def stream_key(info: InvariantInfo, mode: str) -> bytes:
+    """Each invariant x mode has its own seed stream (and example-database key): under
+    ``derandomize`` hypothesis seeds from the test's digest, which this key enters."""
+    return f"{info.id}/{mode}".encode()
+
+
+def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
+                  profile: str | None = None, shrink: bool = True, seed: int | None = None,
+                  explicit: bool = True, **setting_overrides) -> Outcome:
+    """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
+
+    ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
+    ``seed``: an explicit seed (combined with the invariant's stream key), for independent runs.
+    """
+    outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
+    reason = skip_reason(info, engine, device)
+    if reason:
+        outcome.status, outcome.reason = "skip", reason
+        return outcome
+    records = applicable(as_records(engine.known_failures), info.id, mode)
+    hits = [0] * len(records)
+    state: dict = {"n": 0, "exercised": 0, "cases": set()}
+    attributed = AttributedEngine(engine)
+    # ``body``'s source is hypothesis's example-database key and, derandomized, the seed of every drawn case:
+    # keep it byte for byte. The bookkeeping of which examples passed under a record's condition hooks in
+    # through the two names it calls, ``Ctx`` and ``matching``, bound here.
+    #: per record, examples that passed (and exercised the property) although its condition held: evidence
+    #: that the failure is gone
+    passed_under = [0] * len(records)
+    current: list = []  # [context, failed] of the running example, settled when the next starts or the run ends
+
+    def settle() -> None:
+        """Count the finished example; its context (and the run it cached) is dropped here."""
+        if current:
+            ctx, failed = current.pop()
+            if not failed and ctx.vacuous is None:
+                for i, record in enumerate(records):
+                    passed_under[i] += bool(record.when(ctx.case))
+
+    def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
+        settle()
+        ctx = CheckContext(*args)
+        current.append([ctx, False])
+        return ctx
+
+    def matching(candidates, case, exc):
+        current[-1][1] = True  # every exception of a check passes through here
+        return match_record(candidates, case, exc)
+
+    def body(case):
+        state["n"] += 1
+        state["cases"].add(repr(case))
+        ctx = Ctx(attributed, case, device, mode)
+        with recording() as log:
+            try:
+                info.check(ctx)
+            except HypothesisException:
+                raise
+            except Exception as exc:
+                if ctx.vacuous is None:  # a failing example exercised the property
+                    state["exercised"] += 1
+                record = matching(records, case, exc)
+                if record is not None:  # excused: count it and go on, so other bugs are still found
+                    hits[records.index(record)] += 1
+                    return
+                _mark(exc, case, _kind(exc))
+                raise
+            swallowed = log.unhandled_suite()
+        if swallowed:  # the check passed only because it caught what the suite itself raised
+            where, cause = swallowed[0]
+            err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
+            _mark(err, case, "error")
+            raise err from cause
+        if ctx.vacuous is None:
+            state["exercised"] += 1
+
+    body._hypothesis_internal_add_digest = stream_key(info, mode)  # type: ignore[attr-defined]
+
+    def prop(phases):
+        test = given(case=info.cases(mode, engine))(body)
+        for case in reversed(_seed_examples(info, mode, engine)):
+            test = example(case=case)(test)
+        if seed is not None:
+            test = hypothesis_seed(zlib.crc32(stream_key(info, mode)) ^ seed)(test)
+        return settings(parent, phases=phases, **{**_capped(info, parent), **setting_overrides})(test)
+
+    parent = settings.get_profile(profile) if profile is not None else settings.default
+    # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.
+    generated = tuple(p for p in parent.phases if p != Phase.explicit and (shrink or p != Phase.shrink))
+    start = time.perf_counter()
+    # explicit=False (fuzz campaigns): generated cases only, so every failure found is saved to the database
+    for phases in (generated, (Phase.explicit,)) if explicit else (generated,):
+        try:
+            prop(phases)()
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
+            _record_failure(outcome, exc)
+            break
+    outcome.seconds = time.perf_counter() - start
+    outcome.examples = state["n"]
+    outcome.exercised = state["exercised"]
+    outcome.distinct_cases = len(state["cases"])
+    outcome.known_hits = sum(hits)
+    settle()
+    outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
+                      "reason": r.reason}
+                     for r, h, p in zip(records, hits, passed_under)]
+    if records and outcome.status == "pass":
+        # stale: never fired although examples under its condition ran and passed; a record whose condition no
+        # example met was not reached (no evidence either way), which the report shows as 0 hits
+        stale = [r for r, h, p in zip(records, hits, passed_under) if not h and p and r.certain]
+        reached = [(r, h) for r, h, p in zip(records, hits, passed_under) if h or (p and r.certain)]
+        if stale:
+            outcome.status = "xpass"
+            outcome.reason = "stale known failure (never fired): " + "; ".join(r.describe() for r in stale)
+        elif reached:
+            outcome.status = "xfail"
+            outcome.reason = "; ".join(f"{r.reason} [{h} hits when {r.when.text}]" for r, h in zip(records, hits))
+    return outcome
+
+
+def _record_failure(outcome: Outcome, exc: BaseException) -> None:
+    """The status, minimal counterexample and message of a failed run (a real failure beats a suite error)."""
+    marked = [e for e in _leaves(exc) if hasattr(e, "_spec_case")]
+    if not marked:  # hypothesis itself gave up (health check, flakiness): the suite failed
+        outcome.status, outcome.error = "error", f"suite error: {describe(exc)}"
+        return
+    marked.sort(key=lambda e: e._spec_kind != "fail")  # type: ignore[attr-defined]
+    first, *rest = marked
+    outcome.status = first._spec_kind  # type: ignore[attr-defined]
+    outcome.counterexample = first._spec_case  # type: ignore[attr-defined]
+    outcome.error = _message(first, outcome.status)
+    outcome.other_failures = [{"status": e._spec_kind, "counterexample": e._spec_case,  # type: ignore[attr-defined]
+                               "error": _message(e, e._spec_kind)} for e in rest]  # type: ignore[attr-defined]

@@ -1,0 +1,178 @@
+"""Megatron-style packing: the calling convention the packing invariants use, and a reference packer.
+
+A *packer* turns a jagged batch ``x`` (nested ``(B, j, *trailing)``) into per-rank shards and back:
+
+* THD: every sequence padded to the TP x CP alignment (x2 for the zig-zag layout when CP > 1; FP8:
+  per sequence ``lcm(16, align)``, the total a multiple of ``128 * align``; a static bucket: the
+  total a multiple of ``lcm(bucket, align)``: the last sequence takes that padding and must stay
+  aligned for the CP split and the TP scatter), one packed row; CP rank ``r`` holds either the r-th
+  contiguous ``1/CP`` of that row, or, zig-zag, chunks ``r`` and ``2CP-1-r`` of every sequence.
+* BSHD: a dense ``(B, S, *trailing)`` batch, ``S`` aligned likewise (FP8: ``B*S`` a multiple of
+  ``128 * TP * CP``), zig-zag across CP ranks, with a per-rank validity mask.
+
+``need_roll`` packs the labels instead: at each valid token the next token of the *same* sequence.
+Unpacking gathers every rank's shard and returns the valid tokens, nested like ``x``.
+
+:class:`ReferencePacker` implements this from the statement above (an index map from each rank's
+rows to the global padded row); the planted packing bugs subclass it. verl's own packer is adapted
+in :mod:`spec.engines.megatron`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..protocol.engine import ShardLayout
+
+__all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket"]
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    tp: int = 1
+    cp: int = 1
+    layout: ShardLayout = ShardLayout.ZIGZAG
+    fp8: bool = False
+    bucket: int | None = None
+
+    def __str__(self) -> str:
+        extra = (", fp8" if self.fp8 else "") + (f", bucket={self.bucket}" if self.bucket else "")
+        return f"TP={self.tp} CP={self.cp} {self.layout.value}{extra}"
+
+
+@dataclass
+class ThdShard:
+    """One CP rank's packed rows: ``rows`` ``(1, n_local, *trailing)``, ``positions`` ``(1, n_local)`` or
+    None, ``cu_seqlens_padded`` ``(B+1,)`` of the global padded row; ``state``: what the packer needs back."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor | None
+    cu_seqlens_padded: torch.Tensor
+    state: Any = None
+
+
+@runtime_checkable
+class Packer(Protocol):
+    def pack_thd(self, x: torch.Tensor, spec: PackSpec, rank: int, *, need_roll: bool = False) -> ThdShard: ...
+
+    def unpack_thd(self, shards: list[ThdShard], x: torch.Tensor, spec: PackSpec) -> torch.Tensor: ...
+
+    def pack_bshd(self, x: torch.Tensor, spec: PackSpec, rank: int, *,
+                  need_roll: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def unpack_bshd(self, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                    spec: PackSpec) -> torch.Tensor: ...
+
+
+def case_bucket(case: Any) -> int | None:
+    """The static bucket the packing invariants run a case with: the case's own, else one chosen by its seed
+    (the strategies draw buckets only for a small share of packed cases; the packing must hold with and
+    without one)."""
+    return case.pad_to_length or (None, 4, 7, 8, 16)[case.seed // 12 % 5]
+
+
+def thd_alignment(spec: PackSpec) -> tuple[int, int]:
+    """(per-sequence alignment, alignment of the total) of a THD packed row."""
+    base = spec.tp * spec.cp * (2 if spec.layout is ShardLayout.ZIGZAG and spec.cp > 1 else 1)
+    align, total = base, spec.cp
+    if spec.fp8:
+        align, total = math.lcm(16, base), math.lcm(total, 128 * base)
+    if spec.bucket:  # the last sequence takes the bucket's padding, so it must keep its own alignment
+        total = math.lcm(total, spec.bucket, align)
+    return align, total
+
+
+def nested_from(rows: list[torch.Tensor]) -> torch.Tensor:
+    values = torch.cat(rows)
+    offsets = torch.tensor([0] + [r.shape[0] for r in rows]).cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+class ReferencePacker:
+    """The statement in the module docstring, as an index map (rank rows -> global padded row)."""
+
+    def _padded_lengths(self, lens: list[int], spec: PackSpec) -> list[int]:
+        align, total = thd_alignment(spec)
+        padded = [-(-n // align) * align for n in lens]
+        padded[-1] += -sum(padded) % total
+        return padded
+
+    def _rank_rows(self, padded: list[int], spec: PackSpec, rank: int) -> torch.Tensor:
+        starts = [0, *torch.tensor(padded).cumsum(0).tolist()]
+        if spec.cp == 1 or spec.layout is ShardLayout.CONTIGUOUS:
+            width = starts[-1] // spec.cp
+            return torch.arange(rank * width, (rank + 1) * width)
+        parts = []
+        for start, n in zip(starts, padded):
+            chunk = n // (2 * spec.cp)
+            for c in (rank, 2 * spec.cp - 1 - rank):
+                parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        return torch.cat(parts)
+
+    def _global(self, x: torch.Tensor, padded: list[int], need_roll: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs = list(x.unbind())
+        rows = torch.zeros(sum(padded), *seqs[0].shape[1:], dtype=x.dtype)
+        pos = torch.zeros(sum(padded), dtype=torch.long)
+        start = 0
+        for seq, n in zip(seqs, padded):
+            src = torch.roll(seq, -1, dims=0) if need_roll else seq
+            rows[start:start + seq.shape[0]] = src
+            pos[start:start + seq.shape[0]] = torch.arange(seq.shape[0])
+            start += n
+        return rows, pos
+
+    def pack_thd(self, x: torch.Tensor, spec: PackSpec, rank: int, *, need_roll: bool = False) -> ThdShard:
+        lens = x.offsets().diff().tolist()
+        padded = self._padded_lengths(lens, spec)
+        rows, pos = self._global(x, padded, need_roll)
+        index = self._rank_rows(padded, spec, rank)
+        cu = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
+        return ThdShard(rows[index].unsqueeze(0), pos[index].unsqueeze(0), cu)
+
+    def unpack_thd(self, shards: list[ThdShard], x: torch.Tensor, spec: PackSpec) -> torch.Tensor:
+        padded = shards[0].cu_seqlens_padded.diff().tolist()
+        rows = torch.zeros(sum(padded), *shards[0].rows.shape[2:], dtype=shards[0].rows.dtype)
+        for rank, shard in enumerate(shards):
+            rows[self._rank_rows(padded, spec, rank)] = shard.rows[0]
+        starts = [0, *torch.tensor(padded).cumsum(0).tolist()]
+        lens = x.offsets().diff().tolist()
+        return nested_from([rows[s:s + n] for s, n in zip(starts, lens)])
+
+    def _bshd_width(self, lens: list[int], spec: PackSpec) -> int:
+        align = spec.tp * spec.cp * 2 if spec.cp > 1 else spec.tp
+        if spec.fp8:
+            total = 128 * spec.tp * spec.cp
+            align = math.lcm(align, total // math.gcd(len(lens), total))
+        return -(-max(lens) // align) * align
+
+    def _bshd_cols(self, width: int, spec: PackSpec, rank: int) -> torch.Tensor:
+        if spec.cp == 1:
+            return torch.arange(width)
+        chunk = width // (2 * spec.cp)
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * spec.cp - 1 - rank)])
+
+    def pack_bshd(self, x: torch.Tensor, spec: PackSpec, rank: int, *,
+                  need_roll: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lens = x.offsets().diff().tolist()
+        width = self._bshd_width(lens, spec)
+        seqs = list(x.unbind())
+        dense = torch.zeros(len(seqs), width, *seqs[0].shape[1:], dtype=x.dtype)
+        for i, seq in enumerate(seqs):
+            dense[i, :seq.shape[0]] = torch.roll(seq, -1, dims=0) if need_roll else seq
+        cols = self._bshd_cols(width, spec, rank)
+        mask = cols.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        return dense[:, cols], mask, cols.unsqueeze(0).expand(len(seqs), -1)
+
+    def unpack_bshd(self, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                    spec: PackSpec) -> torch.Tensor:
+        local = shards[0][0]
+        width = local.shape[1] * spec.cp
+        dense = torch.zeros(local.shape[0], width, *local.shape[2:], dtype=local.dtype)
+        for rank, (rows, _mask, _pos) in enumerate(shards):
+            dense[:, self._bshd_cols(width, spec, rank)] = rows
+        lens = x.offsets().diff().tolist()
+        return nested_from([dense[i, :n] for i, n in enumerate(lens)])

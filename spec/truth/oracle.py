@@ -1,0 +1,173 @@
+"""Expectations computed per sequence, as plainly as possible, with the tolerance each one allows.
+
+The oracle runs the model stand-in on each sequence alone (no padding, no packing) and reads
+every quantity straight off the contract, in float64 from the scaled logits on. Memory stays
+bounded: one sequence's ``(n_i, V)`` logits at a time (the strategies bound ``n x V``).
+
+Tolerance rule (the arithmetic, not a fudge): the model's logits are exact numbers of their dtype
+(float32, bfloat16 or float16); the contract upcasts them, divides by the float32 temperature
+(clamped at 1e-8) and computes in float32, so the error budget is float32's ``eps = 2**-23``
+whatever the logits' dtype. The oracle uses the same float32 scaled logits ``z`` and computes the
+rest in float64. A correct float32 evaluation of ``f(z)`` (rounding ``z`` itself included, for
+engines that scale differently) is off by at most about ``eps * (cond_f + (1 + |f|) * log2(V + 1))``
+where ``cond_f = sum_j |df/dz_j| * |z_j|`` is ``f``'s condition in ``z``:
+
+- log-prob of label ``y``: ``cond = |z_y| + sum_j p_j |z_j|``;
+- entropy ``H``: ``cond = sum_j p_j |log p_j + H| |z_j|``;
+- ``sum_pi_squared`` ``S``: ``cond = sum_j 2 p_j |p_j - S| |z_j|``;
+- the distillation terms: ``(max_j |z_j| + 1) * (1 + K)``; the value head: ``|v|``.
+
+The allowed error is :data:`SAFETY` (32) times that, per token. It grows with ``|z| = |logits| / T``
+where the math is ill-conditioned, and stays tight where it is not: a log-softmax computed in
+bfloat16 (``2**15`` times float32's eps), or an entropy computed as ``logsumexp - sum(p * z)`` at low
+temperature (off by ``eps * max|z|`` where the condition is ~0), is outside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+
+from .rules import TEMPERATURE_FLOOR, response_positions
+from .toy_model import ToyCausalLM
+
+__all__ = ["Expected", "expected", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY"]
+
+EPS = torch.finfo(torch.float32).eps
+SAFETY = 32.0
+
+
+def topk_terms(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
+               teacher_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token top-K distillation terms from ``(n, V)`` logits and ``(n, K)`` teacher top-K.
+
+    The student's top-K (for ``overlap_count``) is ranked on the logits as given (float32 in the
+    processor and the oracle alike), so near-ties break the same way in both."""
+    student = torch.log_softmax(student_logits.double(), dim=-1)
+    at_teacher = student.gather(-1, teacher_ids)
+    teacher_logprobs = teacher_logprobs.double()
+    teacher_p = teacher_logprobs.exp()
+    k = teacher_ids.shape[-1]
+    student_top = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1).indices
+    overlap = (teacher_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
+    return {
+        "distillation_losses": (teacher_p * (teacher_logprobs - at_teacher)).sum(-1),
+        "student_mass": at_teacher.exp().sum(-1),
+        "teacher_mass": teacher_p.sum(-1),
+        "overlap_count": overlap.to(student.dtype).sum(-1),
+        "overlap_token_advantage": (at_teacher - teacher_logprobs).mean(-1),
+    }
+
+
+class TopKProcessor:
+    """A ``logits_processor_func`` returning ``keys`` of :func:`topk_terms`, ``(1, total_nnz)`` float32 each.
+
+    It aligns the teacher tensors with the whole packed row, so it refuses logits of
+    any other length (a static bucket or a shard would misalign them).
+    """
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = keys
+
+    def __call__(self, student_logits: torch.Tensor, data: TensorDict, **_: object) -> dict[str, torch.Tensor]:
+        teacher_ids = data["teacher_ids"].values()
+        teacher_lp = data["teacher_logprobs"].values()
+        if student_logits.dim() != 3 or student_logits.shape[:2] != (1, teacher_ids.shape[0]):
+            raise ValueError(f"student_logits {tuple(student_logits.shape)} do not align with teacher "
+                             f"tensors of {teacher_ids.shape[0]} tokens")
+        terms = topk_terms(student_logits[0].float(), teacher_ids, teacher_lp)
+        return {key: terms[key].float().unsqueeze(0) for key in self.keys}
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The contract's ``z``: logits upcast to float32 over the float32 temperature clamped at 1e-8."""
+    temp = torch.tensor(temperature, dtype=torch.float32).clamp(min=TEMPERATURE_FLOOR)
+    return logits.float() / temp
+
+
+@dataclass
+class Expected:
+    """Per-sequence expectations (lists indexed by sample), float64, each with its per-token tolerance."""
+
+    log_probs: list[torch.Tensor] = field(default_factory=list)  # (n_i - 1,): the last token has no label
+    entropy: list[torch.Tensor] = field(default_factory=list)  # (n_i,)
+    sum_pi_squared: list[torch.Tensor] = field(default_factory=list)
+    distillation: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    values: list[torch.Tensor] = field(default_factory=list)
+    #: key -> per-sequence allowed absolute error (same shapes as the values)
+    tolerance: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def of(self, key: str) -> list[torch.Tensor]:
+        """The per-sequence expectation of output ``key``."""
+        if key in ("log_probs", "entropy", "sum_pi_squared", "values"):
+            return getattr(self, key)
+        return self.distillation[key]
+
+    def response_log_probs(self, case: "EngineCase") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, response_width)`` log-prob of each response token (zero past ``r_i``), and its tolerance."""
+        out = torch.zeros(case.batch_size, case.response_width, dtype=torch.float64)
+        tol = torch.zeros_like(out)
+        for i, (start, stop) in enumerate(response_positions(case.prompt_lens, case.response_lens)):
+            begin = start - (sum(case.seq_lens[:i]))  # the slice within sequence i
+            out[i, : stop - start] = self.log_probs[i][begin: begin + stop - start]
+            tol[i, : stop - start] = self.tolerance["log_probs"][i][begin: begin + stop - start]
+        return out, tol
+
+
+def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
+    return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
+
+
+def expected(case: "EngineCase", micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
+    """Everything the contract says the engine returns for ``case``, sequence by sequence (entropy and
+    sum_pi_squared only when the case asks for them)."""
+    ids = micro_batch["input_ids"].unbind()
+    positions = micro_batch["position_ids"].unbind()
+    temps = case.temperatures()
+    result = Expected(distillation={key: [] for key in case.distillation_keys})
+    tol = result.tolerance
+    for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
+        tol[key] = []
+    teacher = None
+    if case.distillation_use_topk:
+        teacher = (micro_batch["teacher_ids"].unbind(), micro_batch["teacher_logprobs"].unbind())
+    for i in range(case.batch_size):
+        seq_ids, seq_pos = ids[i].cpu(), positions[i].cpu()
+        pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)  # (C,1,n) or (1,n)
+        logits = model.logits(seq_ids.unsqueeze(0), pos).squeeze(0)
+        if case.head == "value":
+            values = logits[:, 0].double()
+            result.values.append(values)
+            tol["values"].append(_bound(values.abs(), values, 1))
+            continue
+        z32 = scaled_logits(logits, temps[i])
+        z = z32.double()
+        vocab = z.shape[-1]
+        lsm = torch.log_softmax(z, dim=-1)
+        probs = lsm.exp()
+        absz = z.abs()
+        mean_abs = (probs * absz).sum(-1)
+        labels = seq_ids[1:]
+        lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        result.log_probs.append(lp)
+        tol["log_probs"].append(_bound(absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + mean_abs[:-1],
+                                       lp, vocab))
+        if case.calculate_entropy or case.use_fused_kernels:  # (large vocabularies: only what is asked)
+            ent = -(probs * lsm).sum(-1)
+            result.entropy.append(ent)
+            tol["entropy"].append(_bound((probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), ent, vocab))
+        if case.calculate_sum_pi_squared:
+            spq = (probs * probs).sum(-1)
+            result.sum_pi_squared.append(spq)
+            tol["sum_pi_squared"].append(_bound((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1),
+                                                spq, vocab))
+        if teacher is not None:
+            terms = topk_terms(z32, teacher[0][i].cpu(), teacher[1][i].cpu())
+            cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
+            for key in case.distillation_keys:
+                result.distillation[key].append(terms[key])
+                tol[key].append(_bound(cond, terms[key], vocab))
+    return result
