@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 from ..protocol.known import KnownFailure
 from ..protocol.engine import EngineUnderTest, Feature
+from .microbatch_records import MICROBATCH_RECORDS
 from .stubs import import_verl_module
+from .verl import verl_microbatch_layer
 
 __all__ = ["NativeVerlEngine"]
 
@@ -45,7 +47,15 @@ class NativeVerlEngine(EngineUnderTest):
         self._verl_F = verl_F
         self.cls = getattr(self.stubs.module, self.lm_class)
         self.outputs_params = tuple(inspect.signature(self.cls.prepare_model_outputs).parameters)
-        self.known_failures = (*self.KNOWN.get("*", ()), *self.KNOWN.get(self.version, ()))
+        self.known_failures = (*self.KNOWN.get("*", ()), *self.KNOWN.get(self.version, ()),
+                               *MICROBATCH_RECORDS.get("*", ()), *MICROBATCH_RECORDS.get(self.version, ()))
+
+    def microbatch_layer(self):
+        """verl's own micro-batch functions: this engine's forward_backward_batch calls prepare_micro_batches and
+        postprocess_batch_func like every verl engine."""
+        if not hasattr(self, "_microbatch"):
+            self._microbatch = verl_microbatch_layer()
+        return self._microbatch
 
     # -- capabilities ------------------------------------------------------------------------------
     def _no(self, what: str) -> str:

@@ -18,7 +18,9 @@ from tensordict import TensorDict
 from ..protocol.microbatch import MicroBatchLayer
 
 __all__ = ["restore_off_by_one_when_reordered", "budget_check_exclusive", "equal_lengths_stacked_dense",
-           "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder"]
+           "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder",
+           "micro_batch_rows_rotated", "chunks_reversed", "concat_drops_flags", "index_select_sorted",
+           "nested_from_list_by_torch", "fix_positions_by_unbind"]
 
 
 def _flag(data: Any, key: str, default: Any = None) -> Any:
@@ -165,3 +167,84 @@ def fixed_path_drops_remainder(layer: MicroBatchLayer) -> MicroBatchLayer:
         return [select(data, list(range(k * size, (k + 1) * size))) for k in range(count)], None
 
     return layer.with_functions("planted", prepare_micro_batches=prepare_micro_batches)
+
+
+def micro_batch_rows_rotated(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """prepare_micro_batches returns the right index lists but builds each micro-batch of two or more samples from
+    them rotated by one: the engine computes sample j's outputs under sample j+1's index."""
+    prepare = layer.get("prepare_micro_batches")
+    select = layer.get("index_select_tensor_dict")
+
+    def prepare_micro_batches(data, *args, **kwargs):
+        micro, indices = prepare(data, *args, **kwargs)
+        if indices is None:
+            return micro, indices
+        rotated = [select(data, list(part[1:]) + list(part[:1])) if len(part) > 1 else mb
+                   for mb, part in zip(micro, indices)]
+        return rotated, indices
+
+    return layer.with_functions("planted", prepare_micro_batches=prepare_micro_batches)
+
+
+def chunks_reversed(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """chunk_tensordict returns its chunks last first."""
+    chunk = layer.get("chunk_tensordict")
+
+    def chunk_tensordict(td, chunks):
+        return list(chunk(td, chunks))[::-1]
+
+    return layer.with_functions("planted", chunk_tensordict=chunk_tensordict)
+
+
+def concat_drops_flags(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """concat_tensordict concatenates the tensors and forgets the NonTensorData flags."""
+    concat = layer.get("concat_tensordict")
+
+    def concat_tensordict(data):
+        out = concat(data)
+        for key in list(out.keys()):
+            value = out.get(key)
+            if not isinstance(value, torch.Tensor) and type(value).__name__ != "NonTensorStack":
+                del out[key]
+        return out
+
+    return layer.with_functions("planted", concat_tensordict=concat_tensordict)
+
+
+def index_select_sorted(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """index_select_tensor_dict sorts the indices first: the selected samples come back in ascending order, not the
+    order asked for."""
+    select = layer.get("index_select_tensor_dict")
+
+    def index_select_tensor_dict(batch, indices):
+        return select(batch, sorted(int(i) for i in indices))
+
+    return layer.with_functions("planted", index_select_tensor_dict=index_select_tensor_dict)
+
+
+def nested_from_list_by_torch(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """nested_tensor_from_tensor_list ignores ragged_idx and lets ``torch.nested.as_nested_tensor`` pick the ragged dim:
+    (4, n) mRoPE items of equal lengths (or one item) come out ragged on the 4."""
+    build = layer.get("nested_tensor_from_tensor_list")
+
+    def nested_tensor_from_tensor_list(tensors, ragged_idx=None):
+        if tensors and tensors[0].dim() == 2 and ragged_idx == 2:
+            return torch.nested.as_nested_tensor(list(tensors), layout=torch.jagged)
+        return build(tensors, ragged_idx=ragged_idx)
+
+    return layer.with_functions("planted", nested_tensor_from_tensor_list=nested_tensor_from_tensor_list)
+
+
+def fix_positions_by_unbind(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """maybe_fix_3d_position_ids rebuilds mRoPE positions from their unbound samples with
+    ``torch.nested.as_nested_tensor``: with equal lengths or B = 1 the 4 becomes the ragged dim."""
+    fix = layer.get("maybe_fix_3d_position_ids")
+
+    def maybe_fix_3d_position_ids(data):
+        fix(data)
+        pos = data.get("position_ids") if "position_ids" in data.keys() else None
+        if isinstance(pos, torch.Tensor) and pos.is_nested and pos.dim() == 3:
+            data.set("position_ids", torch.nested.as_nested_tensor(list(pos.unbind()), layout=torch.jagged))
+        return None
+
+    return layer.with_functions("planted", maybe_fix_3d_position_ids=maybe_fix_3d_position_ids)
