@@ -313,7 +313,8 @@ def _budget(draw, seq_lens: tuple[int, ...], group: int, sp: int, allow_over: bo
 def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = False, allow_large: bool = False,
                     max_groups: int = 8, extras: bool = True, world: int = 1, max_group_size: int = 4,
                     fixed_divides: bool | None = True, count_rules: bool = True, refusals: bool = False,
-                    min_group_size: int = 1) -> MiniBatchCase:
+                    min_group_size: int = 1, allow_topk: bool = True, allow_temperature: bool = True
+                    ) -> MiniBatchCase:
     """A :class:`MiniBatchCase`.
 
     ``dynamic``: pin the dynamic (token budget) or fixed-size path (None draws it). ``allow_over``: budgets below
@@ -361,7 +362,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     mrope = topk = routed = temps = uid = False
     if extras and tier != "large":  # a large mini-batch carries the trainer's keys only (cost)
         mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4))
-        topk = draw(st.sampled_from((0, 0, 1, 3)))
+        topk = draw(st.sampled_from((0, 0, 1, 3))) if allow_topk else 0
+        temps = temps and allow_temperature
     others = []
     for _ in range(world - 1):
         o_prompts, o_responses, _, _ = draw(_lengths("small", group, draw(st.integers(1, max_groups))))

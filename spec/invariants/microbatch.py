@@ -57,7 +57,10 @@ class MicroBatchInfo(InvariantInfo):
     example_share: float = 0.4
 
     def cases(self, mode, engine):  # noqa: ARG002 - the mode (end to end) is set by ``adjust``
-        return minibatch_cases(**self.strategy_kwargs)
+        kwargs = dict(self.strategy_kwargs)
+        if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
+            kwargs.update(engine_extras(engine))
+        return minibatch_cases(**kwargs)
 
     def skip_reason_for(self, engine) -> str | None:
         layer = engine.microbatch_layer()
@@ -65,10 +68,15 @@ class MicroBatchInfo(InvariantInfo):
             return engine.lacks("microbatch")
         return layer.lacks(self.functions)
 
-    def pinned(self, mode: str) -> list[MiniBatchCase]:
+    def pinned(self, mode: str, engine=None) -> list[MiniBatchCase]:
         kwargs = self.strategy_kwargs
+        extras = engine_extras(engine) if engine is not None and "engine" in self.needs else {}
         cases = []
         for case in PINNED:
+            if extras and not extras["allow_topk"]:
+                case = case.with_(topk=0)
+            if extras and not extras["allow_temperature"]:
+                case = case.with_(per_sample_temperature=False)
             if kwargs.get("dynamic") is False:
                 case = case.with_(use_dynamic_bsz=False, micro_batch_size=1)
             if mode in ("packed", "padded"):
@@ -80,6 +88,16 @@ class MicroBatchInfo(InvariantInfo):
                 case = case.with_(force_group_size=2, max_token_len=max(case.max_token_len, max(case.group_tokens)))
             cases.append(case)
         return cases
+
+
+def engine_extras(engine) -> dict[str, bool]:
+    """What the end-to-end mini-batches may ask of the engine itself: top-K teacher tensors where its strategy limits
+    allow distillation, a per-sample temperature where it has no known failure of its own on per-sample temperatures
+    (INV-TEMP-001): those are the engine's findings, not the layer's, and are reported there."""
+    limits = engine.strategy_limits()
+    records = getattr(engine, "known_failures", ()) or ()
+    own_temperature_bug = any(getattr(r, "invariant", None) == "INV-TEMP-001" for r in records)
+    return {"allow_topk": bool(limits.get("allow_distillation", True)), "allow_temperature": not own_temperature_bug}
 
 
 def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: str, modes=("any",),

@@ -105,7 +105,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
         return list(SEED_DENSE)
     pinned = getattr(info, "pinned", None)  # invariants on other case types pin their own worked examples
     if pinned is not None:
-        return [info.adjust(case) if info.adjust else case for case in pinned(mode)]
+        return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
     limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
     cases = []
     for case in SEED_CASES:
