@@ -59,8 +59,8 @@ def test_every_contract_number_is_a_clause_of_docs_contract_md() -> None:
     assert not missing, f"contract= numbers that are no clause of docs/contract.md: {missing}"
 
 
-def test_the_contract_has_the_micro_batch_placeholder() -> None:
-    assert "## Micro-batch layer" in CONTRACT.read_text()
+def test_the_contract_has_the_micro_batch_layer() -> None:
+    assert "## Micro-batch layer" in CONTRACT.read_text() and "Placeholder" not in CONTRACT.read_text()
 
 
 def _sources() -> list:

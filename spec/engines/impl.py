@@ -7,6 +7,7 @@ from typing import Any, Callable
 import impl
 
 from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
+from ..protocol.microbatch import MicroBatchLayer, layer_from
 
 __all__ = ["ImplEngine"]
 
@@ -14,11 +15,20 @@ __all__ = ["ImplEngine"]
 class ImplEngine(EngineUnderTest):
     name = "impl"
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
+
     def make(self, head: str = "lm", **settings: Any) -> Any:
         return self.engine_classes[head](**settings)
 
     def helper(self, name: str) -> Callable | None:
         return getattr(impl, name) if name in HELPERS else None
+
+    def microbatch_layer(self) -> MicroBatchLayer | None:
+        """``impl.microbatch``: a drop-in with verl 0.9.1's names (None while impl has no such module)."""
+        try:
+            import impl.microbatch as layer
+        except ImportError:
+            return None
+        return layer_from("impl", [layer])
 
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""

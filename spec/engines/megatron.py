@@ -33,7 +33,9 @@ import torch
 from ..protocol.known import KnownFailure, When
 from ..truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
 from ..protocol.engine import EngineUnderTest, Feature, ShardLayout
+from .microbatch_records import MICROBATCH_RECORDS
 from .stubs import import_verl_module
+from .verl import verl_microbatch_layer
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 
@@ -160,7 +162,14 @@ class MegatronEngine(EngineUnderTest):
             self.layouts = (ShardLayout.ZIGZAG,)
             self.layout_note = ("contiguous CP not run: this megatron-core's PackedSeqParams has no "
                                 "cp_partition_mode, and verl refuses cp_layout='contiguous' with CP > 1 without it")
-        self.known_failures = self.KNOWN
+        self.known_failures = (*self.KNOWN, *MICROBATCH_RECORDS.get("*", ()), *MICROBATCH_RECORDS.get(self.version, ()))
+
+    def microbatch_layer(self):
+        """verl's own micro-batch functions: Megatron's forward_backward_batch calls prepare_micro_batches (with
+        num_batches_divided_by for virtual pipeline stages) and postprocess_batch_func."""
+        if not hasattr(self, "_microbatch"):
+            self._microbatch = verl_microbatch_layer()
+        return self._microbatch
 
     def lacks(self, feature: str | Feature) -> str | None:
         feature = Feature.parse(feature)
@@ -169,7 +178,7 @@ class MegatronEngine(EngineUnderTest):
                 return ("megatron-core does not import here (stubbed: " + ", ".join(self.stubs.stubbed)
                         + "); PackedSeqParams is megatron's record, install megatron-core")
             return None
-        if feature is Feature.CUDA:
+        if feature in (Feature.CUDA, Feature.MICROBATCH, Feature.REAL_RANKS):
             return super().lacks(feature)
         return (f"verl-megatron {self.version}: Megatron's prepare_model_inputs/outputs are pass-throughs; its "
                 "preparation runs inside gptmodel_forward_model_engine around the model call with megatron's "

@@ -43,6 +43,7 @@ fail, on exactly the invariants of :data:`MASK_INVARIANTS` that apply to it.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import warnings
 from contextlib import contextmanager
@@ -55,10 +56,13 @@ import torch.distributed as dist
 
 from ..cases.structure import DISTILLATION_KEYS
 from ..protocol.known import KnownFailure, When
+
 from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
+from ..protocol.microbatch import MicroBatchLayer, layer_from
+from .microbatch_records import MICROBATCH_RECORDS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
-           "known_key", "CANCELLATION", "SUM_PI_SQUARED_CANCELLATION"]
+           "known_key", "verl_microbatch_layer"]
 
 #: The rule for "the mask failure" (docs/verl-conformance.md): an invariant belongs here iff its
 #: check, in padded mode, reads the attention mask or compares an output the model computed under
@@ -236,6 +240,53 @@ def probe_verl() -> VerlCapabilities:
     )
 
 
+#: where the installed verl keeps its micro-batch layer (0.9.1; a module an older verl lacks is skipped)
+MICROBATCH_MODULES = ("verl.workers.engine.utils", "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils")
+
+
+def verl_microbatch_layer() -> MicroBatchLayer | None:
+    """The installed verl's own micro-batch functions, probed by import and name (never by version): every verl
+    engine calls these same functions (``prepare_micro_batches``, ``postprocess_batch_func``)."""
+    sources = []
+    for name in MICROBATCH_MODULES:
+        try:
+            sources.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    if not sources:
+        return None
+    layer = layer_from("verl", sources)
+    if not layer.functions:
+        return None
+    balancing = next((m for m in sources if m.__name__ == "verl.utils.seqlen_balancing"), None)
+    cutters = {name: _cpu_collectives(layer.functions[name], balancing)
+               for name in ("prepare_micro_batches", "rearrange_micro_batches") if name in layer.functions}
+    return layer.with_functions("verl", **cutters) if balancing is not None else layer
+
+
+def _cpu_collectives(fn: Callable, balancing: Any) -> Callable:
+    """verl's ``rearrange_micro_batches`` puts the tensors of its data-parallel ``all_reduce`` on
+    ``get_device_name()``, which on a machine without an accelerator still answers ``"cuda"`` (verl's platform
+    fallback is 'nvidia'). On such a machine the call runs with that module's ``get_device_name`` answering
+    ``"cpu"``, the device of the gloo group the suite's real ranks use; nothing else changes, and with an
+    accelerator the function is verl's own, untouched."""
+    import torch
+
+    if torch.cuda.is_available() or not callable(getattr(balancing, "get_device_name", None)):
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        saved = balancing.get_device_name
+        balancing.get_device_name = lambda: "cpu"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            balancing.get_device_name = saved
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
 def _module_source(module: Any) -> str:
     try:
         return inspect.getsource(module)
@@ -361,7 +412,8 @@ class VerlEngine(EngineUnderTest):
         """The records of this release, plus the feature gaps the probes find (each on the cases that
         ask for the missing feature only)."""
         caps = self.caps
-        records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ())]
+        records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
+                   *MICROBATCH_RECORDS.get(caps.version, ())]
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
@@ -448,6 +500,13 @@ class VerlEngine(EngineUnderTest):
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
         return VerlEngineObject(eng, self.caps, self._ulysses)
+
+    def microbatch_layer(self) -> MicroBatchLayer | None:
+        if not hasattr(self, "_microbatch"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._microbatch = verl_microbatch_layer()
+        return self._microbatch
 
     def helper(self, name: str) -> Callable | None:
         if name not in HELPERS or self._helper_unusable(name):

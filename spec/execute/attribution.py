@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
-           "expect_engine_error", "SuiteError", "describe"]
+           "expect_engine_error", "SuiteError", "describe", "engine_side"]
 
 ENGINE = "engine"
 SUITE = "suite"
@@ -121,6 +121,12 @@ def _engine_side(fn: Callable, where: str) -> Callable:
             raise
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
+
+
+def engine_side(fn: Callable, where: str) -> Callable:
+    """``fn`` (one of the engine's own callables: a micro-batch layer function), with its exceptions tagged as the
+    engine's."""
+    return _engine_side(fn, where)
 
 
 class _AttributedObject:

@@ -27,13 +27,14 @@ from tensordict import TensorDict
 
 from impl.sequence_parallel import TorchDistributedAllGather
 
+from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
 from .handoff import POISONS, _call_model, _fields, _poison_tail, _settings, model_for
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
-__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device"]
+__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task"]
 
 WORLDS = (2, 3, 4)
 
@@ -122,6 +123,8 @@ class _Worker:
         return self.engines[name]
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
+        if task.get("kind") == "microbatch":
+            return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
         case: EngineCase = task["case"]
         world, rank = case.sp_size, self.rank
         group = self.groups[world]
@@ -169,6 +172,42 @@ class _Worker:
         if rank == 0:
             reply["micro_batch"] = on_device(mb, "cpu")
         return reply
+
+
+def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, groups: dict[int, Any]
+                     ) -> dict[str, Any]:
+    """One data-parallel rank of :func:`spec.execute.microbatch.dp_micro_batch_counts`: its own mini-batch cut alone
+    and with the group. The ranks tell each other whether they failed before the collective call, so an error on
+    one rank does not leave the others waiting in it."""
+    mine = case.rank_case(rank)
+    group = groups[case.world]
+    reply: dict[str, Any] = {"rank": rank}
+    layer = engine.microbatch_layer()
+    kwargs = dict(num_batches_divided_by=mine.num_batches_divided_by, min_num_micro_batch=mine.min_num_micro_batch,
+                  use_dynamic_bsz_balance=mine.balance)
+    status: tuple[str, Any] = ("ok", None)
+    try:
+        data = materialize_minibatch(mine, "cpu")
+        alone = len(layer.get("prepare_micro_batches")(data, dp_group=None, **kwargs)[0])
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised by the caller
+        status = ("error", _describe(exc))
+    everyone: list[Any] = [None] * case.world
+    dist.all_gather_object(everyone, status, group=group)
+    failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
+    if failed:
+        first_rank, (exc_bytes, text) = failed[0]
+        reply["error"] = (first_rank, exc_bytes, text)
+        return reply
+    try:
+        micro, indices = layer.get("prepare_micro_batches")(data, dp_group=group, same_micro_num_in_dp=True, **kwargs)
+        micro = list(micro)
+    except Exception as exc:  # noqa: BLE001 - re-raised by the caller
+        reply["error"] = (rank, *_describe(exc))
+        return reply
+    reply.update(alone=alone, count=len(micro),
+                 rows=[[int(i) for i in part] for part in indices] if indices is not None else None,
+                 tokens=[int(mb["input_ids"].offsets()[-1]) for mb in micro])
+    return reply
 
 
 def _output_rows(output_args: dict[str, Any], model_inputs: dict[str, Any]) -> int:

@@ -52,7 +52,7 @@ from .handoff import Run, attach_views, model_for
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
 
-__all__ = ["MAX_WORLD", "WORLDS", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool",
+__all__ = ["MAX_WORLD", "WORLDS", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
            "shutdown", "backend_for", "unavailable", "task_timeout"]
 
 MAX_WORLD = 4
@@ -255,7 +255,7 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def _raise_rank_error(first_rank: int, blob: bytes | None, text: str) -> None:
+def raise_rank_error(first_rank: int, blob: bytes | None, text: str) -> None:
     note = f"raised on real rank {first_rank}:\n{text}"
     exc: BaseException | None = None
     if blob is not None:
@@ -292,7 +292,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     replies = (workers or pool(device)).submit(task, case.sp_size, timeout)
     errors = sorted((body["error"] for body in replies.values() if "error" in body), key=lambda e: e[0])
     if errors:
-        _raise_rank_error(*errors[0])
+        raise_rank_error(*errors[0])
     ordered = [replies[r] for r in range(case.sp_size)]
     run = Run(case, device, mb, mb.clone(), model_for(case, device))
     to_dev = lambda obj: _to_device(obj, device)  # noqa: E731

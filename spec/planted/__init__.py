@@ -23,6 +23,7 @@ from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import megatron_bugs as M
+from . import microbatch_bugs as MB
 from . import outputs_bugs as O
 from . import quiet_bugs as Q
 from . import rank_bugs as R
@@ -48,10 +49,12 @@ class PlantedBug:
     #: known-failure records the engine claims (as a real engine with a documented deviation does): the bug
     #: must be caught although they apply to its region
     known: tuple[KnownFailure, ...] = ()
+    #: a micro-batch layer with the bug: impl's layer in, the planted one out (spec/planted/microbatch_bugs.py)
+    microbatch: Callable | None = None
 
     @property
     def doc(self) -> str:
-        source = self.lm or self.value or self.packer or dict(self.helpers)[self.helpers[0][0]]
+        source = self.lm or self.value or self.packer or self.microbatch or dict(self.helpers)[self.helpers[0][0]]
         return (source.__doc__ or "").strip()
 
 
@@ -202,6 +205,30 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="a later micro-batch through the same engine object"),
     PlantedBug("entropy_flag_read_once", ("INV-BATCH-003",), lm=T.EntropyFlagReadOnce,
                quiet="an earlier micro-batch with the other calculate_entropy, through the same engine object"),
+    # the micro-batch layer (spec/invariants/microbatch.py)
+    PlantedBug("restore_off_by_one_when_reordered", ("INV-MB-007", "INV-MB-015"),
+               microbatch=MB.restore_off_by_one_when_reordered,
+               quiet="the balancing put the samples out of order (two or more micro-batches)"),
+    PlantedBug("budget_check_exclusive", ("INV-MB-003", "INV-MB-004"), microbatch=MB.budget_check_exclusive,
+               quiet="a sample, group or mini-batch of exactly max_token_len tokens"),
+    PlantedBug("equal_lengths_stacked_dense", ("INV-MB-013",), microbatch=MB.equal_lengths_stacked_dense,
+               quiet="every sample of one length (or B = 1)"),
+    PlantedBug("micro_batches_drop_flags", ("INV-MB-008",), microbatch=MB.micro_batches_drop_flags),
+    PlantedBug("groups_split", ("INV-MB-002",), microbatch=MB.groups_split,
+               quiet="force_group_size > 1 and a budget that splits the mini-batch"),
+    PlantedBug("dp_count_not_synchronised", ("INV-MB-005",), microbatch=MB.dp_count_not_synchronised,
+               quiet="data-parallel ranks whose own micro-batch counts differ"),
+    PlantedBug("micro_batch_rows_rotated", ("INV-MB-001", "INV-MB-008"), microbatch=MB.micro_batch_rows_rotated),
+    PlantedBug("chunks_reversed", ("INV-MB-009",), microbatch=MB.chunks_reversed),
+    PlantedBug("concat_drops_flags", ("INV-MB-010",), microbatch=MB.concat_drops_flags),
+    PlantedBug("index_select_sorted", ("INV-MB-011",), microbatch=MB.index_select_sorted,
+               quiet="a selection not in ascending order"),
+    PlantedBug("nested_from_list_by_torch", ("INV-MB-012",), microbatch=MB.nested_from_list_by_torch,
+               quiet="mRoPE positions of equal lengths or B = 1"),
+    PlantedBug("fix_positions_by_unbind", ("INV-MB-014",), microbatch=MB.fix_positions_by_unbind,
+               quiet="mRoPE positions of equal lengths or B = 1"),
+    PlantedBug("fixed_path_drops_remainder", ("INV-MB-006",), microbatch=MB.fixed_path_drops_remainder,
+               quiet="a batch size micro_batch_size_per_gpu x force_group_size does not divide"),
 )}
 
 
@@ -221,6 +248,10 @@ class PlantedEngine(ImplEngine):
 
     def helper(self, name: str) -> Callable | None:
         return dict(self.bug.helpers).get(name) or super().helper(name)
+
+    def microbatch_layer(self):
+        layer = super().microbatch_layer()
+        return self.bug.microbatch(layer) if self.bug.microbatch and layer is not None else layer
 
 
 def planted_engine(name: str) -> PlantedEngine:

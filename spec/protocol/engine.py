@@ -56,6 +56,9 @@ class Feature(str, Enum):
     LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
     RESPONSE_FROM_NESTED = "response_from_nested"
     RESPONSE_TO_NESTED = "response_to_nested"
+    #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
+    #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
+    MICROBATCH = "microbatch"
 
     @classmethod
     def parse(cls, name: "str | Feature") -> "Feature":
@@ -240,6 +243,12 @@ class EngineUnderTest:
             return "this torch has no torch.distributed"
         if feature is Feature.PACKING and self.packer is None:
             return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
+        if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
+            return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"
+        return None
+
+    def microbatch_layer(self) -> Any:
+        """The engine's micro-batch layer (a ``spec.protocol.microbatch.MicroBatchLayer``), or None."""
         return None
 
     def implied_needs(self, needs: tuple[str, ...]) -> str | None:
@@ -247,6 +256,8 @@ class EngineUnderTest:
         not check the packing runs the engine object (:attr:`Feature.ENGINE`)."""
         if Feature.PACKING.value in needs:
             return None
+        if Feature.MICROBATCH.value in needs and Feature.ENGINE.value not in needs:
+            return None  # the layer alone: no engine object runs
         return self.lacks(Feature.ENGINE)
 
     def capabilities(self) -> Capabilities:

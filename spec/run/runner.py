@@ -96,7 +96,10 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> st
             return reason
     # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
     implied = getattr(engine, "implied_needs", None)
-    return implied(tuple(info.needs)) if implied is not None else None
+    reason = implied(tuple(info.needs)) if implied is not None else None
+    # an invariant that names the functions it calls (the micro-batch layer's) is skipped where one is missing
+    extra = getattr(info, "skip_reason_for", None)
+    return reason or (extra(engine) if extra is not None else None)
 
 
 def _real_ranks_unavailable(engine: EngineUnderTest, need: str) -> str | None:
@@ -114,6 +117,9 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     engine that offers no distillation is not handed a distillation case here either)."""
     if info.kind == "dense":
         return list(SEED_DENSE)
+    pinned = getattr(info, "pinned", None)  # invariants on other case types pin their own worked examples
+    if pinned is not None:
+        return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
     limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
     cases = []
     for case in SEED_CASES:
@@ -164,6 +170,13 @@ def _message(exc: BaseException, kind: str) -> str:
     if origin(exc) == ENGINE:  # an engine's own ``assert`` included: never read as a check's failed assertion
         return f"engine raised {describe(exc)}"
     return describe(exc)
+
+
+def _capped(info: InvariantInfo, parent: settings) -> dict:
+    """An invariant may cap its share of a profile's examples (``example_share``: the micro-batch layer's, whose
+    every example cuts a whole mini-batch): ``max_examples`` scaled by it, at least 10."""
+    share = getattr(info, "example_share", None)
+    return {} if not share else {"max_examples": max(10, int(parent.max_examples * share))}
 
 
 def stream_key(info: InvariantInfo, mode: str) -> bytes:
@@ -253,7 +266,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             test = example(case=case)(test)
         if seed is not None:
             test = hypothesis_seed(zlib.crc32(stream_key(info, mode)) ^ seed)(test)
-        return settings(parent, phases=phases, **setting_overrides)(test)
+        return settings(parent, phases=phases, **{**_capped(info, parent), **setting_overrides})(test)
 
     parent = settings.get_profile(profile) if profile is not None else settings.default
     # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.

@@ -1,0 +1,753 @@
+"""The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract.md (Micro-batch layer)): from a trainer's
+mini-batch to micro-batches and back.
+
+Each check draws a :class:`spec.cases.microbatch.MiniBatchCase` and calls the engine's layer
+(``engine.microbatch_layer()``, verl 0.9.1's names) through the attribution boundary, so what the layer raises
+counts as the engine's. What a check reads is what a consumer of the layer reads: which samples each micro-batch
+holds (values, by their own offsets), the token total of each micro-batch, the count, every key and its nested
+layout (``values()`` / ``offsets()`` / the sizes of the non-ragged dims), the flags, and the outputs after
+order restoration. ``INV-MB-015`` runs the whole way: micro-batching, the engine's
+``prepare_model_inputs``/``prepare_model_outputs`` with the toy model, ``postprocess_batch_func``, and the
+per-sequence oracle.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from ..cases.materialize import materialize
+from ..cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
+from ..execute.attribution import engine_side
+from ..execute.harness import execute, model_for
+from ..execute.microbatch import dp_micro_batch_counts
+from ..protocol.microbatch import MicroBatchLayer
+from ..truth.oracle import expected
+from .core import CATALOGUE, Ctx, InvariantInfo, close, fail, held, same
+
+__all__ = ["MicroBatchInfo", "PINNED"]
+
+CONTRACT = 13  # the micro-batch layer's clause in docs/contract.md (its sub-clauses 13.1-13.15: Micro-batch layer)
+NESTED_KEYS = ("input_ids", "position_ids", "prompts", "responses", "loss_mask", "response_mask", "teacher_ids",
+               "teacher_logprobs", "routed_experts")
+
+#: worked examples pinned on every micro-batch invariant: two samples (lengths 5 and 3) under a budget that splits
+#: them; an equal-length GRPO group of two with mRoPE positions (verl #7661/#7899); one sample (B = 1)
+PINNED = (
+    MiniBatchCase((3, 2), (2, 1), max_token_len=5),
+    MiniBatchCase((2, 2), (3, 3), max_token_len=10, force_group_size=2, mrope=True, topk=2, routed_experts=True,
+                  style="all_max"),
+    MiniBatchCase((2,), (3,), max_token_len=5, mrope=True),
+)
+
+
+@dataclass(frozen=True)
+class MicroBatchInfo(InvariantInfo):
+    """An invariant on the micro-batch layer: its cases are mini-batches, ``functions`` the layer functions it calls
+    (an engine whose layer lacks one skips it, with the reason)."""
+
+    functions: tuple[str, ...] = ()
+    #: the share of a profile's examples each micro-batch invariant draws (every example cuts a whole mini-batch:
+    #: 40 under ci, 16 under default, 400 under thorough)
+    example_share: float = 0.4
+
+    def cases(self, mode, engine):  # noqa: ARG002 - the mode (end to end) is set by ``adjust``
+        kwargs = dict(self.strategy_kwargs)
+        if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
+            kwargs.update(engine_extras(engine))
+        return minibatch_cases(**kwargs)
+
+    def skip_reason_for(self, engine) -> str | None:
+        layer = engine.microbatch_layer()
+        if layer is None:
+            return engine.lacks("microbatch")
+        return layer.lacks(self.functions)
+
+    def pinned(self, mode: str, engine=None) -> list[MiniBatchCase]:
+        kwargs = self.strategy_kwargs
+        extras = engine_extras(engine) if engine is not None and "engine" in self.needs else {}
+        cases = []
+        for case in PINNED:
+            if extras and not extras["allow_topk"]:
+                case = case.with_(topk=0)
+            if extras and not extras["allow_temperature"]:
+                case = case.with_(per_sample_temperature=False)
+            if kwargs.get("dynamic") is False:
+                case = case.with_(use_dynamic_bsz=False, micro_batch_size=1)
+            if mode in ("packed", "padded"):
+                case = case.with_(use_remove_padding=mode == "packed")
+            if kwargs.get("world", 1) > 1:
+                g = case.force_group_size
+                case = case.with_(other_ranks=((case.prompt_lens[:g], case.response_lens[:g]),))
+            if kwargs.get("min_group_size", 1) > 1 and case.batch_size % 2 == 0:
+                case = case.with_(force_group_size=2, max_token_len=max(case.max_token_len, max(case.group_tokens)))
+            cases.append(case)
+        return cases
+
+
+def engine_extras(engine) -> dict[str, bool]:
+    """What the end-to-end mini-batches may ask of the engine itself: top-K teacher tensors where its strategy limits
+    allow distillation, a per-sample temperature where it has no known failure of its own on per-sample temperatures
+    (INV-TEMP-001): those are the engine's findings, not the layer's, and are reported there."""
+    limits = engine.strategy_limits()
+    records = getattr(engine, "known_failures", ()) or ()
+    own_temperature_bug = any(getattr(r, "invariant", None) == "INV-TEMP-001" for r in records)
+    return {"allow_topk": bool(limits.get("allow_distillation", True)), "allow_temperature": not own_temperature_bug}
+
+
+def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: str, modes=("any",),
+                 needs: tuple[str, ...] = ("microbatch",), adjust=None, **strategy_kwargs: Any):
+    def register(check):
+        if id in CATALOGUE:
+            raise ValueError(f"duplicate invariant id {id}")
+        CATALOGUE[id] = MicroBatchInfo(id=id, title=title, contract=CONTRACT, check=check, modes=modes, needs=needs,
+                                       kind="microbatch", strategy_kwargs=strategy_kwargs, adjust=adjust,
+                                       protects=protects, functions=functions)
+        return check
+    return register
+
+
+# -- reading what the layer returns ---------------------------------------------------------------------------------
+
+def layer(ctx: Ctx) -> MicroBatchLayer:
+    """The engine's layer with each function tagged as the engine's (what it raises is the engine's failure)."""
+    raw = ctx.engine.microbatch_layer()
+    return MicroBatchLayer(raw.name, {name: engine_side(fn, name) for name, fn in raw.functions.items()},
+                           dict(raw.missing))
+
+
+def _items(value: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """The samples of a nested tensor by its own values and offsets (what engines read), on its ragged dim."""
+    ragged = getattr(value, "_ragged_idx", 1)
+    values, offsets = value.values(), value.offsets().tolist()
+    axis = ragged - 1
+    if offsets[0] != 0 or offsets[-1] != values.shape[axis]:
+        fail(f"{what}: offsets {offsets[:4]}..{offsets[-1]} do not span the values' {values.shape[axis]} tokens on "
+             f"dim {axis} (shape {tuple(values.shape)})")
+    return [values.narrow(axis, a, b - a) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def check_nested(got: Any, want: torch.Tensor, rows: list[int], what: str) -> None:
+    """``got`` holds samples ``rows`` of the nested ``want``: nested, the same ragged dim and non-ragged sizes (mRoPE
+    ``(b, 4, j)``, teacher ``(b, j, K)``, routed experts ``(b, j, L, K)``), offsets from each sample's length, exact
+    values."""
+    if not isinstance(got, torch.Tensor) or not got.is_nested:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        fail(f"{what}: {shape} (dense), expected a nested (jagged) tensor of {len(rows)} samples")
+    ragged = getattr(want, "_ragged_idx", 1)
+    if getattr(got, "_ragged_idx", None) != ragged:
+        fail(f"{what}: ragged at dim {getattr(got, '_ragged_idx', None)}, expected dim {ragged}")
+    if got.dim() != want.dim():
+        fail(f"{what}: {got.dim()}-D, expected {want.dim()}-D like the mini-batch's")
+    if int(got.size(0)) != len(rows):
+        fail(f"{what}: {got.size(0)} samples, expected {len(rows)}")
+    for d in range(1, want.dim()):
+        if d != ragged:
+            size = got.size(d)
+            if not isinstance(size, int) or size != want.size(d):
+                fail(f"{what}: size {size} at dim {d}, expected {want.size(d)} (shape {tuple(got.shape)}, the "
+                     f"mini-batch's {tuple(want.shape)})")
+    mine, theirs = _items(got, what), _items(want, what + " (mini-batch)")
+    for j, row in enumerate(rows):
+        if not torch.equal(mine[j], theirs[row]):
+            fail(f"{what}: sample {j} holds {_short(mine[j])}, expected mini-batch sample {row}'s {_short(theirs[row])}")
+
+
+def _short(t: torch.Tensor) -> str:
+    flat = t.reshape(-1).tolist()
+    return f"{tuple(t.shape)} {flat[:8]}{'...' if len(flat) > 8 else ''}"
+
+
+def check_sample_keys(got: TensorDict, mini: TensorDict, rows: list[int], what: str) -> None:
+    """Every key of the mini-batch, for samples ``rows``: nested keys by :func:`check_nested`, dense per-sample keys
+    row by row, per-sample non-tensor stacks in order, flags (NonTensorData) equal."""
+    missing = sorted(set(mini.keys()) - set(got.keys()))
+    if missing:
+        fail(f"{what}: keys {missing} of the mini-batch are missing (has {sorted(got.keys())})")
+    if tuple(got.batch_size)[:1] != (len(rows),):
+        fail(f"{what}: batch_size {tuple(got.batch_size)}, expected ({len(rows)},)")
+    for key in mini.keys():
+        want, value = mini.get(key), got.get(key)
+        where = f"{what}: {key!r}"
+        if isinstance(want, torch.Tensor) and want.is_nested:
+            check_nested(value, want, rows, where)
+        elif isinstance(want, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.is_nested or \
+                    not torch.equal(value, want[torch.tensor(rows, dtype=torch.long)]):
+                fail(f"{where}: {value!r:.120}, expected rows {rows[:8]} of the mini-batch's")
+        elif _is_stack(want):
+            expect = [want.tolist()[i] for i in rows]
+            if not _is_stack(value) or value.tolist() != expect:
+                fail(f"{where}: {_plain(value)!r:.120}, expected the samples' {expect[:8]!r}")
+        elif _plain(value) != _plain(want):
+            fail(f"{where}: flag {_plain(value)!r}, expected the mini-batch's {_plain(want)!r}")
+
+
+def _is_stack(value: Any) -> bool:
+    return type(value).__name__ == "NonTensorStack"
+
+
+def _plain(value: Any) -> Any:
+    return getattr(value, "data", value)
+
+
+def _lens(micro_batch: TensorDict, what: str) -> list[int]:
+    ids = micro_batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or not ids.is_nested:
+        fail(f"{what}: input_ids are not nested ({type(ids).__name__})")
+    return ids.offsets().diff().tolist()
+
+
+def refusable_case(case: MiniBatchCase) -> bool:
+    if case.use_dynamic_bsz:
+        return case.over_budget or case.count_feasible() is not True
+    return not case.fixed_divides
+
+
+def refusable(ctx: Ctx) -> bool:
+    """Whether the layer may refuse the case (a sample over the budget, no count meeting the rules, or a wrong size on
+    the fixed path): such cases belong to INV-MB-003/004/006 and are not exercised elsewhere."""
+    refused = refusable_case(ctx.case)
+    if refused:
+        ctx.not_exercised("a mini-batch the layer may refuse (INV-MB-003/004/006)")
+    return refused
+
+
+def cut(ctx: Ctx, case: MiniBatchCase | None = None, **kwargs: Any):
+    """``prepare_micro_batches`` on the case's mini-batch, with the case's count settings; (mini, micro, indices)."""
+    case = case or ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    micro, indices = layer(ctx).get("prepare_micro_batches")(
+        mini, num_batches_divided_by=case.num_batches_divided_by, min_num_micro_batch=case.min_num_micro_batch,
+        use_dynamic_bsz_balance=case.balance, **kwargs)
+    return mini, list(micro), indices
+
+
+def rows_of(case: MiniBatchCase, micro: list, indices) -> list[list[int]]:
+    """Which mini-batch samples each micro-batch holds: the returned indices (dynamic path), or consecutive chunks
+    of each micro-batch's size (fixed path: no indices, the order is kept)."""
+    if indices is not None:
+        rows = [[int(i) for i in part] for part in indices]
+        if len(rows) != len(micro):
+            fail(f"{len(micro)} micro-batches but {len(rows)} index lists")
+        return rows
+    rows, start = [], 0
+    for mb in micro:
+        size = int(mb.batch_size[0]) if mb.batch_size else 0
+        rows.append(list(range(start, start + size)))
+        start += size
+    return rows
+
+
+def check_partition(case: MiniBatchCase, rows: list[list[int]]) -> None:
+    flat = sorted(i for part in rows for i in part)
+    if flat != list(range(case.batch_size)):
+        seen = [i for part in rows for i in part]
+        dup = sorted({i for i in seen if seen.count(i) > 1})[:5]
+        lost = sorted(set(range(case.batch_size)) - set(seen))[:5]
+        fail(f"micro-batch indices {rows if len(rows) < 6 else '...'} are no partition of the {case.batch_size} "
+             f"samples: duplicated {dup}, missing {lost}")
+
+
+# -- the invariants ------------------------------------------------------------------------------------------------
+
+@mb_invariant(
+    "INV-MB-001", "prepare_micro_batches (token budget): every sample in exactly one micro-batch, and each "
+    "micro-batch holds exactly the samples its index list names", functions=("prepare_micro_batches",),
+    dynamic=True, allow_large=True,
+    protects="no sample is dropped, duplicated or handed under another sample's index")
+def partition(ctx: Ctx) -> None:
+    if refusable(ctx):
+        return
+    mini, micro, indices = cut(ctx)
+    if indices is None:
+        fail("the dynamic path returned no batch_idx_list: the order cannot be restored")
+    rows = rows_of(ctx.case, micro, indices)
+    check_partition(ctx.case, rows)
+    ids = mini.get("input_ids")
+    for k, (mb, part) in enumerate(zip(micro, rows)):
+        check_nested(mb.get("input_ids"), ids, part, f"micro-batch {k}: 'input_ids'")
+
+
+@mb_invariant(
+    "INV-MB-002", "prepare_micro_batches with force_group_size g: each group of g consecutive samples lies in one "
+    "micro-batch, whole", functions=("prepare_micro_batches",), dynamic=True, max_group_size=4, min_group_size=2,
+    protects="samples a loss compares (a reward model's chosen/rejected pair, a GRPO group) are never split")
+def groups_together(ctx: Ctx) -> None:
+    case = ctx.case
+    if refusable(ctx):
+        return
+    if case.force_group_size == 1:
+        ctx.not_exercised("force_group_size = 1")
+    _, micro, indices = cut(ctx)
+    rows = rows_of(case, micro, indices)
+    check_partition(case, rows)
+    where = {i: k for k, part in enumerate(rows) for i in part}
+    g = case.force_group_size
+    for start in range(0, case.batch_size, g):
+        homes = sorted({where[i] for i in range(start, start + g)})
+        if len(homes) > 1:
+            fail(f"group of samples {start}..{start + g - 1} (force_group_size={g}) split across micro-batches {homes}")
+
+
+@mb_invariant(
+    "INV-MB-003", "prepare_micro_batches: no micro-batch over the token budget max_token_len_per_gpu x sp_size; a "
+    "mini-batch whose every sample (group) fits is accepted, one whose sample (group) alone exceeds it is refused "
+    "with an error naming max_token_len", functions=("prepare_micro_batches",), dynamic=True, allow_over=True,
+    allow_large=True,
+    protects="no micro-batch runs out of memory on the GPU it was sized for, and none is silently truncated")
+def token_budget(ctx: Ctx) -> None:
+    case = ctx.case
+    try:
+        _, micro, indices = cut(ctx)
+    except Exception as exc:  # noqa: BLE001 - a refusal is right only for an over-budget sample
+        if case.over_budget and "max_token_len" in str(exc):
+            return
+        if case.over_budget:
+            fail(f"refused a sample over the budget with {type(exc).__name__}: {exc} (the message must name "
+                 "max_token_len)")
+        if case.count_feasible() is not True:
+            ctx.not_exercised("no micro-batch count may meet the count rules within the groups (INV-MB-004)")
+            return
+        fail(f"refused a mini-batch whose every group fits the budget {case.budget} (longest group "
+             f"{max(case.group_tokens)} tokens): {type(exc).__name__}: {str(exc)[:300]}")
+    if case.over_budget:
+        fail(f"accepted a sample (group) of {max(case.group_tokens)} tokens over the budget {case.budget}: "
+             f"{len(micro)} micro-batches")
+    for k, mb in enumerate(micro):
+        total = sum(_lens(mb, f"micro-batch {k}"))
+        if total > case.budget:
+            fail(f"micro-batch {k} holds {total} tokens, over the budget {case.budget} "
+                 f"(max_token_len_per_gpu={case.max_token_len} x sp_size={case.sp_size})")
+
+
+@mb_invariant(
+    "INV-MB-004", "prepare_micro_batches count rules: at least min_num_micro_batch, a multiple of "
+    "num_batches_divided_by, exactly that minimum when the whole mini-batch fits one budget, never an empty "
+    "micro-batch; more than the groups allow: empty micro-batches or a ValueError", functions=("prepare_micro_batches",),
+    dynamic=True, refusals=True, protects="pipeline schedules (virtual stages) get the micro-batch count they require, and no "
+    "micro-batch is empty or split more than the budget needs")
+def count_rules(ctx: Ctx) -> None:
+    case = ctx.case
+    if case.over_budget:
+        ctx.not_exercised("a sample over the budget (INV-MB-003)")
+        return
+    needed = case.required_count()
+    feasible = case.count_feasible()
+    try:
+        _, micro, indices = cut(ctx)
+    except ValueError as exc:
+        if feasible is not True:
+            return  # refused: no count within the groups meets the rules and the budget
+        fail(f"refused although a count within the {case.num_groups} groups meets the rules and the budget "
+             f"{case.budget} (longest group {max(case.group_tokens)} tokens): {type(exc).__name__}: {str(exc)[:300]}")
+    count = len(micro)
+    sizes = [int(mb.batch_size[0]) if mb.batch_size else 0 for mb in micro]
+    if case.min_num_micro_batch and count < case.min_num_micro_batch:
+        fail(f"{count} micro-batches, fewer than min_num_micro_batch={case.min_num_micro_batch}")
+    if case.num_batches_divided_by and count % case.num_batches_divided_by:
+        fail(f"{count} micro-batches, not a multiple of num_batches_divided_by={case.num_batches_divided_by}")
+    if case.total_nnz <= case.budget and count != max(needed, 1) and needed <= case.num_groups:
+        fail(f"the whole mini-batch ({case.total_nnz} tokens) fits the budget {case.budget}, yet {count} "
+             f"micro-batches (sizes {sizes[:8]}); the count rules ask for {needed}")
+    empty = [k for k, n in enumerate(sizes) if n == 0]
+    if empty and feasible is True:
+        fail(f"micro-batches {empty[:5]} are empty although the {case.num_groups} groups fill {count}")
+
+
+@mb_invariant(
+    "INV-MB-005", "prepare_micro_batches on data-parallel ranks (a gloo group, same_micro_num_in_dp): every rank "
+    "gets the same number of micro-batches, each rank's still a partition within its budget",
+    functions=("prepare_micro_batches",), needs=("microbatch", "real_ranks"), dynamic=True, world=2, extras=False,
+    count_rules=False,
+    protects="ranks run the same number of forward/backward steps: none hangs in a collective "
+    "the others never join")
+def dp_same_count(ctx: Ctx) -> None:
+    case = ctx.case
+    feasible = dp_count_feasible(case)
+    if feasible is None:
+        ctx.not_exercised("whether one count fits every rank's groups cannot be told from the bounds")
+        return
+    try:
+        replies = dp_micro_batch_counts(ctx.engine, case, ctx.device)
+    except ValueError:
+        if feasible is False:
+            return  # the count every rank needs exceeds a rank's groups: refused on every rank
+        raise
+    if feasible is False:
+        fail(f"the ranks need {dp_lower_count(case)} or more micro-batches but a rank has only "
+             f"{min(case.rank_case(r).num_groups for r in range(case.world))} groups, yet every rank accepted")
+    counts = [r["count"] for r in replies]
+    if len(set(counts)) > 1:
+        fail(f"ranks got {counts} micro-batches (their own counts would be {[r['alone'] for r in replies]}); "
+             "same_micro_num_in_dp asks for one count on every rank")
+    for rank, reply in enumerate(replies):
+        rank_case = case.rank_case(rank)
+        check_partition(rank_case, reply["rows"])
+        over = [t for t in reply["tokens"] if t > rank_case.budget]
+        if over:
+            fail(f"rank {rank}: micro-batches of {over} tokens, over the budget {rank_case.budget}")
+
+
+@mb_invariant(
+    "INV-MB-006", "prepare_micro_batches fixed size (use_dynamic_bsz=False): consecutive chunks of "
+    "micro_batch_size_per_gpu x force_group_size samples in order, every key kept, no indices; a batch size they do "
+    "not divide is refused with an error naming micro_batch_size", functions=("prepare_micro_batches",),
+    dynamic=False, fixed_divides=None, protects="the fixed path keeps the sample order (outputs need no restoring) "
+    "and never drops the remainder of a mini-batch")
+def fixed_size(ctx: Ctx) -> None:
+    case = ctx.case
+    try:
+        mini, micro, indices = cut(ctx)
+    except Exception as exc:  # noqa: BLE001 - right only when the size does not divide
+        if not case.fixed_divides and "micro_batch_size" in str(exc):
+            return
+        if not case.fixed_divides:
+            fail(f"refused an indivisible batch with {type(exc).__name__}: {exc} (the message must name "
+                 "micro_batch_size)")
+        raise
+    if not case.fixed_divides:
+        fail(f"B={case.batch_size} is no multiple of micro_batch_size_per_gpu={case.micro_batch_size} x "
+             f"force_group_size={case.force_group_size}, yet {len(micro)} micro-batches came back")
+    if indices is not None:
+        fail(f"the fixed path returned indices {indices!r:.80}: it keeps the order and returns None")
+    size = case.micro_batch_size * case.force_group_size
+    sizes = [int(mb.batch_size[0]) for mb in micro]
+    if sizes != [size] * (case.batch_size // size):
+        fail(f"micro-batch sizes {sizes[:8]}, expected {case.batch_size // size} of {size}")
+    for k, mb in enumerate(micro):
+        check_sample_keys(mb, mini, list(range(k * size, (k + 1) * size)), f"micro-batch {k}")
+
+
+@mb_invariant(
+    "INV-MB-007", "restore_dynamic_batch: the per-micro-batch results, concatenated in micro-batch order, come back "
+    "in the mini-batch's sample order (nested and dense), whatever the balancing reordered",
+    functions=("prepare_micro_batches", "restore_dynamic_batch"), dynamic=True, allow_large=True,
+    protects="each sample's log-probs come back under its own index")
+def restore_order(ctx: Ctx) -> None:
+    if refusable(ctx):
+        return
+    mini, micro, indices = cut(ctx)
+    rows = rows_of(ctx.case, micro, indices)
+    check_partition(ctx.case, rows)
+    restore = layer(ctx).get("restore_dynamic_batch")
+    # what each micro-batch's forward returns per sample: its own input ids (nested), and its first id (dense)
+    parts = [t for mb in micro for t in mb.get("input_ids").unbind()]
+    joined = torch.nested.nested_tensor_from_jagged(torch.cat(parts), _offsets([t.shape[0] for t in parts]))
+    got = restore(joined, indices)
+    check_nested(got, mini.get("input_ids"), list(range(ctx.case.batch_size)), "restored nested outputs")
+    dense = torch.stack([t[0] for t in parts]).to(torch.float32)
+    back = restore(dense, indices)
+    want = torch.stack([t[0] for t in mini.get("input_ids").unbind()]).to(torch.float32)
+    if not isinstance(back, torch.Tensor) or back.shape != want.shape or not torch.equal(back, want):
+        fail(f"restored dense outputs {back.tolist()[:8] if isinstance(back, torch.Tensor) else back!r}, expected "
+             f"{want.tolist()[:8]} (the samples' first ids in mini-batch order)")
+
+
+def dp_lower_count(case: MiniBatchCase) -> int:
+    """The fewest micro-batches the ranks can agree on: no rank's tokens fit fewer budgets."""
+    return max(-(-case.rank_case(r).total_nnz // case.budget) for r in range(case.world))
+
+
+def dp_count_feasible(case: MiniBatchCase) -> bool | None:
+    """Whether one count fits every rank (True), none can (False), or the bounds cannot tell (None): a count k fits
+    a rank when its bin-packing optimum <= k <= its groups."""
+    ranks_ = [case.rank_case(r) for r in range(case.world)]
+    if any(rc.over_budget for rc in ranks_):
+        return None
+    fewest = min(rc.num_groups for rc in ranks_)
+    if dp_lower_count(case) > fewest:
+        return False
+    return True if max(_ffd(rc) for rc in ranks_) <= fewest else None
+
+
+def _ffd(case: MiniBatchCase) -> int:
+    sizes, bins = sorted(case.group_tokens, reverse=True), []
+    for size in sizes:
+        for i, used in enumerate(bins):
+            if used + size <= case.budget:
+                bins[i] += size
+                break
+        else:
+            bins.append(size)
+    return len(bins)
+
+
+def _offsets(lens: list[int]) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int64).cumsum(0), (1, 0))
+
+
+@mb_invariant(
+    "INV-MB-008", "prepare_micro_batches: every micro-batch carries every key of the mini-batch for its samples, "
+    "nested layouts kept (2-D ids, (b, 4, j) mRoPE positions, (b, j, K) teacher top-K, (b, j, L, K) routed experts), "
+    "dense per-sample keys and uid stacks by row, flags equal; the mini-batch is left unchanged",
+    functions=("prepare_micro_batches",),
+    protects="the engine gets well-formed positions, teacher tensors, routed experts and its flags in every micro-batch")
+def keys_and_layouts(ctx: Ctx) -> None:
+    case = ctx.case
+    if refusable(ctx):
+        return
+    mini = materialize_minibatch(case, ctx.device)
+    before = _snapshot(mini)
+    micro, indices = layer(ctx).get("prepare_micro_batches")(
+        mini, num_batches_divided_by=case.num_batches_divided_by, min_num_micro_batch=case.min_num_micro_batch,
+        use_dynamic_bsz_balance=case.balance)
+    micro = list(micro)
+    after = _snapshot(mini)
+    changed = [key for key in before if key not in after or not same(after[key], before[key])]
+    if changed or set(after) != set(before):
+        fail(f"the mini-batch was changed: keys {changed or sorted(set(mini.keys()) ^ set(before))}")
+    for k, (mb, part) in enumerate(zip(micro, rows_of(case, micro, indices))):
+        check_sample_keys(mb, mini, part, f"micro-batch {k}")
+
+
+def _snapshot(td: TensorDict) -> dict[str, Any]:
+    """What a caller holds in ``td``: tensors cloned, stacks as lists, flags as their plain values."""
+    out = {}
+    for key in td.keys():
+        value = td.get(key)
+        out[key] = held(value) if isinstance(value, torch.Tensor) else (
+            value.tolist() if _is_stack(value) else _plain(value))
+    return out
+
+
+def _chunk_count(case: MiniBatchCase) -> int:
+    """A drawn divisor of B (from the seed: the case stays structure only)."""
+    divisors = [c for c in range(1, case.batch_size + 1) if case.batch_size % c == 0]
+    return divisors[case.seed % len(divisors)]
+
+
+@mb_invariant(
+    "INV-MB-009", "chunk_tensordict: c chunks of B/c consecutive samples, every key, nested layout, flag and value "
+    "kept (equal lengths and B = 1 included)", functions=("chunk_tensordict",),
+    protects="fixed-size micro-batches carry the samples and layouts of the mini-batch")
+def chunk(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    chunks = _chunk_count(case)
+    parts = list(layer(ctx).get("chunk_tensordict")(mini, chunks))
+    if len(parts) != chunks:
+        fail(f"chunk_tensordict(td of {case.batch_size}, {chunks}) gave {len(parts)} chunks")
+    size = case.batch_size // chunks
+    for k, part in enumerate(parts):
+        check_sample_keys(part, mini, list(range(k * size, (k + 1) * size)), f"chunk {k} of {chunks}")
+
+
+def _suite_parts(mini: TensorDict, case: MiniBatchCase) -> list[tuple[TensorDict, list[int]]]:
+    """The mini-batch cut by the suite itself (not the layer) into consecutive parts, sizes from the seed."""
+    gen = torch.Generator().manual_seed(case.seed)
+    cuts = sorted(set(torch.randint(1, case.batch_size + 1, (min(3, case.batch_size),), generator=gen).tolist())
+                  | {case.batch_size})
+    parts, start = [], 0
+    for stop in cuts:
+        rows = list(range(start, stop))
+        parts.append((_select(mini, rows), rows))
+        start = stop
+    return parts
+
+
+def _select(mini: TensorDict, rows: list[int]) -> TensorDict:
+    """Samples ``rows`` of the mini-batch, built by the suite: nested tensors from their values and offsets."""
+    out = TensorDict({}, batch_size=[len(rows)])
+    for key in mini.keys():
+        value = mini.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            ragged = getattr(value, "_ragged_idx", 1)
+            items = _items(value, key)
+            picked = [items[i] for i in rows]
+            out.set(key, torch.nested.nested_tensor_from_jagged(
+                torch.cat(picked, dim=ragged - 1), _offsets([t.shape[ragged - 1] for t in picked]), jagged_dim=ragged))
+        elif isinstance(value, torch.Tensor):
+            out.set(key, value[torch.tensor(rows, dtype=torch.long)])
+        elif _is_stack(value):
+            out.set(key, type(value).from_list([value.tolist()[i] for i in rows]))
+        else:
+            out.set_non_tensor(key, _plain(value))
+    return out
+
+
+@mb_invariant(
+    "INV-MB-010", "concat_tensordict: consecutive parts of a mini-batch concatenate back to it, every key, nested "
+    "layout, flag and value (equal lengths and B = 1 included)", functions=("concat_tensordict",),
+    protects="outputs and batches gathered from micro-batches are the mini-batch's, sample by sample")
+def concat(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    parts = _suite_parts(mini, case)
+    got = layer(ctx).get("concat_tensordict")([p for p, _ in parts])
+    check_sample_keys(got, mini, list(range(case.batch_size)), f"concat of parts {[len(r) for _, r in parts]}")
+
+
+def _selection(case: MiniBatchCase) -> list[int]:
+    """A subset of the samples in a seeded order (a permutation, a single sample, or all of them)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    order = torch.randperm(case.batch_size, generator=gen).tolist()
+    size = (case.seed % case.batch_size) + 1
+    return order[:size]
+
+
+@mb_invariant(
+    "INV-MB-011", "index_select_tensor_dict: the selected samples in the given order, every key, nested layout, "
+    "flag and value kept (a single sample and equal lengths included)", functions=("index_select_tensor_dict",),
+    protects="a balanced micro-batch carries exactly the samples the partition picked")
+def index_select(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    rows = _selection(case)
+    got = layer(ctx).get("index_select_tensor_dict")(mini, rows)
+    check_sample_keys(got, mini, rows, f"index_select of {rows[:8]}")
+
+
+@mb_invariant(
+    "INV-MB-012", "nested_tensor_from_tensor_list and concat_nested_tensors: per-sample tensors ((n,), (4, n) with "
+    "ragged_idx=2, (n, K), (n, L, K)) become one nested tensor of shape (B, ..., j, ...) with offsets from their "
+    "lengths and their exact values (equal lengths and B = 1 included)",
+    functions=("nested_tensor_from_tensor_list", "concat_nested_tensors"),
+    protects="micro-batches rebuilt from samples have well-formed nested tensors an engine can read")
+def nested_builders(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    fns = layer(ctx)
+    build, join = fns.get("nested_tensor_from_tensor_list"), fns.get("concat_nested_tensors")
+    rows = list(range(case.batch_size))
+    for key in NESTED_KEYS:
+        if key not in mini.keys():
+            continue
+        want = mini.get(key)
+        ragged = getattr(want, "_ragged_idx", 1)
+        items = _items(want, key)
+        check_nested(build([t.clone() for t in items], ragged_idx=ragged), want, rows,
+                     f"nested_tensor_from_tensor_list({key!r} items, ragged_idx={ragged})")
+        if want.dim() >= 2:
+            parts = [_select(mini, r).get(key) for r in _halves(case.batch_size)]
+            check_nested(join(parts), want, rows, f"concat_nested_tensors({key!r} halves)")
+
+
+def _halves(batch: int) -> list[list[int]]:
+    half = max(1, batch // 2)
+    return [list(range(half)), list(range(half, batch))] if batch > 1 else [[0]]
+
+
+def _sample_dicts(mini: TensorDict, case: MiniBatchCase) -> list[dict[str, Any]]:
+    keys = [k for k in ("input_ids", "position_ids", "responses", "teacher_ids", "routed_experts") if k in mini.keys()]
+    per_key = {k: _items(mini.get(k), k) for k in keys}
+    return [{**{k: per_key[k][i].clone() for k in keys}, "score": torch.tensor(float(i)), "uid": f"u{i}"}
+            for i in range(case.batch_size)]
+
+
+@mb_invariant(
+    "INV-MB-013", "list_of_dict_to_tensordict: per-sample dicts become a TensorDict of B samples: per-token tensors "
+    "nested on their sequence dim ((B, j), (B, 4, j) mRoPE, (B, j, K), (B, j, L, K)) even when every sample has the "
+    "same length or B = 1, 0-d tensors stacked (B,), other values a per-sample stack in order",
+    functions=("list_of_dict_to_tensordict",),
+    protects="a batch built from samples whose lengths happen to agree (a GRPO group all at the maximum length) is "
+             "still nested, so .offsets() works (verl #7661)")
+def from_samples(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    samples = _sample_dicts(mini, case)
+    got = layer(ctx).get("list_of_dict_to_tensordict")(samples)
+    rows = list(range(case.batch_size))
+    if tuple(got.batch_size)[:1] != (case.batch_size,):
+        fail(f"batch_size {tuple(got.batch_size)}, expected ({case.batch_size},)")
+    for key in samples[0]:
+        value = got.get(key)
+        if key == "score":
+            want = torch.tensor([float(i) for i in rows])
+            if not isinstance(value, torch.Tensor) or value.is_nested or not torch.equal(value, want):
+                fail(f"'score' (0-d per sample): {value!r:.100}, expected the dense (B,) {want.tolist()[:8]}")
+        elif key == "uid":
+            if _plain_list(value) != [f"u{i}" for i in rows]:
+                fail(f"'uid': {value!r:.100}, expected the samples' uids in order")
+        else:
+            check_nested(value, mini.get(key), rows, f"{key!r} built from {case.batch_size} samples")
+
+
+def _plain_list(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+@mb_invariant(
+    "INV-MB-014", "maybe_fix_3d_position_ids: after a consolidate + pickle round trip, mRoPE position_ids read as "
+    "(B, 4, j) with each sample's (4, n) positions; 2-D positions and every other key are left as they are",
+    functions=("maybe_fix_3d_position_ids",),
+    protects="vision-language batches that crossed a process boundary keep readable positions")
+def fix_3d_positions(ctx: Ctx) -> None:
+    case = ctx.case
+    mini = materialize_minibatch(case, ctx.device)
+    tensors = TensorDict({k: mini.get(k) for k in mini.keys() if isinstance(mini.get(k), torch.Tensor)},
+                         batch_size=mini.batch_size)
+    try:
+        moved = pickle.loads(pickle.dumps(tensors.consolidate()))
+    except Exception as exc:  # noqa: BLE001 - this tensordict cannot round-trip nested tensors: nothing to fix
+        ctx.not_exercised(f"consolidate/pickle unavailable here: {type(exc).__name__}")
+        return
+    others = {k: held(moved.get(k)) for k in moved.keys() if k != "position_ids" or not case.mrope}
+    layer(ctx).get("maybe_fix_3d_position_ids")(moved)
+    rows = list(range(case.batch_size))
+    check_nested(moved.get("position_ids"), mini.get("position_ids"), rows, "position_ids after the round trip and fix")
+    for key, before in others.items():
+        if not same(held(moved.get(key)), before):
+            fail(f"{key!r} changed by maybe_fix_3d_position_ids")
+
+
+def _e2e(case: MiniBatchCase) -> MiniBatchCase:
+    """End to end: a batch the engine's toy model is cheap on (vocabulary 16), entropy asked for half the time."""
+    return case.with_(calculate_entropy=case.seed % 2 == 1, uid=False)
+
+
+@mb_invariant(
+    "INV-MB-015", "end to end: a mini-batch cut by prepare_micro_batches, each micro-batch through the engine's "
+    "prepare_model_inputs / the model / prepare_model_outputs, and postprocess_batch_func give every sample the "
+    "per-sequence oracle's outputs in mini-batch order, whatever the partition, budget and balancing",
+    functions=("prepare_micro_batches",), needs=("microbatch", "engine"), modes=("packed", "padded"),
+    max_groups=6, count_rules=True, adjust=_e2e,
+    protects="each sample's log-probs and entropy after micro-batching are its own, in its place")
+def end_to_end(ctx: Ctx) -> None:
+    case = ctx.case
+    if refusable(ctx):
+        return
+    whole = case.engine_case()
+    mini, micro, indices = cut(ctx, case)
+    rows = rows_of(case, micro, indices)
+    check_partition(case, rows)
+    reuse: list = []  # one engine object for the whole mini-batch, as a trainer keeps it
+    output_lst = []
+    for part, mb in zip(rows, micro):
+        run = execute(ctx.engine, whole.subset(part), ctx.device, micro_batch=mb, reuse=reuse)
+        output_lst.append({"model_output": dict(run.outputs)})
+    post = layer(ctx).get("postprocess_batch_func")
+    if post is not None:
+        outputs = post(output_lst=output_lst, indices=indices, data=mini)["model_output"]
+    else:
+        outputs = _concat_restore(ctx, output_lst, indices)
+    want = expected(whole, materialize(whole, "cpu"), model_for(whole, "cpu"))
+    keys = ["log_probs"] + (["entropy"] if whole.calculate_entropy else []) + list(whole.distillation_keys)
+    for key in keys:
+        if key not in outputs:
+            fail(f"output key {key!r} missing after postprocess (keys {sorted(outputs)})")
+        got = outputs[key]
+        if not isinstance(got, torch.Tensor) or not got.is_nested or int(got.size(0)) != case.batch_size:
+            fail(f"{key!r} after postprocess: {getattr(got, 'shape', type(got).__name__)}, expected nested over "
+                 f"{case.batch_size} samples")
+        seqs = _items(got, key)
+        for i, (actual, exp, tol) in enumerate(zip(seqs, want.of(key), want.tolerance[key])):
+            if actual.shape[0] != case.seq_lens[i]:
+                fail(f"{key!r} of sample {i}: {actual.shape[0]} tokens, expected {case.seq_lens[i]} (another sample's?)")
+            close(actual[: exp.shape[0]], exp, f"{key!r} of sample {i} (micro-batches {[len(r) for r in rows]})",
+                  atol=tol)
+
+
+def _concat_restore(ctx: Ctx, output_lst: list[dict], indices) -> dict[str, torch.Tensor]:
+    """What postprocess_batch_func does, from the layer's own concat and restore (a layer without it)."""
+    fns = layer(ctx)
+    out = {}
+    for key in output_lst[0]["model_output"]:
+        joined = fns.get("concat_nested_tensors")([o["model_output"][key] for o in output_lst])
+        out[key] = joined if indices is None else fns.get("restore_dynamic_batch")(joined, indices)
+    return out
