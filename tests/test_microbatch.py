@@ -140,7 +140,7 @@ def test_rearrange_partitions_within_the_budget():
         assert rows_of(m["teacher_ids"]) == [rows_of(td["teacher_ids"])[i] for i in p]
         assert rows_of(m["routed_experts"]) == [rows_of(td["routed_experts"])[i] for i in p]
         assert m["score"].tolist() == [float(i) for i in p]
-        assert m["uid"].tolist() == [f"u{i}" for i in p]
+        assert m.get("uid").tolist() == [f"u{i}" for i in p]
         assert m["calculate_entropy"] is True
 
 
@@ -279,7 +279,7 @@ def test_index_select_chunk_concat_round_trip_every_layout():
     for key in ("input_ids", "position_ids", "teacher_ids", "routed_experts"):
         assert rows_of(back[key]) == rows_of(td[key]), key
         assert back[key]._ragged_idx == td[key]._ragged_idx
-    assert back["uid"].tolist() == ["u0", "u1", "u2", "u3"] and back["calculate_entropy"] is True
+    assert back.get("uid").tolist() == ["u0", "u1", "u2", "u3"] and back["calculate_entropy"] is True
     sel = impl.index_select_tensor_dict(td, [-1, 0])
     assert rows_of(sel["input_ids"]) == [rows_of(td["input_ids"])[3], rows_of(td["input_ids"])[0]]
     assert sel["position_ids"].to_padded_tensor(0).shape == (2, 4, 3)
@@ -323,7 +323,7 @@ def test_list_of_dict_to_tensordict_keeps_ragged_keys_nested():
     assert td["position_ids"]._ragged_idx == 2 and td["position_ids"].offsets().tolist() == [0, 3, 6]
     assert td["teacher_ids"]._ragged_idx == 1 and td["teacher_ids"].values().shape == (6, 2)
     assert not td["reward"].is_nested and td["reward"].tolist() == [1.0, 1.0]
-    assert td["uid"].tolist() == ["a", "a"]
+    assert td.get("uid").tolist() == ["a", "a"]
     one = impl.list_of_dict_to_tensordict(samples[:1])
     assert one["input_ids"].offsets().tolist() == [0, 3]
     ragged = impl.list_of_dict_to_tensordict([{"t": torch.zeros(3, 2)}, {"t": torch.zeros(5, 2)}])
