@@ -373,3 +373,20 @@ def test_same_micro_num_in_dp_takes_the_maximum_over_ranks():
         mp.start_processes(_dp_worker, args=(os.path.join(tmp, "store"), lens, tmp), nprocs=2, start_method="spawn")
         got = [open(os.path.join(tmp, str(r))).read().split() for r in range(2)]
     assert got == [["4", "2"], ["4", "4"]]
+
+
+def test_gathers_in_blocks_and_with_empty_rows(monkeypatch):
+    from impl.microbatch import nested
+
+    lens = [3, 0, 5, 2, 0, 4, 1]
+    td = mini_batch(lens)
+    idx = [6, 4, 2, 0, 1, 5, 3]
+    expect = {key: [rows_of(td[key])[i] for i in idx] for key in ("input_ids", "position_ids", "routed_experts")}
+    assert nested.token_index(torch.tensor([5, 0, 9]), torch.tensor([2, 0, 3]), torch.tensor([0, 2, 2, 5]), 5,
+                              torch.int64).tolist() == [5, 6, 9, 10, 11]
+    for block in (1 << 20, 4, 1):  # one gather; blocks of about 4 tokens; one row at a time
+        monkeypatch.setattr(nested, "BLOCK_TOKENS", block)
+        sel = impl.index_select_tensor_dict(td, idx)
+        for key, rows in expect.items():
+            assert rows_of(sel[key]) == rows, (block, key)
+        assert sel["position_ids"]._ragged_idx == 2
