@@ -45,8 +45,11 @@ def jagged(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int, lengths
     if (_JaggedTensor is None or values.requires_grad or torch.compiler.is_compiling()):
         return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_idx, min_seqlen=min_seqlen,
                                                       max_seqlen=max_seqlen)
-    cache = {"max_seqlen": _store_val_in_tensor(max_seqlen), "min_seqlen": _store_val_in_tensor(min_seqlen)}
-    return _JaggedTensor(values, offsets, _ragged_idx=ragged_idx, _metadata_cache=cache)
+    out = _JaggedTensor(values, offsets, _ragged_idx=ragged_idx)
+    # cached after construction: given to the constructor, torch marks them dynamic for dynamo (~200 us)
+    out._metadata_cache["max_seqlen"] = _store_val_in_tensor(max_seqlen)
+    out._metadata_cache["min_seqlen"] = _store_val_in_tensor(min_seqlen)
+    return out
 
 
 def ragged_idx_of(tensor: torch.Tensor) -> int:
@@ -163,6 +166,7 @@ class RowIndex:
             total = lo = hi = 0
         self.total, self.min_seqlen, self.max_seqlen = int(total), int(lo), int(hi)
         self.dtype = torch.int32 if int(offsets[-1]) < 2**31 - 1 else torch.int64
+        self._index: torch.Tensor | None = None
         if self.total <= BLOCK_TOKENS:
             self.blocks = [(0, indices.numel())]
         else:  # row blocks of about BLOCK_TOKENS tokens (a row is never split)
@@ -175,8 +179,9 @@ class RowIndex:
         axis = ragged - 1
         device = values.device
         if len(self.blocks) == 1:
-            index = token_index(self.starts, self.lengths, self.offsets, self.total, self.dtype).to(device)
-            out = values.index_select(axis, index)
+            if self._index is None or self._index.device != device:  # one index for every key of the group
+                self._index = token_index(self.starts, self.lengths, self.offsets, self.total, self.dtype).to(device)
+            out = values.index_select(axis, self._index)
         else:
             shape = list(values.shape)
             shape[axis] = self.total

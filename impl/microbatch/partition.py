@@ -180,10 +180,8 @@ def _pair_sets(items: torch.Tensor, w: torch.Tensor, cap: int, sizes: tuple[int,
 def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k: int, moves: bool,
                      limit: int, cap: int = 64) -> None:
     """Steps 2b and 2c: the heaviest set against every item/set, then pairs against the lightest set."""
-    n = w.numel()
     lower = ceildiv(int(loads.sum()), k)
-    sets = torch.arange(k)
-    y_w = torch.cat([w, torch.zeros(k, dtype=torch.int64)]) if moves else w
+    partners = min(k - 1, 32)  # the lightest sets hold the useful exchanges; bounds each pass's work
     for _ in range(limit):
         h = int(loads.argmax())
         top = int(loads[h])
@@ -191,7 +189,12 @@ def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k
             return
         mine = (bins == h).nonzero().squeeze(1)
         x = w.index_select(0, mine)
-        y_set = torch.cat([bins, sets]) if moves else bins
+        light_sets = torch.argsort(loads, stable=True)[:partners]
+        theirs = torch.isin(bins, light_sets).nonzero().squeeze(1)
+        y_idx = torch.cat([theirs, torch.full((partners,), -1)]) if moves else theirs
+        y_w = torch.cat([w.index_select(0, theirs), torch.zeros(partners, dtype=torch.int64)]) if moves \
+            else w.index_select(0, theirs)
+        y_set = torch.cat([bins.index_select(0, theirs), light_sets]) if moves else bins.index_select(0, theirs)
         y_load = loads.index_select(0, y_set)
         d = x.unsqueeze(1) - y_w.unsqueeze(0)
         ok = (d > 0) & (d < (top - y_load).unsqueeze(0))
@@ -201,8 +204,8 @@ def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k
             i, j = divmod(flat, y_w.numel())
             step, other = int(d[i, j]), int(y_set[j])
             bins[mine[i]] = other
-            if j < n:
-                bins[j] = h
+            if int(y_idx[j]) >= 0:
+                bins[y_idx[j]] = h
             loads[h] -= step
             loads[other] += step
             continue
