@@ -53,7 +53,7 @@ def _sequence_lengths(batch: TensorDictBase) -> tuple[torch.Tensor, int, str]:
     if is_nested(ids):
         values, offsets, ragged = _parts(ids, "input_ids")
         _check_offsets(values, offsets, ragged, "input_ids")
-        lengths = offsets.to(torch.int64).diff()
+        lengths = offsets.to(device="cpu", dtype=torch.int64).diff()  # the partition runs on the host, as verl's
         return lengths, int(lengths.max()) if lengths.numel() else 0, "input_ids"
     if "attention_mask" not in batch.keys():
         raise ShapeError(f"dense 'input_ids' {tuple(ids.shape)} need an 'attention_mask' to count tokens")
@@ -61,7 +61,7 @@ def _sequence_lengths(batch: TensorDictBase) -> tuple[torch.Tensor, int, str]:
     if mask.dim() != 2:
         raise ShapeError(f"'attention_mask' must be (B, L), got shape {tuple(mask.shape)}")
     # as verl: a padded row costs its full width against the budget check, its mask's sum in the count
-    return mask.sum(dim=1).to(torch.int64), int(mask.shape[-1]), "attention_mask"
+    return mask.sum(dim=1).to(device="cpu", dtype=torch.int64), int(mask.shape[-1]), "attention_mask"
 
 
 def rearrange_micro_batches(batch: TensorDictBase, max_token_len: int, dp_group=None, num_batches_divided_by=None,
