@@ -293,3 +293,19 @@ def test_verl_restores_a_non_permutation_silently():
     assert got.shape == (3,)
     with pytest.raises(impl.ShapeError, match="not a permutation"):
         impl.restore_dynamic_batch(data, [[0, 0], [2]])
+
+
+def test_signatures_are_verls():
+    import inspect
+
+    names = {verl_eu: ["prepare_micro_batches", "postprocess_batch_func"],
+             verl_sb: ["rearrange_micro_batches", "restore_dynamic_batch", "get_seqlen_balanced_partitions",
+                       "get_reverse_idx", "calculate_workload", "ceildiv", "roundup_divisible"],
+             verl_tu: ["chunk_tensordict", "concat_tensordict", "index_select_tensor_dict", "concat_nested_tensors",
+                       "nested_tensor_from_tensor_list", "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids"]}
+    for module, functions in names.items():
+        for name in functions:
+            theirs = [(p.name, p.default, p.kind) for p in inspect.signature(getattr(module, name)).parameters.values()]
+            mine = [(p.name, p.default, p.kind) for p in inspect.signature(getattr(impl, name)).parameters.values()
+                    if p.kind != inspect.Parameter.KEYWORD_ONLY]  # impl's additions are keyword-only
+            assert mine == theirs, name
