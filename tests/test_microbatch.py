@@ -390,3 +390,15 @@ def test_gathers_in_blocks_and_with_empty_rows(monkeypatch):
         for key, rows in expect.items():
             assert rows_of(sel[key]) == rows, (block, key)
         assert sel["position_ids"]._ragged_idx == 2
+
+
+def test_fit_budget_exchanges_until_every_set_fits():
+    from impl.microbatch.partition import fit_budget
+
+    tokens = torch.tensor([6, 4, 5, 5])
+    bins = torch.tensor([0, 0, 0, 1])  # 15 and 5 tokens: over a budget of 10
+    assert fit_budget(tokens, impl.calculate_workload(tokens), bins, 2, 10)
+    loads = torch.zeros(2, dtype=torch.int64).index_add_(0, bins, tokens)
+    assert loads.tolist() == [10, 10] and torch.bincount(bins, minlength=2).min() >= 1
+    assert not fit_budget(torch.tensor([6, 6, 6]), impl.calculate_workload(torch.tensor([6, 6, 6])),
+                          torch.tensor([0, 0, 1]), 2, 10)  # 18 tokens cannot fit two sets of 10 with 6s

@@ -21,7 +21,8 @@ from ..errors import ShapeError, UnsupportedConfigError
 from ..flags import read_flag
 from ..layout import is_nested
 from .nested import RowIndex, _check_offsets, _parts, concat_nested_tensors, jagged, token_index
-from .partition import balanced_bins, bins_to_partitions, calculate_workload, ceildiv, roundup_divisible
+from .partition import (balanced_bins, bins_to_partitions, calculate_workload, ceildiv, fit_budget,
+                        roundup_divisible)
 from .tensordicts import Selector, chunk_tensordict
 
 __all__ = ["rearrange_micro_batches", "prepare_micro_batches", "restore_dynamic_batch", "get_reverse_idx",
@@ -124,7 +125,7 @@ def rearrange_micro_batches(batch: TensorDictBase, max_token_len: int, dp_group=
                 f"min_num_micro_batch={min_num_micro_batch}, num_batches_divided_by={num_batches_divided_by}, "
                 f"data-parallel count) but a rank has only {fewest_groups} groups of force_group_size={group}")
         bins = balanced_bins(workloads, count)
-        fits = bool((torch.zeros(count, dtype=torch.int64).index_add_(0, bins, tokens) <= max_token_len).all())
+        fits = fit_budget(tokens, workloads, bins, count, max_token_len)
         if sync:
             fits = bool(_all_reduce([int(fits)], "MIN", dp_group)[0])
         if fits:
