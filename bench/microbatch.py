@@ -49,6 +49,7 @@ BUDGET = 65536  # max_token_len_per_gpu * sp_size (e.g. 32768 x 2)
 MICRO = 16  # micro_batch_size_per_gpu of the fixed-size rows
 SLOW_S = 10.0  # a verl call slower than this is timed once (its check call), not in rounds
 SLOW_BATCH = 4096  # verl's rearrange from this size: one call takes minutes here; no verl memory pass
+VERL_REARRANGE_MAX: int | None = None  # --verl-rearrange-max: larger batches time impl's rearrange alone
 
 
 def load_verl():
@@ -145,7 +146,7 @@ def rows_for(batch: int, verl) -> list[Row]:
         mine_mb, mine = impl.rearrange_micro_batches(td, BUDGET)
         same = all(_same_td(m, impl.index_select_tensor_dict(td, p)) for m, p in zip(mine_mb, mine))
         text = f"impl {balance(mine)}"
-        if verl:
+        if verl_rearranges:
             t0 = time.perf_counter()
             _, theirs = verl.sb.rearrange_micro_batches(td, BUDGET)
             once = time.perf_counter() - t0
@@ -154,8 +155,9 @@ def rows_for(batch: int, verl) -> list[Row]:
             text += f"; verl {balance(theirs)}"
         return text + ("" if same else " (micro-batch rows DIFF)")
 
+    verl_rearranges = verl and (VERL_REARRANGE_MAX is None or batch <= VERL_REARRANGE_MAX)
     rows.append(Row("rearrange_micro_batches (dynamic bsz)", case, lambda: impl.rearrange_micro_batches(td, BUDGET),
-                    verl and (lambda: verl.sb.rearrange_micro_batches(td, BUDGET)), rearrange_check,
+                    verl_rearranges and (lambda: verl.sb.rearrange_micro_batches(td, BUDGET)), rearrange_check,
                     verl_memory=batch < SLOW_BATCH))
 
     # restore: the model's per-response outputs of each micro-batch, back in mini-batch order
@@ -259,11 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--only", default="", help="rows whose function contains this substring")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--verl-rearrange-max", type=int, default=None,
+                        help="skip verl's rearrange_micro_batches above this mini-batch size (one call takes "
+                             "longer than a run can wait on a loaded VM)")
     parser.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else SIZES)
     verl = load_verl()
     torch.set_num_threads(1)
+    global VERL_REARRANGE_MAX
+    VERL_REARRANGE_MAX = args.verl_rearrange_max
 
     def all_rows():
         for batch in sizes:
