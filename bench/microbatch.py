@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             row.peaks = peaks.get(f"{row.function}|{row.case}", {})
     venv = "verl " + verl.version if verl else "verl: not importable"
     report = "\n\n".join([
-        f"Environment: {environment(None).split('; verl')[0]}; {venv}; 1 thread",
+        f"Environment: {environment(None).replace('verl: not importable (verl columns n/a); ', '')}; {venv}; 1 thread",
         f"Command: `python bench/microbatch.py {' '.join(argv)}`; budget max_token_len={BUDGET}, prompt/response "
         f"lengths uniform in [1, {MAX_PROMPT}] / [1, {MAX_RESPONSE}], fixed rows {MICRO} samples per micro-batch; "
         f"total wall time {time.perf_counter() - started:.0f} s; load average (1/5/15 min) before {load_before}, "
