@@ -140,7 +140,7 @@ def test_rearrange_partitions_within_the_budget():
         assert rows_of(m["teacher_ids"]) == [rows_of(td["teacher_ids"])[i] for i in p]
         assert rows_of(m["routed_experts"]) == [rows_of(td["routed_experts"])[i] for i in p]
         assert m["score"].tolist() == [float(i) for i in p]
-        assert m["uid"].tolist() == [f"u{i}" for i in p]
+        assert m.get("uid").tolist() == [f"u{i}" for i in p]
         assert m["calculate_entropy"] is True
 
 
@@ -279,7 +279,7 @@ def test_index_select_chunk_concat_round_trip_every_layout():
     for key in ("input_ids", "position_ids", "teacher_ids", "routed_experts"):
         assert rows_of(back[key]) == rows_of(td[key]), key
         assert back[key]._ragged_idx == td[key]._ragged_idx
-    assert back["uid"].tolist() == ["u0", "u1", "u2", "u3"] and back["calculate_entropy"] is True
+    assert back.get("uid").tolist() == ["u0", "u1", "u2", "u3"] and back["calculate_entropy"] is True
     sel = impl.index_select_tensor_dict(td, [-1, 0])
     assert rows_of(sel["input_ids"]) == [rows_of(td["input_ids"])[3], rows_of(td["input_ids"])[0]]
     assert sel["position_ids"].to_padded_tensor(0).shape == (2, 4, 3)
@@ -323,7 +323,7 @@ def test_list_of_dict_to_tensordict_keeps_ragged_keys_nested():
     assert td["position_ids"]._ragged_idx == 2 and td["position_ids"].offsets().tolist() == [0, 3, 6]
     assert td["teacher_ids"]._ragged_idx == 1 and td["teacher_ids"].values().shape == (6, 2)
     assert not td["reward"].is_nested and td["reward"].tolist() == [1.0, 1.0]
-    assert td["uid"].tolist() == ["a", "a"]
+    assert td.get("uid").tolist() == ["a", "a"]
     one = impl.list_of_dict_to_tensordict(samples[:1])
     assert one["input_ids"].offsets().tolist() == [0, 3]
     ragged = impl.list_of_dict_to_tensordict([{"t": torch.zeros(3, 2)}, {"t": torch.zeros(5, 2)}])
@@ -373,3 +373,32 @@ def test_same_micro_num_in_dp_takes_the_maximum_over_ranks():
         mp.start_processes(_dp_worker, args=(os.path.join(tmp, "store"), lens, tmp), nprocs=2, start_method="spawn")
         got = [open(os.path.join(tmp, str(r))).read().split() for r in range(2)]
     assert got == [["4", "2"], ["4", "4"]]
+
+
+def test_gathers_in_blocks_and_with_empty_rows(monkeypatch):
+    from impl.microbatch import nested
+
+    lens = [3, 0, 5, 2, 0, 4, 1]
+    td = mini_batch(lens)
+    idx = [6, 4, 2, 0, 1, 5, 3]
+    expect = {key: [rows_of(td[key])[i] for i in idx] for key in ("input_ids", "position_ids", "routed_experts")}
+    assert nested.token_index(torch.tensor([5, 0, 9]), torch.tensor([2, 0, 3]), torch.tensor([0, 2, 2, 5]), 5,
+                              torch.int64).tolist() == [5, 6, 9, 10, 11]
+    for block in (1 << 20, 4, 1):  # one gather; blocks of about 4 tokens; one row at a time
+        monkeypatch.setattr(nested, "BLOCK_TOKENS", block)
+        sel = impl.index_select_tensor_dict(td, idx)
+        for key, rows in expect.items():
+            assert rows_of(sel[key]) == rows, (block, key)
+        assert sel["position_ids"]._ragged_idx == 2
+
+
+def test_fit_budget_exchanges_until_every_set_fits():
+    from impl.microbatch.partition import fit_budget
+
+    tokens = torch.tensor([6, 4, 5, 5])
+    bins = torch.tensor([0, 0, 0, 1])  # 15 and 5 tokens: over a budget of 10
+    assert fit_budget(tokens, impl.calculate_workload(tokens), bins, 2, 10)
+    loads = torch.zeros(2, dtype=torch.int64).index_add_(0, bins, tokens)
+    assert loads.tolist() == [10, 10] and torch.bincount(bins, minlength=2).min() >= 1
+    assert not fit_budget(torch.tensor([6, 6, 6]), impl.calculate_workload(torch.tensor([6, 6, 6])),
+                          torch.tensor([0, 0, 1]), 2, 10)  # 18 tokens cannot fit two sets of 10 with 6s

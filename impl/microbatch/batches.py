@@ -20,9 +20,10 @@ from tensordict import TensorDict, TensorDictBase
 from ..errors import ShapeError, UnsupportedConfigError
 from ..flags import read_flag
 from ..layout import is_nested
-from .nested import RowIndex, _check_offsets, _parts, concat_nested_tensors
-from .partition import balanced_bins, bins_to_partitions, calculate_workload, ceildiv, roundup_divisible
-from .tensordicts import _Gather, chunk_tensordict, select_rows
+from .nested import RowIndex, _check_offsets, _parts, concat_nested_tensors, jagged, token_index
+from .partition import (balanced_bins, bins_to_partitions, calculate_workload, ceildiv, fit_budget,
+                        roundup_divisible)
+from .tensordicts import Selector, chunk_tensordict
 
 __all__ = ["rearrange_micro_batches", "prepare_micro_batches", "restore_dynamic_batch", "get_reverse_idx",
            "postprocess_batch_func"]
@@ -53,7 +54,7 @@ def _sequence_lengths(batch: TensorDictBase) -> tuple[torch.Tensor, int, str]:
     if is_nested(ids):
         values, offsets, ragged = _parts(ids, "input_ids")
         _check_offsets(values, offsets, ragged, "input_ids")
-        lengths = offsets.to(torch.int64).diff()
+        lengths = offsets.to(device="cpu", dtype=torch.int64).diff()  # the partition runs on the host, as verl's
         return lengths, int(lengths.max()) if lengths.numel() else 0, "input_ids"
     if "attention_mask" not in batch.keys():
         raise ShapeError(f"dense 'input_ids' {tuple(ids.shape)} need an 'attention_mask' to count tokens")
@@ -61,7 +62,7 @@ def _sequence_lengths(batch: TensorDictBase) -> tuple[torch.Tensor, int, str]:
     if mask.dim() != 2:
         raise ShapeError(f"'attention_mask' must be (B, L), got shape {tuple(mask.shape)}")
     # as verl: a padded row costs its full width against the budget check, its mask's sum in the count
-    return mask.sum(dim=1).to(torch.int64), int(mask.shape[-1]), "attention_mask"
+    return mask.sum(dim=1).to(device="cpu", dtype=torch.int64), int(mask.shape[-1]), "attention_mask"
 
 
 def rearrange_micro_batches(batch: TensorDictBase, max_token_len: int, dp_group=None, num_batches_divided_by=None,
@@ -124,7 +125,7 @@ def rearrange_micro_batches(batch: TensorDictBase, max_token_len: int, dp_group=
                 f"min_num_micro_batch={min_num_micro_batch}, num_batches_divided_by={num_batches_divided_by}, "
                 f"data-parallel count) but a rank has only {fewest_groups} groups of force_group_size={group}")
         bins = balanced_bins(workloads, count)
-        fits = bool((torch.zeros(count, dtype=torch.int64).index_add_(0, bins, tokens) <= max_token_len).all())
+        fits = fit_budget(tokens, workloads, bins, count, max_token_len)
         if sync:
             fits = bool(_all_reduce([int(fits)], "MIN", dp_group)[0])
         if fits:
@@ -141,7 +142,8 @@ def rearrange_micro_batches(batch: TensorDictBase, max_token_len: int, dp_group=
     if group > 1:
         offsets = torch.arange(group)
         parts = [(torch.tensor(p).unsqueeze(1) * group + offsets).reshape(-1).tolist() for p in parts]
-    micro_batches = [select_rows(batch, torch.tensor(p, dtype=torch.int64)) for p in parts]
+    selector = Selector(batch)
+    micro_batches = [selector.select(torch.tensor(p, dtype=torch.int64)) for p in parts]
     return micro_batches, parts
 
 
@@ -214,6 +216,45 @@ def restore_dynamic_batch(data: torch.Tensor, batch_idx_list: Sequence[Sequence[
     return data[inverse.to(data.device)]
 
 
+def _restore_nested(parts: Sequence[torch.Tensor], batch_idx_list: Sequence[Sequence[int]], key: str) -> torch.Tensor:
+    """``restore_dynamic_batch(concat_nested_tensors(parts), batch_idx_list)`` in one pass: each micro-batch's
+    rows are written straight to their places in the output (no concatenated intermediate)."""
+    if len(parts) != len(batch_idx_list):
+        raise ShapeError(f"model_output {key!r}: {len(parts)} micro-batch outputs for {len(batch_idx_list)} "
+                         "index lists")
+    split = [_parts(p, f"model_output {key!r}[{i}]") for i, p in enumerate(parts)]
+    ragged = split[0][2]
+    axis = ragged - 1
+    values0 = split[0][0]
+    device = values0.device
+    rest = [s for d, s in enumerate(values0.shape) if d != axis]
+    lengths = []
+    for i, ((values, offsets, r), rows) in enumerate(zip(split, batch_idx_list)):
+        _check_offsets(values, offsets, r, f"model_output {key!r}[{i}]")
+        if r != ragged or [s for d, s in enumerate(values.shape) if d != axis] != rest:
+            raise ShapeError(f"model_output {key!r}[{i}] has values {tuple(values.shape)} ragged at {r}; "
+                             f"micro-batch 0 has {tuple(values0.shape)} ragged at {ragged}")
+        if offsets.numel() - 1 != len(rows):
+            raise ShapeError(f"model_output {key!r}[{i}] has {offsets.numel() - 1} rows, its micro-batch "
+                             f"{len(rows)}")
+        lengths.append(offsets.to(device=device, dtype=torch.int64).diff())
+    size = sum(len(rows) for rows in batch_idx_list)
+    inverse = _inverse(batch_idx_list, size).to(device)
+    lengths_cat = torch.cat(lengths)
+    out_lengths = lengths_cat.index_select(0, inverse)
+    out_offsets = torch.nn.functional.pad(out_lengths.cumsum(0), (1, 0))
+    total = int(out_offsets[-1])
+    shape = list(values0.shape)
+    shape[axis] = total
+    out = values0.new_empty(shape)
+    for (values, _, _), rows, local in zip(split, batch_idx_list, lengths):  # a loop over micro-batches
+        at = torch.as_tensor(rows, dtype=torch.int64, device=device)
+        local_offsets = torch.nn.functional.pad(local.cumsum(0), (1, 0))
+        dest = token_index(out_offsets.index_select(0, at), local, local_offsets, values.shape[axis], torch.int64)
+        out.index_copy_(axis, dest, values)
+    return jagged(out, out_offsets, ragged, out_lengths)
+
+
 def postprocess_batch_func(output_lst: Sequence[dict], indices: Sequence[Sequence[int]] | None,
                            data: TensorDictBase) -> dict[str, Any]:
     """verl's ``postprocess_batch_func``: the micro-batches' ``model_output`` concatenated and, with
@@ -234,12 +275,13 @@ def postprocess_batch_func(output_lst: Sequence[dict], indices: Sequence[Sequenc
     model_output: dict[str, torch.Tensor] = {}
     for key, parts in collected.items():
         if all(is_nested(p) for p in parts):
-            merged = concat_nested_tensors(parts)
+            model_output[key] = (_restore_nested(parts, indices, key) if use_dynamic
+                                 else concat_nested_tensors(parts))
         elif not any(is_nested(p) for p in parts):
             merged = torch.cat(parts, dim=0)
+            model_output[key] = restore_dynamic_batch(merged, indices) if use_dynamic else merged
         else:
             raise ShapeError(f"model_output {key!r}: some micro-batches return nested tensors, others dense")
-        model_output[key] = restore_dynamic_batch(merged, indices) if use_dynamic else merged
     losses = [out["loss"] for out in output_lst if "loss" in out]
     metrics: dict[str, list] = {}
     for out in output_lst:

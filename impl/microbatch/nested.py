@@ -18,7 +18,7 @@ from ..errors import BatchMismatchError, NestedLayoutError, ShapeError
 from ..layout import is_nested
 
 __all__ = ["nested_tensor_from_tensor_list", "concat_nested_tensors", "jagged", "ragged_idx_of", "take_rows",
-           "take_range", "RowIndex"]
+           "RowIndex", "token_index", "chunk_ranges"]
 
 try:  # the jagged layout's Python class: built directly, no dispatch through _nested_view_from_jagged
     from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
@@ -45,8 +45,11 @@ def jagged(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int, lengths
     if (_JaggedTensor is None or values.requires_grad or torch.compiler.is_compiling()):
         return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_idx, min_seqlen=min_seqlen,
                                                       max_seqlen=max_seqlen)
-    cache = {"max_seqlen": _store_val_in_tensor(max_seqlen), "min_seqlen": _store_val_in_tensor(min_seqlen)}
-    return _JaggedTensor(values, offsets, _ragged_idx=ragged_idx, _metadata_cache=cache)
+    out = _JaggedTensor(values, offsets, _ragged_idx=ragged_idx)
+    # cached after construction: given to the constructor, torch marks them dynamic for dynamo (~200 us)
+    out._metadata_cache["max_seqlen"] = _store_val_in_tensor(max_seqlen)
+    out._metadata_cache["min_seqlen"] = _store_val_in_tensor(min_seqlen)
+    return out
 
 
 def ragged_idx_of(tensor: torch.Tensor) -> int:
@@ -122,34 +125,73 @@ def nested_tensor_from_tensor_list(tensors: Sequence[torch.Tensor], ragged_idx: 
     return jagged(values, offsets, ragged, min_seqlen=min(lens), max_seqlen=max(lens))
 
 
+#: tokens gathered per block: bounds the index (and temporary) of one gather to a few MiB
+BLOCK_TOKENS = 1 << 20
+
+
+def token_index(starts: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, total: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``(total,)``: ``starts[r] + (t - offsets[r])`` for each entry ``t`` of row ``r``, rows back to back.
+
+    One tensor, no per-token temporaries: ones, plus at each row's first entry the jump from
+    the previous row's end to its start (``index_add_``: empty rows telescope), then an
+    in-place cumulative sum.
+    """
+    out = torch.ones(total, dtype=dtype, device=starts.device)
+    if total == 0:
+        return out
+    ends = starts + lengths
+    jumps = starts - torch.nn.functional.pad(ends[:-1], (1, 0))
+    jumps[0] -= 1  # entry 0 holds starts[0]
+    at = offsets[:-1]
+    keep = at < total  # trailing empty rows start past the end
+    out.index_add_(0, at[keep], jumps[keep].to(dtype))
+    return out.cumsum_(0)
+
+
 class RowIndex:
     """Where the rows ``indices`` of a jagged batch with ``offsets`` lie: computed once, used by every key.
 
-    ``token_index`` (int64, on the offsets' device) lists, back to back, the positions along
-    the ragged axis of every selected row's entries; ``offsets`` are the selection's.
+    ``offsets`` are the selection's; :meth:`apply` gathers a key's values block by block
+    (``BLOCK_TOKENS`` at a time), so the index never holds more than one block.
     """
 
     def __init__(self, offsets: torch.Tensor, indices: torch.Tensor):
-        starts = offsets[:-1].index_select(0, indices)
-        lengths = offsets[1:].index_select(0, indices) - starts
-        self.lengths = lengths
-        self.offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        total = int(self.offsets[-1])
-        self.total = total
+        self.starts = offsets[:-1].index_select(0, indices)
+        self.lengths = offsets[1:].index_select(0, indices) - self.starts
+        self.offsets = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
         if indices.numel():
-            lo, hi = torch.stack(lengths.aminmax()).tolist()
+            total, lo, hi = torch.cat([self.offsets[-1:], torch.stack(self.lengths.aminmax())]).tolist()
         else:
-            lo = hi = 0
-        self.min_seqlen, self.max_seqlen = int(lo), int(hi)
-        # entry t of row r sits at starts[r] + (t - new_offsets[r])
-        shift = starts - self.offsets[:-1]
-        self.token_index = (torch.repeat_interleave(shift, lengths, output_size=total)
-                            + torch.arange(total, device=offsets.device))
+            total = lo = hi = 0
+        self.total, self.min_seqlen, self.max_seqlen = int(total), int(lo), int(hi)
+        self.dtype = torch.int32 if int(offsets[-1]) < 2**31 - 1 else torch.int64
+        self._index: torch.Tensor | None = None
+        if self.total <= BLOCK_TOKENS:
+            self.blocks = [(0, indices.numel())]
+        else:  # row blocks of about BLOCK_TOKENS tokens (a row is never split)
+            marks = torch.arange(BLOCK_TOKENS, self.total, BLOCK_TOKENS, device=self.offsets.device)
+            cuts = torch.searchsorted(self.offsets, marks).unique().tolist()
+            edges = [0, *[c for c in cuts if 0 < c < indices.numel()], indices.numel()]
+            self.blocks = list(zip(edges[:-1], edges[1:]))
 
     def apply(self, values: torch.Tensor, ragged: int) -> torch.Tensor:
-        out = values.index_select(ragged - 1, self.token_index.to(values.device))
-        return jagged(out, self.offsets.to(values.device), ragged, min_seqlen=self.min_seqlen,
-                      max_seqlen=self.max_seqlen)
+        axis = ragged - 1
+        device = values.device
+        if len(self.blocks) == 1:
+            if self._index is None or self._index.device != device:  # one index for every key of the group
+                self._index = token_index(self.starts, self.lengths, self.offsets, self.total, self.dtype).to(device)
+            out = values.index_select(axis, self._index)
+        else:
+            shape = list(values.shape)
+            shape[axis] = self.total
+            out = values.new_empty(shape)
+            for r0, r1 in self.blocks:
+                t0, t1 = (int(x) for x in self.offsets[[r0, r1]].tolist())
+                index = token_index(self.starts[r0:r1], self.lengths[r0:r1], self.offsets[r0:r1 + 1] - t0, t1 - t0,
+                                    self.dtype).to(device)
+                out.narrow(axis, t0, t1 - t0).copy_(values.index_select(axis, index))
+        return jagged(out, self.offsets.to(device), ragged, min_seqlen=self.min_seqlen, max_seqlen=self.max_seqlen)
 
 
 def take_rows(tensor: torch.Tensor, indices: torch.Tensor, key: str, index: RowIndex | None = None) -> torch.Tensor:
@@ -161,19 +203,30 @@ def take_rows(tensor: torch.Tensor, indices: torch.Tensor, key: str, index: RowI
     return index.apply(values, ragged)
 
 
-def take_range(tensor: torch.Tensor, start: int, stop: int, key: str) -> torch.Tensor:
-    """Rows ``start:stop`` of a jagged tensor: a view of its values where the ragged axis is the leading one.
+def chunk_ranges(tensor: torch.Tensor, chunks: int, key: str) -> list[torch.Tensor]:
+    """``chunks`` equal consecutive row ranges of a jagged tensor (one host read for all of them).
 
-    Where the ragged axis is not leading (mRoPE positions ``(C, total)``) the slice would not
-    be contiguous: it is copied (verl's ``concat_nested_tensors`` requires contiguous input).
+    Each part's values are a view where the ragged axis is the leading one; where it is not
+    (mRoPE positions ``(C, total)``) the slice would not be contiguous and is copied (verl's
+    ``concat_nested_tensors`` requires contiguous input).
     """
     values, offsets, ragged = _parts(tensor, key)
     offsets = offsets.to(torch.int64)
-    lo, hi = (int(x) for x in offsets[[start, stop]].tolist())
-    part = values.narrow(ragged - 1, lo, hi - lo)
-    if not part.is_contiguous():
-        part = part.contiguous()
-    return jagged(part, offsets[start:stop + 1] - lo, ragged)
+    rows = offsets.numel() - 1
+    step = rows // chunks
+    lengths = offsets.diff().view(chunks, step)
+    lo, hi = lengths.aminmax(dim=1)
+    bounds, lows, highs = offsets[::step].tolist(), lo.tolist(), hi.tolist()
+    axis = ragged - 1
+    parts = []
+    for i in range(chunks):  # a loop over micro-batches
+        a, b = bounds[i], bounds[i + 1]
+        part = values.narrow(axis, a, b - a)
+        if not part.is_contiguous():
+            part = part.contiguous()
+        parts.append(jagged(part, offsets[i * step:(i + 1) * step + 1] - a, ragged, min_seqlen=lows[i],
+                            max_seqlen=highs[i]))
+    return parts
 
 
 def concat_nested_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

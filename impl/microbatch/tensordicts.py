@@ -16,11 +16,11 @@ from tensordict.tensorclass import NonTensorData, NonTensorStack
 
 from ..errors import BatchMismatchError, NestedLayoutError, ShapeError
 from ..layout import is_nested
-from .nested import (RowIndex, _check_offsets, _parts, jagged, nested_tensor_from_tensor_list, take_range,
-                     concat_nested_tensors)
+from .nested import (RowIndex, _check_offsets, _parts, chunk_ranges, concat_nested_tensors, jagged,
+                     nested_tensor_from_tensor_list)
 
 __all__ = ["index_select_tensor_dict", "chunk_tensordict", "concat_tensordict", "list_of_dict_to_tensordict",
-           "maybe_fix_3d_position_ids", "select_rows"]
+           "maybe_fix_3d_position_ids", "Selector"]
 
 
 def _as_index(indices: torch.Tensor | Sequence[int], batch_size: int) -> torch.Tensor:
@@ -40,44 +40,47 @@ def _as_index(indices: torch.Tensor | Sequence[int], batch_size: int) -> torch.T
     return index
 
 
-class _Gather:
-    """The rows of one selection, for every jagged key; keys whose offsets are equal share one index."""
+class Selector:
+    """Row selections of one batch: its nested keys checked once, keys with equal offsets sharing one index."""
 
-    def __init__(self, index: torch.Tensor):
-        self.index = index
-        self._by_offsets: list[tuple[torch.Tensor, RowIndex]] = []
-        self._checked: set[int] = set()
-
-    def rows(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
-        values, offsets, ragged = _parts(tensor, key)
-        if id(tensor) not in self._checked:
+    def __init__(self, batch: TensorDictBase):
+        self.items = list(batch.items())
+        self.groups: list[tuple[torch.Tensor, list[str]]] = []  # (offsets, keys)
+        self.parts: dict[str, tuple[torch.Tensor, int]] = {}
+        for key, value in self.items:
+            if not is_nested(value):
+                continue
+            values, offsets, ragged = _parts(value, key)
             _check_offsets(values, offsets, ragged, key)
-            self._checked.add(id(tensor))
-        for known, row_index in self._by_offsets:
-            if known is offsets or (known.shape == offsets.shape and known.device == offsets.device
-                                    and torch.equal(known, offsets)):
-                return row_index.apply(values, ragged)
-        row_index = RowIndex(offsets.to(torch.int64), self.index.to(offsets.device))
-        self._by_offsets.append((offsets, row_index))
-        return row_index.apply(values, ragged)
+            self.parts[key] = (values, ragged)
+            for known, keys in self.groups:
+                if known is offsets or (known.shape == offsets.shape and known.device == offsets.device
+                                        and torch.equal(known, offsets)):
+                    keys.append(key)
+                    break
+            else:
+                self.groups.append((offsets, [key]))
 
-
-def select_rows(batch: TensorDictBase, index: torch.Tensor, gather: _Gather | None = None) -> TensorDict:
-    """:func:`index_select_tensor_dict` for checked int64 indices (what the micro-batch functions call)."""
-    gather = gather or _Gather(index)
-    data: dict[str, Any] = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and not is_nested(value):
-            data[key] = value[index.to(value.device)]
-        elif is_nested(value):
-            if index.numel() == 0:
-                raise ShapeError(f"{key!r}: cannot select zero rows of a nested tensor of shape {tuple(value.shape)}")
-            data[key] = gather.rows(value, key)
-        elif value.shape:  # NonTensorStack, nested TensorDicts: indexable along the batch
-            data[key] = value[index]
-        else:  # NonTensorData of a batch without a batch size: metadata, kept
-            data[key] = value
-    return TensorDict(source=data, batch_size=[index.shape[0]])
+    def select(self, index: torch.Tensor) -> TensorDict:
+        """:func:`index_select_tensor_dict` for checked int64 indices."""
+        if self.groups and index.numel() == 0:
+            raise ShapeError(f"{self.groups[0][1][0]!r}: cannot select zero rows of a nested tensor")
+        nested: dict[str, torch.Tensor] = {}
+        for offsets, keys in self.groups:
+            rows = RowIndex(offsets.to(torch.int64), index.to(offsets.device))
+            for key in keys:
+                nested[key] = rows.apply(*self.parts[key])
+        data: dict[str, Any] = {}
+        for key, value in self.items:
+            if key in nested:
+                data[key] = nested[key]
+            elif isinstance(value, torch.Tensor):
+                data[key] = value[index.to(value.device)]
+            elif value.shape:  # NonTensorStack, nested TensorDicts: indexable along the batch
+                data[key] = value[index]
+            else:  # NonTensorData of a batch without a batch size: metadata, kept
+                data[key] = value
+        return TensorDict(source=data, batch_size=[index.shape[0]])
 
 
 def index_select_tensor_dict(batch: TensorDictBase | None, indices: torch.Tensor | list[int]) -> TensorDict | None:
@@ -91,7 +94,7 @@ def index_select_tensor_dict(batch: TensorDictBase | None, indices: torch.Tensor
             raise ShapeError(f"indices must be a 1-D tensor or list, got shape {tuple(indices.shape)}")
         return None
     size = batch.batch_size[0] if len(batch.batch_size) else _nested_batch_size(batch)
-    return select_rows(batch, _as_index(indices, size))
+    return Selector(batch).select(_as_index(indices, size))
 
 
 def _nested_batch_size(batch: TensorDictBase) -> int:
@@ -117,7 +120,6 @@ def chunk_tensordict(td: TensorDictBase, chunks: int) -> list[TensorDict]:
     if size % chunks:
         raise ShapeError(f"chunk_tensordict: a batch of {size} samples does not split into {chunks} equal chunks "
                          f"(batch_size {list(td.batch_size)})")
-    step = size // chunks
     nested_keys = [key for key, value in td.items() if is_nested(value)]
     for key in nested_keys:
         values, offsets, ragged = _parts(td.get(key), key)
@@ -128,9 +130,8 @@ def chunk_tensordict(td: TensorDictBase, chunks: int) -> list[TensorDict]:
                       device=td.device)
     parts = rest.chunk(chunks=chunks)
     for key in nested_keys:
-        value = td.get(key)
-        for i, part in enumerate(parts):
-            part[key] = take_range(value, i * step, (i + 1) * step, key)
+        for part, rows in zip(parts, chunk_ranges(td.get(key), chunks, key)):
+            part[key] = rows
     return list(parts)
 
 
