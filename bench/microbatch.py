@@ -1,6 +1,6 @@
 """Benchmark impl's micro-batch layer against verl 0.9.1's; print a Markdown table.
 
-    PYTHONPATH=$PWD /work/venvs/verl091/bin/python bench/microbatch.py [--quick] [--out bench/results-microbatch.md]
+    python bench/microbatch.py [--quick] [--out bench/results-microbatch.md]
 
 Rows at mini-batch sizes 256, 1024, 4096, 8192 (quick: 64, 256): dynamic batch size
 (``rearrange_micro_batches``: partition + per-micro-batch selection), restore

@@ -8,7 +8,7 @@ largest micro-batch workload) with no more micro-batches. Where verl is wrong (#
 #7899, a restore list that is not a permutation) the test shows verl's wrong result and
 impl's right one (docs/verl-differences.md). Run in verl's environment:
 
-    PYTHONPATH=$PWD /work/venvs/verl091/bin/python -m pytest tests/test_dropin_microbatch.py
+    python -m pytest tests/test_dropin_microbatch.py
 
 Without verl the module skips.
 """
