@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import impl
+import impl.microbatch
 
 from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
@@ -23,12 +24,8 @@ class ImplEngine(EngineUnderTest):
         return getattr(impl, name) if name in HELPERS else None
 
     def microbatch_layer(self) -> MicroBatchLayer | None:
-        """``impl.microbatch``: a drop-in with verl 0.9.1's names (None while impl has no such module)."""
-        try:
-            import impl.microbatch as layer
-        except ImportError:
-            return None
-        return layer_from("impl", [layer])
+        """``impl.microbatch``: a drop-in with verl 0.9.1's names."""
+        return layer_from("impl", [impl.microbatch])
 
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""
