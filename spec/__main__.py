@@ -29,6 +29,17 @@ def _add_verify(sub) -> None:
     verify.add_argument("--no-layout", action="store_true",
                         help="skip the layout profile (verl's layout conventions, never part of the verdict)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
+    verify.add_argument("-n", "--workers", default="auto", type=_workers,
+                        help="worker processes: a number or auto (default: auto, every core); the targets run "
+                             "longest first (durations from the previous report in --out); 1 runs in this process")
+
+
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--workers takes a positive number or auto, not {text!r}")
+    return int(text)
 
 
 def _add_fuzz(sub) -> None:
@@ -73,8 +84,9 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
+    from .run.parallel import default_workers, recorded_seconds, run_targets
     from .report import failed, markdown, summary_line, write_reports
-    from .run.runner import instances, run_invariant
+    from .run.runner import instances
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
@@ -82,16 +94,21 @@ def _verify(args: argparse.Namespace) -> int:
     todo = [(i, m) for i, m in instances() if (not args.only or i.id.startswith(args.only))
             and not (args.no_layout and i.layout)]
     quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
-    outcomes = []
+    workers = default_workers() if args.workers == "auto" else args.workers
+    safe = engine.name.replace(":", "-").replace("/", "-")
+    stem = Path(args.out) / f"verify-{safe}"
     start = time.perf_counter()
-    for n, (info, mode) in enumerate(todo, 1):
-        sys.stderr.write(f"\r[{n:3d}/{len(todo)}] {info.id:<14} {mode:<6} {time.perf_counter() - start:6.1f}s ")
+
+    def progress(done: int, total: int, running: list[str]) -> None:
+        sys.stderr.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
         sys.stderr.flush()
-        outcomes.append(run_invariant(info, engine, mode, device, **quiet))
+
+    outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
+                           threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
+                           recorded=recorded_seconds(stem.with_suffix(".json")), progress=progress)
     sys.stderr.write("\n")
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device))
-    safe = engine.name.replace(":", "-").replace("/", "-")
-    paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,
+    paths = write_reports(outcomes, stem, engine=engine.name, profile=profile,
                           device=device)
     layout = [o for o in outcomes if o.layout]
     verdict = [o for o in outcomes if not o.layout]
