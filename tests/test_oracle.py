@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from spec.cases import EngineCase
-from spec.harness import model_for
-from spec.materialize import draws, materialize
-from spec.oracle import expected, expected_loop
-from spec.strategies import engine_cases
+from spec.execute.handoff import model_for
+from spec.cases.materialize import draws, materialize
+from spec.truth.oracle import expected, expected_loop
+from spec.cases.strategies import engine_cases
 
 KEYS = ("log_probs", "entropy", "sum_pi_squared", "values")
 
