@@ -148,8 +148,14 @@ def _serve(index: int, engine_name: str, profile: str, device: str, threads: int
     torch.set_num_threads(threads)
     engine = load_engine(engine_name)
     results.put((index, _READY, None, None))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue_module.Empty:
+            if os.getppid() != parent:  # the parent is gone: do not linger
+                return
+            continue
         if task is None:
             return
         position, invariant, mode = task
@@ -195,7 +201,9 @@ class _Slot:
         self.crash_log = os.path.join(folder, f"worker{index}.log")
         self.current: int | None = None  # the target it holds: the parent hands one at a time
         self.tasks = ctx.Queue()
-        self.process = ctx.Process(target=_worker, name=f"spec-verify-{index}", daemon=True,
+        # not daemonic: a worker may start its own rank pool (spec.execute.ranks), and daemonic processes may
+        # have no children; a worker whose parent is gone stops by itself (_serve)
+        self.process = ctx.Process(target=_worker, name=f"spec-verify-{index}", daemon=False,
                                    args=(index, *args, self.tasks, results, self.crash_log))
         self.process.start()
 
