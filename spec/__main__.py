@@ -33,6 +33,17 @@ def _add_verify(sub) -> None:
                         help="write no standalone reproducers (default: one per failure, <out>/<engine>/repro/)")
     verify.add_argument("--repro-known", action="store_true",
                         help="also write a reproducer for each known failure that fired (its first excused case)")
+    verify.add_argument("-n", "--workers", default="auto", type=_workers,
+                        help="worker processes: a number or auto (default: auto, every core); the targets run "
+                             "longest first (durations from the previous report in --out); 1 runs in this process")
+
+
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--workers takes a positive number or auto, not {text!r}")
+    return int(text)
 
 
 def _add_fuzz(sub) -> None:
@@ -77,9 +88,10 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
+    from .run.parallel import default_workers, recorded_seconds, run_targets
     from .report import failed, markdown, summary_line, write_reports
-    from .run.runner import instances, run_invariant
     from .invariants import CATALOGUE
+    from .run.runner import instances
     from hypothesis import Verbosity
 
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
@@ -87,14 +99,19 @@ def _verify(args: argparse.Namespace) -> int:
     todo = [(i, m) for i, m in instances() if (not args.only or i.id.startswith(args.only))
             and not (args.no_layout and i.layout)]
     quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
-    outcomes = []
-    start = time.perf_counter()
-    for n, (info, mode) in enumerate(todo, 1):
-        sys.stderr.write(f"\r[{n:3d}/{len(todo)}] {info.id:<14} {mode:<6} {time.perf_counter() - start:6.1f}s ")
-        sys.stderr.flush()
-        outcomes.append(run_invariant(info, engine, mode, device, **quiet))
-    sys.stderr.write("\n")
+    workers = default_workers() if args.workers == "auto" else args.workers
     safe = engine.name.replace(":", "-").replace("/", "-")
+    stem = Path(args.out) / f"verify-{safe}"
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, running: list[str]) -> None:
+        sys.stderr.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
+        sys.stderr.flush()
+
+    outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
+                           threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
+                           recorded=recorded_seconds(stem.with_suffix(".json")), progress=progress)
+    sys.stderr.write("\n")
     reproducers = None
     if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
         from .repro import write_reproducers
@@ -104,8 +121,8 @@ def _verify(args: argparse.Namespace) -> int:
                                                 if o.invariant in CATALOGUE}, known=args.repro_known)
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
                    base=Path(args.out)))
-    paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,
-                          device=device, reproducers=reproducers)
+    paths = write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
+                          reproducers=reproducers)
     for rep in reproducers or ():
         print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]

@@ -7,6 +7,10 @@ for its known failures, failed with the minimal counterexample. ``--ioprep-profi
 hypothesis profile, ``--ioprep-only`` an ID prefix, ``--ioprep-device`` the devices,
 ``--ioprep-report DIR`` writes the Markdown and JSON report.
 
+Under pytest-xdist (``-n auto``) each invariant x mode x device is one test, distributed per test like any
+other; every outcome travels to the controller on its test report (``user_properties``), which writes the
+summary line and the one report, in catalogue order, as a run without xdist does.
+
 Without ``--ioprep-engine`` the plugin adds nothing and imports nothing of the suite: it is loaded by
 every pytest session of an environment where this package is installed, so the suite (torch,
 hypothesis, the engines) is imported inside :func:`_suite` only when asked for. That is the one
@@ -38,6 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _suite() -> Any:
     import spec.run.registry
     import spec.run.profiles
+    import spec.run.parallel
     import spec.report
     import spec.run.runner
 
@@ -47,9 +52,10 @@ def _suite() -> Any:
 class IoprepItem(pytest.Item):
     """One invariant x mode x device against one engine."""
 
-    def __init__(self, *, info: Any, engine: Any, mode: str, device: str, **kwargs: Any) -> None:
+    def __init__(self, *, info: Any, engine: Any, mode: str, device: str, order: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.info, self.engine, self.mode, self.device = info, engine, mode, device
+        self.order = order  # its place in the catalogue, for the report
         self.outcome = None
 
     def runtest(self) -> None:
@@ -60,7 +66,8 @@ class IoprepItem(pytest.Item):
                                                 reason=reason)
         else:
             self.outcome = suite.run.runner.run_invariant(self.info, self.engine, self.mode, self.device)
-        self.config.stash.setdefault(_OUTCOMES, []).append(self.outcome)
+        # read back by pytest_runtest_logreport, here or (under xdist) in the controller
+        self.user_properties.append((_PROPERTY, {"order": self.order, "outcome": self.outcome.as_dict()}))
         o = self.outcome
         if o.status == "skip":
             pytest.skip(o.reason)
@@ -77,10 +84,26 @@ class IoprepItem(pytest.Item):
 
 
 _OUTCOMES = pytest.StashKey[list]()
+_PROPERTY = "ioprep_outcome"
+
+
+class _Outcomes:
+    """Collects each ioprep test's outcome from its report (under xdist: the controller's copy)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for name, value in getattr(report, "user_properties", ()):
+            if name == _PROPERTY:
+                self.config.stash.setdefault(_OUTCOMES, []).append((value["order"], value["outcome"]))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("ioprep_engine"):
+        config.pluginmanager.register(_Outcomes(config), "ioprep-outcomes")
         _suite().run.profiles.load_profile(config.getoption("ioprep_profile"))
 
 
@@ -91,6 +114,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     suite = _suite()
     prefixes = tuple((config.getoption("ioprep_only") or "").split(","))
     devices = config.getoption("ioprep_device") or ["cpu"]
+    order = 0
     for name in names:
         engine = suite.run.registry.load_engine(name)
         for info, mode in suite.run.runner.instances():
@@ -98,14 +122,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 continue
             for device in devices:
                 items.append(IoprepItem.from_parent(session, name=f"{info.id}-{engine.name}-{mode}-{device}",
-                                                    info=info, engine=engine, mode=mode, device=device))
+                                                    info=info, engine=engine, mode=mode, device=device, order=order))
+                order += 1
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    outcomes = config.stash.get(_OUTCOMES, [])
-    if not outcomes:
+    collected = config.stash.get(_OUTCOMES, [])
+    if not collected:
         return
-    report = _suite().report
+    suite = _suite()
+    report = suite.report
+    outcomes = [suite.run.parallel.outcome_from_dict(o) for _, o in sorted(collected, key=lambda item: item[0])]
     terminalreporter.write_line(f"ioprep: {report.summary_line(outcomes)}")
     folder = config.getoption("ioprep_report")
     if folder:

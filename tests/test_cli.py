@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def verify(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "spec", "verify", "--profile", "dev", "--out", str(tmp_path), *args],
+    """One process (``-n 1``): these runs are a handful of targets; tests/test_parallel.py runs the pool."""
+    return subprocess.run([sys.executable, "-m", "spec", "verify", "--profile", "dev", "--out", str(tmp_path), "-n", "1",
+                           *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

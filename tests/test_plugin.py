@@ -89,3 +89,23 @@ def test_plugin_fails_a_buggy_user_engine(user_repo: Path) -> None:
 def test_plugin_is_inert_without_an_engine(user_repo: Path) -> None:
     run = run_pytest(user_repo, "test_own.py")
     assert run.returncode == 0 and "1 passed" in run.stdout and "ioprep" not in run.stdout
+
+
+def _without_timings(path: Path) -> dict:
+    report = json.loads(path.read_text())
+    report["outcomes"] = [{k: v for k, v in o.items() if k != "seconds"} for o in report["outcomes"]]
+    return report
+
+
+def test_plugin_under_xdist_writes_the_one_process_report(user_repo: Path) -> None:
+    """Distributed per test over xdist workers, the controller still writes the whole report, in catalogue
+    order, equal to a run without xdist apart from the timings."""
+    pytest.importorskip("xdist")
+    only = ["--ioprep-engine", "mypkg.adapter:TinyAdapter", "--ioprep-profile", "dev",
+            "--ioprep-only", "INV-MASK-001,INV-VAL-001,INV-KEYS-00,INV-SP-001"]
+    one = run_pytest(user_repo, *only, "--ioprep-report", "out-one", "-p", "no:xdist")
+    two = run_pytest(user_repo, *only, "--ioprep-report", "out-two", "-n", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stdout[-2000:] + two.stdout[-2000:]
+    assert "ioprep: " in two.stdout and "bringing up nodes" in two.stdout  # xdist ran it
+    a, b = (_without_timings(user_repo / out / "verify-tiny.json") for out in ("out-one", "out-two"))
+    assert len(a["outcomes"]) >= 6 and a == b

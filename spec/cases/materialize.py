@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -10,7 +11,7 @@ from tensordict import TensorDict
 from .structure import DenseCase, EngineCase
 from ..truth.rules import offsets as _offsets
 
-__all__ = ["jagged", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
+__all__ = ["jagged", "draws", "Draws", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
 MROPE_AXES = 4
 
@@ -43,22 +44,32 @@ def mrope_positions(positions: torch.Tensor) -> torch.Tensor:
     return positions.unsqueeze(0) + torch.arange(MROPE_AXES, device=positions.device).unsqueeze(1)
 
 
-def _as_split_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The same nested tensor over a view into a buffer that holds other tokens before it, as
-    ``TensorDict.split`` / slicing of a trainer's mini-batch hands a micro-batch: the values start at a storage
-    offset (and, ragged on a later dim, are not contiguous); the offsets still start at 0."""
-    ragged = getattr(tensor, "_ragged_idx", 1)
-    values, axis = tensor.values(), ragged - 1
+def _split_view(values: torch.Tensor, axis: int) -> torch.Tensor:
+    """``values`` as a view at a storage offset into a buffer that holds other tokens before it, as
+    ``TensorDict.split`` / slicing of a trainer's mini-batch hands a micro-batch's values (ragged on a later
+    dim, not contiguous)."""
     buffer = torch.cat([values.flip(axis), values], dim=axis)  # the tokens before it: real-looking, all wrong
-    view = buffer.narrow(axis, values.shape[axis], values.shape[axis])
-    return torch.nested.nested_tensor_from_jagged(view, tensor.offsets(), jagged_dim=ragged)
+    return buffer.narrow(axis, values.shape[axis], values.shape[axis])
 
 
-def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorDict:
-    """The micro-batch of ``case``: nested tensors, temperature and flags.
+@dataclass(frozen=True)
+class Draws:
+    """A case's seeded draws as flat token-major tensors (what the nested tensors of :func:`materialize` hold)."""
 
-    When ``case.split_view``, every nested tensor's values are a view into a bigger buffer
-    (see :func:`_as_split_view`); the values themselves are the same."""
+    ids: torch.Tensor  # (total_nnz,) int64, eos at each sequence's end when the case has one
+    positions: torch.Tensor  # (total_nnz,) int64: 0..n_i-1 per sequence
+    loss_mask: torch.Tensor  # (response tokens,) int64
+    is_prompt: torch.Tensor  # (total_nnz,) bool
+    teacher_ids: torch.Tensor | None = None  # (total_nnz, K) int64
+    teacher_logprobs: torch.Tensor | None = None  # (total_nnz, K) float32
+
+    def position_ids(self, case: EngineCase) -> torch.Tensor:
+        """``(total_nnz,)`` or mRoPE ``(4, total_nnz)``."""
+        return mrope_positions(self.positions) if case.mrope else self.positions
+
+
+def draws(case: EngineCase) -> Draws:
+    """The tensors of ``case`` from its seed, in one fixed order (ids, loss-mask holes, teacher top-K)."""
     gen = torch.Generator().manual_seed(case.seed)
     lens = case.seq_lens
     ids = torch.randint(0, case.vocab, (case.total_nnz,), generator=gen)
@@ -69,23 +80,36 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     is_prompt = pos < torch.tensor(case.prompt_lens)[seq_of]
     # holes inside responses (tool tokens of a multi-turn rollout)
     loss_mask = (torch.rand(int((~is_prompt).sum()), generator=gen) >= case.mask_hole_rate).to(torch.int64)
-    data = {
-        "input_ids": jagged(ids, lens),
-        "position_ids": jagged(mrope_positions(pos), lens, jagged_dim=2) if case.mrope else jagged(pos, lens),
-        "prompts": jagged(ids[is_prompt], case.prompt_lens),
-        "responses": jagged(ids[~is_prompt], case.response_lens),
-        "loss_mask": jagged(loss_mask, case.response_lens),
-        "response_mask": jagged(loss_mask.clone(), case.response_lens),
-    }
-    if case.per_sample_temperature:
-        data["temperature"] = torch.tensor(case.temperatures(), dtype=torch.float32)
+    teacher_ids = teacher_lp = None
     if case.distillation_use_topk:
         teacher_ids = torch.randint(0, case.vocab, (case.total_nnz, case.topk), generator=gen)
         teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
-        data["teacher_ids"] = jagged(teacher_ids, lens)
-        data["teacher_logprobs"] = jagged(teacher_lp, lens)
-    if case.split_view:
-        data = {key: _as_split_view(value) if value.is_nested else value for key, value in data.items()}
+    return Draws(ids, pos, loss_mask, is_prompt, teacher_ids, teacher_lp)
+
+
+def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorDict:
+    """The micro-batch of ``case``: nested tensors, temperature and flags.
+
+    When ``case.split_view``, every nested tensor's values are a view into a bigger buffer
+    (see :func:`_split_view`); the values themselves are the same."""
+    d = draws(case)
+    lens = case.seq_lens
+    view = _split_view if case.split_view else (lambda values, axis: values)
+    ids, is_prompt, loss_mask = d.ids, d.is_prompt, d.loss_mask
+    data = {
+        "input_ids": jagged(view(ids, 0), lens),
+        "position_ids": (jagged(view(mrope_positions(d.positions), 1), lens, jagged_dim=2) if case.mrope
+                         else jagged(view(d.positions, 0), lens)),
+        "prompts": jagged(view(ids[is_prompt], 0), case.prompt_lens),
+        "responses": jagged(view(ids[~is_prompt], 0), case.response_lens),
+        "loss_mask": jagged(view(loss_mask, 0), case.response_lens),
+        "response_mask": jagged(view(loss_mask.clone(), 0), case.response_lens),
+    }
+    if case.per_sample_temperature:
+        data["temperature"] = torch.tensor(case.temperatures(), dtype=torch.float32)
+    if d.teacher_ids is not None:
+        data["teacher_ids"] = jagged(view(d.teacher_ids, 0), lens)
+        data["teacher_logprobs"] = jagged(view(d.teacher_logprobs, 0), lens)
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))

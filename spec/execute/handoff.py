@@ -17,7 +17,7 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, InputsView
 from ..truth.toy_model import ToyCausalLM
 
-__all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+__all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -41,6 +41,29 @@ class ThreadedAllGather:
         return all_gather
 
 
+def nested_parts(value: Any) -> Any:
+    """A nested tensor as ``("nested", values, offsets)``; anything else as it is (what a copy of a batch
+    keeps, and what :func:`spec.invariants.core.same` compares)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return ("nested", value.values(), value.offsets())
+    return value
+
+
+def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
+    """A copy of what the caller holds in ``micro_batch``, per key: a nested tensor as its cloned
+    :func:`nested_parts`, a dense tensor cloned, a flag by its value. (Cheaper than ``TensorDict.clone``,
+    which rebuilds every nested tensor, and as exact for the comparison: values and offsets.)"""
+    held: dict[str, Any] = {}
+    for key in micro_batch.keys():
+        value = micro_batch.get(key)
+        if isinstance(value, torch.Tensor):
+            parts = nested_parts(value)
+            held[key] = value.clone() if parts is value else (parts[0], parts[1].clone(), parts[2].clone())
+        else:
+            held[key] = getattr(value, "data", value)
+    return held
+
+
 def model_for(case: EngineCase, device: str) -> ToyCausalLM:
     return ToyCausalLM(case.vocab, seed=case.seed, out_dim=1 if case.head == "value" else None, device=device)
 
@@ -50,7 +73,8 @@ class Run:
     case: EngineCase
     device: str
     micro_batch: TensorDict
-    snapshot: TensorDict
+    #: the micro-batch as it was handed to the engine (:func:`snapshot`)
+    snapshot: dict[str, Any]
     model: ToyCausalLM
     inputs: list[dict[str, Any]] = field(default_factory=list)  # one per rank, as the engine returned them
     output_args: list[dict[str, Any]] = field(default_factory=list)

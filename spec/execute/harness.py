@@ -28,6 +28,7 @@ from .handoff import (
     _settings,
     attach_views,
     model_for,
+    snapshot,
 )
 
 __all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
@@ -73,7 +74,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return sp_runner(engine, case, device, poison=poison, micro_batch=micro_batch,
                          stop_after_inputs=stop_after_inputs)
     mb = materialize(case, device) if micro_batch is None else micro_batch
-    run = Run(case, device, mb, mb.clone(), model_for(case, device))
+    run = Run(case, device, mb, snapshot(mb), model_for(case, device))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
     engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
     if reuse is not None and not reuse:

@@ -48,7 +48,7 @@ from tensordict import TensorDict
 
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
-from .handoff import Run, attach_views, model_for
+from .handoff import Run, attach_views, model_for, snapshot
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
 
@@ -294,7 +294,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     if errors:
         raise_rank_error(*errors[0])
     ordered = [replies[r] for r in range(case.sp_size)]
-    run = Run(case, device, mb, mb.clone(), model_for(case, device))
+    run = Run(case, device, mb, snapshot(mb), model_for(case, device))
     to_dev = lambda obj: _to_device(obj, device)  # noqa: E731
     run.inputs = [to_dev(b["inputs"]) for b in ordered]
     run.output_args = [to_dev(b["output_args"]) for b in ordered]

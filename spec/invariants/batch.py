@@ -89,7 +89,7 @@ def cpu_cuda_agree(ctx: Ctx) -> None:
 @invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10,
            protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)")
 def batch_not_mutated(ctx: Ctx) -> None:
-    before, after = _items(ctx.run.snapshot), _items(ctx.run.micro_batch)
+    before, after = ctx.run.snapshot, _items(ctx.run.micro_batch)
     if set(before) != set(after):
         fail(f"micro-batch keys changed: {sorted(before)} -> {sorted(after)}")
     for key in before:

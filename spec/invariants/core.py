@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..execute.harness import Run, execute, model_for
-from ..cases.materialize import materialize
+from ..execute.handoff import nested_parts
+from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected
 from ..cases.strategies import dense_cases, engine_cases
 
@@ -110,9 +111,9 @@ class Ctx:
 
     @cached_property
     def expected(self) -> Expected:
-        """The oracle, from a fresh copy of the case's micro-batch (an engine that mutates its input
-        cannot move the expectation) and a CPU model; no engine run needed."""
-        return expected(self.case, materialize(self.case, "cpu"), model_for(self.case, "cpu"))
+        """The oracle, from the case's own draws (an engine that mutates its input cannot move the
+        expectation) and a CPU model; no engine run needed."""
+        return expected(self.case, model_for(self.case, "cpu"), draws(self.case))
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -128,17 +129,10 @@ def fail(message: str) -> None:
     raise AssertionError(message)
 
 
-def _parts(value: Any) -> Any:
-    """A nested tensor as ``("nested", values, offsets)``; anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", value.values(), value.offsets())
-    return value
-
-
 def held(value: Any) -> Any:
     """A copy of what a caller holds, to compare with :func:`same` later: tensors cloned (a nested one as its
     cloned parts), dicts, lists and tuples item by item, anything else as it is."""
-    value = _parts(value)
+    value = nested_parts(value)
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):
@@ -151,7 +145,7 @@ def held(value: Any) -> Any:
 def same(a: Any, b: Any) -> bool:
     """Exactly equal: tensors of one shape and dtype with equal elements (NaN equal to NaN in the same place;
     a nested tensor by its values and offsets), dicts, lists and tuples item by item, anything else by ``==``."""
-    a, b = _parts(a), _parts(b)
+    a, b = nested_parts(a), nested_parts(b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape \
                 or a.dtype != b.dtype:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from .rules import TEMPERATURE_FLOOR, response_positions
+from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
-__all__ = ["Expected", "expected", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY"]
+__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY"]
 
 EPS = torch.finfo(torch.float32).eps
 SAFETY = 32.0
@@ -154,9 +154,66 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
     return out
 
 
-def expected(case: "EngineCase", micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
+def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
     """Everything the contract says the engine returns for ``case``, sequence by sequence (entropy and
-    sum_pi_squared only when the case asks for them)."""
+    sum_pi_squared only when the case asks for them), from the case's own draws ``tokens``
+    (:class:`spec.materialize.Draws`: flat ids, positions and teacher top-K; never a batch an engine was
+    handed).
+
+    Vectorised over the tokens of all sequences: each row's quantities are row-wise functions of that
+    token's logits (of its sequence alone, :meth:`ToyCausalLM.sequence_logits`), so every value equals that
+    of :func:`expected_loop`, the plain per-sequence loop kept as the reference (tests/test_oracle.py
+    checks them equal, bit for bit)."""
+    lens = case.seq_lens
+    ids = tokens.ids
+    logits = model.sequence_logits(ids, tokens.position_ids(case), lens)
+    result = Expected(distillation={key: [] for key in case.distillation_keys})
+    tol = result.tolerance
+    for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
+        tol[key] = []
+    split = lambda t: list(t.split(lens))  # noqa: E731 - per sequence, as views
+    if case.head == "value":
+        values = logits[:, 0].double()
+        result.values, tol["values"] = split(values), split(_bound(values.abs(), values, 1))
+        return result
+    temps = token_temperatures(case).clamp(min=TEMPERATURE_FLOOR)
+    z32 = logits.float() / temps.unsqueeze(-1)
+    z = z32.double()
+    vocab = z.shape[-1]
+    lsm = torch.log_softmax(z, dim=-1)
+    probs = lsm.exp()
+    absz = z.abs()
+    mean_abs = (probs * absz).sum(-1)
+    # each token's label is the next token of its sequence; a sequence's last token has none (dropped below)
+    labels = torch.roll(ids, -1).unsqueeze(-1)
+    lp = lsm.gather(-1, labels).squeeze(-1)
+    lp_tol = _bound(absz.gather(-1, labels).squeeze(-1) + mean_abs, lp, vocab)
+    result.log_probs = [t[:-1] for t in split(lp)]
+    tol["log_probs"] = [t[:-1] for t in split(lp_tol)]
+    if case.calculate_entropy or case.use_fused_kernels:  # (large vocabularies: only what is asked)
+        ent = -(probs * lsm).sum(-1)
+        result.entropy = split(ent)
+        tol["entropy"] = split(_bound((probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), ent, vocab))
+    if case.calculate_sum_pi_squared:
+        spq = (probs * probs).sum(-1)
+        result.sum_pi_squared = split(spq)
+        tol["sum_pi_squared"] = split(_bound((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1),
+                                             spq, vocab))
+    if case.calculate_entropy or case.use_fused_kernels or case.calculate_sum_pi_squared:
+        bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None)
+        result.bounds["float32_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
+    if case.distillation_use_topk:
+        terms = topk_terms(z32, tokens.teacher_ids, tokens.teacher_logprobs)
+        cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
+        for key in case.distillation_keys:
+            result.distillation[key] = split(terms[key])
+            tol[key] = split(_bound(cond, terms[key], vocab))
+    return result
+
+
+def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
+    """:func:`expected` as a plain loop over the sequences of a materialized micro-batch: the reference the
+    vectorised oracle is tested against (slow; not used by the invariants)."""
     ids = micro_batch["input_ids"].unbind()
     positions = micro_batch["position_ids"].unbind()
     temps = case.temperatures()
@@ -164,7 +221,7 @@ def expected(case: "EngineCase", micro_batch: TensorDict, model: ToyCausalLM) ->
     tol = result.tolerance
     for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
         tol[key] = []
-    cancel = result.bounds.setdefault("float32_cancellation", {"entropy": [], "sum_pi_squared": []})
+    cancel: dict[str, list[torch.Tensor]] = {"entropy": [], "sum_pi_squared": []}
     teacher = None
     if case.distillation_use_topk:
         teacher = (micro_batch["teacher_ids"].unbind(), micro_batch["teacher_logprobs"].unbind())
@@ -208,4 +265,6 @@ def expected(case: "EngineCase", micro_batch: TensorDict, model: ToyCausalLM) ->
             for key in case.distillation_keys:
                 result.distillation[key].append(terms[key])
                 tol[key].append(_bound(cond, terms[key], vocab))
+    if any(cancel.values()):
+        result.bounds["float32_cancellation"] = {key: bounds for key, bounds in cancel.items() if bounds}
     return result

@@ -52,6 +52,11 @@ class ToyCausalLM:
         Computed in float64 and rounded once, so the logits of a sequence do not depend on
         how it was batched (packed, padded or alone) beyond that rounding.
         """
+        return (self._hidden(input_ids, position_ids, attention_mask) @ self._proj64).to(self.dtype)
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(R, n, hidden)`` float64: the head's input, ``tanh(embedding + positions + causal mean)``."""
         x = self.embed[input_ids].double()
         axes = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
         pos = sum(self.pos_embed[a][axes[a] % self.max_pos] for a in range(axes.shape[0])).double()
@@ -66,7 +71,28 @@ class ToyCausalLM:
             total = total - has_before * torch.gather(total, 1, before.expand_as(total))
             count = count - has_before * torch.gather(count, 1, before.expand_as(count))
         ctx = total / count.clamp(min=1.0)
-        return (torch.tanh(x + pos + ctx) @ self._proj64).to(self.dtype)
+        return torch.tanh(x + pos + ctx)
+
+    def sequence_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens) -> torch.Tensor:
+        """``(n, out)`` logits of each sequence run alone (no padding, no packing), concatenated: ids
+        ``(n,)`` and positions ``(n,)`` / ``(C, n)`` of the sequences of ``lens`` back to back.
+
+        One call for the whole batch: the sequences are laid out as the rows of a right-padded batch with
+        the full-length mask, whose causal prefix sums are those of each sequence alone (the padding comes
+        after every real token), then the head runs on the real tokens' rows only."""
+        lens_t = torch.as_tensor([int(n) for n in lens], dtype=torch.int64)
+        width = int(lens_t.max())
+        row = torch.repeat_interleave(torch.arange(lens_t.shape[0]), lens_t)
+        starts = torch.repeat_interleave(torch.cumsum(lens_t, 0) - lens_t, lens_t)
+        col = torch.arange(row.shape[0]) - starts
+        ids = input_ids.new_zeros((lens_t.shape[0], width))
+        ids[row, col] = input_ids
+        axes = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+        pos = axes.new_zeros((axes.shape[0], lens_t.shape[0], width))
+        pos[:, row, col] = axes
+        mask = (torch.arange(width).unsqueeze(0) < lens_t.unsqueeze(1)).to(torch.int64)
+        hidden = self._hidden(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
+        return (hidden @ self._proj64).to(self.dtype)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,

@@ -1,0 +1,333 @@
+"""``spec verify -n N``: the catalogue's invariant x mode targets spread over N worker processes.
+
+Each target keeps what makes its run reproducible: its own seed stream and example-database key
+(:func:`spec.run.runner.stream_key`, set on the check's body, not on the process), so a target's
+derandomized draws, and so its outcome, are those of a one-process run. The parent holds the queue
+of targets, longest first (:func:`schedule`: durations recorded in a previous report of the same
+engine where there is one, else :func:`static_estimate`); every idle worker takes the next one
+(greedy longest-processing-time scheduling), so the slowest targets never start last. The parent
+merges the outcomes back into catalogue order: the report is that of a one-process run apart from
+the timings.
+
+Workers are started with ``forkserver`` where the platform has it (the server imports torch and
+the suite once; each worker forks from it), else ``spawn``; never ``fork``, so a parent that has
+touched CUDA or threads hands nothing of it on. Each worker loads the engine by name and, for
+engines whose sequence parallelism runs on real ranks, owns its own rank pool
+(:mod:`spec.execute.ranks`: a ``FileStore`` in a private temporary directory, no ports), stopped when the
+worker exits. A worker that dies mid-target (a segfault, the OOM killer) has that target reported
+as a suite error with the Python traceback ``faulthandler`` dumped (or the signal that killed it),
+and a fresh worker takes its place for the targets left.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import inspect
+import json
+import multiprocessing as mp
+import os
+import queue as queue_module
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..invariants import CATALOGUE, InvariantInfo
+from .profiles import load_profile
+from .registry import load_engine
+from .runner import Outcome, run_invariant
+
+__all__ = ["Target", "default_workers", "static_estimate", "recorded_seconds", "schedule", "run_parallel",
+           "run_targets", "outcome_from_dict"]
+
+#: a worker's answer: (worker index, kind, target index, payload)
+_DONE, _READY, _CRASH = "done", "ready", "crash"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One invariant x mode, by name (what crosses the process boundary)."""
+
+    invariant: str
+    mode: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.invariant}/{self.mode}"
+
+    def info(self) -> InvariantInfo:
+        return CATALOGUE[self.invariant]
+
+
+def default_workers() -> int:
+    """Every core this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_RUNS = re.compile(r"\b(rerun|execute|_rows_match|_both_modes|_expect_error)\(")
+
+
+def static_estimate(target: Target) -> float:
+    """A relative cost when no duration was recorded: the engine runs the check's source asks for (each
+    ``rerun``/``execute``/helper call one more run, ``ctx.run`` the first), doubled for a check comparing
+    the modes and for the real-rank invariants (each run a round trip through worker processes)."""
+    info = target.info()
+    try:
+        source = inspect.getsource(info.check)
+    except (OSError, TypeError):
+        source = ""
+    runs = 1 + len(_RUNS.findall(source))
+    if info.kind == "dense":
+        runs = 0.5
+    if "both" in info.modes or info.id.startswith("INV-RANK"):
+        runs *= 2
+    return float(runs)
+
+
+def recorded_seconds(report: Path | None) -> dict[str, float]:
+    """``invariant/mode`` -> seconds, from a JSON report written by ``spec verify`` (empty when absent)."""
+    if report is None or not report.is_file():
+        return {}
+    try:
+        outcomes = json.loads(report.read_text())["outcomes"]
+        return {f"{o['invariant']}/{o['mode']}": float(o["seconds"]) for o in outcomes
+                if o.get("status") != "skip"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def schedule(targets: list[Target], recorded: dict[str, float] | None = None) -> list[int]:
+    """Indices of ``targets``, longest first: recorded seconds where known (a target never recorded is
+    ranked by its static estimate scaled to the recorded ones), ties in catalogue order."""
+    recorded = recorded or {}
+    known = [(recorded[t.key], static_estimate(t)) for t in targets if t.key in recorded]
+    scale = (sum(s for s, _ in known) / max(sum(e for _, e in known), 1e-9)) if known else 1.0
+    cost = [recorded.get(t.key, static_estimate(t) * scale) for t in targets]
+    return sorted(range(len(targets)), key=lambda i: (-cost[i], i))
+
+
+def outcome_from_dict(data: dict, case: Any = None, known_cases: dict | None = None) -> Outcome:
+    names = {f.name for f in fields(Outcome)} - {"case", "known_cases"}
+    return Outcome(**{k: v for k, v in data.items() if k in names}, case=case, known_cases=dict(known_cases or {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side
+# ---------------------------------------------------------------------------------------------
+
+def _worker(index: int, engine_name: str, profile: str, device: str, threads: int, overrides: dict,
+            tasks, results, crash_log: str) -> None:
+    """Take targets from ``tasks`` until the ``None`` sentinel; answer each with its outcome."""
+    with open(crash_log, "w") as log:
+        faulthandler.enable(log)  # a fatal signal leaves the Python stack here for the parent
+        try:
+            _serve(index, engine_name, profile, device, threads, overrides, tasks, results)
+        except BaseException:
+            log.write(traceback.format_exc())
+            log.flush()
+            raise
+        finally:
+            _stop_rank_pools()
+
+
+def _serve(index: int, engine_name: str, profile: str, device: str, threads: int, overrides: dict,
+           tasks, results) -> None:
+    warnings.simplefilter("ignore")
+    load_profile(profile)
+    torch.set_num_threads(threads)
+    engine = load_engine(engine_name)
+    results.put((index, _READY, None, None))
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue_module.Empty:
+            if os.getppid() != parent:  # the parent is gone: do not linger
+                return
+            continue
+        if task is None:
+            return
+        position, invariant, mode = task
+        try:
+            outcome = run_invariant(CATALOGUE[invariant], engine, mode, device, **overrides)
+            # the report's fields, plus the cases a reproducer is written from (spec/repro), pickled
+            results.put((index, _DONE, position, (outcome.as_dict(), outcome.case, outcome.known_cases)))
+        except Exception:  # noqa: BLE001 - the suite itself failed on this target
+            results.put((index, _CRASH, position, traceback.format_exc()))
+
+
+def _stop_rank_pools() -> None:
+    ranks = sys.modules.get("spec.execute.ranks")
+    if ranks is not None:
+        ranks.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent side
+# ---------------------------------------------------------------------------------------------
+
+def _context(device: str):
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(["torch", "hypothesis", "spec.run.parallel"])
+    return ctx
+
+
+def _died(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}" + (" (out of memory?)" if -exitcode == 9 else "")
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class _Slot:
+    """One worker process and what it is running."""
+
+    def __init__(self, ctx, index: int, args: tuple, results, folder: str):
+        self.index = index
+        self.crash_log = os.path.join(folder, f"worker{index}.log")
+        self.current: int | None = None  # the target it holds: the parent hands one at a time
+        self.tasks = ctx.Queue()
+        # not daemonic: a worker may start its own rank pool (spec.execute.ranks), and daemonic processes may
+        # have no children; a worker whose parent is gone stops by itself (_serve)
+        self.process = ctx.Process(target=_worker, name=f"spec-verify-{index}", daemon=False,
+                                   args=(index, *args, self.tasks, results, self.crash_log))
+        self.process.start()
+
+    def give(self, position: int, target: Target) -> None:
+        self.current = position
+        self.tasks.put((position, target.invariant, target.mode))
+
+    def traceback(self) -> str:
+        try:
+            with open(self.crash_log) as fh:
+                return fh.read()[-8000:].strip()
+        except OSError:
+            return ""
+
+
+def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profile: str, device: str = "cpu",
+                 threads: int = 1, overrides: dict | None = None, recorded: dict[str, float] | None = None,
+                 progress: Callable[[int, int, list[str]], None] | None = None,
+                 startup_timeout: float = 600.0) -> list[Outcome]:
+    """Run ``targets`` on ``engine_name`` over ``workers`` processes; the outcomes in ``targets``' order.
+
+    ``progress(done, total, running)`` is called whenever a target starts or finishes."""
+    overrides = dict(overrides or {})
+    waiting = schedule(targets, recorded)  # longest first; each idle worker takes the head
+    outcomes: list[Outcome | None] = [None] * len(targets)
+    workers = max(1, min(workers, len(targets)))
+    ctx = _context(device)
+    results = ctx.Queue()
+    args = (engine_name, profile, device, threads, overrides)
+    folder = tempfile.mkdtemp(prefix="spec-verify-")
+    slots = {i: _Slot(ctx, i, args, results, folder) for i in range(workers)}
+    next_index = workers
+    done = 0
+    started = time.monotonic()
+    ready: set[int] = set()
+
+    def report() -> None:
+        if progress is not None:
+            running = [targets[s.current].key for s in slots.values() if s.current is not None]
+            progress(done, len(targets), running)
+
+    def settle(position: int, outcome: Outcome) -> None:
+        nonlocal done
+        if outcomes[position] is None:
+            outcomes[position] = outcome
+            done += 1
+
+    def feed(slot: _Slot) -> None:
+        if waiting:
+            position = waiting.pop(0)
+            slot.give(position, targets[position])
+
+    def error(position: int, message: str) -> Outcome:
+        t = targets[position]
+        return Outcome(t.invariant, engine_name, t.mode, device, "error", error=message, layout=t.info().layout)
+
+    try:
+        while done < len(targets):
+            try:
+                index, kind, position, payload = results.get(timeout=0.5)
+            except queue_module.Empty:
+                for slot in [s for s in slots.values() if not s.process.is_alive()]:
+                    slot.process.join()
+                    why = _died(slot.process.exitcode)
+                    if slot.current is not None:  # the target it was running is reported, the others go on
+                        settle(slot.current, error(slot.current, f"suite error: worker process {why} while running "
+                                                   f"this target\n{slot.traceback() or '(no traceback)'}"))
+                    elif slot.index not in ready:
+                        raise RuntimeError(f"spec verify: worker {slot.index} {why} before it was ready\n"
+                                           f"{slot.traceback()}")
+                    del slots[slot.index]
+                    if waiting:  # a fresh worker for the targets left
+                        slots[next_index] = _Slot(ctx, next_index, args, results, folder)
+                        next_index += 1
+                    report()
+                if not ready and time.monotonic() - started > startup_timeout:
+                    raise RuntimeError(f"spec verify: no worker was ready within {startup_timeout:.0f} s")
+                continue
+            slot = slots.get(index)
+            if slot is None:
+                continue
+            if kind == _READY:
+                ready.add(index)
+            elif kind in (_DONE, _CRASH):
+                slot.current = None
+                settle(position, outcome_from_dict(*payload) if kind == _DONE
+                       else error(position, f"suite error: the worker raised\n{payload}"))
+            if slot.current is None:
+                feed(slot)
+            report()
+    finally:
+        for slot in slots.values():
+            slot.tasks.put(None)
+        deadline = time.monotonic() + 30.0
+        for slot in slots.values():
+            slot.process.join(max(0.1, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                slot.process.terminate()
+                slot.process.join(5.0)
+            slot.tasks.cancel_join_thread()
+        results.cancel_join_thread()
+        for path in Path(folder).glob("*"):
+            path.unlink(missing_ok=True)
+        os.rmdir(folder)
+    return [o for o in outcomes if o is not None]
+
+
+def run_targets(engine, pairs: list[tuple[InvariantInfo, str]], *, workers: int, profile: str, device: str = "cpu",
+                engine_name: str | None = None, threads: int = 1, overrides: dict | None = None, recorded: dict[str, float] | None = None,
+                progress: Callable[[int, int, list[str]], None] | None = None) -> list[Outcome]:
+    """The outcomes of ``pairs`` in their order: in this process for one worker (in catalogue order),
+    else over ``workers`` processes (:func:`run_parallel`, the engine rebuilt there from ``engine_name``, by
+    default its own name)."""
+    overrides = dict(overrides or {})
+    if workers <= 1:
+        outcomes = []
+        for n, (info, mode) in enumerate(pairs):
+            if progress is not None:
+                progress(n, len(pairs), [f"{info.id}/{mode}"])
+            outcomes.append(run_invariant(info, engine, mode, device, **overrides))
+        if progress is not None:
+            progress(len(pairs), len(pairs), [])
+        return outcomes
+    return run_parallel(engine_name or engine.name, [Target(info.id, mode) for info, mode in pairs], workers=workers,
+                        profile=profile, device=device, threads=threads, overrides=overrides, recorded=recorded,
+                        progress=progress)

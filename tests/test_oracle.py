@@ -1,0 +1,73 @@
+"""The vectorised oracle equals the plain per-sequence loop it replaced, bit for bit, and reads only the case.
+
+``spec.oracle.expected`` computes every sequence's expectations in one pass over the batch's tokens;
+``spec.oracle.expected_loop`` is the reference: the model run on each sequence of a materialized micro-batch
+alone, every quantity read off the contract one sequence at a time. Equal means the same dtype, shape and
+float64 bits (0 ulp) for every value and every tolerance, over drawn cases of every tier (long sequences, wide
+vocabularies, big batches, mRoPE, per-sample and clamped temperatures, every logits dtype, the value head).
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from spec.cases import EngineCase
+from spec.execute.handoff import model_for
+from spec.cases.materialize import draws, materialize
+from spec.truth.oracle import expected, expected_loop
+from spec.cases.strategies import engine_cases
+
+KEYS = ("log_probs", "entropy", "sum_pi_squared", "values")
+
+
+def identical(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    assert len(a) == len(b), f"{what}: {len(a)} sequences vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{what}[{i}]: {x.dtype} {x.shape} vs {y.dtype} {y.shape}"
+        both_nan = x.isnan() & y.isnan() if x.is_floating_point() else torch.zeros_like(x, dtype=torch.bool)
+        assert bool(((x == y) | both_nan).all()), f"{what}[{i}]: max |diff| {float((x - y).abs().max()):.3g}"
+
+
+def assert_same_oracle(case: EngineCase) -> None:
+    model = model_for(case, "cpu")
+    fast, loop = expected(case, model, draws(case)), expected_loop(case, materialize(case), model)
+    for key in KEYS:
+        identical(fast.of(key), loop.of(key), key)
+    assert fast.distillation.keys() == loop.distillation.keys() == set(case.distillation_keys)
+    for key in case.distillation_keys:
+        identical(fast.of(key), loop.of(key), key)
+    assert fast.tolerance.keys() == loop.tolerance.keys()
+    for key in fast.tolerance:
+        identical(fast.tolerance[key], loop.tolerance[key], f"tolerance of {key}")
+    assert fast.bounds.keys() == loop.bounds.keys()
+    for mechanism in fast.bounds:
+        assert fast.bounds[mechanism].keys() == loop.bounds[mechanism].keys()
+        for key in fast.bounds[mechanism]:
+            identical(fast.bounds[mechanism][key], loop.bounds[mechanism][key], f"{mechanism} bound of {key}")
+
+
+@settings(max_examples=150)
+@given(case=st.one_of(engine_cases(), engine_cases(head="value")))
+def test_vectorised_oracle_equals_the_loop(case: EngineCase) -> None:
+    assert_same_oracle(case)
+
+
+def test_seed_cases_and_a_long_mrope_batch() -> None:
+    for case in (EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=(0.5, 2.0),
+                            calculate_entropy=True, calculate_sum_pi_squared=True,
+                            distillation_keys=("distillation_losses", "student_mass", "overlap_count")),
+                 EngineCase(prompt_lens=(1, 300, 7), response_lens=(1, 40, 1), vocab=64, mrope=True,
+                            temperature=(1e-9, 0.01, 50.0), logits_dtype="bfloat16", seed=11)):
+        assert_same_oracle(case)
+
+
+def test_oracle_reads_the_case_not_a_mutated_batch() -> None:
+    """What an engine does to the micro-batch it was handed cannot move the expectation."""
+    case = EngineCase(prompt_lens=(2, 3), response_lens=(2, 2), vocab=16, seed=5)
+    model = model_for(case, "cpu")
+    before = expected(case, model, draws(case)).log_probs
+    batch = materialize(case)
+    batch["input_ids"].values().zero_()
+    identical(expected(case, model, draws(case)).log_probs, before, "log_probs after the batch was zeroed")
+    assert not all(torch.equal(a, b) for a, b in zip(expected_loop(case, batch, model).log_probs, before))
