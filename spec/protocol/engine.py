@@ -27,7 +27,8 @@ import torch
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
            "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE", "response_view",
-           "completion_view", "action_view", "sequences_from_responses", "sequences_from_rows"]
+           "completion_view", "action_view", "sequences_from_responses", "sequences_from_rows", "read_flags",
+           "FLAG_DEFAULTS"]
 
 
 class Feature(str, Enum):
@@ -379,3 +380,68 @@ def sequences_from_rows(rows: torch.Tensor, micro_batch: Any, layout: "PaddedLay
         prompts = seq - resp
         within = within + (int(prompts.max()) - prompts)[sample]
     return torch.nested.nested_tensor_from_jagged(rows[sample, within], micro_batch["input_ids"].offsets().to(rows.device))
+
+
+# -- the contract's flags, read strictly (for adapters) ---------------------------------------------------------
+
+#: every per-batch flag of the contract and its default (``max_response_len``: None = ``max r_i``)
+FLAG_DEFAULTS: dict[str, Any] = {
+    "use_remove_padding": True, "pad_mode": "no_padding", "use_fused_kernels": False, "pad_token_id": 0,
+    "calculate_entropy": False, "calculate_sum_pi_squared": False, "distillation_use_topk": False,
+    "distillation_only": False, "max_response_len": None, "temperature": 1.0,
+}
+
+
+def _plain_flag(micro_batch: Any, key: str) -> Any:
+    if key not in micro_batch.keys():
+        return FLAG_DEFAULTS[key]
+    value = micro_batch.get(key)
+    return getattr(value, "data", value) if type(value).__name__ == "NonTensorData" else value
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python bool or a numpy bool (``numpy.bool_``, named ``bool`` in numpy 2)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def _as_int(key: str, value: Any) -> int:
+    if _is_bool(value) or not (
+            isinstance(value, int) or type(value).__module__ == "numpy" and "int" in type(value).__name__):
+        raise TypeError(f"flag {key} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def read_flags(micro_batch: Any) -> dict[str, Any]:
+    """The contract's flags of ``micro_batch`` as plain Python values, defaults filled in, read strictly: a bool flag
+    is a bool, a numpy bool or a 0/1 int; ``pad_token_id`` an int (not a bool); ``max_response_len`` an int >= 1 or
+    absent; ``pad_mode`` a str (or a str Enum: its value); ``temperature`` a float or a ``(B,)`` tensor. Anything
+    else raises (TypeError, or ValueError for an impossible value) naming the flag: never a silently different run
+    (INV-FLAG-001..003). For adapters whose engine takes its flags as arguments."""
+    out: dict[str, Any] = {}
+    for key, default in FLAG_DEFAULTS.items():
+        value = _plain_flag(micro_batch, key)
+        if isinstance(default, bool):
+            if _is_bool(value):
+                out[key] = bool(value)
+                continue
+            if _as_int(key, value) not in (0, 1):
+                raise ValueError(f"flag {key} must be a bool (or 0/1), got {value!r}")
+            out[key] = bool(value)
+        elif key == "pad_token_id":
+            out[key] = _as_int(key, value)
+        elif key == "max_response_len":
+            out[key] = None if value is None else _as_int(key, value)
+            if out[key] is not None and out[key] < 1:
+                raise ValueError(f"flag max_response_len must be >= 1, got {value!r}")
+        elif key == "pad_mode":
+            value = getattr(value, "value", value)
+            if not isinstance(value, str):
+                raise TypeError(f"flag pad_mode must be a str, got {type(value).__name__} {value!r}")
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
+            out[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        else:
+            raise TypeError(f"temperature must be a float or a (B,) tensor, got {type(value).__name__} {value!r}")
+    return out
