@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import impl
-from spec.attribution import AttributedEngine
+from spec.execute.attribution import AttributedEngine
 from spec.cases import EngineCase
-from spec.engines import load_engine
+from spec.run.registry import load_engine
 from spec.invariants import CATALOGUE, Ctx
 from spec.invariants import core
-from spec.runner import Outcome, run_invariant
+from spec.run.runner import Outcome, run_invariant
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = "tests.false_alarm_engines"
@@ -231,7 +231,7 @@ def test_plugin_and_verify_agree(tmp_path, name) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_fused_head_logits_are_exact_in_float32(dtype) -> None:
-    from spec.toy_model import ToyCausalLM
+    from spec.truth.toy_model import ToyCausalLM
 
     model = ToyCausalLM(152_064, seed=1, dtype=dtype, head_input="hidden")
     ids = torch.randint(0, 152_064, (1, 7))
@@ -264,7 +264,7 @@ RANKS = EngineCase(prompt_lens=(1,), response_lens=(1,), vocab=3, sp_size=2, pad
 
 
 def _real_ranks():
-    from spec.ranks import unavailable
+    from spec.execute.ranks import unavailable
 
     reason = unavailable("cpu", 2)
     if reason:
@@ -294,7 +294,7 @@ def test_ranks_roll_after_slice_still_fails() -> None:
 # -- 10: consumer views of other frameworks ---------------------------------------------------------------------
 
 def test_consumer_views_equal_verls_slice() -> None:
-    from spec.harness import execute
+    from spec.execute.harness import execute
     from spec.protocol import action_view, completion_view, response_view, sequences_from_responses
 
     case = EngineCase(prompt_lens=(3, 1, 2), response_lens=(1, 3, 2), vocab=7, max_response_len=4, seed=1)

@@ -89,7 +89,7 @@ def test_worked_example_passes_the_full_ci_catalogue(user_repo: Path) -> None:
            if o["status"] not in ("pass", "skip")}
     assert run.returncode == 0 and not bad, (bad, run.stdout[-3000:])
     assert report["verdict"] == "pass"
-    from spec.runner import instances
+    from spec.run.runner import instances
 
     assert len(report["outcomes"]) == len(instances())  # the whole catalogue ran
     passed = {o["invariant"] for o in report["outcomes"] if o["status"] == "pass"}

@@ -127,7 +127,7 @@ class Ctx:
 
     @cached_property
     def read(self) -> list[torch.Tensor]:
-        """Per sequence, the positions of a per-token output the contract checks (:func:`spec.rules.read_positions`
+        """Per sequence, the positions of a per-token output the contract checks (:func:`spec.truth.rules.read_positions`
         for the engine's declared output span): never a sequence's last token, which no consumer reads."""
         return read_positions(self.case.prompt_lens, self.case.response_lens,
                               getattr(self.engine, "output_span", OutputSpan.SEQUENCE))

@@ -85,7 +85,7 @@ class ShardLayout(str, Enum):
 class PaddedLayout(str, Enum):
     """Where a padded engine (``use_remove_padding=False``) puts each sequence in its ``(B, L)`` model input.
     The harness poisons the model's output by the declared layout's padding, and every mask/row invariant
-    reads the layout's meaning (which columns hold sample i's tokens); :func:`spec.rules.layout_columns`."""
+    reads the layout's meaning (which columns hold sample i's tokens); :func:`spec.truth.rules.layout_columns`."""
 
     #: verl: the whole sequence from column 0, right-padded to ``L = max n_i``
     RIGHT = "right"
