@@ -199,7 +199,7 @@ def _entry_point_installed() -> bool:
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "SPEC_EXAMPLE_DB": ":memory:"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "SPEC_EXAMPLE_DB": "none"}
     env.pop("PYTEST_XDIST_WORKER", None)
     return env
 
