@@ -182,7 +182,7 @@ class WrongRightDeclaredLeftRight(ImplEngine):
 
 class _FusedHeadLM(impl.LMHeadEngine):
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None, **kw):
-        if hasattr(output, "logits") or not hasattr(output, "hidden_states"):  # fused kernels hand log_probs
+        if hasattr(output, "log_probs"):  # fused kernels: the model hands log_probs itself
             return super().prepare_model_outputs(output, output_args, mb, logits_processor_func, **kw)
         logits = output.hidden_states.float() @ output.lm_head_weight.float().T  # exact in float32
         rest = {k: v for k, v in vars(output).items() if k not in ("hidden_states", "lm_head_weight")}
