@@ -108,4 +108,5 @@ def consumer_response_view(ctx: Ctx) -> None:
         if tuple(got.shape) != tuple(want.shape) or not torch.equal(mask.cpu(), torch.arange(want.shape[1]) < lens[:, None]):
             fail(f"{name}: shape {tuple(got.shape)} with mask {mask.tolist()}, expected {tuple(want.shape)} with "
                  f"{list(ctx.case.response_lens)} real columns")
-        close(got, want, f"{name} of log_probs (B, R)", atol=tol)
+        for i in range(want.shape[0]):  # per sequence, as every value mismatch is worded
+            close(got[i], want[i], f"'log_probs' of sequence {i} in {name} (row {i} of (B, R))", atol=tol[i])
