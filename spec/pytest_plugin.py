@@ -58,10 +58,10 @@ class IoprepItem(pytest.Item):
         suite = _suite()
         reason = self.engine.implied_needs(tuple(self.info.needs))
         if reason:
-            self.outcome = suite.runner.Outcome(self.info.id, self.engine.name, self.mode, self.device, "skip",
+            self.outcome = suite.run.runner.Outcome(self.info.id, self.engine.name, self.mode, self.device, "skip",
                                                 reason=reason, layout=self.info.layout)
         else:
-            self.outcome = suite.runner.run_invariant(self.info, self.engine, self.mode, self.device)
+            self.outcome = suite.run.runner.run_invariant(self.info, self.engine, self.mode, self.device)
         self.config.stash.setdefault(_OUTCOMES, []).append(self.outcome)
         o = self.outcome
         if o.status == "skip":
@@ -86,7 +86,7 @@ _OUTCOMES = pytest.StashKey[list]()
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("ioprep_engine"):
-        _suite().profiles.load_profile(config.getoption("ioprep_profile"))
+        _suite().run.profiles.load_profile(config.getoption("ioprep_profile"))
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
@@ -97,8 +97,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     prefixes = tuple((config.getoption("ioprep_only") or "").split(","))
     devices = config.getoption("ioprep_device") or ["cpu"]
     for name in names:
-        engine = suite.engines.load_engine(name)
-        for info, mode in suite.runner.instances():
+        engine = suite.run.registry.load_engine(name)
+        for info, mode in suite.run.runner.instances():
             if not info.id.startswith(prefixes):
                 continue
             for device in devices:
