@@ -17,7 +17,7 @@ from .invariants import CATALOGUE
 from .run.runner import Outcome
 
 __all__ = ["summary_line", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
-           "FAILING"]
+           "FAILING", "by_counterexample"]
 
 _MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
          "xpass": "STALE known failure"}
@@ -74,6 +74,35 @@ def _table(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def by_counterexample(outcomes: list[Outcome]) -> list[tuple[str, list[Outcome]]]:
+    """Failed verdict outcomes grouped by their minimal counterexample (the main one or any further distinct
+    one), groups of two or more only, largest first: failures that shrink to one case are most likely one root
+    cause, diagnosed once."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in verdict_outcomes(outcomes):
+        if o.status not in ("fail", "error"):
+            continue
+        cases = [o.counterexample] + [f.get("counterexample") for f in o.other_failures]
+        for case in dict.fromkeys(c for c in cases if c):
+            groups.setdefault(case, []).append(o)
+    shared = [(case, members) for case, members in groups.items() if len(members) > 1]
+    return sorted(shared, key=lambda item: -len(item[1]))
+
+
+def _grouped(outcomes: list[Outcome]) -> list[str]:
+    groups = by_counterexample(outcomes)
+    if not groups:
+        return []
+    lines = ["", "## Failures sharing a minimal counterexample (likely one root cause each)", ""]
+    for case, members in groups:
+        names = ", ".join(f"{o.invariant}/{o.mode}" for o in members)
+        first = next((o.error for o in members if o.counterexample == case), members[0].error) or ""
+        lines.append(f"- `{case}`: {names}; first: {first[:300]}".replace("\n", " "))
+    return lines
+
+
+
+
 def _reproducers(reproducers, base: Path | None) -> list[str]:
     """The reproducers section: each failure's file (linked relative to the report) and whether it fails
     standalone; those that cannot be reproduced standalone are listed as such."""
@@ -103,6 +132,7 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
     lines = [f"# Conformance report: engine `{engine}`", "",
              f"profile `{profile}`, device `{device}`: the verdict {word}: **{summary_line(verdict)}**", ""]
     lines += _table(verdict)
+    lines += _grouped(outcomes)
     if layout:
         lines += ["", "## Layout profile (verl's layout conventions; informational, not part of the verdict)", "",
                   f"**{summary_line(layout)}**", ""]
@@ -122,6 +152,8 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
                               "verdict": "fail" if failed(outcomes) else "pass",
                               "summary": summary_line(verdict),
                               "layout_summary": summary_line(layout),
+                              "shared_counterexamples": [{"counterexample": case, "failures": [o.test_id for o in m]}
+                                                         for case, m in by_counterexample(outcomes)],
                               "outcomes": [o.as_dict() for o in outcomes],
                               "reproducers": [r.as_dict() for r in reproducers or ()]}, indent=2))
     return [md, js]

@@ -79,6 +79,24 @@ def test_catalogue_runs_in_the_users_session(user_repo: Path) -> None:
     assert (user_repo / "out" / "verify-tiny.md").read_text().startswith("# Conformance report: engine `tiny`")
 
 
+def test_worked_example_passes_the_full_ci_catalogue(user_repo: Path) -> None:
+    """The guide's adapter, as a user copies it, against every invariant of the catalogue under ``ci`` (no subset):
+    the session passes, nothing fails, and what it lacks is skipped with the adapter's reasons."""
+    run = run_pytest(user_repo, "--ioprep-engine", "mypkg.adapter:TinyAdapter", "--ioprep-profile", "ci",
+                     "--ioprep-report", "full", "test_own.py")
+    report = json.loads((user_repo / "full" / "verify-tiny.json").read_text())
+    bad = {o["test_id"]: f"{o['counterexample']} -> {o['error']}" for o in report["outcomes"]
+           if o["status"] not in ("pass", "skip")}
+    assert run.returncode == 0 and not bad, (bad, run.stdout[-3000:])
+    assert report["verdict"] == "pass"
+    from spec.run.runner import instances
+
+    assert len(report["outcomes"]) == len(instances())  # the whole catalogue ran
+    passed = {o["invariant"] for o in report["outcomes"] if o["status"] == "pass"}
+    assert {"INV-FLAG-003", "INV-VAL-001", "INV-VAL-002", "INV-VAL-003", "INV-VAL-004", "INV-TEMP-001",
+            "INV-SLICE-006", "INV-MASK-001", "INV-LEAK-001"} <= passed
+
+
 def test_plugin_fails_a_buggy_user_engine(user_repo: Path) -> None:
     run = run_pytest(user_repo, "--ioprep-engine", "mypkg.buggy_adapter:TinyAdapter", "--ioprep-profile", "ci",
                      "--ioprep-only", "INV-MASK-001")

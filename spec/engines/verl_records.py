@@ -44,10 +44,10 @@ def loss_mask_attention(invariants: frozenset[str] | set[str] = MASK_INVARIANTS,
                  for inv in sorted(invariants))
 
 
-#: where a response-only mask (r_i ones) changes an output that is read: log-probs at positions r_i .. n_i - 2 (a
-#: prompt of 2 or more tokens; the last token's log-prob is never read), or any entropy past r_i
-MASK_VISIBLE = When("a prompt of >= 2 tokens or entropy requested (an output past r_i is read)",
-                    lambda case: any(p >= 2 for p in case.prompt_lens) or case.calculate_entropy)
+#: where a response-only mask (r_i ones) changes an output that is read: any output at positions r_i .. n_i - 2 (a
+#: prompt of 2 or more tokens; no output at a sequence's last token is read: spec.truth.rules.read_positions)
+MASK_VISIBLE = When("a prompt of >= 2 tokens (an output at r_i .. n_i - 2 is read)",
+                    lambda case: any(p >= 2 for p in case.prompt_lens))
 
 
 def _per_sample_on_vocab(case) -> bool:

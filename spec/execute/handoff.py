@@ -14,8 +14,9 @@ import torch
 from tensordict import TensorDict
 
 from ..cases.structure import EngineCase
-from ..protocol.engine import EngineUnderTest, InputsView
-from ..truth.toy_model import ToyCausalLM
+from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
+from ..truth.rules import layout_mask
+from ..truth.toy_model import HEAD_WEIGHT, ToyCausalLM
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot"]
 
@@ -64,8 +65,14 @@ def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
     return held
 
 
-def model_for(case: EngineCase, device: str) -> ToyCausalLM:
-    return ToyCausalLM(case.vocab, seed=case.seed, out_dim=1 if case.head == "value" else None, device=device)
+def model_for(case: EngineCase, device: str, engine: EngineUnderTest | None = None) -> ToyCausalLM:
+    """The stand-in model of ``case``; for an engine of the fused-head protocol (``head_input`` hidden, LM head)
+    it hands hidden states and the LM-head weight instead of logits (its logits, for the oracle, are their
+    exact float32 product)."""
+    hidden = engine is not None and case.head == "lm" and \
+        getattr(engine, "head_input", HeadInput.LOGITS) == HeadInput.HIDDEN
+    return ToyCausalLM(case.vocab, seed=case.seed, out_dim=1 if case.head == "value" else None, device=device,
+                       head_input="hidden" if hidden else "logits")
 
 
 @dataclass
@@ -106,10 +113,12 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
     return settings
 
 
-def _poison_padded(tensor: torch.Tensor, case: EngineCase, value: float) -> torch.Tensor:
-    lens = torch.tensor(case.seq_lens, device=tensor.device)
-    cols = torch.arange(tensor.shape[1], device=tensor.device)
-    pad = (cols.unsqueeze(0) >= lens.unsqueeze(1))
+def _poison_padded(tensor: torch.Tensor, case: EngineCase, value: float,
+                   layout: PaddedLayout | str = PaddedLayout.RIGHT) -> torch.Tensor:
+    """``value`` in every slot of a padded ``(B, L, ...)`` model output that the engine's declared layout marks as
+    padding (the layout's meaning, not the mask the engine handed the model: a wrong mask must not move it)."""
+    real = layout_mask(case.prompt_lens, case.response_lens, layout, width=tensor.shape[1]).to(tensor.device)
+    pad = (real == 0)
     pad = pad.view(*pad.shape, *([1] * (tensor.dim() - 2)))
     return tensor.masked_fill(pad, value)
 
@@ -124,21 +133,33 @@ def _fields(out: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
 
 
+def _per_token(out: Any) -> dict[str, torch.Tensor]:
+    """The model output's per-token fields (poisoned and split across ranks); the LM-head weight is neither."""
+    return {k: v for k, v in _fields(out).items() if k != HEAD_WEIGHT}
+
+
+def _shared(out: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in _fields(out).items() if k == HEAD_WEIGHT}
+
+
 def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,
-                poison: float) -> list[SimpleNamespace]:
-    """Run the model once over the whole batch; hand each rank its slice with the padding poisoned."""
+                poison: float, layout: PaddedLayout | str = PaddedLayout.RIGHT) -> list[SimpleNamespace]:
+    """Run the model once over the whole batch; hand each rank its slice with the padding poisoned (padded: by
+    the engine's declared ``layout``)."""
     if not case.use_remove_padding:
         (mi,) = inputs
         out = model(**mi)
-        return [SimpleNamespace(**{k: _poison_padded(v, case, poison) for k, v in _fields(out).items()})]
+        return [SimpleNamespace(**{k: _poison_padded(v, case, poison, layout) for k, v in _per_token(out).items()},
+                                **_shared(out))]
     joined = dict(inputs[0])
     for key in ("input_ids", "position_ids", "shift_labels"):
         if key in joined:
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
     out = model(**joined)
-    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _fields(out).items()}
+    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
     widths = [mi["input_ids"].shape[-1] for mi in inputs]
     per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
-    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}) for r in range(len(inputs))]
+    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}, **_shared(out))
+            for r in range(len(inputs))]
 
 

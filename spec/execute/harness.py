@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
-from ..protocol.engine import EngineUnderTest
+from ..protocol.engine import EngineUnderTest, PaddedLayout
 from ..truth.oracle import TopKProcessor
 from . import ranks
 from .handoff import (
@@ -74,7 +74,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return sp_runner(engine, case, device, poison=poison, micro_batch=micro_batch,
                          stop_after_inputs=stop_after_inputs)
     mb = materialize(case, device) if micro_batch is None else micro_batch
-    run = Run(case, device, mb, snapshot(mb), model_for(case, device))
+    run = Run(case, device, mb, snapshot(mb), model_for(case, device, engine))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
     engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
     if reuse is not None and not reuse:
@@ -86,7 +86,8 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     attach_views(run, engine)
     if stop_after_inputs:
         return run
-    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison])
+    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison],
+                                    getattr(engine, "padded_layout", PaddedLayout.RIGHT))
     run.model_output_snapshots = [{k: v.clone() for k, v in _fields(o).items()} for o in run.model_outputs]
     run.output_args_snapshots = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
                                  for args in run.output_args]

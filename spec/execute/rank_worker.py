@@ -30,7 +30,7 @@ from impl.sequence_parallel import TorchDistributedAllGather
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
-from .handoff import POISONS, _call_model, _fields, _poison_tail, _settings, model_for
+from .handoff import POISONS, _call_model, _fields, _per_token, _poison_tail, _settings, _shared, model_for
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
@@ -150,7 +150,7 @@ class _Worker:
         reply["inputs"], reply["output_args"] = _nested_safe(model_inputs), _nested_safe(output_args)
         if task["stop_after_inputs"]:
             return reply
-        model = model_for(case, device)
+        model = model_for(case, device, self.engine(task["engine"], task["recipe"]))
         all_inputs = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s[1][0].items()}
                       for s in everyone]
         widths = [s[1][1] for s in everyone]
@@ -236,9 +236,10 @@ def _model_on_full_row(model: Any, inputs: list[dict[str, Any]], widths: list[in
     if not replicated:
         return _call_model(model, inputs, case, poison)
     out = model(**joined)
-    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _fields(out).items()}
+    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
     per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
-    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}) for r in range(len(inputs))]
+    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}, **_shared(out))
+            for r in range(len(inputs))]
 
 
 def on_device(micro_batch: TensorDict, device: str) -> TensorDict:

@@ -294,7 +294,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     if errors:
         raise_rank_error(*errors[0])
     ordered = [replies[r] for r in range(case.sp_size)]
-    run = Run(case, device, mb, snapshot(mb), model_for(case, device))
+    run = Run(case, device, mb, snapshot(mb), model_for(case, device, engine))
     to_dev = lambda obj: _to_device(obj, device)  # noqa: E731
     run.inputs = [to_dev(b["inputs"]) for b in ordered]
     run.output_args = [to_dev(b["output_args"]) for b in ordered]

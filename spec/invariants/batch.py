@@ -132,7 +132,7 @@ def rejects_bucket_with_topk(ctx: Ctx) -> None:
 
 @invariant("INV-ERR-003", "fused kernels with a per-sample temperature tensor are rejected", contract=10,
            protects="fused kernels with per-sample temperatures fail loudly instead of using one of them",
-           needs=("fused",),
+           needs=("fused", "per_sample_temperature"),
            adjust=lambda c: c.with_(use_fused_kernels=True, calculate_sum_pi_squared=False, distillation_keys=(),
                                     distillation_only=False,
                                     temperature=tuple(0.5 + 0.5 * i for i in range(c.batch_size))))

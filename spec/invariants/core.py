@@ -10,15 +10,17 @@ import torch
 from hypothesis import strategies as st
 
 from ..cases.structure import DenseCase, EngineCase
-from ..protocol.engine import EngineUnderTest
+from ..protocol.engine import EngineUnderTest, OutputSpan
 from ..execute.harness import Run, execute, model_for
 from ..execute.handoff import nested_parts
 from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected
+from ..truth.rules import read_positions, shared_temperature
 from ..cases.strategies import dense_cases, engine_cases
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
-           "match_oracle", "match_runs", "held", "same", "measure_bounds"]
+           "match_oracle", "match_runs", "held", "same", "measure_bounds", "honour_engine",
+           "shares_one_temperature", "read"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -58,7 +60,8 @@ class InvariantInfo:
             return strategy.map(self.adjust) if self.adjust else strategy
         kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
-        return strategy.map(self.adjust) if self.adjust else strategy
+        strategy = strategy.map(self.adjust) if self.adjust else strategy
+        return strategy.map(lambda case: honour_engine(case, engine))
 
     @property
     def doc(self) -> str:
@@ -66,6 +69,21 @@ class InvariantInfo:
 
 
 CATALOGUE: dict[str, InvariantInfo] = {}
+
+
+def shares_one_temperature(engine: EngineUnderTest) -> bool:
+    """Whether the engine takes one temperature per trainer (it lacks per-sample temperatures)."""
+    return engine.lacks("per_sample_temperature") is not None
+
+
+def honour_engine(case: EngineCase, engine: EngineUnderTest) -> EngineCase:
+    """An adjusted case within what the engine offers where an invariant's ``adjust`` asks more than the property
+    needs: an engine with one temperature per trainer gets one shared temperature (a permutation, a concatenation
+    or the temperature's application hold just as well with one; the invariants that need per-sample values
+    declare ``needs=("per_sample_temperature",)`` and are skipped instead)."""
+    if isinstance(case, EngineCase) and case.per_sample_temperature and shares_one_temperature(engine):
+        return shared_temperature(case)
+    return case
 
 
 def invariant(id: str, title: str, *, contract: int, **kwargs: Any) -> Callable:
@@ -110,10 +128,18 @@ class Ctx:
         return materialize(self.case, self.device)
 
     @cached_property
+    def read(self) -> list[torch.Tensor]:
+        """Per sequence, the positions of a per-token output the contract checks (:func:`spec.truth.rules.read_positions`
+        for the engine's declared output span): never a sequence's last token, which no consumer reads."""
+        return read_positions(self.case.prompt_lens, self.case.response_lens,
+                              getattr(self.engine, "output_span", OutputSpan.SEQUENCE))
+
+    @cached_property
     def expected(self) -> Expected:
         """The oracle, from the case's own draws (an engine that mutates its input cannot move the
-        expectation) and a CPU model; no engine run needed."""
-        return expected(self.case, model_for(self.case, "cpu"), draws(self.case))
+        expectation) and a CPU model (the engine's head input: logits, or the fused head's exact product);
+        no engine run needed."""
+        return expected(self.case, model_for(self.case, "cpu", self.engine), draws(self.case))
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -165,21 +191,24 @@ def per_seq(nested: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().to("cpu", torch.float64) for t in nested.unbind()]
 
 
-def _trim(key: str, actual: torch.Tensor, want: torch.Tensor, length: int):
-    """log_probs drop each sequence's last token, whose label is the next sequence's first token (or a
-    wrap) and is never read back; the oracle has no value there."""
-    if key == "log_probs":
-        return actual[: max(length - 1, 0)], want[: max(length - 1, 0)]
-    return actual, want
+def read(ctx: "Ctx", i: int, values: torch.Tensor) -> torch.Tensor:
+    """Sequence ``i``'s values of a per-token output (or its expectation/tolerance) at the positions a consumer reads."""
+    return values[ctx.read[i]]
 
 
 def close_sequence(key: str, actual: torch.Tensor, want: torch.Tensor, what: str,
-                   atol: "float | torch.Tensor" = ATOL) -> None:
-    """:func:`close` for one sequence of output ``key`` (log_probs without the unread last token)."""
-    actual, want = _trim(key, actual, want, actual.shape[0])
+                   atol: "float | torch.Tensor" = ATOL, *, positions: torch.Tensor | None = None,
+                   nan_equal: bool = False) -> None:
+    """:func:`close` for one sequence of output ``key`` at ``positions`` (default: every position but the last, which
+    no consumer reads)."""
+    positions = torch.arange(max(actual.shape[0] - 1, 0)) if positions is None else positions
+    if actual.shape[0] < (int(positions.max()) + 1 if positions.numel() else 0):
+        fail(f"{what}: {actual.shape[0]} values, expected at least {int(positions.max()) + 1}")
+    if want.shape[0] < (int(positions.max()) + 1 if positions.numel() else 0):
+        fail(f"{what}: the reference has {want.shape[0]} values, expected at least {int(positions.max()) + 1}")
     if isinstance(atol, torch.Tensor):
-        atol = atol[: want.shape[0]]
-    close(actual, want, what, atol=atol)
+        atol = atol[positions]
+    close(actual[positions], want[positions], what, atol=atol, nan_equal=nan_equal)
 
 
 def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
@@ -195,7 +224,7 @@ def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
 
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
-    sequence, each token within the tolerance :mod:`spec.truth.oracle` derives for it."""
+    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives."""
     wants = ctx.expected.of(key)
     tols = ctx.expected.tolerance[key]
     bounds = {mechanism: per_key[key] for mechanism, per_key in ctx.expected.bounds.items() if per_key.get(key)}
@@ -203,11 +232,17 @@ def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
         if actual.dim() != 1 or actual.shape[0] != ctx.case.seq_lens[i]:
             fail(f"{key!r} of sequence {i} has shape {tuple(actual.shape)}, expected ({ctx.case.seq_lens[i]},)")
+        at = ctx.read[i]
         try:
-            close(actual[: want.shape[0]], want, f"{key!r} of sequence {i}{what and ' ' + what}", atol=tol)
+            close(actual[at], want[at], f"{key!r} of sequence {i}{what and ' ' + what}"
+                  + ("" if _dense_from_zero(at) else f" (positions {at.tolist()})"), atol=tol[at])
         except AssertionError as exc:
-            measure_bounds(exc, actual[: want.shape[0]], want, {m: b[i] for m, b in bounds.items()})
+            measure_bounds(exc, actual[at], want[at], {m: b[i][at] for m, b in bounds.items()})
             raise
+
+
+def _dense_from_zero(positions: torch.Tensor) -> bool:
+    return positions.numel() == 0 or int(positions[0]) == 0
 
 
 def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor,
@@ -229,8 +264,10 @@ def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor
 
 def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:
     """Two runs of the same samples agree on every key (``want``'s keys must all be in ``got``), sequence
-    by sequence, within twice the oracle's tolerance of each token (each run is within it of the
-    oracle). ``rows``: the samples of the whole case that ``got``'s sequences are (default: all)."""
+    by sequence, at every position a consumer reads, within twice the oracle's tolerance of each token (each
+    run is within it of the oracle). NaN equals NaN here: where both runs give NaN they agree, and the value
+    invariant (against the oracle) reports the NaN once. ``rows``: the samples of the whole case that ``got``'s
+    sequences are (default: all)."""
     rows = list(range(ctx.case.batch_size)) if rows is None else rows
     exp = ctx.expected
     for key in sorted(want):
@@ -240,8 +277,10 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
         theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
         tols = exp.tolerance.get(key)
         for j, (x, y) in enumerate(zip(mine, theirs)):
+            at = ctx.read[rows[j]]
             atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
-            close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol)
+            close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
+                           nan_equal=True)
 
 
 def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:
@@ -252,9 +291,10 @@ def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: "float | torch.Tensor" = ATOL,
-          rtol: float = RTOL) -> None:
+          rtol: float = RTOL, nan_equal: bool = False) -> None:
     """Assert ``actual`` ≈ ``want`` (same shape): ``|actual - want| <= atol + rtol * |want|`` with ``atol``
-    a float or a per-element tensor; NaN is never close; names the first bad index."""
+    a float or a per-element tensor; NaN is never close, unless ``nan_equal`` (two runs compared: NaN in both at
+    the same place agree); names the first bad index."""
     actual = actual.detach().to("cpu", torch.float64)
     want = want.detach().to("cpu", torch.float64)
     if actual.shape != want.shape:
@@ -263,6 +303,8 @@ def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: "float |
         atol = atol.detach().to("cpu", torch.float64)
         rtol = 0.0  # the derived tolerance is absolute, per token
     same = actual == want  # equal infinities
+    if nan_equal:
+        same = same | (actual.isnan() & want.isnan())
     bad = ~(same | ((actual - want).abs() <= atol + rtol * want.abs()))
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..cases.structure import TEMPERATURE_FLOOR
-from ..truth.rules import distinct_temperatures, full_length_mask, offsets, padded_length, token_temperatures
+from ..protocol.engine import PaddedLayout
+from ..truth.rules import (distinct_temperatures, full_length_mask, layout_columns, layout_mask, layout_width, offsets,
+                           padded_length, token_temperatures)
 from .core import Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)
@@ -20,20 +22,30 @@ def _lens(ctx: Ctx) -> torch.Tensor:
     return torch.tensor(ctx.case.seq_lens)
 
 
-@invariant("INV-MASK-001", "padded attention mask row i has exactly n_i leading ones (full sequence, "
-           "not the response-only loss mask)", contract=1,
+def _layout(ctx: Ctx) -> PaddedLayout:
+    """The padded layout the engine declares (verl's right-padded full rows unless it says otherwise)."""
+    return PaddedLayout(getattr(ctx.engine, "padded_layout", PaddedLayout.RIGHT))
+
+
+def _layout_words(ctx: Ctx) -> str:
+    return "" if _layout(ctx) is PaddedLayout.RIGHT else f" in the declared {_layout(ctx).value} layout"
+
+
+@invariant("INV-MASK-001", "padded attention mask row i marks exactly sample i's n_i tokens where the declared "
+           "layout puts them (verl's: n_i leading ones; the full sequence, not the response-only loss mask)",
+           contract=1,
            protects="the model attends to every token of each full sequence (a response-only mask gives wrong log-probs, high KL: verl #6278)", modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
     mask = ctx.inputs_run.views[0].attention_mask
     if mask is None:
         fail("padded mode returned attention_mask=None")
     lens = _lens(ctx)
-    want = full_length_mask(ctx.case.seq_lens, mask.shape[-1])
+    want = layout_mask(ctx.case.prompt_lens, ctx.case.response_lens, _layout(ctx), mask.shape[-1])
     got = mask.detach().to("cpu", torch.int64)
     if got.shape != want.shape or not torch.equal(got, want):
         rows = [r for r in range(min(got.shape[0], want.shape[0])) if not torch.equal(got[r], want[r])]
         row = rows[0] if rows else 0
-        fail(f"attention_mask row {row} is {got[row].tolist()}, expected {want[row].tolist()} "
+        fail(f"attention_mask row {row} is {got[row].tolist()}, expected {want[row].tolist()}{_layout_words(ctx)} "
              f"(sequence length {int(lens[row])}, response length {ctx.case.response_lens[row]})")
 
 
@@ -50,14 +62,15 @@ def mask_dtype_device(ctx: Ctx) -> None:
         fail(f"attention_mask on {mask.device}, input_ids on {ids.device}, batch on {ctx.device}")
 
 
-@invariant("INV-MASK-003", "padded attention mask is (B, max_seq_len) and sums to total_nnz", contract=1,
+@invariant("INV-MASK-003", "padded attention mask is (B, L) with the declared layout's width (verl's: max_seq_len) "
+           "and sums to total_nnz", contract=1,
            protects="the padded batch has one row per sample and exactly total_nnz attended tokens",
            modes=PADDED)
 def mask_shape_sum(ctx: Ctx) -> None:
     mask = ctx.inputs_run.views[0].attention_mask
     if mask is None:
         fail("padded mode returned attention_mask=None")
-    want = (ctx.case.batch_size, max(ctx.case.seq_lens))
+    want = (ctx.case.batch_size, layout_width(ctx.case.prompt_lens, ctx.case.response_lens, _layout(ctx)))
     if tuple(mask.shape) != want:
         fail(f"attention_mask shape {tuple(mask.shape)}, expected {want}")
     if int(mask.sum()) != ctx.case.total_nnz:
@@ -81,21 +94,25 @@ def mask_helper(ctx: Ctx) -> None:
 
 
 def _padded_rows(ctx: Ctx, got: torch.Tensor, key: str, what: str) -> None:
-    """Each row of a padded model input (``(B, L)`` or ``(C, B, L)``) starts with that sample's values."""
+    """Each row of a padded model input (``(B, L)`` or ``(C, B, L)``) holds that sample's values in order at the
+    columns the declared layout puts them (verl's: from column 0)."""
     rows = [t.cpu() for t in ctx.inputs_run.micro_batch[key].unbind()]
-    width = max(ctx.case.seq_lens)
-    channels = (rows[0].shape[0],) if ctx.case.mrope and key == "position_ids" else ()
+    case = ctx.case
+    width = layout_width(case.prompt_lens, case.response_lens, _layout(ctx))
+    channels = (rows[0].shape[0],) if case.mrope and key == "position_ids" else ()
     want_shape = (*channels, len(rows), width)
     if tuple(got.shape) != want_shape:
-        fail(f"padded {key} shape {tuple(got.shape)}, expected {want_shape}")
-    for i, row in enumerate(rows):
-        have = got[..., i, : row.shape[-1]]
+        fail(f"padded {key} shape {tuple(got.shape)}, expected {want_shape}{_layout_words(ctx)}")
+    columns = layout_columns(case.prompt_lens, case.response_lens, _layout(ctx))
+    for i, (row, cols) in enumerate(zip(rows, columns)):
+        have = got[..., i, cols]
         if not torch.equal(have, row.to(have.dtype)):
-            fail(f"padded {key} row {i} starts with {have.tolist()}, expected the {what} {row.tolist()}")
+            fail(f"padded {key} row {i} holds {have.tolist()} at columns {cols.tolist()}, expected the {what} "
+                 f"{row.tolist()}{_layout_words(ctx)}")
 
 
 def _padding_values(ctx: Ctx, got: torch.Tensor, fill: int, key: str) -> None:
-    pad = ~full_length_mask(ctx.case.seq_lens, got.shape[-1]).bool()
+    pad = ~layout_mask(ctx.case.prompt_lens, ctx.case.response_lens, _layout(ctx), got.shape[-1]).bool()
     values = got[..., pad]
     if values.numel() and bool((values != fill).any()):
         fail(f"padded {key} hold {sorted(set(values.reshape(-1).tolist()))[:8]} in the padding, "

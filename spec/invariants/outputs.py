@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..cases.structure import EngineCase
-from ..execute.harness import POISONS
-from ..truth.rules import distinct_temperatures, offsets
-from .core import Ctx, fail, invariant, match_oracle, match_runs
+from ..cases.materialize import select_rows
+from ..execute.harness import POISONS, execute
+from ..protocol.engine import PaddedLayout
+from ..truth.rules import distinct_temperatures, layout_mask, offsets
+from .core import Ctx, fail, invariant, match_oracle, match_runs, per_seq, same
 
 
 def expected_keys(case: EngineCase) -> set[str]:
@@ -130,40 +132,87 @@ def _has_padding(ctx: Ctx) -> bool:
         widths = sum(view.input_ids.shape[-1] for view in ctx.run.views)
         has = widths > case.total_nnz
     else:
-        has = len(set(case.seq_lens)) > 1
+        layout = getattr(ctx.engine, "padded_layout", PaddedLayout.RIGHT)
+        has = bool((layout_mask(case.prompt_lens, case.response_lens, layout) == 0).any())
     if not has:
         ctx.not_exercised("no padding to poison")
     return has
+
+
+def alone_nonfinite(ctx: Ctx, i: int) -> dict[str, torch.Tensor]:
+    """Per output key, where sample ``i`` run alone, unpadded (one packed sequence: no padded slot, no tail), has
+    non-finite values: NaN the engine computes from finite inputs, which no padding can explain. Cached per
+    example."""
+    cache = ctx.__dict__.setdefault("_alone_nonfinite", {})
+    if i not in cache:
+        mb = select_rows(ctx.run.micro_batch, [i])
+        mb.set_non_tensor("use_remove_padding", True)
+        alone = ctx.case.subset([i]).with_(use_remove_padding=True, sp_size=1, pad_to_length=None)
+        outputs = execute(ctx.engine, alone, ctx.device, micro_batch=mb).outputs
+        cache[i] = {key: ~torch.isfinite(value.values() if value.is_nested else value).cpu()
+                    for key, value in outputs.items() if isinstance(value, torch.Tensor)}
+    return cache[i]
+
+
+def leaked(ctx: Ctx, key: str, value: torch.Tensor) -> list[tuple[int, int]]:
+    """(sequence, position) of every non-finite value of output ``key`` at a position a consumer reads that is
+    finite when its sample runs alone, unpadded: what the poisoned padding (and only it) put there."""
+    seqs = per_seq(value) if isinstance(value, torch.Tensor) and value.is_nested else None
+    if seqs is None or len(seqs) != ctx.case.batch_size:
+        fail(f"output {key!r} is not a nested tensor of {ctx.case.batch_size} sequences")
+    bad = []
+    for i, seq in enumerate(seqs):
+        at = ctx.read[i]
+        at = at[at < seq.shape[0]]
+        nonfinite = at[~torch.isfinite(seq[at])]
+        if nonfinite.numel():
+            own = alone_nonfinite(ctx, i).get(key)
+            own = own[nonfinite] if own is not None and own.shape[0] == seq.shape[0] else torch.zeros_like(nonfinite,
+                                                                                                         dtype=torch.bool)
+            bad += [(i, int(k)) for k in nonfinite[~own]]
+    return bad
 
 
 @invariant("INV-LEAK-001", "NaN in every padded logit slot and in the packed tail never reaches an output",
            contract=4, strategy_kwargs={"padding": True},
            protects="no NaN from padding reaches a loss")
 def no_nan_leak(ctx: Ctx) -> None:
+    """At every position a consumer reads, an output is finite unless the same sample run alone, unpadded, gives
+    the same non-finite value there (a NaN the engine computes from finite inputs is the value invariants'
+    finding, not a leak)."""
     _has_padding(ctx)
     for r, outputs in enumerate(ctx.run.rank_outputs):
         for key, value in outputs.items():
-            values = value.values() if value.is_nested else value
-            if not bool(torch.isfinite(values).all()):
-                bad = (~torch.isfinite(values)).nonzero()[0].tolist()
-                fail(f"rank {r}: output {key!r} is not finite at {bad} (padding poisoned with NaN)")
+            bad = leaked(ctx, key, value)
+            if bad:
+                fail(f"rank {r}: output {key!r} is not finite at (sequence, position) {bad[:4]} with the padding "
+                     f"poisoned with NaN, and finite there when the sample runs alone unpadded: the padding leaked")
 
 
 @invariant("INV-LEAK-002", "huge values (+/-3e38) in the padding give bit-identical outputs to NaN padding",
            contract=4, strategy_kwargs={"padding": True},
            protects="values in padding never change an output", adjust=lambda c: c.with_(logits_dtype="bfloat16") if c.logits_dtype == "float16" else c)
 def no_value_leak(ctx: Ctx) -> None:
+    """At every position a consumer reads (NaN equal to NaN: a NaN the engine computes whatever the padding is
+    the value invariants' finding)."""
     _has_padding(ctx)
     base = ctx.run.outputs
     for name in ("huge", "neg"):
         other = ctx.rerun(poison=name).outputs
         for key in base:
+            if key not in other:
+                fail(f"output {key!r} is missing when the padding holds {POISONS[name]:g} (keys {sorted(other)})")
             if not (base[key].is_nested and other[key].is_nested):
                 fail(f"output {key!r} is a dense {tuple(base[key].shape)} tensor, expected nested sequences")
-            if not torch.equal(other[key].values(), base[key].values()):
-                diff = (other[key].values() - base[key].values()).abs().nan_to_num(float("inf")).max()
-                fail(f"output {key!r} changes when the padding holds {POISONS[name]:g} instead of NaN "
-                     f"(max diff {float(diff):.3g})")
+            for i, (a, b) in enumerate(zip(other[key].unbind(), base[key].unbind())):
+                at = ctx.read[i]
+                if a.shape != b.shape:
+                    fail(f"output {key!r} of sequence {i} has shape {tuple(a.shape)} when the padding holds "
+                         f"{POISONS[name]:g}, {tuple(b.shape)} with NaN")
+                if not same(a[at], b[at]):
+                    diff = float((a[at] - b[at]).abs().nan_to_num(float("inf")).max())
+                    fail(f"output {key!r} of sequence {i} changes when the padding holds {POISONS[name]:g} instead of "
+                         f"NaN (max diff {diff:.3g})")
 
 
 def _per_sample_case(case: EngineCase) -> EngineCase:
@@ -182,7 +231,8 @@ def temperature_per_sample(ctx: Ctx) -> None:
 
 @invariant("INV-TEMP-002", "a float temperature and a (B,) tensor of the same value give the same outputs",
            contract=6,
-           protects="a float temperature and a (B,) tensor of it give the same outputs", adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]))
+           protects="a float temperature and a (B,) tensor of it give the same outputs",
+           needs=("per_sample_temperature",), adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]))
 def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
     tensor_case = ctx.case.with_(temperature=ctx.case.temperatures())
     match_runs(ctx, ctx.rerun(tensor_case).outputs, ctx.run.outputs, "tensor vs float temperature")

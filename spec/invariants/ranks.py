@@ -16,6 +16,7 @@ from ..execute.harness import Run
 from ..execute.ranks import execute as execute_on_ranks
 from ..truth.rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
+from .outputs import leaked
 
 PACKED = ("packed",)
 NEEDS = ("sp", "real_ranks")
@@ -112,33 +113,61 @@ def ranks_match_single(ctx: Ctx) -> None:
     _check_outputs_equal_across_ranks(run)
 
 
-@invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) are its slice of the "
-           "global packed row rolled left by one, then padded with 0", contract=5, modes=PACKED, needs=NEEDS,
-           adjust=_on_ranks,
-           protects="no label is read across a shard edge: the token after each shard's last one is the next "
-                    "rank's first")
-def ranks_global_roll(ctx: Ctx) -> None:
+def _scored(case: EngineCase, padded: int) -> torch.Tensor:
+    """Over the padded global row: True where a position's label is read (it scores the next token of its own
+    sequence); each sequence's last token and the tail padding score nothing a consumer reads."""
+    scored = torch.zeros(padded, dtype=torch.bool)
+    scored[: case.total_nnz] = True
+    scored[torch.tensor(case.seq_lens).cumsum(0) - 1] = False
+    return scored
+
+
+def _rank_labels(ctx: Ctx, *, exact: bool) -> None:
+    """Each rank's labels (and fused shift_labels) against its slice of the global row rolled by one: at the
+    positions whose label is read, or (``exact``) everywhere, the unread wrap and the zero tail included."""
     run = _real(ctx, inputs_only=True)
     case = ctx.case
     ids = run.micro_batch["input_ids"].values().cpu()
     padded = _padded_len(case)
     want = torch.cat([torch.roll(ids, -1), ids.new_zeros(padded - ids.shape[0])])
+    check = torch.ones(padded, dtype=torch.bool) if exact else _scored(case, padded)
     local = padded // case.sp_size
     for r, view in enumerate(run.views):
         if view.labels is None:
             fail(f"sp={case.sp_size} rank {r}: the engine hands no labels to its output step")
         got = view.labels.reshape(-1).cpu()
-        mine = want[r * local:(r + 1) * local]
-        if got.shape != mine.shape or not torch.equal(got, mine):
-            edge = [k for k in range(min(len(got), len(mine))) if got[k] != mine[k]]
-            fail(f"sp={case.sp_size} rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} (its slice of "
-                 f"the global row {ids.tolist()} rolled by one"
+        mine, at = want[r * local:(r + 1) * local], check[r * local:(r + 1) * local]
+        what = "its slice of the global row" if exact else "at the positions whose label is read (its slice of the global row"
+        if got.shape != mine.shape or not torch.equal(got[at], mine[at]):
+            edge = [k for k in range(min(len(got), len(mine))) if at[k] and got[k] != mine[k]]
+            fail(f"sp={case.sp_size} rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} ({what} "
+                 f"{ids.tolist()} rolled by one" + ("" if exact else ")")
                  + (f"; first wrong at local position {edge[0]})" if edge else ")"))
         labels = view.model_labels
         if case.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
-                                       or not torch.equal(labels[0].cpu(), mine)):
+                                       or not torch.equal(labels[0].cpu()[at], mine[at])):
             fail(f"sp={case.sp_size} rank {r}: fused shift_labels "
-                 f"{None if labels is None else labels.tolist()}, expected [{mine.tolist()}]")
+                 f"{None if labels is None else labels.tolist()}, expected [{mine.tolist()}] ({what})")
+
+
+@invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) hold, at every position "
+           "whose label is read, its slice of the global packed row rolled left by one", contract=5, modes=PACKED,
+           needs=NEEDS, adjust=_on_ranks,
+           protects="no label is read across a shard edge: the token after each shard's last one is the next "
+                    "rank's first")
+def ranks_global_roll(ctx: Ctx) -> None:
+    """Positions whose label no response slice reads (each sequence's last token: the wrap; the tail padding) are
+    the layout check INV-RANK-008's."""
+    _rank_labels(ctx, exact=False)
+
+
+@invariant("INV-RANK-008", "on real ranks each rank's rolled labels are exactly its slice of the global packed row "
+           "rolled left by one (the wrap at each sequence end included), then padded with 0", contract=5,
+           modes=PACKED, needs=NEEDS, adjust=_on_ranks, layout=True,
+           protects="verl's exact rolled row on every rank: the wrap at each sequence end and the zero tail, which "
+                    "no response slice reads")
+def ranks_global_roll_exact(ctx: Ctx) -> None:
+    _rank_labels(ctx, exact=True)
 
 
 @invariant("INV-RANK-003", "on real ranks pad_size = bucket pad + sequence-parallel pad (0 when the token count "
@@ -174,10 +203,13 @@ def ranks_pad_and_tail(ctx: Ctx) -> None:
     for r, outputs in enumerate(run.rank_outputs):
         for key, value in outputs.items():
             if not value.is_nested or not torch.equal(value.offsets().cpu(), offsets) \
-                    or value.values().shape[0] != total or not bool(torch.isfinite(value.values()).all()):
+                    or value.values().shape[0] != total:
                 fail(f"sp={case.sp_size} rank {r}: output {key!r} holds {value.values().shape[0]} tokens "
-                     f"(offsets {value.offsets().tolist() if value.is_nested else '-'}, finite "
-                     f"{bool(torch.isfinite(value.values()).all())}), expected the {total} real ones")
+                     f"(offsets {value.offsets().tolist() if value.is_nested else '-'}), expected the {total} real ones")
+            bad = leaked(ctx, key, value)  # at the positions a consumer reads, not a NaN of the engine's own
+            if bad:
+                fail(f"sp={case.sp_size} rank {r}: output {key!r} is not finite at (sequence, position) {bad[:4]} "
+                     "with the tail poisoned, and finite there when the sample runs alone unpadded")
 
 
 def _mrope_temperatures(case: EngineCase) -> EngineCase:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..protocol.engine import action_view, completion_view, response_view
 from ..truth.rules import offsets, response_positions
 from .core import Ctx, close, fail, invariant
 
@@ -90,3 +91,22 @@ def response_round_trip(ctx: Ctx) -> None:
         fail(f"response_to_nested returned shape {tuple(back.shape)}, expected nested over the responses")
     close(back.values(), direct.values(), "response_to_nested(no_padding_2_padding(x)) vs response_from_nested(x)",
           atol=0, rtol=0)
+
+
+@invariant("INV-SLICE-006", "the response view every framework's consumer reads (verl's no_padding_2_padding slice, "
+           "TRL's completion-only log-probs, OpenRLHF's action-mask slice: spec.protocol.response_view) of the "
+           "engine's log_probs equals the oracle's log-prob of each response token", contract=2,
+           protects="the (B, R) log-probs a PPO/GRPO loss reads, in the shape TRL's and OpenRLHF's losses take them",
+           adjust=_no_distillation_only)
+def consumer_response_view(ctx: Ctx) -> None:
+    """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none."""
+    want, tol = ctx.expected.response_log_probs(ctx.case)
+    for name, view in (("response_view", response_view), ("completion_view", completion_view),
+                       ("action_view", action_view)):
+        got, mask = view(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
+        lens = torch.tensor(ctx.case.response_lens)
+        if tuple(got.shape) != tuple(want.shape) or not torch.equal(mask.cpu(), torch.arange(want.shape[1]) < lens[:, None]):
+            fail(f"{name}: shape {tuple(got.shape)} with mask {mask.tolist()}, expected {tuple(want.shape)} with "
+                 f"{list(ctx.case.response_lens)} real columns")
+        for i in range(want.shape[0]):  # per sequence, as every value mismatch is worded
+            close(got[i], want[i], f"'log_probs' of sequence {i} in {name} (row {i} of (B, R))", atol=tol[i])

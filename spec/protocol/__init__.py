@@ -4,6 +4,7 @@
 
 from .engine import (
     ENGINE_FEATURE,
+    FLAG_DEFAULTS,
     HELPER_FEATURES,
     HELPERS,
     Capabilities,
@@ -12,12 +13,23 @@ from .engine import (
     Feature,
     InputsView,
     OutputsView,
+    HeadInput,
+    OutputSpan,
+    PaddedLayout,
     ReproSnippet,
     ShardLayout,
+    action_view,
+    completion_view,
+    read_flags,
+    response_view,
+    sequences_from_responses,
+    sequences_from_rows,
     verl_fsdp_view,
 )
 from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
            "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
-           "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]
+           "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
+           "PaddedLayout", "OutputSpan", "HeadInput", "response_view", "completion_view", "action_view",
+           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]

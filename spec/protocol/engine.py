@@ -25,8 +25,10 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE"]
+__all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
+           "EngineUnderTest", "InputsView", "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS",
+           "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
+           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
 
 
 class Feature(str, Enum):
@@ -51,6 +53,9 @@ class Feature(str, Enum):
     TEMPERATURE_HANDOFF = "temperature_handoff"
     #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
     SUM_PI_SQUARED = "sum_pi_squared"
+    #: one temperature per sample (a ``(B,)`` tensor); an engine with one temperature per trainer lacks it
+    #: (``strategy_limits()["per_sample_temperature"] is False``): every invariant then uses one shared value
+    PER_SAMPLE_TEMPERATURE = "per_sample_temperature"
     BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
     NO_PADDING_2_PADDING = "no_padding_2_padding"
     LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
@@ -78,6 +83,39 @@ HELPERS = tuple(f.value for f in HELPER_FEATURES)
 class ShardLayout(str, Enum):
     CONTIGUOUS = "contiguous"  # rank r holds rows [r*n/w, (r+1)*n/w) of the padded packed row
     ZIGZAG = "zigzag"  # each sequence in 2w chunks; rank r holds chunks r and 2w-1-r
+
+
+class PaddedLayout(str, Enum):
+    """Where a padded engine (``use_remove_padding=False``) puts each sequence in its ``(B, L)`` model input.
+    The harness poisons the model's output by the declared layout's padding, and every mask/row invariant
+    reads the layout's meaning (which columns hold sample i's tokens); :func:`spec.truth.rules.layout_columns`."""
+
+    #: verl: the whole sequence from column 0, right-padded to ``L = max n_i``
+    RIGHT = "right"
+    #: what Hugging Face ``generate`` returns (TRL, OpenRLHF): each prompt left-padded to ``P = max p_i`` (it ends
+    #: at column ``P - 1``), each response from column ``P``, right-padded to ``L = P + max r_i``
+    LEFT_RIGHT = "left_right"
+
+
+class OutputSpan(str, Enum):
+    """Which positions of each sequence an engine's per-token outputs cover (what a consumer reads is always
+    the response slice; the last token of a sequence scores nothing and is read by no consumer)."""
+
+    #: every token of the full sequence (verl's nested outputs): positions ``0 .. n_i - 2`` are checked
+    SEQUENCE = "sequence"
+    #: only the positions that score a response token (TRL's completion-only log-probs with ``logits_to_keep``,
+    #: OpenRLHF's action-mask slice): ``p_i - 1 .. n_i - 2``; :func:`sequences_from_responses` builds them
+    RESPONSE = "response"
+
+
+class HeadInput(str, Enum):
+    """What the stand-in model hands the engine's output step."""
+
+    LOGITS = "logits"  # ``output.logits`` (R, n, V)
+    #: the fused-head protocol: ``output.hidden_states`` (R, n, H) and ``output.lm_head_weight`` (V, H), both in
+    #: the logits' dtype; the logits are ``hidden_states.float() @ lm_head_weight.float().T`` (exact in float32),
+    #: for engines that compute log-probs from hidden states (TRL ``add_fused_lm_head``, Liger, fused kernels)
+    HIDDEN = "hidden"
 
 
 @dataclass(frozen=True)
@@ -218,6 +256,12 @@ class EngineUnderTest:
         except TypeError:
             return (_itself, (self,))
         return (type(self), ())
+    #: where the padded mode puts each sequence in its (B, L) model input (:class:`PaddedLayout`)
+    padded_layout: PaddedLayout = PaddedLayout.RIGHT
+    #: which positions of each sequence its outputs cover (:class:`OutputSpan`)
+    output_span: OutputSpan = OutputSpan.SEQUENCE
+    #: what the model hands its output step: logits, or hidden states and the LM-head weight (:class:`HeadInput`)
+    head_input: HeadInput = HeadInput.LOGITS
 
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,
@@ -243,6 +287,8 @@ class EngineUnderTest:
             return "this torch has no torch.distributed"
         if feature is Feature.PACKING and self.packer is None:
             return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
+        if feature is Feature.PER_SAMPLE_TEMPERATURE and self.strategy_limits().get("per_sample_temperature") is False:
+            return f"engine {self.name} takes one temperature per trainer (no per-sample temperatures)"
         if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
             return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"
         return None
@@ -312,3 +358,150 @@ class EngineUnderTest:
 
     def __repr__(self) -> str:
         return f"<engine {self.name}>"
+
+
+# -- the consumers' views of per-token outputs, and back --------------------------------------------------------
+
+def _flag_width(micro_batch: Any, response_lens: torch.Tensor) -> int:
+    width = micro_batch.get("max_response_len") if "max_response_len" in micro_batch.keys() else None
+    width = getattr(width, "data", width)
+    return int(width) if width is not None else int(response_lens.max())
+
+
+def _lengths(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, the full sequence length and the response length (int64, on the ids' device)."""
+    ids = micro_batch["input_ids"]
+    seq = ids.offsets().diff()
+    resp = micro_batch["responses"].offsets().diff().to(seq.device)
+    return seq, resp
+
+
+def _response_index(seq: torch.Tensor, resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every response token (sample-major): its sample, its column in the response and the packed position
+    whose output scores it (``e_i - r_i - 1 + j``)."""
+    ends = seq.cumsum(0)
+    rows = torch.repeat_interleave(torch.arange(seq.shape[0], device=seq.device), resp)
+    starts = resp.cumsum(0) - resp
+    cols = torch.arange(int(resp.sum()), device=seq.device) - starts[rows]
+    return rows, cols, (ends - resp - 1)[rows] + cols
+
+
+def response_view(per_token: torch.Tensor, micro_batch: Any, width: int | None = None) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """What every framework's consumer reads of a per-token output: ``(B, R, *)`` values, row i holding at column j
+    the output that scores response token j (the packed position ``e_i - r_i - 1 + j``: one to the left), exact
+    zeros past ``r_i``, and the ``(B, R)`` bool mask of the real columns. ``R`` is ``width``, else the
+    ``max_response_len`` flag, else ``max r_i``.
+
+    It is verl's ``no_padding_2_padding`` slice, TRL's completion-only log-probs (``logits_to_keep`` =
+    the completion width; ``completion_mask`` is the mask) and OpenRLHF's action slice (``log_probs[:, -num_actions:]``
+    of the left-padded rows; ``action_mask`` is the mask): the three agree on every real column."""
+    seq, resp = _lengths(micro_batch)
+    width = _flag_width(micro_batch, resp) if width is None else int(width)
+    values = per_token.values() if per_token.is_nested else per_token
+    rows, cols, at = _response_index(seq.to(values.device), resp.to(values.device))
+    keep = cols < width
+    out = values.new_zeros((seq.shape[0], width, *values.shape[1:]))
+    out[rows[keep], cols[keep]] = values[at[keep]]
+    mask = torch.arange(width, device=values.device).unsqueeze(0) < resp.to(values.device).unsqueeze(1)
+    return out, mask
+
+
+#: TRL's completion-only per-token log-probs (``logits_to_keep``) and ``completion_mask``: :func:`response_view`
+completion_view = response_view
+#: OpenRLHF's action log-probs (``log_probs[:, -num_actions:]``) and ``action_mask``: :func:`response_view`
+action_view = response_view
+
+
+def sequences_from_responses(padded: torch.Tensor, micro_batch: Any, fill: float = float("nan")) -> torch.Tensor:
+    """The inverse of :func:`response_view` for an engine whose outputs exist only where a response token is scored
+    (:attr:`OutputSpan.RESPONSE`: TRL's completion log-probs, OpenRLHF's action log-probs, ``(B, R, *)`` right-padded):
+    a nested tensor over the full sequences holding them at ``e_i - r_i - 1 .. e_i - 2`` and ``fill`` everywhere
+    else (positions no consumer reads, never checked)."""
+    seq, resp = _lengths(micro_batch)
+    rows, cols, at = _response_index(seq.to(padded.device), resp.to(padded.device))
+    if padded.dim() < 2 or padded.shape[0] != seq.shape[0] or padded.shape[1] < int(resp.max()):
+        raise ValueError(f"sequences_from_responses: padded responses of shape {tuple(padded.shape)}, expected "
+                         f"({seq.shape[0]}, >= {int(resp.max())}, ...)")
+    values = padded.new_full((int(seq.sum()), *padded.shape[2:]), fill)
+    values[at] = padded[rows, cols]
+    return torch.nested.nested_tensor_from_jagged(values, micro_batch["input_ids"].offsets().to(padded.device))
+
+
+def sequences_from_rows(rows: torch.Tensor, micro_batch: Any, layout: "PaddedLayout | str" = PaddedLayout.RIGHT
+                        ) -> torch.Tensor:
+    """Dense per-token rows ``(B, L, *)`` of a padded ``layout`` as a nested tensor over the full sequences (each
+    sample's tokens in order, wherever the layout puts them)."""
+    seq, resp = _lengths(micro_batch)
+    seq, resp = seq.to(rows.device), resp.to(rows.device)
+    sample = torch.repeat_interleave(torch.arange(seq.shape[0], device=rows.device), seq)
+    within = torch.arange(int(seq.sum()), device=rows.device) - (seq.cumsum(0) - seq)[sample]
+    if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
+        prompts = seq - resp
+        within = within + (int(prompts.max()) - prompts)[sample]
+    return torch.nested.nested_tensor_from_jagged(rows[sample, within], micro_batch["input_ids"].offsets().to(rows.device))
+
+
+# -- the contract's flags, read strictly (for adapters) ---------------------------------------------------------
+
+#: every per-batch flag of the contract and its default (``max_response_len``: None = ``max r_i``)
+FLAG_DEFAULTS: dict[str, Any] = {
+    "use_remove_padding": True, "pad_mode": "no_padding", "use_fused_kernels": False, "pad_token_id": 0,
+    "calculate_entropy": False, "calculate_sum_pi_squared": False, "distillation_use_topk": False,
+    "distillation_only": False, "max_response_len": None, "temperature": 1.0,
+}
+
+
+def _plain_flag(micro_batch: Any, key: str) -> Any:
+    if key not in micro_batch.keys():
+        return FLAG_DEFAULTS[key]
+    value = micro_batch.get(key)
+    return getattr(value, "data", value) if type(value).__name__ == "NonTensorData" else value
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python bool or a numpy bool (``numpy.bool_``, named ``bool`` in numpy 2)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def _as_int(key: str, value: Any) -> int:
+    if _is_bool(value) or not (
+            isinstance(value, int) or type(value).__module__ == "numpy" and "int" in type(value).__name__):
+        raise TypeError(f"flag {key} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def read_flags(micro_batch: Any) -> dict[str, Any]:
+    """The contract's flags of ``micro_batch`` as plain Python values, defaults filled in, read strictly: a bool flag
+    is a bool, a numpy bool or a 0/1 int; ``pad_token_id`` an int (not a bool); ``max_response_len`` an int >= 1 or
+    absent; ``pad_mode`` a str (or a str Enum: its value); ``temperature`` a float or a ``(B,)`` tensor. Anything
+    else raises (TypeError, or ValueError for an impossible value) naming the flag: never a silently different run
+    (INV-FLAG-001..003). For adapters whose engine takes its flags as arguments."""
+    out: dict[str, Any] = {}
+    for key, default in FLAG_DEFAULTS.items():
+        value = _plain_flag(micro_batch, key)
+        if isinstance(default, bool):
+            if _is_bool(value):
+                out[key] = bool(value)
+                continue
+            if _as_int(key, value) not in (0, 1):
+                raise ValueError(f"flag {key} must be a bool (or 0/1), got {value!r}")
+            out[key] = bool(value)
+        elif key == "pad_token_id":
+            out[key] = _as_int(key, value)
+        elif key == "max_response_len":
+            out[key] = None if value is None else _as_int(key, value)
+            if out[key] is not None and out[key] < 1:
+                raise ValueError(f"flag max_response_len must be >= 1, got {value!r}")
+        elif key == "pad_mode":
+            value = getattr(value, "value", value)
+            if not isinstance(value, str):
+                raise TypeError(f"flag pad_mode must be a str, got {type(value).__name__} {value!r}")
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
+            out[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        else:
+            raise TypeError(f"temperature must be a float or a (B,) tensor, got {type(value).__name__} {value!r}")
+    return out

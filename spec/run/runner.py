@@ -18,6 +18,7 @@ from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
+from ..invariants.core import honour_engine
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "SEED_CASES", "DEVICES"]
@@ -129,7 +130,8 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
             case = case.with_(use_remove_padding=mode == "packed")
         if info.head != case.head:
             case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
-        cases.append(info.adjust(case) if info.adjust else case)
+        case = info.adjust(case) if info.adjust else case
+        cases.append(honour_engine(case, engine) if engine is not None else case)
     return cases
 
 

@@ -10,6 +10,14 @@ The head is low rank: ``logits = tanh(hidden(8)) @ proj(8, V)``, so a vocabulary
 two small matrices; only the ``(n, V)`` logits grow with the vocabulary, and the strategies bound
 ``n x V``. Logits come in the case's dtype (float32, bfloat16 or float16): computed in float64
 and rounded once to that dtype.
+
+The fused-head protocol (``head_input="hidden"``, :class:`spec.protocol.HeadInput`): for engines that compute
+log-probs from hidden states and the LM-head weight (TRL's ``add_fused_lm_head``, Liger, verl's fused kernels),
+the model hands ``hidden_states`` ``(R, n, 8)`` and ``lm_head_weight`` ``(V, 8)`` instead of logits, both in the
+case's dtype, and never materialises the ``(n, V)`` logits, so every size tier stays cheap. Both are quantised
+(hidden states to multiples of 2^-6 in [-1, 1], the weight to multiples of 2^-4 in (-8, 8): exact in bfloat16),
+so the logits ``hidden_states.float() @ lm_head_weight.float().T`` are exact in float32 in any summation order;
+they are what :meth:`ToyCausalLM.logits` returns (float32) for the oracle.
 """
 
 from __future__ import annotations
@@ -19,9 +27,12 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["ToyCausalLM", "DTYPES"]
+__all__ = ["ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: the fused-head protocol's output fields
+HIDDEN_STATES, HEAD_WEIGHT = "hidden_states", "lm_head_weight"
+_HIDDEN_STEP, _WEIGHT_STEP, _WEIGHT_MAX = 2.0 ** -6, 2.0 ** -4, 8.0 - 2.0 ** -4
 
 
 @lru_cache(maxsize=16)
@@ -37,26 +48,49 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
 
 class ToyCausalLM:
     def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None, hidden: int = 8,
-                 max_pos: int = 97, device: torch.device | str = "cpu", dtype: str | None = None) -> None:
+                 max_pos: int = 97, device: torch.device | str = "cpu", dtype: str | None = None,
+                 head_input: str = "logits") -> None:
         self.vocab = vocab
         self.max_pos = max_pos
         #: the logits' dtype: given, else carried by the case's seed (spec.cases.ModelSeed), else float32
         self.dtype = DTYPES[dtype or getattr(seed, "logits_dtype", "float32")]
+        if head_input not in ("logits", "hidden"):
+            raise ValueError(f"head_input must be 'logits' or 'hidden', got {head_input!r}")
+        #: "hidden": the fused-head protocol (hidden states and the LM-head weight, no logits)
+        self.head_input = head_input
         self.embed, self.pos_embed, self.proj, self._proj64 = _weights(
             vocab, int(seed), out_dim or vocab, hidden, max_pos, str(torch.device(device)))
+        weight = (self._proj64.T / _WEIGHT_STEP).round() * _WEIGHT_STEP
+        self._weight64 = weight.clamp(-_WEIGHT_MAX, _WEIGHT_MAX)  # (V, H), exact in every logits dtype
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The fused-head protocol's ``(V, H)`` LM-head weight, in :attr:`dtype`."""
+        return self._weight64.to(self.dtype)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused-head protocol's ``(R, n, H)`` hidden states in :attr:`dtype` (quantised: exact in it)."""
+        return self._hidden64(input_ids, position_ids, attention_mask).to(self.dtype)
+
+    def _hidden64(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
+        return (self._features(input_ids, position_ids, attention_mask) / _HIDDEN_STEP).round() * _HIDDEN_STEP
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(R, n, out)`` logits in :attr:`dtype` for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
 
         Computed in float64 and rounded once, so the logits of a sequence do not depend on
-        how it was batched (packed, padded or alone) beyond that rounding.
+        how it was batched (packed, padded or alone) beyond that rounding. With the fused head
+        (``head_input="hidden"``): ``hidden_states @ lm_head_weight.T``, exact, as float32.
         """
-        return (self._hidden(input_ids, position_ids, attention_mask) @ self._proj64).to(self.dtype)
+        if self.head_input == "hidden":
+            return (self._hidden64(input_ids, position_ids, attention_mask) @ self._weight64.T).float()
+        return (self._features(input_ids, position_ids, attention_mask) @ self._proj64).to(self.dtype)
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``(R, n, hidden)`` float64: the head's input, ``tanh(embedding + positions + causal mean)``."""
+    def _features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``tanh(x + pos + ctx)`` in float64, ``(R, n, H)``: the head's input."""
         x = self.embed[input_ids].double()
         axes = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
         pos = sum(self.pos_embed[a][axes[a] % self.max_pos] for a in range(axes.shape[0])).double()
@@ -91,7 +125,10 @@ class ToyCausalLM:
         pos = axes.new_zeros((axes.shape[0], lens_t.shape[0], width))
         pos[:, row, col] = axes
         mask = (torch.arange(width).unsqueeze(0) < lens_t.unsqueeze(1)).to(torch.int64)
-        hidden = self._hidden(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
+        if self.head_input == "hidden":
+            hidden = self._hidden64(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
+            return (hidden @ self._weight64.T).float()
+        hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
         return (hidden @ self._proj64).to(self.dtype)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -99,10 +136,15 @@ class ToyCausalLM:
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  **_ignored: object) -> SimpleNamespace:
         """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
-        ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row."""
-        logits = self.logits(input_ids, position_ids, attention_mask)
-        out = SimpleNamespace(logits=logits)
+        ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
+        (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``."""
+        if self.head_input == "hidden":
+            out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask),
+                                     HEAD_WEIGHT: self.lm_head_weight})
+        else:
+            out = SimpleNamespace(logits=self.logits(input_ids, position_ids, attention_mask))
         if temperature is not None:
+            logits = self.logits(input_ids, position_ids, attention_mask)
             labels = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)
             scaled = logits.float() / max(float(temperature), 1e-8)
             lsm = torch.log_softmax(scaled, dim=-1)
