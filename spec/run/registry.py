@@ -19,7 +19,9 @@ from ..engines.automodel import AutomodelEngine
 from ..engines.factory import FactoryEngine, engine_from_path
 from ..engines.impl import ImplEngine
 from ..engines.megatron import MegatronEngine
+from ..engines.openrlhf import OpenRLHFEngine
 from ..engines.torchtitan import TorchTitanEngine
+from ..engines.trl import TrlEngine, TrlFusedEngine
 from ..engines.veomni import VeOmniEngine
 from ..engines.verl import VerlEngine
 from ..planted import PLANTED, planted_engine
@@ -37,6 +39,11 @@ ENGINES: dict[str, tuple[Callable[[], EngineUnderTest], str]] = {
     "verl-automodel": (AutomodelEngine, "verl's Automodel (NeMo) engine (its own prepare_model_inputs/outputs)"),
     "verl-megatron": (MegatronEngine, "verl's Megatron packing (verl.models.mcore.util THD/BSHD engine "
                                       "pre/postprocess), MindSpeed inherits it"),
+    "trl": (TrlEngine, "Hugging Face TRL 1.16's logits API (selective_log_softmax, entropy_from_logits) on its own "
+                       "GRPO / padding-free batches"),
+    "trl-fused": (TrlFusedEngine, "TRL 1.16's GRPO fused LM head (add_fused_lm_head, "
+                                  "_get_per_token_logps_and_entropies)"),
+    "openrlhf": (OpenRLHFEngine, "OpenRLHF 0.11.2's Actor.forward (packing, log-probs, entropy)"),
 }
 
 

@@ -1,0 +1,72 @@
+"""TRL and OpenRLHF adapters (docs/engines/trl.md, docs/engines/openrlhf.md): registered, their known failures precise
+and documented; where the library is installed (tox -e trl-openrlhf, .ci/steps/engines-trl-openrlhf.sh), the
+batch each builds is the library's layout and its outputs equal the oracle's on the seeds' worked example."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec.cases import EngineCase
+from spec.run.registry import ENGINES, load_engine
+from spec.execute.harness import execute
+from spec.invariants import CATALOGUE
+from spec.protocol.known import KnownFailure
+from spec.engines import openrlhf_records, trl_records
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "engines"
+HAS = {"trl": importlib.util.find_spec("trl") is not None, "openrlhf": importlib.util.find_spec("openrlhf") is not None}
+#: the seeds' worked example: prompts [3, 2], responses [2, 1]
+CASE = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=0.5, calculate_entropy=True)
+
+
+def test_registered() -> None:
+    for name in ("trl", "trl-fused", "openrlhf"):
+        assert name in ENGINES and load_engine(name).name == name
+
+
+@pytest.mark.parametrize("records, page", [(trl_records.LOGITS_RECORDS + trl_records.FUSED_RECORDS, "trl"),
+                                           (openrlhf_records.RECORDS, "openrlhf")])
+def test_known_failures_are_precise_documented_records(records, page: str) -> None:
+    doc = (DOCS / f"{page}.md").read_text()
+    for record in records:
+        assert isinstance(record, KnownFailure) and record.invariant in CATALOGUE, record
+        assert record.when.text and record.matches and record.invariant in doc, record.key
+
+
+def _values(run) -> dict[str, list[float]]:
+    return {k: v.values().tolist() for k, v in run.outputs.items()}
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (tox -e trl-openrlhf)")
+@pytest.mark.parametrize("name", ["trl", "trl-fused"])
+def test_trl_builds_grpo_layout_and_agrees_across_modes(name: str) -> None:
+    engine = load_engine(name)
+    run = execute(engine, CASE.with_(use_remove_padding=False))
+    mask = run.inputs[0]["attention_mask"]
+    # prompts left-padded to P = 3, completions right-padded to C = 2 (trl.trainer.utils.pad, as GRPO builds them)
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
+    ids = run.micro_batch["input_ids"]
+    assert run.inputs[0]["input_ids"][1, 1:4].tolist() == ids[1].tolist()
+    packed = execute(engine, CASE)
+    # padded outputs are completion-only (logits_to_keep): the positions scoring a response token, NaN elsewhere
+    read = [2, 3, 6]  # p_i - 1 .. n_i - 2 of sequences (3 + 2) and (2 + 1)
+    for key, values in _values(run).items():
+        assert [i for i, v in enumerate(values) if v == v] == read, key
+        assert torch.allclose(torch.tensor(values)[read], torch.tensor(_values(packed)[key])[read], atol=1e-5), key
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (tox -e trl-openrlhf)")
+def test_openrlhf_forward_runs_on_right_padded_rows_and_agrees_across_modes() -> None:
+    engine = load_engine("openrlhf")
+    run = execute(engine, CASE.with_(use_remove_padding=False))
+    assert run.inputs[0]["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    packed = execute(engine, CASE)
+    assert packed.inputs[0]["input_ids"].shape == (1, 8) and packed.inputs[0]["attention_mask"] is None
+    ends = set((run.micro_batch["input_ids"].offsets()[1:] - 1).tolist())
+    for key, values in _values(packed).items():
+        kept = [i for i in range(len(values)) if i not in ends]
+        assert torch.allclose(torch.tensor(values)[kept], torch.tensor(_values(run)[key])[kept], atol=1e-5), key
