@@ -13,7 +13,8 @@ import inspect
 import re
 
 from ..execute import handoff, harness
-from ..truth import oracle, toy_model
+from ..protocol.engine import PaddedLayout
+from ..truth import oracle, rules, toy_model
 
 __all__ = ["suite_blocks", "RUNTIME", "PREAMBLE"]
 
@@ -48,8 +49,9 @@ def suite_blocks() -> str:
              "from functools import lru_cache", "", _module_body(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
-    for fn in (handoff.ThreadedAllGather, handoff._settings, handoff._poison_padded, handoff._poison_tail,
-               handoff._fields, handoff._call_model, harness._in_threads):
+    for fn in (PaddedLayout, rules.layout_width, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
+               handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
+               handoff._call_model, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle.topk_terms, oracle.TopKProcessor):
