@@ -21,7 +21,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ..cases.materialize import materialize
+from ..cases.materialize import draws
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
 from ..execute.attribution import engine_side
 from ..execute.harness import execute, model_for
@@ -726,7 +726,7 @@ def end_to_end(ctx: Ctx) -> None:
         outputs = post(output_lst=output_lst, indices=indices, data=mini)["model_output"]
     else:
         outputs = _concat_restore(ctx, output_lst, indices)
-    want = expected(whole, materialize(whole, "cpu"), model_for(whole, "cpu"))
+    want = expected(whole, model_for(whole, "cpu"), draws(whole))
     keys = ["log_probs"] + (["entropy"] if whole.calculate_entropy else []) + list(whole.distillation_keys)
     for key in keys:
         if key not in outputs:
