@@ -15,6 +15,7 @@ from typing import Callable
 import impl
 
 from ..engines.impl import ImplEngine
+from . import context_bugs as C
 from . import dropin_bugs as D
 from ..protocol.engine import ShardLayout
 from . import helper_bugs as H
@@ -188,6 +189,13 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="a later micro-batch through the same engine object"),
     PlantedBug("entropy_flag_read_once", ("INV-BATCH-003",), lm=T.EntropyFlagReadOnce,
                quiet="an earlier micro-batch with the other calculate_entropy, through the same engine object"),
+    # the autograd context a trainer calls the preparation in (spec/planted/context_bugs.py)
+    PlantedBug("inplace_div_without_grad", ("INV-MUT-002",), lm=C.InplaceDivWithoutGrad,
+               quiet="torch.no_grad() or torch.inference_mode(), T != 1"),
+    PlantedBug("outputs_cached_in_inference_mode", ("INV-BATCH-003",), lm=C.OutputsCachedInInferenceMode,
+               quiet="torch.inference_mode(), a micro-batch of the same shape before, through the same engine object"),
+    PlantedBug("entropy_detached_with_grad", ("INV-GRAD-001",), lm=C.EntropyDetachedWithGrad,
+               quiet="grad enabled (the policy update), entropy asked"),
 )}
 
 
