@@ -55,7 +55,8 @@ class InvariantInfo:
         if self.kind == "dense":
             strategy = dense_cases(**self.strategy_kwargs)
             return strategy.map(self.adjust) if self.adjust else strategy
-        kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
+        kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **engine.strategy_limits(),
+                  **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         return strategy.map(self.adjust) if self.adjust else strategy
 
@@ -113,6 +114,15 @@ class Ctx:
         """The oracle, from a fresh copy of the case's micro-batch (an engine that mutates its input
         cannot move the expectation) and a CPU model; no engine run needed."""
         return expected(self.case, materialize(self.case, "cpu"), model_for(self.case, "cpu"))
+
+    def oracle(self, key: str, case: EngineCase | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Output ``key``'s per-sequence expectation and tolerance at the precision the engine declares for it on
+        ``case``'s path (default: this case): the oracle's rule (:meth:`spec.truth.oracle.Expected.at_precision`)."""
+        declared = getattr(self.engine, "precision", None)
+        precision = declared(key, case or self.case) if declared is not None else None
+        if precision is None:
+            return self.expected.of(key), self.expected.tolerance[key]
+        return self.expected.at_precision(key, precision.returns, precision.scaled_in)
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -202,8 +212,7 @@ def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
     sequence, each token within the tolerance :mod:`spec.truth.oracle` derives for it."""
-    wants = ctx.expected.of(key)
-    tols = ctx.expected.tolerance[key]
+    wants, tols = ctx.oracle(key)
     seqs = _sequences(got, f"{what or key}", len(wants))
     for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
         if actual.dim() != 1 or actual.shape[0] != ctx.case.seq_lens[i]:
@@ -211,10 +220,13 @@ def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
         close(actual[: want.shape[0]], want, f"{key!r} of sequence {i}{what and ' ' + what}", atol=tol)
 
 
-def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:
+def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None,
+               reference: EngineCase | None = None) -> None:
     """Two runs of the same samples agree on every key (``want``'s keys must all be in ``got``), sequence
     by sequence, within twice the oracle's tolerance of each token (each run is within it of the
-    oracle). ``rows``: the samples of the whole case that ``got``'s sequences are (default: all)."""
+    oracle), at the coarser of the precisions the engine declares for the two runs (``got`` is ``ctx.case``'s,
+    ``want`` is ``reference``'s, default the same). ``rows``: the samples of the whole case that ``got``'s
+    sequences are (default: all)."""
     rows = list(range(ctx.case.batch_size)) if rows is None else rows
     exp = ctx.expected
     for key in sorted(want):
@@ -223,6 +235,9 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
         mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
         theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
         tols = exp.tolerance.get(key)
+        if tols:
+            own, other = ctx.oracle(key)[1], ctx.oracle(key, reference)[1]
+            tols = [torch.maximum(a, b) for a, b in zip(own, other)]
         for j, (x, y) in enumerate(zip(mine, theirs)):
             atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
             close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol)

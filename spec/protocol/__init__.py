@@ -7,16 +7,18 @@ from .engine import (
     HELPER_FEATURES,
     HELPERS,
     Capabilities,
+    ConfigSwitch,
     EngineObject,
     EngineUnderTest,
     Feature,
     InputsView,
     OutputsView,
+    Precision,
     ShardLayout,
     verl_fsdp_view,
 )
 from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
+           "OutputsView", "Precision", "ConfigSwitch", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
            "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records"]
