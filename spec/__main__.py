@@ -89,10 +89,13 @@ def _verify(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         outcomes.append(run_invariant(info, engine, mode, device, **quiet))
     sys.stderr.write("\n")
-    print(markdown(outcomes, engine=engine.name, profile=profile, device=device))
+    from .cases.coverage import domains as coverage_domains
+
+    domains = coverage_domains(engine)
+    print(markdown(outcomes, engine=engine.name, profile=profile, device=device, domains=domains))
     safe = engine.name.replace(":", "-").replace("/", "-")
     paths = write_reports(outcomes, Path(args.out) / f"verify-{safe}", engine=engine.name, profile=profile,
-                          device=device)
+                          device=device, domains=domains)
     layout = [o for o in outcomes if o.layout]
     verdict = [o for o in outcomes if not o.layout]
     print(f"verify: {summary_line(verdict)}" + (f" (layout profile: {summary_line(layout)})" if layout else "")

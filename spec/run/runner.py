@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -13,6 +14,7 @@ from hypothesis.errors import HypothesisException
 from ..execute import ranks
 from ..execute.attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
 
+from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
@@ -58,6 +60,8 @@ class Outcome:
     known: list[dict] = field(default_factory=list)
     #: further distinct failures hypothesis reported (each its own minimal case)
     other_failures: list[dict] = field(default_factory=list)
+    #: dimension -> value -> examples that had it (``spec.cases.coverage.dimensions``)
+    coverage: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def test_id(self) -> str:
@@ -190,8 +194,12 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
                 for i, record in enumerate(records):
                     passed_under[i] += bool(record.when(ctx.case))
 
+    seen: Counter = Counter()  # (dimension, value) -> examples
+    space = tuple(getattr(engine, "config_space", tuple)())
+
     def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
         settle()
+        seen.update(dimensions(args[1], space))
         ctx = CheckContext(*args)
         current.append([ctx, False])
         return ctx
@@ -254,6 +262,8 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     outcome.distinct_cases = len(state["cases"])
     outcome.known_hits = sum(hits)
     settle()
+    for (dim, value), count in sorted(seen.items()):
+        outcome.coverage.setdefault(dim, {})[value] = count
     outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
                       "reason": r.reason}
                      for r, h, p in zip(records, hits, passed_under)]
