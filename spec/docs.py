@@ -108,14 +108,27 @@ _STEP_WHAT = {
     "verl-engines": "verl 0.9.1's other engines: tests/test_adapters.py, then `spec verify` on VeOmni, Megatron "
                     "packing, TorchTitan and Automodel",
     "verl071": "verl 0.7.1 must fail, and only on the attention-mask invariants (tests/test_verl_conformance.py)",
+    "trl-openrlhf": "TRL 1.16.0 (`spec verify --engine trl`, `trl-fused`) and OpenRLHF 0.11.2 (`--engine openrlhf`), "
+                    "each in its own venv, then tests/test_hf_engines.py",
 }
+
+
+def advisory_steps() -> dict[str, str]:
+    """name -> why, for the steps .ci/steps.sh marks advisory (run and reported, not failing CI)."""
+    text = (ROOT / ".ci" / "steps.sh").read_text()
+    body = text.split("ADVISORY=(", 1)[1].split("\n)", 1)[0]
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r'^"(\S+)\s+(.*)"$', body, re.M)}
 
 
 def ci_matrix() -> str:
     """What CI runs: the steps (on the 2-core machine by .ci/run, on GitHub one job each) and the tox matrix."""
     lines = ["| CI step (`.ci/steps.sh NAME`) | where | what |", "|---|---|---|"]
+    advisory = advisory_steps()
     for name, _ in ci_steps():
-        lines.append(f"| `{name}` | `.ci/run`, GitHub | {_STEP_WHAT.get(name, '(see .ci/steps.sh)')} |")
+        what = _STEP_WHAT.get(name, "(see .ci/steps.sh)")
+        if name in advisory:
+            what += f" **(advisory: run and reported, does not fail CI; {advisory[name]})**"
+        lines.append(f"| `{name}` | `.ci/run`, GitHub | {what} |")
     pins = _tox_pins()
     for env in workflow_tox_envs():
         torch_v, td = pins[env]
