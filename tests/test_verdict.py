@@ -217,6 +217,8 @@ def _hypothesis_case(exc: BaseException) -> str | None:
     from spec.cases.structure import DenseCase
 
     start = note.index("case=") + len("case=")
+    # a strategy mapped through core.honour_engine prints as honour_engine(<case>, engine): read the case itself
+    start = min(i for i in (note.find("EngineCase(", start), note.find("DenseCase(", start)) if i >= 0)
     depth, end = 0, start
     for end, char in enumerate(note[start:], start):
         depth += {"(": 1, ")": -1}.get(char, 0)
