@@ -59,7 +59,8 @@ class PlantedBug:
 
 
 PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
-    PlantedBug("loss_mask_attention", ("INV-MASK-001", "INV-MASK-003", "INV-VAL-001", "INV-KEYS-003"), lm=I.LossMaskAttention),
+    PlantedBug("loss_mask_attention", ("INV-MASK-001", "INV-MASK-003", "INV-VAL-001", "INV-KEYS-003", "INV-SLICE-006"),
+               lm=I.LossMaskAttention),
     PlantedBug("drop_distillation_padded", ("INV-KEYS-001", "INV-VAL-004"), lm=O.DropDistillationPadded),
     PlantedBug("mask_off_by_one", ("INV-MASK-001", "INV-VAL-002"), lm=I.MaskOffByOne),
     PlantedBug("sum_pi_squared_missing_padded", ("INV-KEYS-002",), lm=O.SumPiSquaredMissingPadded),
@@ -186,7 +187,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
     # on real ranks (spec/execute/ranks.py, spec/invariants/ranks.py)
-    PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007"), lm=R.RollAfterSlice),
+    PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007", "INV-RANK-008"), lm=R.RollAfterSlice),
     PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
