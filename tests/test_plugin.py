@@ -56,7 +56,7 @@ def run_pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
     # otherwise it is named with -p (a second registration would be a pytest usage error).
     load = [] if _entry_point_installed() else ["-p", "spec.pytest_plugin"]
     return subprocess.run([sys.executable, "-m", "pytest", *load, "-p", "no:cacheprovider",
-                           "-q", "-rs", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+                           "-q", "-rs", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
 
 
 def _entry_point_installed() -> bool:
