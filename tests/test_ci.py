@@ -48,7 +48,9 @@ def test_ci_run_and_the_workflow_run_every_step() -> None:
     assert ".ci/steps.sh --names" in run and '.ci/steps.sh "$step"' in run
     assert "run: echo \"steps=$(.ci/steps.sh --list)\"" in WORKFLOW
     assert "step: ${{ fromJSON(needs.list.outputs.steps) }}" in WORKFLOW
-    assert 'run: .ci/steps.sh "${{ matrix.step }}"' in WORKFLOW
+    # every step runs through .ci/steps.sh; an advisory one (.ci/steps.sh --advisory) the same way, reported
+    assert '.ci/steps.sh "${{ matrix.step }}"' in WORKFLOW
+    assert '.ci/steps.sh --advisory "$step"' in run and '.ci/steps.sh --advisory "${{ matrix.step }}"' in WORKFLOW
     assert re.search(r"services:\n\s+redis:", WORKFLOW) and "SPEC_TEST_REDIS_URL: redis://localhost:6379/0" in WORKFLOW
 
 
