@@ -29,7 +29,6 @@ STEPS=(
 # it has not been re-verified on the current tree; each entry says why (README "CI" names them too).
 ADVISORY=(
 "verl-engines     TorchTitan/Automodel/Megatron: the micro-batch invariants and the false-alarms changes (INV-SLICE-006, MASK_VISIBLE) were not re-run on them after the 2026-12-01 merges (VeOmni and tests/test_adapters.py were: pass)"
-"verl071          verl 0.7.1 after the 2026-12-01 merges (INV-SLICE-006 joined MASK_INVARIANTS, the micro-batch layer): its conformance test was not re-verified to pass"
 )
 
 advisory_reason() { local s; for s in "${ADVISORY[@]}"; do if [ "${s%% *}" = "$1" ]; then s="${s#* }"; echo "${s#"${s%%[![:space:]]*}"}"; return 0; fi; done; return 1; }

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
-from ..truth.toy_model import HEAD_WEIGHT, ToyCausalLM
+from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot"]
 
@@ -142,10 +142,28 @@ def _shared(out: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in _fields(out).items() if k == HEAD_WEIGHT}
 
 
+def check_model_inputs(model_inputs: dict[str, Any], rank: int = 0) -> None:
+    """The model's input contract, as a model reads it: ``position_ids`` of the ids' shape, or ``(C, *ids)`` for C
+    rope axes (mRoPE). An engine handing anything else fails here (an AssertionError: the verdict on its model
+    inputs), not by an index error deep in the model."""
+    ids, pos = model_inputs.get("input_ids"), model_inputs.get("position_ids")
+    if not isinstance(ids, torch.Tensor) or not isinstance(pos, torch.Tensor):
+        return
+    shape, got = tuple(ids.shape), tuple(pos.shape)
+    if got == shape or (len(got) == len(shape) + 1 and got[1:] == shape and 1 <= got[0] <= POSITION_AXES):
+        return
+    raise AssertionError(
+        f"the engine's model inputs (rank {rank}): position_ids of shape {got} for input_ids of shape {shape}; a "
+        f"model takes positions of the ids' shape or (C, {', '.join(map(str, shape))}) with C <= {POSITION_AXES} "
+        "rope axes")
+
+
 def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,
                 poison: float, layout: PaddedLayout | str = PaddedLayout.RIGHT) -> list[SimpleNamespace]:
     """Run the model once over the whole batch; hand each rank its slice with the padding poisoned (padded: by
     the engine's declared ``layout``)."""
+    for rank, mi in enumerate(inputs):
+        check_model_inputs(mi, rank)
     if not case.use_remove_padding:
         (mi,) = inputs
         out = model(**mi)

@@ -27,7 +27,10 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
+__all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
+
+#: the most position axes (mRoPE sections) the model embeds: positions are (R, n) or (C, R, n), C <= this
+POSITION_AXES = 4
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the fused-head protocol's output fields
@@ -41,7 +44,7 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
     worth drawing once)."""
     gen = torch.Generator().manual_seed(10_007 + seed)
     embed = torch.randn(vocab, hidden, generator=gen).to(device)
-    pos_embed = (0.5 * torch.randn(4, max_pos, hidden, generator=gen)).to(device)
+    pos_embed = (0.5 * torch.randn(POSITION_AXES, max_pos, hidden, generator=gen)).to(device)
     proj = (2.0 * torch.randn(hidden, out_dim, generator=gen)).to(device)
     return embed, pos_embed, proj, proj.double()
 
