@@ -179,8 +179,9 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
         data["teacher_ids"] = torch.randint(0, case.vocab, (batch, seq, case.topk), generator=gen)
         data["teacher_logprobs"] = torch.randn(batch, seq, case.topk, generator=gen)
     if case.routed_experts:  # MoE router replay: (B, S, layers, top-k) expert indices
-        data["routed_experts"] = torch.randint(0, case.routed_experts, (batch, seq, 2, 2), generator=gen,
-                                               dtype=torch.int64)
+        data["routed_experts"] = torch.randint(0, case.routed_experts, (batch, seq, case.routed_layers,
+                                                                        case.routed_topk), generator=gen,
+                                               dtype=torch.int64).to(getattr(torch, case.routed_dtype))
     return TensorDict({k: v.to(device) for k, v in data.items()}, batch_size=[batch])
 
 

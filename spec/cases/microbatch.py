@@ -26,16 +26,14 @@ import torch
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
-from .structure import EngineCase
 from .materialize import jagged, materialize
-from .strategies import seq_lengths
+from .strategies import EXPERT_COUNTS, MOE_LAYERS, MOE_TOPK, seq_lengths
+from .structure import ROUTED_DTYPES, EngineCase
 
 __all__ = ["MiniBatchCase", "minibatch_cases", "materialize_minibatch", "STYLES", "MB_TIERS", "runs"]
 
 STYLES = ("free", "rl", "groups", "all_max", "equal")
 MB_TIERS = ("small", "batch", "large")
-#: routed experts per token (MoE router replay): (layers, top-k)
-ROUTED_SHAPE = (2, 2)
 
 
 def runs(values: tuple[int, ...]) -> str:
@@ -80,6 +78,9 @@ class MiniBatchCase:
     mrope: bool = False
     topk: int = 0  # teacher top-K tensors (B, j, K); 0 = none
     routed_experts: bool = False  # nested (B, j, layers, top-k) routed experts
+    #: the router replay's (experts, MoE layers, top-k) and dtype (verl's agent loop hands int16)
+    routed_shape: tuple[int, int, int] = (8, 2, 2)
+    routed_dtype: str = "int64"
     per_sample_temperature: bool = False  # a dense (B,) temperature key
     uid: bool = False  # a per-sample NonTensorStack of uids
     calculate_entropy: bool = False
@@ -202,7 +203,10 @@ class MiniBatchCase:
             parts.append(f"fixed mbs={self.micro_batch_size}")
         if self.force_group_size > 1:
             parts.append(f"group={self.force_group_size}")
-        parts += [name for name, on in (("mrope", self.mrope), ("routed_experts", self.routed_experts),
+        routed = "routed_experts" + ("" if (self.routed_shape, self.routed_dtype) == ((8, 2, 2), "int64") else
+                                     "={}({}x{}{})".format(*self.routed_shape, "" if self.routed_dtype == "int64"
+                                                           else " " + self.routed_dtype))
+        parts += [name for name, on in (("mrope", self.mrope), (routed, self.routed_experts),
                                         ("temperature[B]", self.per_sample_temperature), ("uid", self.uid),
                                         ("entropy", self.calculate_entropy),
                                         ("padded", not self.use_remove_padding)) if on]
@@ -360,8 +364,13 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
         if draw(st.booleans()):
             min_num = draw(st.integers(1, 4))
     mrope = topk = routed = temps = uid = False
+    routed_shape, routed_dtype = (8, 2, 2), "int64"
     if extras and tier != "large":  # a large mini-batch carries the trainer's keys only (cost)
         mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4))
+        if routed:
+            experts = draw(st.sampled_from(EXPERT_COUNTS))
+            routed_shape = (experts, draw(st.sampled_from(MOE_LAYERS)), min(draw(st.sampled_from(MOE_TOPK)), experts))
+            routed_dtype = draw(st.sampled_from(ROUTED_DTYPES[:3] + (("uint8",) if experts <= 256 else ())))
         topk = draw(st.sampled_from((0, 0, 1, 3))) if allow_topk else 0
         temps = temps and allow_temperature
     others = []
@@ -375,7 +384,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     case = MiniBatchCase(prompts, responses, max_token_len=budget, use_dynamic_bsz=dynamic, sp_size=sp,
                          balance=draw(st.booleans()) if dynamic else True, num_batches_divided_by=divided_by,
                          min_num_micro_batch=min_num, force_group_size=group, micro_batch_size=mbs, mrope=mrope,
-                         topk=int(topk), routed_experts=routed, per_sample_temperature=temps, uid=uid,
+                         topk=int(topk), routed_experts=routed, routed_shape=routed_shape,
+                         routed_dtype=routed_dtype, per_sample_temperature=temps, uid=uid,
                          other_ranks=tuple(others), style=style, plan=plan, seed=draw(st.integers(0, 2 ** 16)))
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
@@ -392,7 +402,7 @@ SETTING_KEYS = ("use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_pe
 def materialize_minibatch(case: MiniBatchCase, device: torch.device | str = "cpu") -> TensorDict:
     """The mini-batch of ``case``: the micro-batch keys of :func:`spec.materialize.materialize` for all its samples
     (nested ids, positions (2-D or mRoPE), prompts, responses, masks, teacher top-K when asked, the engine flags),
-    plus nested ``routed_experts`` ``(B, j, 2, 2)``, a per-sample ``uid`` NonTensorStack, and the settings
+    plus nested ``routed_experts`` ``(B, j, layers, top-k)`` of the case's experts and dtype, a per-sample ``uid`` NonTensorStack, and the settings
     ``prepare_micro_batches`` reads, as NonTensorData (verl's ``tu.assign_non_tensor``)."""
     td = materialize(case.engine_case(), device)
     if not case.topk:
@@ -403,7 +413,9 @@ def materialize_minibatch(case: MiniBatchCase, device: torch.device | str = "cpu
         raise ValueError(f"teacher top-K {td['teacher_ids'].values().shape[-1]}, case asks {case.topk}")
     if case.routed_experts:
         gen = torch.Generator().manual_seed(case.seed + 1)
-        values = torch.randint(0, 8, (case.total_nnz, *ROUTED_SHAPE), generator=gen).to(device)
+        experts, layers, top_k = case.routed_shape
+        values = torch.randint(0, experts, (case.total_nnz, layers, top_k), generator=gen)
+        values = values.to(device=device, dtype=getattr(torch, case.routed_dtype))
         td.set("routed_experts", jagged(values, case.seq_lens))
     if case.uid:
         td.set("uid", NonTensorStack(*[f"u{i // case.force_group_size}-{i}" for i in range(case.batch_size)]))

@@ -5,16 +5,18 @@ vocabulary, float32 logits, temperature 1.0, packed mode and every flag off.
 
 Reach (what engines see, drawn cheaply): a size *tier* is drawn first and shrinks to ``small``.
 
-- ``small`` (most cases): B <= 5, prompts and responses <= ``max_len`` tokens, vocab <= 129.
+- ``small`` (most cases): B <= 5, prompts and responses <= ``max_len`` tokens, vocab <= 257.
 - ``long``: sequences up to 4,096 tokens (prompt and response up to 2,048 each), ``total_nnz`` up
   to 16,384, a small vocabulary so logits stay small (n x V <= 2**20).
-- ``wide``: vocabularies of 32,768 .. 152,064 ids (ids above 32,767 and 65,535 occur), few tokens
+- ``wide``: vocabularies of 257 .. 256,000 ids, real tokenizers' sizes and both sides of 32,768 and 65,536 (ids
+  above 255, 32,767 and 65,535 occur), few tokens
   (n x V <= 2**21: the toy model's head is low rank, only the (n, V) logits grow).
 - ``batch``: B from 8 to 64 short sequences.
 
-A large tier is drawn with probability ``1/4`` (:data:`TIER_WEIGHTS`), so a 40-example ``default``
-run sees about three cases of each large tier and a 100-example ``ci`` run about eight; the ``thorough`` profile (more
-examples) sees proportionally more. Logits come in float32, bfloat16 or float16; temperatures are
+A large tier is drawn with probability ``3/8`` (:data:`TIER_WEIGHTS`: long and batch 3/32 each, wide 6/32), from the
+residue of a drawn key (hypothesis's coin flips and small indices are far from their nominal odds), so a 100-example
+``ci`` run sees about nine long, nine batch and nineteen wide cases; the ``thorough`` profile (more examples) sees
+proportionally more. Logits come in float32, bfloat16 or float16; temperatures are
 1.0, log-uniform over [1e-3, 1e2], or at/below the contract's 1e-8 clamp; token ids are uniform over
 [0, V) so they include the pad id, and some cases end every response with eos = pad.
 """
@@ -23,17 +25,36 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, DenseCase, EngineCase
+from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
-__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS"]
+__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
+           "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
-#: the share of cases in each tier (a large tier is drawn with probability 1/4, then one of three)
-TIER_WEIGHTS = {"small": 3 / 4, "long": 1 / 12, "wide": 1 / 12, "batch": 1 / 12}
-_VOCABS = (2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 127, 128, 129)
-_WIDE_VOCABS = (32_769, 65_537, 100_000, 131_072, 151_936, 152_064)
+#: the share of cases in each tier (the wide tier's three index-width bands each get about 6% of the cases)
+TIER_WEIGHTS = {"small": 20 / 32, "long": 3 / 32, "wide": 6 / 32, "batch": 3 / 32}
+_VOCABS = (2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 127, 128, 129, 255, 256, 257)
+#: real tokenizers' range, by index-width band (a band first, each equally likely, then a size in it), with the
+#: boundaries on both sides of 256, 32,768 and 65,536: ids above 255 only; above 32,767 (int16); above 65,535
+#: (uint16). Llama 2 32,000, GPT-2 50,257, Llama 3 128,256, Qwen 151,936 / 152,064, Gemma 256,000.
+WIDE_VOCAB_BANDS = {
+    "ids <= 32,767": (257, 4_096, 32_000, 32_768),
+    "ids <= 65,535": (50_257, 65_536, 32_769),
+    "ids > 65,535": (65_537, 100_000, 128_256, 131_072, 151_936, 152_064, 256_000),
+}
+
+
+@st.composite
+def _wide_vocab(draw) -> int:
+    """A wide-tier vocabulary: an index-width band (equally likely), then a size in it; shrinks to 257."""
+    return draw(st.sampled_from(draw(st.sampled_from(tuple(WIDE_VOCAB_BANDS.values())))))
 _LONG_VOCABS = (2, 7, 16, 64)
+#: MoE router replay as current models have it: experts (Mixtral 8, Qwen1.5-MoE 60, OLMoE/Qwen3 64/128, DeepSeek-V2 160,
+#: DeepSeek-V3 256, Kimi K2 384, 512), MoE layers (one, a few), top-k (Switch top-1 .. DeepSeek/Qwen3 top-8)
+EXPERT_COUNTS = (8, 1, 2, 60, 64, 128, 160, 256, 257, 384, 512)
+MOE_LAYERS = (1, 2, 3, 4)
+MOE_TOPK = (1, 2, 4, 6, 8)
 #: the largest float below, at and below the contract's 1e-8 temperature clamp
 _CLAMPED_TEMPERATURES = (1e-8, 5e-9, 1e-10)
 _LOGITS_BUDGET = {"long": 2 ** 20, "wide": 2 ** 21}
@@ -45,13 +66,17 @@ def _check_bounds(**bounds: int) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+#: which tier each residue of the tier key (mod 32) selects: 20 small, 6 wide, 3 long, 3 batch
+_TIER_OF_KEY = ("small",) * 20 + ("wide",) * 6 + ("long",) * 3 + ("batch",) * 3
+
+
 @st.composite
 def _tier(draw) -> str:
-    """``small`` unless two coin flips both come up (1/4), then one of the large tiers; shrinks to small.
-    (Coin flips, not a weighted ``sampled_from``: hypothesis draws indices far from uniformly.)"""
-    if draw(st.booleans()) and draw(st.booleans()):
-        return draw(st.sampled_from(TIERS[1:]))
-    return "small"
+    """The size tier, from a drawn 16-bit key (mod 32: :data:`TIER_WEIGHTS`); shrinks to small (key 0). A key's
+    residue, not coin flips or a weighted ``sampled_from``: hypothesis draws small indices and ``False`` far more
+    often than their share (measured on INV-VAL-001 under ``ci``: 1-3 wide cases in 100 examples with coin flips;
+    with the key, about 10 wide, 13 batch and 6 long of 106)."""
+    return _TIER_OF_KEY[draw(st.integers(0, 2 ** 16 - 1)) % len(_TIER_OF_KEY)]
 
 
 @st.composite
@@ -154,7 +179,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         prompts = prompts[:at] + (draw(st.integers(1025, 2048)),) + prompts[at + 1:]
         responses = responses[:at] + (draw(st.integers(1024, 2048)),) + responses[at + 1:]
     if tier == "wide":
-        vocab = draw(st.sampled_from(_WIDE_VOCABS))
+        vocab = draw(_wide_vocab())
     elif tier == "long":
         vocab = draw(st.sampled_from(_LONG_VOCABS))
     else:
@@ -229,17 +254,23 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
     """A left-padded-prompt, right-padded-response dense batch (with slack columns).
 
     Token ids are uniform over [0, V) (so real tokens equal the pad id), some cases end every
-    response with eos = pad, vocabularies reach 152,064 ids and batches 64 rows."""
+    response with eos = pad, vocabularies reach 256,000 ids and batches 64 rows; router-replay tensors of 1-512 experts,
+    1-4 MoE layers, top-1 to top-8, in int64/int32/int16/uint8."""
     _check_bounds(max_batch=max_batch, max_len=max_len)
     tier = draw(_tier()) if allow_large else "small"
     batch = draw(st.integers(8, 64)) if tier == "batch" else draw(st.integers(1, max_batch))
     length = 256 if tier == "long" else max_len
     prompts = draw(seq_lengths(batch, max_len=length))
     responses = draw(seq_lengths(batch, max_len=length))
-    vocab = draw(st.sampled_from(_WIDE_VOCABS if tier == "wide" else (2, 7, 50, 129)))
+    vocab = draw(_wide_vocab()) if tier == "wide" else draw(st.sampled_from((2, 7, 50, 129, 257)))
     pad_choice = draw(st.sampled_from(("zero", "one", "last")))
     with_topk = draw(st.booleans()) if topk is None else topk
     with_experts = draw(st.booleans()) if routed_experts is None else routed_experts
+    experts = draw(st.sampled_from(EXPERT_COUNTS)) if with_experts else 0
+    layers = draw(st.sampled_from(MOE_LAYERS)) if with_experts else 2
+    top_k = min(draw(st.sampled_from(MOE_TOPK)), experts) if with_experts else 2
+    routed_dtype = draw(st.sampled_from(ROUTED_DTYPES[:3] + (("uint8",) if experts <= 256 else ()))) if with_experts \
+        else "int64"
     return DenseCase(
         prompt_lens=prompts, response_lens=responses,
         prompt_width=max(prompts) + draw(st.integers(0, 2)),
@@ -251,5 +282,5 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
         vocab=vocab,
         pad_token_id={"zero": 0, "one": 1, "last": vocab - 1}[pad_choice],
         eos_is_pad=draw(st.booleans()),
-        routed_experts=draw(st.sampled_from((8, 64, 256))) if with_experts else 0,
+        routed_experts=experts, routed_layers=layers, routed_topk=top_k, routed_dtype=routed_dtype,
     )

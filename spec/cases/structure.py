@@ -10,10 +10,12 @@ from dataclasses import dataclass, replace
 
 from ..truth.rules import TEMPERATURE_FLOOR
 
-__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]
+__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES", "TEMPERATURE_FLOOR"]
 
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+#: dtypes a router-replay routed_experts tensor comes in (int16: verl's agent loop; uint8 up to 256 experts)
+ROUTED_DTYPES = ("int64", "int32", "int16", "uint8")
 
 #: Keys the suite's top-K distillation processor can produce (verl's names).
 DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
@@ -191,10 +193,22 @@ class DenseCase:
     eos_is_pad: bool = False
     #: MoE router replay: ``routed_experts`` (B, S, layers, top-k) of this many experts (0 = absent)
     routed_experts: int = 0
+    #: the router-replay tensor's MoE layers and top-k, and its dtype (verl's agent loop hands int16)
+    routed_layers: int = 2
+    routed_topk: int = 2
+    routed_dtype: str = "int64"
 
     def __post_init__(self) -> None:
         if not 0 <= self.pad_token_id < self.vocab:
             raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary [0, {self.vocab})")
+        if self.routed_experts:
+            if self.routed_layers < 1 or not 1 <= self.routed_topk <= self.routed_experts:
+                raise ValueError(f"routed_experts (layers={self.routed_layers}, top-k={self.routed_topk}) needs "
+                                 f"layers >= 1 and 1 <= top-k <= experts={self.routed_experts}")
+            if self.routed_dtype not in ROUTED_DTYPES:
+                raise ValueError(f"routed_dtype={self.routed_dtype!r} is not one of {ROUTED_DTYPES}")
+            if self.routed_dtype == "uint8" and self.routed_experts > 256:
+                raise ValueError(f"routed_dtype uint8 cannot hold expert ids of {self.routed_experts} experts")
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +218,7 @@ class DenseCase:
         extra = (" mrope" if self.mrope else "") + (f" topk={self.topk}" if self.topk else "") + (
             " holes" if self.mask_holes else "") + (f" V={self.vocab}" if self.vocab != 50 else "") + (
             f" pad={self.pad_token_id}" if self.pad_token_id else "") + (" eos=pad" if self.eos_is_pad else "") + (
-            f" experts={self.routed_experts}" if self.routed_experts else "")
+            f" experts={self.routed_experts}({self.routed_layers}x{self.routed_topk}"
+            f"{'' if self.routed_dtype == 'int64' else ' ' + self.routed_dtype})" if self.routed_experts else "")
         return (f"DenseCase(p={list(self.prompt_lens)} r={list(self.response_lens)} "
                 f"P={self.prompt_width} R={self.response_width}{extra} seed={self.seed})")

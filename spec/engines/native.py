@@ -21,19 +21,6 @@ from .verl import verl_microbatch_layer
 __all__ = ["NativeVerlEngine"]
 
 
-def _through_the_layer(records) -> tuple[KnownFailure, ...]:
-    """The engine's own padded-value failure (its padded attention mask from the response-only loss_mask, verl
-    #6278: an INV-VAL-001 record in padded mode) seen again end to end through the micro-batch layer (INV-MB-015,
-    padded): the same bug, not the layer's, under the same condition (an output past r_i is read)."""
-    mask = next((r for r in records if r.invariant == "INV-VAL-001" and "padded" in r.modes
-                 and "loss_mask" in r.reason), None)
-    if mask is None:
-        return ()
-    return (KnownFailure("INV-MB-015", f"{mask.reason} (seen end to end through the micro-batch layer)",
-                         raises=AssertionError, when=mask.when, modes=("padded",), certain=False,
-                         matches=r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"),)
-
-
 class NativeVerlEngine(EngineUnderTest):
     """Base of the TorchTitan and Automodel adapters. Subclasses set ``module``, ``packages``,
     ``lm_class``, ``records`` and implement :meth:`wrap`."""
@@ -62,7 +49,6 @@ class NativeVerlEngine(EngineUnderTest):
         self.outputs_params = tuple(inspect.signature(self.cls.prepare_model_outputs).parameters)
         self.known_failures = (*self.KNOWN.get("*", ()), *self.KNOWN.get(self.version, ()),
                                *MICROBATCH_RECORDS.get("*", ()), *MICROBATCH_RECORDS.get(self.version, ()))
-        self.known_failures = (*self.known_failures, *_through_the_layer(self.known_failures))
 
     def microbatch_layer(self):
         """verl's own micro-batch functions: this engine's forward_backward_batch calls prepare_micro_batches and

@@ -64,7 +64,7 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     KnownFailure("INV-TEMP-002", TEMPERATURE, raises=RuntimeError,
                  matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)", when=AS_TENSOR_ON_VOCAB),
     *(KnownFailure(inv, NO_CLAMP, matches=VALUE_MISMATCH, when=UNCLAMPED & ~PER_SAMPLE_ON_VOCAB, modes=modes)
-      for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()))),
+      for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()), ("INV-SLICE-006", ()))),
     # every padded case fails for the mask (records above excuse the cases they cover first)
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),

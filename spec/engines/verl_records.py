@@ -38,10 +38,19 @@ def loss_mask_attention(invariants: frozenset[str] | set[str] = MASK_INVARIANTS,
     :data:`spec.engines.verl.MASK_INVARIANTS`)."""
     patterns = {"INV-MASK-001": r"attention_mask row \d+ is \[[01, ]*\], expected \[[01, ]*\]",
                 "INV-MASK-003": r"attention_mask sums to \d+, total_nnz is \d+"}
-    return tuple(KnownFailure(inv, reason, raises=AssertionError, matches=patterns.get(inv, VALUE_MISMATCH),
-                              when=ALWAYS if inv in patterns else MASK_VISIBLE,
-                              modes=() if inv == "INV-KEYS-003" else ("padded",))
+    return tuple(KnownFailure(inv, reason + (" (seen end to end through the micro-batch layer)" if inv in _END_TO_END
+                                             else ""),
+                              raises=AssertionError, when=ALWAYS if inv in patterns else MASK_VISIBLE,
+                              matches=patterns.get(inv, _END_TO_END.get(inv, VALUE_MISMATCH)),
+                              modes=() if inv == "INV-KEYS-003" else ("padded",),
+                              # end to end, whether a compared output is one the mask changes depends on the
+                              # micro-batch cut (TorchTitan: 3 of 38 such cases failed)
+                              certain=inv not in _END_TO_END)
                  for inv in sorted(invariants))
+
+
+#: the micro-batch layer's end-to-end check (its own message: per sample, with the micro-batch sizes)
+_END_TO_END = {"INV-MB-015": r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"}
 
 
 #: where a response-only mask (r_i ones) changes an output that is read: any output at positions r_i .. n_i - 2 (a

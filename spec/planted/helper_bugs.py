@@ -115,3 +115,26 @@ def left_right_drops_width_flag(data):
     out = impl.left_right_2_no_padding(data)
     del out["max_response_len"]
     return out
+
+
+def left_right_routed_experts_uint8(data):
+    """left_right_2_no_padding packs routed_experts into uint8 (to save memory) and back: expert ids above 255 wrap,
+    only for MoE models of more than 256 experts (Kimi K2's 384, 512)."""
+    out = impl.left_right_2_no_padding(data)
+    routed = out.get("routed_experts") if "routed_experts" in out.keys() else None
+    if isinstance(routed, torch.Tensor) and routed.is_nested:
+        values = routed.values().to(torch.uint8).to(routed.dtype)
+        out["routed_experts"] = torch.nested.nested_tensor_from_jagged(values, routed.offsets())
+    return out
+
+
+def left_right_routed_top1_squeezed(data):
+    """left_right_2_no_padding squeezes size-1 dims of routed_experts (a top-1 router, one MoE layer): the nested
+    tensor comes back (B, j, layers) or (B, j) instead of (B, j, layers, 1)."""
+    out = impl.left_right_2_no_padding(data)
+    routed = out.get("routed_experts") if "routed_experts" in out.keys() else None
+    if isinstance(routed, torch.Tensor) and routed.is_nested and 1 in routed.values().shape[1:]:
+        values = routed.values()
+        kept = [values.shape[0], *[n for n in values.shape[1:] if n != 1]]
+        out["routed_experts"] = torch.nested.nested_tensor_from_jagged(values.reshape(kept), routed.offsets())
+    return out

@@ -223,6 +223,19 @@ class LabelIdsAsUint16(impl.LMHeadEngine):
         return mi, oa
 
 
+class LabelIdsAsInt16(_OutputBug):
+    """Label ids are kept as int16 (a vocabulary "fits in 16 bits" below 65,536 ids) and read back by Python-style
+    indexing, where a negative id counts from the vocabulary's end: ids 32,768 .. 65,535 wrap to another token,
+    only in vocabularies between 32,769 and 65,536 ids (Mistral-Nemo-sized, GPT-2's 50,257)."""
+
+    def redo(self, logits, temps, labels):
+        vocab = logits.shape[-1]
+        if vocab > 65_536 or not bool((labels >= 32_768).any()):
+            return None
+        z = logits.float() / temps.clamp(min=1e-8).unsqueeze(-1)
+        return _stats(z, labels.to(torch.int16).long() % vocab)
+
+
 class PositionsClampedAt2048(impl.LMHeadEngine):
     """Position ids are clamped to a 2,048-entry rotary table: wrong only in sequences over 2,048 tokens."""
 

@@ -31,10 +31,22 @@ SEED_CASES = (
     EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=(0.5, 2.0), calculate_entropy=True,
                distillation_keys=("distillation_losses", "student_mass")),
 )
+#: reach floors: one case per index-width band of the vocabulary (ids above 255 below 32,768; above 32,767 below
+#: 65,536; above 65,535), run by every engine-case invariant beside the generated ones, since hypothesis's draws of a
+#: rare tier are far from their nominal share (a band can get no case in a 100-example run); real tokenizer sizes
+REACH_CASES = (
+    EngineCase(prompt_lens=(3, 2), response_lens=(2, 3), vocab=32_000),
+    EngineCase(prompt_lens=(4, 2), response_lens=(3, 4), vocab=50_257),
+    EngineCase(prompt_lens=(2,), response_lens=(3,), vocab=152_064),
+)
 SEED_DENSE = (
     DenseCase(prompt_lens=(3, 2), response_lens=(2, 1), prompt_width=3, response_width=2, topk=2),
     DenseCase(prompt_lens=(2, 2), response_lens=(1, 1), prompt_width=2, response_width=1, mrope=True),
     DenseCase(prompt_lens=(2,), response_lens=(3,), prompt_width=2, response_width=3, mrope=True),
+    # router replay as a large MoE model hands it: 384 experts (above uint8), one MoE layer, top-8, int16 (verl's
+    # agent loop)
+    DenseCase(prompt_lens=(2, 1), response_lens=(1, 2), prompt_width=2, response_width=2, routed_experts=384,
+              routed_layers=1, routed_topk=8, routed_dtype="int16"),
 )
 
 
@@ -114,7 +126,7 @@ def _real_ranks_unavailable(engine: EngineUnderTest, need: str) -> str | None:
 
 
 def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | None = None) -> list:
-    """The pinned cases every invariant also runs, minus those the engine's strategy limits exclude (an
+    """The pinned cases every invariant also runs (the seeds' worked examples, the reach floors), minus those the engine's strategy limits exclude (an
     engine that offers no distillation is not handed a distillation case here either)."""
     if info.kind == "dense":
         return list(SEED_DENSE)
@@ -123,7 +135,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
         return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
     limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
     cases = []
-    for case in SEED_CASES:
+    for case in (*SEED_CASES, *REACH_CASES):
         if not within_limits(case, **limits):
             continue
         if mode in ("packed", "padded"):
