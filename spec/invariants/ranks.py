@@ -7,10 +7,11 @@ forces ``sp`` into 2..4 (a case drawn with ``sp = 1`` gets ``2 + seed % 3``, so 
 to ``sp = 2``). All need ``sp`` and ``real_ranks``: an engine without them is skipped with the reason.
 
 Every one also draws a process topology (:mod:`spec.cases.topology`, printed as ``sp_groups=``): one SP group
-``[0, sp)`` (the simplest, where failures shrink to), or in about half the cases one group elsewhere in the pool
-or ``dp`` groups contiguous or interleaved (then ``sp`` is the topology's group size), so a group may start at a global rank other than 0 and a rank's group rank may differ from its
-global one. Every group runs its own micro-batch (the case with the seed ``seed + g``) and the check runs on
-each group's run in turn (:func:`_on_every_group`); a failure names the group and its global ranks.
+``[0, sp)`` (the simplest, where failures shrink to), or in a third to a half of the cases one group elsewhere in
+the pool or ``dp`` groups contiguous or interleaved (then ``sp`` is the topology's group size), so a group may
+start at a global rank other than 0 and a rank's group rank may differ from its global one. Every group runs its
+own micro-batch (the case with the seed ``seed + g``) and the check runs on each group's run in turn
+(:func:`_on_every_group`); a failure names the group and its global ranks.
 """
 
 from __future__ import annotations
