@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..truth.rules import TEMPERATURE_FLOOR
+from .topology import Topology
 
 __all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES", "TEMPERATURE_FLOOR"]
 
@@ -60,6 +61,8 @@ class EngineCase:
     pad_token_id: int = 0
     max_response_len: int | None = None
     sp_size: int = 1
+    #: on real ranks, the SP groups' global ranks (spec.cases.topology); None: one group [0, sp_size)
+    topology: Topology | None = None
     pad_to_length: int | None = None
     pass_cu_seqlens: bool = False
     entropy_chunk_size: int | None = None
@@ -161,6 +164,8 @@ class EngineCase:
             parts.append(f"max_response_len={self.max_response_len}")
         if self.sp_size > 1:
             parts.append(f"sp={self.sp_size}")
+        if self.topology is not None:
+            parts.append(f"sp_groups={self.topology!r}")
         if self.pad_to_length:
             parts.append(f"bucket={self.pad_to_length}")
         if self.pass_cu_seqlens:

@@ -92,6 +92,8 @@ class Run:
     output_args_snapshots: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
     rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: on real ranks, every SP group's run in the case's topology order (this one first; spec.cases.topology)
+    groups: list["Run"] = field(default_factory=list)
 
 
 def attach_views(run: Run, engine: EngineUnderTest) -> None:

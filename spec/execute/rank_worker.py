@@ -1,8 +1,9 @@
 """The worker side of :mod:`spec.execute.ranks`: what one rank process runs.
 
-Each rank joins the process group (``FileStore`` rendezvous), makes the subgroups ``[0, w)`` for
-w in :data:`WORLDS`, then serves tasks from its queue until told to stop or its parent is gone:
-it materialises the case, builds its engine with ``TorchDistributedAllGather(subgroup)``, runs
+Each rank joins the process group (``FileStore`` rendezvous), makes a subgroup for every set of two or more
+ranks, then serves tasks from its queue until told to stop or its parent is gone: it finds its SP group in
+the task's topology (:mod:`spec.cases.topology`), materialises that group's case, builds its engine with its
+rank within the group and ``TorchDistributedAllGather(subgroup)``, runs
 ``prepare_model_inputs``, exchanges inputs and status with the other ranks, runs the toy model on
 the full row and ``prepare_model_outputs``, and replies with pickled bytes. Its stdout, stderr and
 faulthandler dumps (fatal signals, ``SIGUSR1``) go to ``rank<r>.log`` in the pool's directory.
@@ -18,6 +19,7 @@ import shutil
 import signal
 import traceback
 from datetime import timedelta
+from itertools import combinations
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +31,7 @@ from impl.sequence_parallel import TorchDistributedAllGather
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
+from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
 from .handoff import POISONS, _call_model, _fields, _per_token, _poison_tail, _settings, _shared, model_for
 from ..cases.materialize import materialize, move
@@ -125,12 +128,15 @@ class _Worker:
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         if task.get("kind") == "microbatch":
             return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
-        case: EngineCase = task["case"]
-        world, rank = case.sp_size, self.rank
-        group = self.groups[world]
+        topology: Topology = task["topology"]
+        index = topology.group_of(self.rank)  # this rank's SP group; its rank there is what it slices by
+        members = topology.groups[index]
+        case: EngineCase = topology.group_case(task["case"], index)
+        world, rank = len(members), members.index(self.rank)
+        group = self.groups[members]
         device = self.device(task["device"])
         mb = materialize(case, device) if task["micro_batch"] is None else on_device(task["micro_batch"], device)
-        reply: dict[str, Any] = {"rank": rank}
+        reply: dict[str, Any] = {"rank": rank, "group": index}
         status: tuple[str, Any] = ("ok", None)
         try:
             settings = _settings(case.with_(sp_size=1), rank, None)
@@ -145,7 +151,7 @@ class _Worker:
         failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
         if failed:
             first_rank, (exc_bytes, text) = failed[0]
-            reply["error"] = (first_rank, exc_bytes, text)
+            reply["error"] = (members[first_rank], exc_bytes, text)  # its global rank
             return reply
         reply["inputs"], reply["output_args"] = _nested_safe(model_inputs), _nested_safe(output_args)
         if task["stop_after_inputs"]:
@@ -162,7 +168,7 @@ class _Worker:
         try:
             outputs = eng.prepare_model_outputs(model_output, output_args, mb, processor)
         except Exception as exc:  # noqa: BLE001 - re-raised by the caller
-            reply["error"] = (rank, *_describe(exc))
+            reply["error"] = (self.rank, *_describe(exc))
             return reply
         reply.update(model_output=_nested_safe(_namespace_dict(model_output)),
                      model_output_snapshot=_nested_safe(output_snapshot),
@@ -290,7 +296,11 @@ def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, res
     dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timeout)
     try:
-        groups = {w: dist.new_group(list(range(w)), timeout=timeout) for w in WORLDS if w <= world}
+        # every set of 2+ ranks, made once (every rank of the world takes part in each new_group): any topology's
+        # SP groups; worlds [0, w) are also found by their size
+        groups: dict[Any, Any] = {members: dist.new_group(list(members), timeout=timeout)
+                                  for size in range(2, world + 1) for members in combinations(range(world), size)}
+        groups.update({w: groups[tuple(range(w))] for w in WORLDS if w <= world})
         worker = _Worker(rank, backend, groups)
         results.put(pickle.dumps(("ready", rank, {})))
         while True:

@@ -3,12 +3,15 @@
 One pool of :data:`MAX_WORLD` long-lived worker processes per backend (``gloo`` for CPU
 batches, ``nccl`` for CUDA ones), started lazily with ``torch.multiprocessing`` (spawn) and
 a ``FileStore`` in a fresh temporary directory (no port or path is shared between pytest-xdist
-workers), shut down at exit. World sizes 2, 3 and 4 are subgroups ``[0, w)`` of the one
-pool, made once at start-up, so a world-3 example costs no extra processes.
+workers), shut down at exit. Every set of two or more ranks is a subgroup of the one pool, made once at
+start-up, so any process topology (:mod:`spec.cases.topology`: the case's ``topology``, by default
+one SP group ``[0, sp)``; else groups that start elsewhere, several contiguous or interleaved
+groups) costs no extra processes.
 
-Per example every rank ``r < sp_size``:
+Per example every rank of the topology's SP groups, its rank within its group ``r``:
 
-1. materialises the micro-batch from the case (or unpickles the one it is sent);
+1. materialises its group's micro-batch from the group's case (``Topology.group_case``: the
+   case with its own seed; or unpickles the one it is sent, for a one-group topology);
 2. builds its engine, ``load_engine(name).make(head, sp_size=w, sp_rank=r,
    all_gather=TorchDistributedAllGather(subgroup), ...)`` (verl's adapter reads the group off
    the gather and sets verl's Ulysses group from it);
@@ -47,6 +50,7 @@ import torch.multiprocessing as tmp
 from tensordict import TensorDict
 
 from ..cases.structure import EngineCase
+from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
 from .handoff import Run, attach_views, model_for, snapshot
 from ..cases.materialize import materialize
@@ -187,10 +191,13 @@ class RankPool:
                     self._error_seen = time.monotonic()
         return got
 
-    def submit(self, task: dict[str, Any], world: int, timeout: float | None = None) -> dict[int, dict[str, Any]]:
-        """Send ``task`` to ranks ``[0, world)`` and collect their replies."""
-        if world < 2 or world > self.world:
-            raise ValueError(f"world size {world} is not in [2, {self.world}]")
+    def submit(self, task: dict[str, Any], world: int | tuple[int, ...], timeout: float | None = None
+               ) -> dict[int, dict[str, Any]]:
+        """Send ``task`` to ranks ``[0, world)`` (or to the global ranks ``world`` names) and collect their
+        replies, keyed by global rank."""
+        ranks = tuple(range(world)) if isinstance(world, int) else tuple(world)
+        if len(ranks) < 2 or min(ranks) < 0 or max(ranks) >= self.world:
+            raise ValueError(f"ranks {list(ranks)}: need 2 or more of the pool's [0, {self.world})")
         timeout = task_timeout() if timeout is None else timeout
         name = task["engine"]
         if name not in self.loaded:  # the first use of an engine imports it (verl takes seconds)
@@ -198,7 +205,7 @@ class RankPool:
                             _STARTUP_TIMEOUT,
                             f"loading engine {name!r}")
             self.loaded.add(name)
-        return self._broadcast(task, range(world), timeout, f"case {task['case']!r} on engine {name!r}")
+        return self._broadcast(task, ranks, timeout, f"case {task['case']!r} on engine {name!r}")
 
     def _broadcast(self, task: dict[str, Any], ranks, timeout: float, what: str) -> dict[int, dict[str, Any]]:
         if not self.alive():
@@ -273,7 +280,10 @@ def raise_rank_error(first_rank: int, blob: bytes | None, text: str) -> None:
 def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
             micro_batch: TensorDict | None = None, stop_after_inputs: bool = False,
             timeout: float | None = None, workers: RankPool | None = None) -> Run:
-    """:func:`spec.execute.harness.execute` for ``case.sp_size`` (2 to 4) real ranks.
+    """:func:`spec.execute.harness.execute` for ``case.sp_size`` (2 to 4) real ranks, on ``case.topology``.
+
+    Returns group 0's :class:`Run`; ``Run.groups`` holds every SP group's, in the topology's order, each with
+    its own case (:meth:`spec.cases.topology.Topology.group_case`).
 
     ``engine`` is rebuilt in each worker from its recipe (:meth:`spec.protocol.EngineUnderTest.recipe`: the
     callable and arguments that built it, pickled by reference) and cached there under ``engine.name``. Exceptions raised by the engine on a rank are
@@ -282,18 +292,33 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     """
     if not 2 <= case.sp_size <= MAX_WORLD:
         raise ValueError(f"real ranks run sp_size 2..{MAX_WORLD}, the case has sp={case.sp_size}")
-    reason = unavailable(device, case.sp_size)
+    topology = case.topology or Topology.single(case.sp_size)
+    if topology.sp != case.sp_size or topology.world > MAX_WORLD:
+        raise ValueError(f"topology sp_groups={topology!r} does not fit sp={case.sp_size} on a pool of "
+                         f"{MAX_WORLD} ranks")
+    if micro_batch is not None and topology.dp > 1:
+        raise ValueError(f"a micro_batch of one's own is one SP group's: the topology sp_groups={topology!r} has "
+                         f"{topology.dp} (each runs its own case's micro-batch)")
+    reason = unavailable(device, topology.world)
     if reason:
         raise RankFailure(f"real ranks cannot run here: {reason}")
-    mb = materialize(case, device) if micro_batch is None else micro_batch
-    task = {"engine": engine.name, "recipe": engine.recipe(), "case": case, "device": device, "poison": poison,
-            "micro_batch": None if micro_batch is None else on_device(micro_batch, "cpu"),
+    task = {"engine": engine.name, "recipe": engine.recipe(), "case": case, "topology": topology, "device": device,
+            "poison": poison, "micro_batch": None if micro_batch is None else on_device(micro_batch, "cpu"),
             "stop_after_inputs": stop_after_inputs}
-    replies = (workers or pool(device)).submit(task, case.sp_size, timeout)
+    replies = (workers or pool(device)).submit(task, topology.ranks, timeout)
     errors = sorted((body["error"] for body in replies.values() if "error" in body), key=lambda e: e[0])
     if errors:
         raise_rank_error(*errors[0])
-    ordered = [replies[r] for r in range(case.sp_size)]
+    runs = [_group_run(engine, topology.group_case(case, g), device, [replies[r] for r in members],
+                       micro_batch, stop_after_inputs) for g, members in enumerate(topology.groups)]
+    runs[0].groups = runs
+    return runs[0]
+
+
+def _group_run(engine: EngineUnderTest, case: EngineCase, device: str, ordered: list[dict[str, Any]],
+               micro_batch: TensorDict | None, stop_after_inputs: bool) -> Run:
+    """One SP group's :class:`Run` from its ranks' replies (in group-rank order)."""
+    mb = materialize(case, device) if micro_batch is None else micro_batch
     run = Run(case, device, mb, snapshot(mb), model_for(case, device, engine))
     to_dev = lambda obj: _to_device(obj, device)  # noqa: E731
     run.inputs = [to_dev(b["inputs"]) for b in ordered]

@@ -51,6 +51,8 @@ class InvariantInfo:
     head: str = "lm"
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     adjust: Callable[[EngineCase], EngineCase] | None = None
+    #: a further draw from the adjusted case (a strategy of cases: the rank invariants' process topology)
+    draw_after: Callable[[EngineCase], st.SearchStrategy] | None = None
     protects: str = ""
     layout: bool = False
 
@@ -61,6 +63,7 @@ class InvariantInfo:
         kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         strategy = strategy.map(self.adjust) if self.adjust else strategy
+        strategy = strategy.flatmap(self.draw_after) if self.draw_after else strategy
         return strategy.map(lambda case: honour_engine(case, engine))
 
     @property

@@ -5,14 +5,27 @@ whatever seam the engine offers for simulated ranks: impl gathers through
 ``TorchDistributedAllGather`` on the real group, verl through its own Ulysses path. ``adjust``
 forces ``sp`` into 2..4 (a case drawn with ``sp = 1`` gets ``2 + seed % 3``, so failures shrink
 to ``sp = 2``). All need ``sp`` and ``real_ranks``: an engine without them is skipped with the reason.
+
+Every one also draws a process topology (:mod:`spec.cases.topology`, printed as ``sp_groups=``): one SP group
+``[0, sp)`` (the simplest, where failures shrink to), or in a third to a half of the cases one group elsewhere in
+the pool or ``dp`` groups contiguous or interleaved (then ``sp`` is the topology's group size), so a group may
+start at a global rank other than 0 and a rank's group rank may differ from its global one. Every group runs its
+own micro-batch (the case with the seed ``seed + g``) and the check runs on each group's run in turn
+(:func:`_on_every_group`); a failure names the group and its global ranks.
 """
 
 from __future__ import annotations
 
+from functools import wraps
+from typing import Callable
+
 import torch
+from hypothesis import strategies as st
 
 from ..cases.structure import EngineCase
+from ..cases.topology import topologies
 from ..execute.harness import Run
+from ..execute.ranks import MAX_WORLD
 from ..execute.ranks import execute as execute_on_ranks
 from ..truth.rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
@@ -20,6 +33,51 @@ from .outputs import leaked
 
 PACKED = ("packed",)
 NEEDS = ("sp", "real_ranks")
+
+
+def _with_topology(case: EngineCase) -> st.SearchStrategy:
+    """The adjusted case with a drawn process topology within the pool, its ``sp`` the topology's group size
+    (None, where it shrinks to: one group [0, sp) of the case's own ``sp``)."""
+    return topologies(None, MAX_WORLD).map(
+        lambda topology: case if topology is None else case.with_(topology=topology, sp_size=topology.sp))
+
+
+def _on_every_group(check: Callable[[Ctx], None]) -> Callable[[Ctx], None]:
+    """``check`` on every SP group of the case's topology: group 0 on ``ctx`` (its run executes the whole
+    topology once), then each further group on a context of its own case and run. A failed check names the
+    group, its global ranks and its seed."""
+    @wraps(check)
+    def every_group(ctx: Ctx) -> None:
+        topology = ctx.case.topology
+        if topology is None:
+            check(ctx)
+            return
+        _in_group(check, ctx, 0)
+        key = "_real_run" if "_real_run" in ctx.__dict__ else "_real_inputs"
+        run = ctx.__dict__.get(key)
+        for g in range(1, topology.dp if run is not None else 1):
+            sub = Ctx(ctx.engine, run.groups[g].case, ctx.device, ctx.mode)
+            sub.__dict__[key] = run.groups[g]
+            _in_group(check, sub, g)
+            ctx.vacuous = ctx.vacuous or sub.vacuous
+    return every_group
+
+
+def _in_group(check: Callable[[Ctx], None], ctx: Ctx, g: int) -> None:
+    topology = ctx.case.topology
+    try:
+        check(ctx)
+    except AssertionError as exc:
+        raise AssertionError(f"SP group {g} of sp_groups={topology!r} (global ranks {list(topology.groups[g])}, "
+                             f"seed {ctx.case.seed}): {exc}") from exc
+
+
+def rank_invariant(id: str, title: str, **kwargs) -> Callable:
+    """:func:`spec.invariants.core.invariant` with a drawn topology, the check run on every SP group."""
+    def register(check: Callable[[Ctx], None]) -> Callable[[Ctx], None]:
+        invariant(id, title, draw_after=_with_topology, **kwargs)(_on_every_group(check))
+        return check
+    return register
 
 
 def _sp(case: EngineCase) -> int:
@@ -99,7 +157,7 @@ def _check_outputs_equal_across_ranks(run: Run) -> None:
                 fail(f"rank {r}'s {key!r} differs from rank 0's (every rank must hold the gathered row)")
 
 
-@invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
+@rank_invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
            contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
            protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
 def ranks_match_single(ctx: Ctx) -> None:
@@ -150,7 +208,7 @@ def _rank_labels(ctx: Ctx, *, exact: bool) -> None:
                  f"{None if labels is None else labels.tolist()}, expected [{mine.tolist()}] ({what})")
 
 
-@invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) hold, at every position "
+@rank_invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) hold, at every position "
            "whose label is read, its slice of the global packed row rolled left by one", contract=5, modes=PACKED,
            needs=NEEDS, adjust=_on_ranks,
            protects="no label is read across a shard edge: the token after each shard's last one is the next "
@@ -161,7 +219,7 @@ def ranks_global_roll(ctx: Ctx) -> None:
     _rank_labels(ctx, exact=False)
 
 
-@invariant("INV-RANK-008", "on real ranks each rank's rolled labels are exactly its slice of the global packed row "
+@rank_invariant("INV-RANK-008", "on real ranks each rank's rolled labels are exactly its slice of the global packed row "
            "rolled left by one (the wrap at each sequence end included), then padded with 0", contract=5,
            modes=PACKED, needs=NEEDS, adjust=_on_ranks, layout=True,
            protects="verl's exact rolled row on every rank: the wrap at each sequence end and the zero tail, which "
@@ -170,7 +228,7 @@ def ranks_global_roll_exact(ctx: Ctx) -> None:
     _rank_labels(ctx, exact=True)
 
 
-@invariant("INV-RANK-003", "on real ranks pad_size = bucket pad + sequence-parallel pad (0 when the token count "
+@rank_invariant("INV-RANK-003", "on real ranks pad_size = bucket pad + sequence-parallel pad (0 when the token count "
            "divides the world size), each rank holds (total + pad) / sp tokens, the tail's positions restart at 0 "
            "with temperature 1 (its ids are the engine's: nothing reads them), and the outputs hold exactly the "
            "unpadded tokens", contract=7, modes=PACKED,
@@ -217,7 +275,7 @@ def _mrope_temperatures(case: EngineCase) -> EngineCase:
                                  temperature=tuple(0.5 + 0.75 * ((i * 5) % 4) for i in range(case.batch_size)))
 
 
-@invariant("INV-RANK-004", "on real ranks with mRoPE positions and per-sample temperatures: each rank's (4, 1, n) "
+@rank_invariant("INV-RANK-004", "on real ranks with mRoPE positions and per-sample temperatures: each rank's (4, 1, n) "
            "positions (its slice, or the whole row on every rank) and temperatures (its slice) follow the global "
            "row, outputs equal the oracle", contract=6,
            modes=PACKED, needs=NEEDS, adjust=_mrope_temperatures,
@@ -256,7 +314,7 @@ def _distillation(case: EngineCase) -> EngineCase:
                       pad_to_length=None)
 
 
-@invariant("INV-RANK-005", "on real ranks with top-K distillation every distillation key equals the oracle (the "
+@rank_invariant("INV-RANK-005", "on real ranks with top-K distillation every distillation key equals the oracle (the "
            "processor gets each rank's shard of the scaled logits and aligns the teacher tensors with it)",
            contract=3, modes=PACKED, needs=NEEDS + ("distillation",), adjust=_distillation,
            protects="distillation losses and masses are computed against the teacher's top-K of the same token "
@@ -270,7 +328,7 @@ def ranks_distillation(ctx: Ctx) -> None:
             match_oracle(ctx, key, outputs[key], f"(sp={ctx.case.sp_size} rank {r})")
 
 
-@invariant("INV-RANK-006", "on real ranks each rank's model inputs are (1, n) ids and (1, n) or (4, 1, n) "
+@rank_invariant("INV-RANK-006", "on real ranks each rank's model inputs are (1, n) ids and (1, n) or (4, 1, n) "
            "positions (n = its n_local slice, or the whole row on every rank), the labels and temperature it hands "
            "its output step (whatever their private shape) and fused shift_labels have the n_local tokens the model "
            "returns, and n_local * sp = total_nnz + pad_size on every rank",
@@ -312,7 +370,7 @@ def _bucket_fused(case: EngineCase) -> EngineCase:
                                  calculate_sum_pi_squared=False)
 
 
-@invariant("INV-RANK-007", "on real ranks with a static bucket and fused kernels: log_probs (and entropy) equal "
+@rank_invariant("INV-RANK-007", "on real ranks with a static bucket and fused kernels: log_probs (and entropy) equal "
            "the oracle on every rank", contract=7, modes=PACKED, needs=NEEDS + ("bucket", "fused"),
            adjust=_bucket_fused,
            protects="a fused-kernel model scores the global next token even when the row is bucket-padded and "

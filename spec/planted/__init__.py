@@ -200,6 +200,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
     PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),
+    PlantedBug("rank_sp_rank_from_global_rank", ("INV-RANK-002", "INV-RANK-001"), lm=R.SpRankFromGlobalRank,
+               quiet="an SP group that starts at a global rank other than k * sp or interleaves (sp_groups=)"),
     PlantedBug("entropy_flag_defaults_true", ("INV-FLAG-001",), lm=S.EntropyFlagDefaultsTrue),
     PlantedBug("remove_padding_is_true", ("INV-FLAG-002",), lm=S.RemovePaddingIsTrue),
     PlantedBug("flags_by_truthiness", ("INV-FLAG-003",), lm=S.FlagsByTruthiness),

@@ -10,6 +10,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 import impl
 from impl.flags import read_flag
@@ -98,3 +99,16 @@ class TemperatureNotSliced(impl.LMHeadEngine):
             whole = replace(self.settings, sp_size=1, sp_rank=0, all_gather=None)
             oa["temperature_rmpad"] = prepare_model_inputs(mb, whole)[1]["temperature_rmpad"]
         return mi, oa
+
+
+class SpRankFromGlobalRank(impl.LMHeadEngine):
+    """The rank within the sequence-parallel group is taken as the global rank modulo ``sp`` (as if SP were the
+    innermost dimension of a ``("dp", "sp")`` device mesh) instead of the rank it is handed (its rank in the SP
+    group): right for one group ``[0, sp)`` and for groups ``[k sp, (k + 1) sp)``, wrong for a group that starts
+    elsewhere or interleaves, where two ranks of one group take the same slice."""
+
+    def __init__(self, **settings):
+        sp = int(settings.get("sp_size", 1) or 1)
+        if sp > 1 and dist.is_available() and dist.is_initialized():
+            settings["sp_rank"] = dist.get_rank() % sp
+        super().__init__(**settings)
