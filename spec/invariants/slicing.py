@@ -101,6 +101,10 @@ def response_round_trip(ctx: Ctx) -> None:
 def consumer_response_view(ctx: Ctx) -> None:
     """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none."""
     want, tol = ctx.expected.response_log_probs(ctx.case)
+    log_probs = ctx.run.outputs["log_probs"]
+    if not log_probs.is_nested and (log_probs.dim() < 1 or log_probs.shape[0] != ctx.case.total_nnz):
+        fail(f"response_view: 'log_probs' of shape {tuple(log_probs.shape)} is neither nested over the sequences nor "
+             f"a packed ({ctx.case.total_nnz},) row: no view of it is the consumer's")
     for name, view in (("response_view", response_view), ("completion_view", completion_view),
                        ("action_view", action_view)):
         got, mask = view(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
