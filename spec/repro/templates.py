@@ -51,7 +51,7 @@ def suite_blocks() -> str:
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
     for fn in (PaddedLayout, rules.layout_width, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
-               handoff._call_model, harness._in_threads):
+               handoff.check_model_inputs, handoff._call_model, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle.topk_terms, oracle.TopKProcessor):

@@ -140,6 +140,9 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
             continue
         if mode in ("packed", "padded"):
             case = case.with_(use_remove_padding=mode == "packed")
+        if limits.get("padding") and case.use_remove_padding and limits.get("allow_bucket", True) \
+                and case.pad_to_length is None:  # an invariant on padding: a packed tail to poison, as drawn
+            case = case.with_(pad_to_length=8 if case.total_nnz % 8 else 9, distillation_keys=(), distillation_only=False)
         if info.head != case.head:
             case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
         case = info.adjust(case) if info.adjust else case
