@@ -104,7 +104,8 @@ _STEP_WHAT = {
     "tests": "the README's test command (`pytest -n auto`, torch 2.13.0 CPU, a Redis server for the shared "
              "example database test)",
     "verl091": "verl 0.9.1 conformance (`spec verify --engine verl`, tests/test_verl_conformance.py) and "
-               "impl's padding helpers against verl's, bit for bit (tests/test_dropin.py)",
+               "impl's padding helpers and micro-batch layer against verl's, bit for bit (tests/test_dropin.py, "
+               "tests/test_dropin_microbatch.py)",
     "verl-engines": "verl 0.9.1's other engines: tests/test_adapters.py, then `spec verify` on VeOmni, Megatron "
                     "packing, TorchTitan and Automodel",
     "verl071": "verl 0.7.1 must fail, and only on the attention-mask invariants (tests/test_verl_conformance.py)",
