@@ -97,8 +97,8 @@ MICROBATCH_RECORDS: dict[str, tuple[KnownFailure, ...]] = {
         KnownFailure("INV-MB-014", f"{_MROPE_071_REASON} [maybe_fix_3d_position_ids relabels the dim by hand: the "
                      "shape then reads (B, j, n)]", raises=AssertionError, matches=_MROPE_SHAPE, when=MROPE),
         KnownFailure("INV-MB-015", f"{_MROPE_071_REASON} [the engine then hands the model position ids of the wrong "
-                     "shape: (4 B, 1, n) packed]", raises=AssertionError, matches=_MROPE_071_MODEL, when=MROPE,
-                     modes=("packed",), certain=False),
+                     "shape: (4 B, 1, n) for ids (1, n), in both modes]", raises=AssertionError,
+                     matches=_MROPE_071_MODEL, when=MROPE, certain=False),
         KnownFailure(
             "INV-MB-003", "rearrange_micro_batches takes ceil(total tokens / max_token_len) micro-batches, a lower "
             "bound, and balances their workloads (sum of squared lengths) without checking the budget: a micro-batch "
