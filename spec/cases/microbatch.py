@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
 from .materialize import jagged, materialize
-from .strategies import EXPERT_COUNTS, MOE_LAYERS, MOE_TOPK, seq_lengths
-from .structure import ROUTED_DTYPES, EngineCase
+from .strategies import router_replay, seq_lengths
+from .structure import EngineCase, SampleLengths
 
 __all__ = ["MiniBatchCase", "minibatch_cases", "materialize_minibatch", "STYLES", "MB_TIERS", "runs"]
 
@@ -61,7 +61,7 @@ def _merge_plain(parts: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class MiniBatchCase:
+class MiniBatchCase(SampleLengths):
     """One mini-batch and the micro-batch settings it is cut under (structure only)."""
 
     prompt_lens: tuple[int, ...]
@@ -95,24 +95,9 @@ class MiniBatchCase:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
-            raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
-        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
-            raise ValueError("prompt and response lengths must be >= 1")
+        self._check_lengths()
 
-    # -- derived structure -------------------------------------------------------------------------
-    @property
-    def batch_size(self) -> int:
-        return len(self.prompt_lens)
-
-    @property
-    def seq_lens(self) -> tuple[int, ...]:
-        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens))
-
-    @property
-    def total_nnz(self) -> int:
-        return sum(self.seq_lens)
-
+    # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
     def budget(self) -> int:
         """The token budget of one micro-batch: ``max_token_len_per_gpu * sp_size``."""
@@ -368,9 +353,7 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     if extras and tier != "large":  # a large mini-batch carries the trainer's keys only (cost)
         mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4))
         if routed:
-            experts = draw(st.sampled_from(EXPERT_COUNTS))
-            routed_shape = (experts, draw(st.sampled_from(MOE_LAYERS)), min(draw(st.sampled_from(MOE_TOPK)), experts))
-            routed_dtype = draw(st.sampled_from(ROUTED_DTYPES[:3] + (("uint8",) if experts <= 256 else ())))
+            routed_shape, routed_dtype = draw(router_replay())
         topk = draw(st.sampled_from((0, 0, 1, 3))) if allow_topk else 0
         temps = temps and allow_temperature
     others = []

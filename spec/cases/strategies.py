@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
-           "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS"]
+           "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -43,6 +43,14 @@ WIDE_VOCAB_BANDS = {
     "ids <= 65,535": (50_257, 65_536, 32_769),
     "ids > 65,535": (65_537, 100_000, 128_256, 131_072, 151_936, 152_064, 256_000),
 }
+
+
+@st.composite
+def router_replay(draw) -> tuple[tuple[int, int, int], str]:
+    """A router-replay tensor's ``(experts, MoE layers, top-k)`` and dtype (uint8 only up to 256 experts)."""
+    experts = draw(st.sampled_from(EXPERT_COUNTS))
+    shape = (experts, draw(st.sampled_from(MOE_LAYERS)), min(draw(st.sampled_from(MOE_TOPK)), experts))
+    return shape, draw(st.sampled_from(ROUTED_DTYPES[:3] + (("uint8",) if experts <= 256 else ())))
 
 
 @st.composite
@@ -266,11 +274,7 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
     pad_choice = draw(st.sampled_from(("zero", "one", "last")))
     with_topk = draw(st.booleans()) if topk is None else topk
     with_experts = draw(st.booleans()) if routed_experts is None else routed_experts
-    experts = draw(st.sampled_from(EXPERT_COUNTS)) if with_experts else 0
-    layers = draw(st.sampled_from(MOE_LAYERS)) if with_experts else 2
-    top_k = min(draw(st.sampled_from(MOE_TOPK)), experts) if with_experts else 2
-    routed_dtype = draw(st.sampled_from(ROUTED_DTYPES[:3] + (("uint8",) if experts <= 256 else ()))) if with_experts \
-        else "int64"
+    (experts, layers, top_k), routed_dtype = draw(router_replay()) if with_experts else ((0, 2, 2), "int64")
     return DenseCase(
         prompt_lens=prompts, response_lens=responses,
         prompt_width=max(prompts) + draw(st.integers(0, 2)),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from ..truth.rules import TEMPERATURE_FLOOR
 from .topology import Topology
 
-__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES", "TEMPERATURE_FLOOR"]
+__all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES", "TEMPERATURE_FLOOR"]
 
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
@@ -40,8 +40,31 @@ class ModelSeed(int):
         return (ModelSeed, (int(self), self.logits_dtype))
 
 
+class SampleLengths:
+    """Per-sample prompt and response lengths (``prompt_lens``, ``response_lens`` fields of the dataclass that
+    mixes this in) and what derives from them; :meth:`_check_lengths` is its validation."""
+
+    def _check_lengths(self) -> None:
+        if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
+            raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
+        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
+            raise ValueError("prompt and response lengths must be >= 1")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens))
+
+    @property
+    def total_nnz(self) -> int:
+        return sum(self.seq_lens)
+
+
 @dataclass(frozen=True)
-class EngineCase:
+class EngineCase(SampleLengths):
     """One micro-batch and the engine configuration it runs under."""
 
     prompt_lens: tuple[int, ...]
@@ -85,24 +108,9 @@ class EngineCase:
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab})")
-        if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
-            raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
-        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
-            raise ValueError("prompt and response lengths must be >= 1")
+        self._check_lengths()
 
-    # -- derived structure ---------------------------------------------------------------
-    @property
-    def batch_size(self) -> int:
-        return len(self.prompt_lens)
-
-    @property
-    def seq_lens(self) -> tuple[int, ...]:
-        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens))
-
-    @property
-    def total_nnz(self) -> int:
-        return sum(self.seq_lens)
-
+    # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
     def distillation_use_topk(self) -> bool:
         return bool(self.distillation_keys)
