@@ -19,6 +19,7 @@ from ..engines.verl import KNOWN_BUGS as VERL_KNOWN
 from ..engines.verl import SUM_PI_SQUARED_CANCELLATION
 from ..protocol.engine import ShardLayout
 from ..protocol.known import KnownFailure
+from . import context_bugs as C
 from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
@@ -230,6 +231,13 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="mRoPE positions of equal lengths or B = 1"),
     PlantedBug("fixed_path_drops_remainder", ("INV-MB-006",), microbatch=MB.fixed_path_drops_remainder,
                quiet="a batch size micro_batch_size_per_gpu x force_group_size does not divide"),
+    # the autograd context a trainer calls the preparation in (spec/planted/context_bugs.py)
+    PlantedBug("inplace_div_without_grad", ("INV-MUT-002",), lm=C.InplaceDivWithoutGrad,
+               quiet="torch.no_grad() or torch.inference_mode(), T != 1"),
+    PlantedBug("outputs_cached_in_inference_mode", ("INV-BATCH-003",), lm=C.OutputsCachedInInferenceMode,
+               quiet="torch.inference_mode(), a micro-batch of the same shape before, through the same engine object"),
+    PlantedBug("entropy_detached_with_grad", ("INV-GRAD-001",), lm=C.EntropyDetachedWithGrad,
+               quiet="grad enabled (the policy update), entropy asked"),
 )}
 
 
