@@ -126,7 +126,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  padding: bool = False,
                  per_sample_temperature: bool | None = None, tier: str | None = None,
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
-                 contexts: tuple[str, ...] = CONTEXTS) -> EngineCase:
+                 contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = ()) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws it). Sequence parallelism and the
@@ -138,7 +138,9 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     ``logits_dtypes`` restricts the logits' dtypes (an engine's ``strategy_limits`` may, to keep a
     documented low-precision limitation from drowning its other results). ``tier`` pins the size tier.
     ``contexts``: the autograd contexts drawn (:data:`~spec.cases.structure.CONTEXTS`, shrinking to ``grad``;
-    drawn last, so the other draws of a derandomized run stay where they were).
+    drawn last, so the other draws of a derandomized run stay where they were). ``config_space``: the engine's own
+    switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
+    default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
     (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
@@ -225,7 +227,23 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         mask_hole_rate=draw(st.sampled_from((0.2, 0.0, 0.5))),
         seed=draw(st.integers(0, 2**16)),
         context=draw(st.sampled_from(contexts)),
+        engine_config=_engine_config(draw, config_space, head),
     )
+
+
+def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:
+    """The drawn values of the switches of ``space`` that differ from their defaults (the first value); a switch
+    needing the value head is drawn for value-head cases only."""
+    drawn = []
+    for switch in space:
+        if switch.setting is not None or len(switch.values) < 2:
+            continue
+        if "value" in switch.needs and head != "value":
+            continue
+        value = draw(st.sampled_from(switch.values))
+        if value != switch.values[0]:
+            drawn.append((switch.name, value))
+    return tuple(drawn)
 
 
 @st.composite

@@ -76,6 +76,9 @@ class EngineCase:
     seed: int = 0
     #: the autograd context the engine's calls and the model run in (:data:`CONTEXTS`)
     context: str = "grad"
+    #: the engine's own configuration switches drawn off their defaults, ``((name, value), ...)`` (the adapter's
+    #: ``config_space``); they reach the engine as ``make(head, **settings, name=value)``
+    engine_config: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         # The model is built from (vocab, seed) alone (spec.execute.harness.model_for); the seed carries the
@@ -180,6 +183,7 @@ class EngineCase:
             parts.append("split")
         if self.context != "grad":
             parts.append(self.context)
+        parts += [f"{name}={value}" for name, value in self.engine_config]
         parts.append(f"seed={self.seed}")
         return "EngineCase(" + " ".join(parts) + ")"
 

@@ -136,6 +136,7 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
         settings["pass_cu_seqlens"] = True
     if case.entropy_chunk_size:
         settings["entropy_chunk_size"] = case.entropy_chunk_size
+    settings.update(getattr(case, "engine_config", ()))  # the engine's own switches (its config_space)
     return settings
 
 

@@ -58,7 +58,8 @@ class InvariantInfo:
         if self.kind == "dense":
             strategy = dense_cases(**self.strategy_kwargs)
             return strategy.map(self.adjust) if self.adjust else strategy
-        kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
+        kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **engine.strategy_limits(),
+                  **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         strategy = strategy.map(self.adjust) if self.adjust else strategy
         return strategy.map(lambda case: honour_engine(case, engine))
@@ -140,6 +141,15 @@ class Ctx:
         expectation) and a CPU model (the engine's head input: logits, or the fused head's exact product);
         no engine run needed."""
         return expected(self.case, model_for(self.case, "cpu", self.engine), draws(self.case))
+
+    def oracle(self, key: str, case: EngineCase | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Output ``key``'s per-sequence expectation and tolerance at the precision the engine declares for it on
+        ``case``'s path (default: this case): the oracle's rule (:meth:`spec.truth.oracle.Expected.at_precision`)."""
+        declared = getattr(self.engine, "precision", None)
+        precision = declared(key, case or self.case) if declared is not None else None
+        if precision is None:
+            return self.expected.of(key), self.expected.tolerance[key]
+        return self.expected.at_precision(key, precision.returns, precision.scaled_in)
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -224,9 +234,9 @@ def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
 
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
-    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives."""
-    wants = ctx.expected.of(key)
-    tols = ctx.expected.tolerance[key]
+    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives,
+    at the precision the engine declares for it (:meth:`Ctx.oracle`)."""
+    wants, tols = ctx.oracle(key)
     bounds = {mechanism: per_key[key] for mechanism, per_key in ctx.expected.bounds.items() if per_key.get(key)}
     seqs = _sequences(got, f"{what or key}", len(wants))
     for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
@@ -262,12 +272,14 @@ def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor
         f"|error| / {m} bound = {r:.3g}" for m, r in sorted(ratios.items())) + "]", *exc.args[1:])
 
 
-def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:
+def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None,
+               reference: EngineCase | None = None) -> None:
     """Two runs of the same samples agree on every key (``want``'s keys must all be in ``got``), sequence
     by sequence, at every position a consumer reads, within twice the oracle's tolerance of each token (each
-    run is within it of the oracle). NaN equals NaN here: where both runs give NaN they agree, and the value
-    invariant (against the oracle) reports the NaN once. ``rows``: the samples of the whole case that ``got``'s
-    sequences are (default: all)."""
+    run is within it of the oracle), at the coarser of the precisions the engine declares for the two runs
+    (``got`` is ``ctx.case``'s, ``want`` is ``reference``'s, default the same). NaN equals NaN here: where both
+    runs give NaN they agree, and the value invariant (against the oracle) reports the NaN once. ``rows``: the
+    samples of the whole case that ``got``'s sequences are (default: all)."""
     rows = list(range(ctx.case.batch_size)) if rows is None else rows
     exp = ctx.expected
     for key in sorted(want):
@@ -276,6 +288,9 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
         mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
         theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
         tols = exp.tolerance.get(key)
+        if tols:
+            own, other = ctx.oracle(key)[1], ctx.oracle(key, reference)[1]
+            tols = [torch.maximum(a, b) for a, b in zip(own, other)]
         for j, (x, y) in enumerate(zip(mine, theirs)):
             at = ctx.read[rows[j]]
             atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])

@@ -31,7 +31,7 @@ def slice_shape(ctx: Ctx) -> None:
            protects="the loss reads the right log-prob for each response token, zero past the response", needs=NP2P, adjust=_no_distillation_only)
 def slice_values(ctx: Ctx) -> None:
     sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
-    want, tol = ctx.expected.response_log_probs(ctx.case)
+    want, tol = ctx.expected.response_log_probs(ctx.case, *ctx.oracle("log_probs"))
     close(sliced, want, "response log_probs (B, max_response_len)", atol=tol)
 
 
