@@ -99,8 +99,9 @@ def response_round_trip(ctx: Ctx) -> None:
            protects="the (B, R) log-probs a PPO/GRPO loss reads, in the shape TRL's and OpenRLHF's losses take them",
            adjust=_no_distillation_only)
 def consumer_response_view(ctx: Ctx) -> None:
-    """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none."""
-    want, tol = ctx.expected.response_log_probs(ctx.case)
+    """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none. At the
+    precision the engine declares for log_probs (:meth:`Ctx.oracle`), as INV-SLICE-002."""
+    want, tol = ctx.expected.response_log_probs(ctx.case, *ctx.oracle("log_probs"))
     for name, view in (("response_view", response_view), ("completion_view", completion_view),
                        ("action_view", action_view)):
         got, mask = view(ctx.run.outputs["log_probs"], ctx.run.micro_batch)

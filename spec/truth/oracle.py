@@ -119,7 +119,8 @@ class Expected:
     #: key -> per-sequence allowed absolute error (same shapes as the values)
     tolerance: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: mechanism -> key -> per-sequence bound on the error that mechanism can cause (a known deviation's
-    #: excuse reaches no further): ``"float32_cancellation"`` for entropy and sum_pi_squared
+    #: excuse reaches no further): ``"float32_cancellation"`` for entropy and sum_pi_squared (and
+    #: ``"bfloat16_cancellation"``/``"float16_cancellation"`` for such logits)
     #: (:func:`cancellation_bounds`)
     bounds: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     #: key -> per-sequence condition ``cond_f`` of the value in the scaled logits (module doc)
@@ -168,8 +169,8 @@ def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
 CANCELLATION_SAFETY = 4.0
 
 
-def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor | None = None
-                        ) -> dict[str, torch.Tensor]:
+def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor | None = None,
+                        dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Per token, the largest error a float32 evaluation that cancels two large terms can make (what a
     record for that deviation may excuse, and no more), from the float64 ``z`` (n, V) and softmax ``probs``:
 
@@ -182,9 +183,13 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
 
     with ``c`` = :data:`CANCELLATION_SAFETY`. A float32 cancellation cannot make a NaN, nor an error beyond
     these: at T = 0.05 over 152,064 tokens with logits of a few units they are about 2% of the entropy and 7%
-    of sum_pi_squared, so a value 10x off is far outside them."""
+    of sum_pi_squared, so a value 10x off is far outside them.
+
+    ``dtype``: the same evaluation with its terms and reductions in ``dtype`` (``eps`` that dtype's: 2**-7 for
+    bfloat16, 2**-10 for float16), the mechanism ``"<dtype>_cancellation"`` of an engine that computes in the
+    logits' own dtype (:func:`expected` derives it for a case's bf16/fp16 logits)."""
     vocab = z.shape[-1]
-    depth = max(math.sqrt(vocab), math.log2(vocab + 1)) * CANCELLATION_SAFETY * EPS
+    depth = max(math.sqrt(vocab), math.log2(vocab + 1)) * CANCELLATION_SAFETY * torch.finfo(_DTYPES[dtype]).eps
     lse = torch.logsumexp(z, dim=-1)
     out = {"entropy": depth * (lse.abs() + (probs * z.abs()).sum(-1))}
     if spq is not None:
@@ -244,8 +249,9 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
         result.sum_pi_squared, tol["sum_pi_squared"], conds["sum_pi_squared"] = \
             split(spq), split(_bound(spq_cond, spq, vocab)), split(spq_cond)
     if case.calculate_entropy or case.use_fused_kernels or case.calculate_sum_pi_squared:
-        bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None)
-        result.bounds["float32_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
+        for dtype in _cancellation_dtypes(case):
+            bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None, dtype)
+            result.bounds[f"{dtype}_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
     if case.distillation_use_topk:
         terms = topk_terms(z32, tokens.teacher_ids, tokens.teacher_logprobs)
         cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
@@ -267,7 +273,7 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
     for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
         tol[key] = []
         conds[key] = []
-    cancel: dict[str, list[torch.Tensor]] = {"entropy": [], "sum_pi_squared": []}
+    cancel = {dtype: {"entropy": [], "sum_pi_squared": []} for dtype in _cancellation_dtypes(case)}
     teacher = None
     if case.distillation_use_topk:
         teacher = (micro_batch["teacher_ids"].unbind(), micro_batch["teacher_logprobs"].unbind())
@@ -304,9 +310,10 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
             conds["sum_pi_squared"].append((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1))
             tol["sum_pi_squared"].append(_bound(conds["sum_pi_squared"][-1], spq, vocab))
         if case.calculate_entropy or case.use_fused_kernels or case.calculate_sum_pi_squared:
-            bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None)
-            for key, bound in bounds.items():
-                cancel[key].append(bound)
+            for dtype, per_key in cancel.items():
+                bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None, dtype)
+                for key, bound in bounds.items():
+                    per_key[key].append(bound)
         if teacher is not None:
             terms = topk_terms(z32, teacher[0][i].cpu(), teacher[1][i].cpu())
             cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
@@ -314,6 +321,14 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
                 result.distillation[key].append(terms[key])
                 tol[key].append(_bound(cond, terms[key], vocab))
                 conds[key].append(cond.expand_as(terms[key]))
-    if any(cancel.values()):
-        result.bounds["float32_cancellation"] = {key: bounds for key, bounds in cancel.items() if bounds}
+    for dtype, per_key in cancel.items():
+        if any(per_key.values()):
+            result.bounds[f"{dtype}_cancellation"] = {key: bounds for key, bounds in per_key.items() if bounds}
     return result
+
+
+def _cancellation_dtypes(case: "EngineCase") -> tuple[str, ...]:
+    """The dtypes a cancellation bound is derived for: float32 (the contract's), and the logits' own dtype where
+    lower (an engine computing in it)."""
+    low = getattr(case, "logits_dtype", "float32")
+    return ("float32",) if low == "float32" else ("float32", low)
