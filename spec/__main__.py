@@ -89,6 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     from .run.parallel import default_workers, recorded_seconds, run_targets
+    from .cases.coverage import domains as coverage_domains
     from .report import failed, markdown, summary_line, write_reports
     from .invariants import CATALOGUE
     from .run.runner import instances
@@ -119,10 +120,11 @@ def _verify(args: argparse.Namespace) -> int:
         reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
                                         titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
                                                 if o.invariant in CATALOGUE}, known=args.repro_known)
+    domains = coverage_domains(engine)
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
-                   base=Path(args.out)))
+                   base=Path(args.out), domains=domains))
     paths = write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
-                          reproducers=reproducers)
+                          reproducers=reproducers, domains=domains)
     for rep in reproducers or ():
         print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]

@@ -17,7 +17,7 @@ from .invariants import CATALOGUE
 from .run.runner import Outcome
 
 __all__ = ["summary_line", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
-           "FAILING", "by_counterexample"]
+           "FAILING", "by_counterexample", "coverage", "coverage_table", "unseen_without_reason"]
 
 _MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
          "xpass": "STALE known failure"}
@@ -101,6 +101,35 @@ def _grouped(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def coverage(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """dimension -> value -> examples that had it, over every outcome."""
+    total: dict[str, Counter] = {}
+    for o in outcomes:
+        for dim, values in (o.coverage or {}).items():
+            total.setdefault(dim, Counter()).update(values)
+    return {dim: dict(values) for dim, values in total.items()}
+
+
+def unseen_without_reason(outcomes: list[Outcome], domains: dict[str, dict[str, str | None]]) -> list[str]:
+    """``dimension = value`` for every value no example had although the engine declares no reason for it."""
+    seen = coverage(outcomes)
+    return [f"{dim} = {value}" for dim, values in domains.items() for value, reason in values.items()
+            if reason is None and not seen.get(dim, {}).get(value)]
+
+
+def coverage_table(outcomes: list[Outcome], domains: dict[str, dict[str, str | None]]) -> list[str]:
+    """Per dimension and value, the share of the engine's examples that had it; a value never seen with the
+    reason the engine gives (a feature it lacks, a configuration value it declares but the suite does not draw),
+    or marked as unseen without one."""
+    seen = coverage(outcomes)
+    examples = sum(seen.get("layout", {}).values()) or 1
+    lines = ["| dimension | value | examples | share | not seen because |", "|---|---|---:|---:|---|"]
+    for dim, values in domains.items():
+        for value, reason in values.items():
+            count = seen.get(dim, {}).get(value, 0)
+            why = "" if count else (reason or "**unseen, no reason declared**")
+            lines.append(f"| {dim} | {value} | {count} | {count / examples:.1%} | {why.replace('|', '/')} |")
+    return lines
 
 
 def _reproducers(reproducers, base: Path | None) -> list[str]:
@@ -126,7 +155,7 @@ def _reproducers(reproducers, base: Path | None) -> list[str]:
 
 
 def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str, reproducers=None,
-             base: Path | None = None) -> str:
+             base: Path | None = None, domains: dict[str, dict[str, str | None]] | None = None) -> str:
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     word = "FAILS" if failed(outcomes) else "passes"
     lines = [f"# Conformance report: engine `{engine}`", "",
@@ -138,15 +167,20 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
                   f"**{summary_line(layout)}**", ""]
         lines += _table(layout)
     lines += _reproducers(reproducers, base)
+    if domains:
+        lines += ["", "## Coverage of the input space", "",
+                  "Share of the engine's examples (over every invariant run) that had each value of each drawn "
+                  "dimension; a temperature range counts once per example that had it.", ""]
+        lines += coverage_table(outcomes, domains)
     return "\n".join(lines) + "\n"
 
 
 def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: str, device: str,
-                  reproducers=None) -> list[Path]:
+                  reproducers=None, domains: dict[str, dict[str, str | None]] | None = None) -> list[Path]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js = stem.with_suffix(".md"), stem.with_suffix(".json")
     md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device, reproducers=reproducers,
-                           base=stem.parent))
+                           base=stem.parent, domains=domains))
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     js.write_text(json.dumps({"engine": engine, "profile": profile, "device": device,
                               "verdict": "fail" if failed(outcomes) else "pass",
@@ -154,6 +188,7 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
                               "layout_summary": summary_line(layout),
                               "shared_counterexamples": [{"counterexample": case, "failures": [o.test_id for o in m]}
                                                          for case, m in by_counterexample(outcomes)],
+                              "coverage": coverage(outcomes),
                               "outcomes": [o.as_dict() for o in outcomes],
                               "reproducers": [r.as_dict() for r in reproducers or ()]}, indent=2))
     return [md, js]

@@ -62,3 +62,20 @@ def test_cancellation_bounds_follow_the_mechanism() -> None:
                               spq * torch.expm1(g * (torch.logsumexp(2 * z, -1).abs() + 2 * lse.abs())))
     assert float(cancellation_bounds(logits, torch.softmax(logits, -1))["entropy"]) < 1e-5
     assert float(cancellation_bounds(logits / 1e-3, torch.softmax(logits / 1e-3, -1))["entropy"]) > 1e-3
+
+
+def test_low_precision_logits_get_their_own_cancellation_bound() -> None:
+    """bf16/fp16 logits: the oracle derives the same mechanism with that dtype's eps (an engine computing the
+    entropy in the logits' dtype, verl's records) besides float32's; float32 logits get float32's only."""
+    from spec.execute.handoff import model_for
+    from spec.cases.materialize import draws
+    from spec.truth.oracle import expected
+
+    case = LOW_T.with_(calculate_entropy=True, logits_dtype="bfloat16")
+    got = expected(case, model_for(case, "cpu"), draws(case)).bounds
+    assert set(got) == {"float32_cancellation", "bfloat16_cancellation"}
+    ratio = torch.finfo(torch.bfloat16).eps / EPS
+    for low, high in zip(got["bfloat16_cancellation"]["entropy"], got["float32_cancellation"]["entropy"]):
+        assert torch.allclose(low, high * ratio)
+    plain = LOW_T.with_(calculate_entropy=True)
+    assert set(expected(plain, model_for(plain, "cpu"), draws(plain)).bounds) == {"float32_cancellation"}

@@ -3,7 +3,7 @@
 ``spec.oracle.expected`` computes every sequence's expectations in one pass over the batch's tokens;
 ``spec.oracle.expected_loop`` is the reference: the model run on each sequence of a materialized micro-batch
 alone, every quantity read off the contract one sequence at a time. Equal means the same dtype, shape and
-float64 bits (0 ulp) for every value and every tolerance, over drawn cases of every tier (long sequences, wide
+float64 bits (0 ulp) for every value, tolerance, condition and bound, over drawn cases of every tier (long sequences, wide
 vocabularies, big batches, mRoPE, per-sample and clamped temperatures, every logits dtype, the value head).
 """
 
@@ -40,6 +40,9 @@ def assert_same_oracle(case: EngineCase) -> None:
     assert fast.tolerance.keys() == loop.tolerance.keys()
     for key in fast.tolerance:
         identical(fast.tolerance[key], loop.tolerance[key], f"tolerance of {key}")
+    assert fast.condition.keys() == loop.condition.keys() == fast.tolerance.keys()
+    for key in fast.condition:  # what the declared-precision comparison adds to the tolerance is scaled by it
+        identical(fast.condition[key], loop.condition[key], f"condition of {key}")
     assert fast.bounds.keys() == loop.bounds.keys()
     for mechanism in fast.bounds:
         assert fast.bounds[mechanism].keys() == loop.bounds[mechanism].keys()

@@ -34,10 +34,11 @@ BUGS = (
     ("mutate_logits", "INV-MUT-002", "padded"),  # inputs left unchanged
     ("slice_without_shift", "INV-SLICE-002", "packed"),  # the response slice helper
     ("shard_roll", "INV-SP-001", "packed"),  # sequence parallelism: ranks in threads, vs sp=1 and the reference
+    ("inplace_div_without_grad", "INV-MUT-002", "packed"),  # the autograd context: shows only without grad
 )
 
 #: bugs the first five drawn cases (and the pinned ones) miss: a few more examples (derandomized under ci)
-EXAMPLES = {"sum_pi_squared_missing_padded": 30}
+EXAMPLES = {"sum_pi_squared_missing_padded": 30, "inplace_div_without_grad": 30}
 
 ENGINE_BEGIN, ENGINE_END = "# ---- engine under test (begin) ----", "# ---- engine under test (end) ----"
 

@@ -4,6 +4,6 @@ helpers), and materialization, the tensors a case's seed makes (:mod:`.materiali
 :mod:`spec.protocol` and :mod:`spec.truth`.
 """
 
-from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, TEMPERATURE_FLOOR, DenseCase, EngineCase
+from .structure import CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, TEMPERATURE_FLOOR, DenseCase, EngineCase
 
-__all__ = ["EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]
+__all__ = ["CONTEXTS", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "TEMPERATURE_FLOOR"]

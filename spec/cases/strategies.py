@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from .structure import DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
+from .structure import CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay"]
@@ -147,7 +147,8 @@ def within_limits(case: EngineCase, **limits) -> bool:
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
         return False
-    return case.logits_dtype in limits.get("logits_dtypes", LOGITS_DTYPES)
+    return case.logits_dtype in limits.get("logits_dtypes", LOGITS_DTYPES) and \
+        case.context in limits.get("contexts", CONTEXTS)
 
 
 @st.composite
@@ -157,7 +158,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  allow_chunking: bool = True, allow_sum_pi_squared: bool = True, allow_large: bool = True,
                  padding: bool = False,
                  per_sample_temperature: bool | None = None, tier: str | None = None,
-                 logits_dtypes: tuple[str, ...] = LOGITS_DTYPES) -> EngineCase:
+                 logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
+                 contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = ()) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws it). Sequence parallelism and the
@@ -168,6 +170,10 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
 
     ``logits_dtypes`` restricts the logits' dtypes (an engine's ``strategy_limits`` may, to keep a
     documented low-precision limitation from drowning its other results). ``tier`` pins the size tier.
+    ``contexts``: the autograd contexts drawn (:data:`~spec.cases.structure.CONTEXTS`, shrinking to ``grad``;
+    drawn last, so the other draws of a derandomized run stay where they were). ``config_space``: the engine's own
+    switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
+    default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
     (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
@@ -253,7 +259,24 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         eos_token_id=eos if head == "lm" else None,
         mask_hole_rate=draw(st.sampled_from((0.2, 0.0, 0.5))),
         seed=draw(st.integers(0, 2**16)),
+        context=draw(st.sampled_from(contexts)),
+        engine_config=_engine_config(draw, config_space, head),
     )
+
+
+def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:
+    """The drawn values of the switches of ``space`` that differ from their defaults (the first value); a switch
+    needing the value head is drawn for value-head cases only."""
+    drawn = []
+    for switch in space:
+        if switch.setting is not None or len(switch.values) < 2:
+            continue
+        if "value" in switch.needs and head != "value":
+            continue
+        value = draw(st.sampled_from(switch.values))
+        if value != switch.values[0]:
+            drawn.append((switch.name, value))
+    return tuple(drawn)
 
 
 @st.composite

@@ -11,12 +11,18 @@ from dataclasses import dataclass, replace
 from ..truth.rules import TEMPERATURE_FLOOR
 from .topology import Topology
 
-__all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES", "TEMPERATURE_FLOOR"]
+__all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES",
+           "TEMPERATURE_FLOOR", "CONTEXTS"]
 
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 #: dtypes a router-replay routed_experts tensor comes in (int16: verl's agent loop; uint8 up to 256 experts)
 ROUTED_DTYPES = ("int64", "int32", "int16", "uint8")
+
+#: The autograd contexts a trainer calls the preparation in: the policy update (``grad``: grad enabled, the
+#: model's logits require grad), the old-policy and reference log-prob passes (``no_grad``:
+#: ``torch.no_grad()``; ``inference_mode``: ``torch.inference_mode()``). Cases shrink to ``grad``.
+CONTEXTS = ("grad", "no_grad", "inference_mode")
 
 #: Keys the suite's top-K distillation processor can produce (verl's names).
 DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count",
@@ -97,6 +103,11 @@ class EngineCase(SampleLengths):
     #: share of response tokens with loss_mask 0 (holes inside responses: multi-turn tool output)
     mask_hole_rate: float = 0.2
     seed: int = 0
+    #: the autograd context the engine's calls and the model run in (:data:`CONTEXTS`)
+    context: str = "grad"
+    #: the engine's own configuration switches drawn off their defaults, ``((name, value), ...)`` (the adapter's
+    #: ``config_space``); they reach the engine as ``make(head, **settings, name=value)``
+    engine_config: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         # The model is built from (vocab, seed) alone (spec.execute.harness.model_for); the seed carries the
@@ -104,6 +115,8 @@ class EngineCase(SampleLengths):
         object.__setattr__(self, "seed", ModelSeed(self.seed, self.logits_dtype))
         if self.logits_dtype not in LOGITS_DTYPES:
             raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}")
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of {CONTEXTS}, got {self.context!r}")
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab:
@@ -184,6 +197,9 @@ class EngineCase(SampleLengths):
             parts.append(f"head={self.head}")
         if self.split_view:
             parts.append("split")
+        if self.context != "grad":
+            parts.append(self.context)
+        parts += [f"{name}={value}" for name, value in self.engine_config]
         parts.append(f"seed={self.seed}")
         return "EngineCase(" + " ".join(parts) + ")"
 

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import impl
 import impl.microbatch
 
-from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
+from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
 
 __all__ = ["ImplEngine"]
@@ -32,6 +32,19 @@ class ImplEngine(EngineUnderTest):
         if type(self) is not ImplEngine:
             return super().repro_snippet(settings)
         return ReproSnippet(IMPL_SNIPPET, requires="rl-ioprep (this project's impl/)", standalone=True)
+
+    def config_space(self) -> tuple[ConfigSwitch, ...]:
+        """impl's settings that change its preparation's path (``impl.EngineSettings``), each drawn as the suite's
+        setting of that name."""
+        return (
+            ConfigSwitch("entropy_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
+                         text="rows per chunk of the log-prob/entropy temporaries (None: about 1 MiB of float32 "
+                              "logits, impl.logits.CHUNK_BYTES)"),
+            ConfigSwitch("pad_to_length", setting="pad_to_length", needs=("bucket",),
+                         text="the static bucket of the packed length"),
+            ConfigSwitch("pass_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
+                         text="cu_seqlens in the packed model inputs"),
+        )
 
 
 IMPL_SNIPPET = """import impl

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from ..cases.structure import DISTILLATION_KEYS
 from ..protocol.known import KnownFailure, When
 
-from ..protocol.engine import HELPERS, EngineUnderTest, ReproSnippet
+from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
 from .microbatch_records import MICROBATCH_RECORDS
 
@@ -116,6 +116,25 @@ SUM_PI_SQUARED_CANCELLATION = KnownFailure(
     "(precision)", when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
     matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
 
+#: low-precision (bf16/fp16) logits on the path where verl computes in the logits' own dtype (not fused kernels)
+LOW_PRECISION = When("bf16/fp16 logits (verl scales them and takes log-softmax, entropy and sum_pi_squared in that "
+                     "dtype, and returns them in it)",
+                     lambda c: getattr(c, "logits_dtype", "float32") != "float32"
+                     and (not getattr(c, "use_fused_kernels", False) or getattr(c, "head", "lm") == "value"))
+#: the lower logits dtypes verl computes in, each its own cancellation mechanism (spec.truth.oracle.cancellation_bounds)
+LOW_DTYPES = ("bfloat16", "float16")
+
+
+def _logits_in(dtype: str) -> When:
+    return When(f"{dtype} logits", lambda c: getattr(c, "logits_dtype", "float32") == dtype)
+
+
+#: where verl's entropy is the unchunked entropy_from_logits in the logits' dtype (the padded path always; the packed
+#: path without engine_config.entropy_from_logits_with_chunking, whose chunks are upcast to float32)
+LOW_PRECISION_ENTROPY = LOW_PRECISION & When(
+    "entropy not chunked (entropy_from_logits: logsumexp(z) - sum(softmax(z) * z), each rounded to that dtype)",
+    lambda c: not (c.use_remove_padding and c.entropy_chunk_size))
+
 #: version -> the known-failure records of that release ("*": every release). Each names the cases it
 #: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
 KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
@@ -150,6 +169,32 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             "(precision), impl had it too and now sums -p log p",
             when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
             matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"),
+        KnownFailure(
+            "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
+            "dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
+            "which path); contract difference, the values are compared at that precision elsewhere",
+            when=LOW_PRECISION, raises=AssertionError,
+            matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
+                    r"torch\.(bfloat16|float16), expected torch\.float32$"),
+        *(KnownFailure(
+            "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
+            "|z| rounded to that dtype whose difference is a small entropy (beyond the declared precision's "
+            "rounding where the entropy's condition is small); verl bug (precision)",
+            when=LOW_PRECISION_ENTROPY & _logits_in(dtype), certain=False, raises=AssertionError,
+            bound=(f"{dtype}_cancellation", 1.0),
+            matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
+          for dtype in LOW_DTYPES),
+        *(KnownFailure(
+            inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
+            "(the padded path never chunks): logsumexp(z) - sum(softmax(z) * z) cancels beyond the declared "
+            "precision's rounding where the entropy is small; verl bug (precision), the INV-VAL-002 record's cause "
+            "(excused within twice that cancellation's bound: the difference of two runs)",
+            when=LOW_PRECISION & _logits_in(dtype) & When(
+                "entropy asked with a chunk size set", lambda c: c.calculate_entropy and bool(c.entropy_chunk_size)),
+            certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 2.0),
+            matches=r"^AssertionError: (padded vs packed|entropy_chunk_size=\d+ vs none): 'entropy' of sequence \d+: "
+                    r"at \(\d+,\) got .* \(\|diff\| .* > allowed")
+          for inv in ("INV-KEYS-003", "INV-CHUNK-001") for dtype in LOW_DTYPES),
     ),
     "0.7.1": (
         KnownFailure(
@@ -181,15 +226,45 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
     ),
 }
 
-#: version -> strategy limits that keep a known bug out of unrelated invariants (each documented).
+#: float16 logits with a temperature that rounds to 0 in float16 (verl casts the clamped temperature to the logits'
+#: dtype: clamp(min=1e-8).to(float16) is 0 below 2**-25, and logits / 0 is inf or NaN)
+FP16_ZERO_TEMPERATURE = When("float16 logits and a temperature below 3e-8 (T.clamp(min=1e-8).to(float16) is 0: "
+                             "logits / 0)",
+                             lambda c: getattr(c, "logits_dtype", "") == "float16"
+                             and not getattr(c, "use_fused_kernels", False) and min(c.temperatures()) < 3e-8)
+#: every invariant that reads an output value of such a case (against the oracle, another run or finiteness)
+FP16_ZERO_TEMPERATURE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-VAL-003", "INV-VAL-004", "INV-TEMP-001",
+                                    "INV-TEMP-002", "INV-TEMP-004", "INV-TEMP-005", "INV-TEMP-006", "INV-SLICE-002",
+                                    "INV-SLICE-006", "INV-KEYS-003", "INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-SP-001",
+                                    "INV-SP-002", "INV-CHUNK-001", "INV-LEAK-001", "INV-RANK-001", "INV-RANK-004",
+                                    "INV-RANK-005", "INV-RANK-007")
+
+
+#: float16 logits over a vocabulary wider than float16's range: the softmax's sum of up to V terms of at most 1
+FP16_WIDE_VOCAB = When("float16 logits and a vocabulary above 65,504 ids (a log-softmax taken in float16 sums up to V "
+                       "terms <= 1: the sum overflows to inf on CPU)",
+                       lambda c: getattr(c, "logits_dtype", "") == "float16"
+                       and not getattr(c, "use_fused_kernels", False) and c.vocab > 65_504)
+
+
+def _fp16_zero_temperature() -> tuple[KnownFailure, ...]:
+    return tuple(KnownFailure(
+        inv, "casts the clamped temperature to the logits' dtype (_scale_logits_by_temperature: "
+        "temperature.clamp(min=1e-8).to(logits.dtype)): in float16 a temperature at the 1e-8 clamp is 0 and the "
+        "scaled logits inf/NaN; verl bug (the contract clamps at 1e-8 in float32)",
+        when=FP16_ZERO_TEMPERATURE, certain=False, raises=AssertionError,
+        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS) + tuple(KnownFailure(
+        inv, "takes log-softmax, entropy and sum_pi_squared in the logits' dtype: in float16 the softmax's sum over "
+        "a vocabulary above 65,504 ids overflows (torch's CPU kernel accumulates in float16) and log-probs come out "
+        "-inf; verl bug (precision: the contract computes in float32)",
+        when=FP16_WIDE_VOCAB, certain=False, raises=AssertionError,
+        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS)
+
+
+#: version -> strategy limits for what a release does not offer (each documented); never for what it gets wrong
+#: (bf16/fp16 logits, once limited to float32 here, are drawn: :meth:`VerlEngine.precision` declares the dtype
+#: of each output, and the differences are records of KNOWN_BUGS)
 KNOWN_BUG_LIMITS: dict[str, dict[str, Any]] = {
-    # Every verl release here computes log-probs, entropy, sum_pi_squared and the distillation terms in the
-    # logits' own dtype and returns them in it: bf16/fp16 logits give bf16/fp16 outputs (INV-DEV-001), off by
-    # up to 3e-3 in log-prob and 6e-3 in sum_pi_squared (INV-VAL-001..004, TEMP-001/003, SLICE-002), and fp16
-    # logits / T overflow to inf/NaN at T = 1e-8 (INV-TEMP-006, LEAK-001). A contract difference (outputs are
-    # float32) found by the bf16/fp16 tier; docs/verl-conformance.md has the minimal counterexamples. Drawing
-    # those dtypes would fail 30 value invariants for this one reason and hide any other bug behind it.
-    "*": {"logits_dtypes": ("float32",)},
     # 0.7.1's padded fused branch returns dense response slices output.log_probs[:, -L-1:-1] (L = the
     # max_response_length flag, default 1024) instead of nested full sequences: drawing fused cases
     # would make every padded-value invariant fail for that reason and drown the mask failure.
@@ -341,6 +416,10 @@ class VerlEngineObject:
             del config.vision_config
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        if hasattr(self.verl_engine.module, "v_head"):
+            # a v_head value model's output, as trl's AutoModelForCausalLMWithValueHead returns it: (lm_logits, loss,
+            # value), the value head's per-token values (the stand-in's one-column logits) squeezed
+            output = (None, None, output.logits.squeeze(-1))
         with self._ulysses_group():
             if self.caps.processor:
                 return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch,
@@ -415,7 +494,7 @@ class VerlEngine(EngineUnderTest):
         ask for the missing feature only)."""
         caps = self.caps
         records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
-                   *MICROBATCH_RECORDS.get(caps.version, ())]
+                   *MICROBATCH_RECORDS.get(caps.version, ()), *_fp16_zero_temperature()]
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
@@ -431,6 +510,13 @@ class VerlEngine(EngineUnderTest):
                 matches=rf"\(missing \[(?:(?:{only})(?:, )?)+\]\)$"))
         if caps.sum_pi_squared:
             records.append(SUM_PI_SQUARED_CANCELLATION)
+            records.extend(KnownFailure(
+                "INV-VAL-003", f"calculate_sum_pi_squared_from_logits in {dtype}: exp(logsumexp(2z) - 2 logsumexp(z)) "
+                "with both logsumexps rounded to that dtype (an error of u * |logsumexp| in the exponent, beyond the "
+                "declared precision's rounding); verl bug (precision)", when=LOW_PRECISION & _logits_in(dtype),
+                certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 1.0),
+                matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
+                for dtype in LOW_DTYPES)
         if not caps.sum_pi_squared:
             records.append(KnownFailure(
                 "INV-VAL-003", "has no sum_pi_squared output: calculate_sum_pi_squared is ignored",
@@ -464,7 +550,56 @@ class VerlEngine(EngineUnderTest):
         caps = self.caps
         return {"allow_sp": False, "allow_bucket": caps.bucket, "allow_distillation": caps.processor,
                 "allow_cu_seqlens": caps.cu_seqlens,
-                **KNOWN_BUG_LIMITS["*"], **KNOWN_BUG_LIMITS.get(caps.version, {})}
+                **KNOWN_BUG_LIMITS.get("*", {}), **KNOWN_BUG_LIMITS.get(caps.version, {})}
+
+    def config_space(self) -> tuple[ConfigSwitch, ...]:  # type: ignore[override]
+        """Every switch the FSDP engine's ``prepare_model_inputs``/``prepare_model_outputs`` read (installed code:
+        ``verl/workers/engine/fsdp/transformer_impl.py`` and ``verl/utils/torch_functional.py``)."""
+        return (
+            ConfigSwitch("entropy_checkpointing", (False, True),
+                         "engine_config.entropy_checkpointing: the entropy under torch.utils.checkpoint (both modes; "
+                         "with chunking on, the chunked function at its default chunk of 2048)"),
+            ConfigSwitch("entropy_from_logits_with_chunking", setting="entropy_chunk_size", needs=("chunking",),
+                         text="engine_config.entropy_from_logits_with_chunking: the packed entropy by "
+                              "entropy_from_logits_with_chunking (float32 chunks), on when entropy_chunk_size is set"),
+            ConfigSwitch("entropy_from_logits_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
+                         text="engine_config.entropy_from_logits_chunk_size: the chunk's rows"),
+            ConfigSwitch("pad_to_length_bucket", setting="pad_to_length", needs=("bucket",),
+                         text="engine_config.pad_to_length / pad_to_length_bucket: the static packed bucket"),
+            ConfigSwitch("pass_packed_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
+                         text="cu_seqlens handed to a model whose forward takes them"),
+            ConfigSwitch("v_head", (False, True), needs=("value",),
+                         text="a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: values are "
+                              "output[2]) instead of a token classifier (values are output.logits.squeeze(-1))"),
+            ConfigSwitch("use_torch_compile", (False,), unseen={True: (
+                "engine_config.use_torch_compile wraps entropy_from_logits in torch.compile(dynamic=True): a compile "
+                "per new shape, seconds each on 2 CPU cores; not drawn")},
+                text="engine_config.use_torch_compile: the entropy function compiled"),
+            ConfigSwitch("flash_attn_cross_entropy", (False,), unseen={True: (
+                "logprobs_from_logits takes flash-attn's Triton cross entropy when flash-attn is installed: CUDA only, "
+                "not installed here")}, text="the log-prob kernel"),
+            ConfigSwitch("tensor_parallel_logits", (False,), unseen={True: (
+                "DTensor logits sharded on the vocabulary (full_tensor() first) need a tensor-parallel device mesh")},
+                text="logits as a DTensor"),
+        )
+
+    def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
+        """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
+        and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
+        (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
+        entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
+        suite's processor's (float32) from verl's scaled logits; fused kernels return the model's float32 values;
+        a value head's values are its logits, squeezed."""
+        low = getattr(case, "logits_dtype", "float32")
+        if low == "float32":
+            return CONTRACT_PRECISION
+        if getattr(case, "use_fused_kernels", False) and key in ("log_probs", "entropy"):
+            return CONTRACT_PRECISION
+        if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
+            return Precision("float32", low)
+        if key in DISTILLATION_KEYS:
+            return Precision("float32", low)
+        return Precision(low, low)
 
     # -- engine objects and helpers -----------------------------------------------------------
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
@@ -474,6 +609,11 @@ class VerlEngine(EngineUnderTest):
         bucket = settings.pop("pad_to_length", None)
         cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
         chunk = settings.pop("entropy_chunk_size", None)
+        checkpointing = bool(settings.pop("entropy_checkpointing", False))
+        v_head = bool(settings.pop("v_head", False))
+        for unseen in ("use_torch_compile", "flash_attn_cross_entropy", "tensor_parallel_logits"):
+            if settings.pop(unseen, False):
+                raise NotImplementedError(f"verl adapter: {unseen}=True is not run by the suite")
         if settings:
             raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
         if sp_size > 1:
@@ -489,12 +629,15 @@ class VerlEngine(EngineUnderTest):
         if chunk and chunked is None:
             raise NotImplementedError(self.lacks("chunking"))
         # verl's entropy chunking (engine_config.entropy_from_logits_with_chunking), packed path
-        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
-                                            entropy_from_logits_chunk_size=int(chunk or 2048))
+        eng.engine_config = SimpleNamespace(entropy_checkpointing=checkpointing,
+                                            entropy_from_logits_with_chunking=bool(chunk),
+                                            entropy_from_logits_chunk_size=int(chunk or 2048), use_torch_compile=False)
         eng.compute_entropy_from_logits = chunked if chunk else self._verl_F.entropy_from_logits
         # read only for sp > 1 (vision_config: see VerlEngineObject._vision_config_for) and by the value head
         # (v_head absent: an HF token classifier)
         eng.module = SimpleNamespace(config=SimpleNamespace())
+        if v_head and head == "value":  # trl's AutoModelForCausalLMWithValueHead: VerlEngineObject hands output[2]
+            eng.module.v_head = SimpleNamespace()
         if cu_seqlens and not self.caps.cu_seqlens:
             raise NotImplementedError(self.lacks("cu_seqlens"))
         eng.pass_packed_cu_seqlens = cu_seqlens

@@ -5,6 +5,7 @@ the in-process harness (:mod:`.harness`) and the real ranks (:mod:`.ranks`, :mod
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -18,7 +19,8 @@ from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayo
 from ..truth.rules import layout_mask
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 
-__all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot"]
+__all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
+           "execution_context"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -63,6 +65,30 @@ def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
         else:
             held[key] = getattr(value, "data", value)
     return held
+
+
+def execution_context(case: EngineCase) -> contextlib.AbstractContextManager:
+    """The autograd context a case's engine calls and model run in (``EngineCase.context``): ``grad`` (grad
+    enabled, as a policy update runs; the model's outputs then require grad), ``no_grad`` (``torch.no_grad()``)
+    or ``inference_mode`` (``torch.inference_mode()``), as the old-policy and reference log-prob passes run."""
+    context = getattr(case, "context", "grad")
+    if context == "no_grad":
+        return torch.no_grad()
+    if context == "inference_mode":
+        return torch.inference_mode()
+    if context == "grad":
+        return torch.enable_grad()
+    raise ValueError(f"unknown execution context {context!r}")
+
+
+def _tracked(out: Any) -> Any:
+    """The model's floating outputs made to require grad when grad is enabled (a policy update's logits are part
+    of the autograd graph: an engine's in-place write on them, or a detach, behaves as it does in training)."""
+    if torch.is_grad_enabled():
+        for key, value in _fields(out).items():
+            if value.is_floating_point():
+                setattr(out, key, value.detach().requires_grad_(True))
+    return out
 
 
 def model_for(case: EngineCase, device: str, engine: EngineUnderTest | None = None) -> ToyCausalLM:
@@ -112,6 +138,7 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
         settings["pass_cu_seqlens"] = True
     if case.entropy_chunk_size:
         settings["entropy_chunk_size"] = case.entropy_chunk_size
+    settings.update(getattr(case, "engine_config", ()))  # the engine's own switches (its config_space)
     return settings
 
 
@@ -168,14 +195,14 @@ def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCa
         check_model_inputs(mi, rank)
     if not case.use_remove_padding:
         (mi,) = inputs
-        out = model(**mi)
+        out = _tracked(model(**mi))
         return [SimpleNamespace(**{k: _poison_padded(v, case, poison, layout) for k, v in _per_token(out).items()},
                                 **_shared(out))]
     joined = dict(inputs[0])
     for key in ("input_ids", "position_ids", "shift_labels"):
         if key in joined:
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
-    out = model(**joined)
+    out = _tracked(model(**joined))
     fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
     widths = [mi["input_ids"].shape[-1] for mi in inputs]
     per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}

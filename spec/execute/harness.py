@@ -27,6 +27,7 @@ from .handoff import (
     _fields,
     _settings,
     attach_views,
+    execution_context,
     model_for,
     snapshot,
 )
@@ -65,7 +66,10 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     cases run on real ranks (:func:`spec.execute.ranks.execute`).
 
     ``reuse``: engine objects kept across calls, as a trainer keeps its engine. An empty list is
-    filled with the engine objects this call builds (one per rank); a filled one is used as is."""
+    filled with the engine objects this call builds (one per rank); a filled one is used as is.
+
+    The engine's calls and the model run in the case's autograd context (:func:`.handoff.execution_context`);
+    the micro-batch, the model's weights and the snapshots the invariants compare with are made outside it."""
     sp_runner = getattr(engine, "sp_runner", None) or (ranks.execute if engine.sp_on_real_ranks else None)
     if reuse is not None and (case.sp_size > 1 or len(reuse) not in (0, case.sp_size)):
         raise ValueError(f"reuse holds {len(reuse)} engine objects for a case on {case.sp_size} rank(s); "
@@ -76,6 +80,12 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     mb = materialize(case, device) if micro_batch is None else micro_batch
     run = Run(case, device, mb, snapshot(mb), model_for(case, device, engine))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
+    with execution_context(case):
+        return _execute(engine, case, run, mb, gather, poison, stop_after_inputs, reuse)
+
+
+def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict, gather: ThreadedAllGather | None,
+             poison: str, stop_after_inputs: bool, reuse: list[Any] | None) -> Run:
     engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
     if reuse is not None and not reuse:
         reuse.extend(engines)
@@ -88,14 +98,16 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return run
     run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison],
                                     getattr(engine, "padded_layout", PaddedLayout.RIGHT))
-    run.model_output_snapshots = [{k: v.clone() for k, v in _fields(o).items()} for o in run.model_outputs]
-    run.output_args_snapshots = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    run.model_output_snapshots = [{k: v.detach().clone() for k, v in _fields(o).items()} for o in run.model_outputs]
+    run.output_args_snapshots = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                  for k, v in args.items()}
                                  for args in run.output_args]
     processor = TopKProcessor(case.distillation_keys) if case.distillation_use_topk else None
-    calls = [
-        (lambda eng=eng, r=r: eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor))
-        for r, eng in enumerate(engines)
-    ]
+    def call(eng: Any, r: int) -> Any:
+        with execution_context(case):  # autograd's mode is per thread: each rank's thread enters it again
+            return eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor)
+
+    calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
     run.rank_outputs = [engine.view_outputs(outputs).per_sequence for outputs in raw]
     run.outputs = run.rank_outputs[0]

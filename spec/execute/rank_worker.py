@@ -33,7 +33,8 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
-from .handoff import POISONS, _call_model, _fields, _per_token, _poison_tail, _settings, _shared, model_for
+from .handoff import (POISONS, _call_model, _fields, _per_token, _poison_tail, _settings, _shared, _tracked,
+                      execution_context, model_for)
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
@@ -104,7 +105,7 @@ def _namespace_dict(out: Any) -> dict[str, Any]:
 
 
 def _clone_args(args: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
 class _Worker:
@@ -126,16 +127,24 @@ class _Worker:
         return self.engines[name]
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
+        """One example on this rank: the engine's calls and the model in the case's autograd context (the
+        micro-batch and the model's weights made outside it, as in :func:`spec.execute.harness.execute`)."""
         if task.get("kind") == "microbatch":
             return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
         topology: Topology = task["topology"]
         index = topology.group_of(self.rank)  # this rank's SP group; its rank there is what it slices by
         members = topology.groups[index]
         case: EngineCase = topology.group_case(task["case"], index)
-        world, rank = len(members), members.index(self.rank)
-        group = self.groups[members]
         device = self.device(task["device"])
         mb = materialize(case, device) if task["micro_batch"] is None else on_device(task["micro_batch"], device)
+        model = model_for(case, device, self.engine(task["engine"], task["recipe"]))
+        with execution_context(case):
+            return self._run(task, case, device, mb, model, index, members)
+
+    def _run(self, task: dict[str, Any], case: EngineCase, device: str, mb: TensorDict, model: Any, index: int,
+             members: tuple[int, ...]) -> dict[str, Any]:
+        world, rank = len(members), members.index(self.rank)
+        group = self.groups[members]
         reply: dict[str, Any] = {"rank": rank, "group": index}
         status: tuple[str, Any] = ("ok", None)
         try:
@@ -156,12 +165,11 @@ class _Worker:
         reply["inputs"], reply["output_args"] = _nested_safe(model_inputs), _nested_safe(output_args)
         if task["stop_after_inputs"]:
             return reply
-        model = model_for(case, device, self.engine(task["engine"], task["recipe"]))
         all_inputs = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in s[1][0].items()}
                       for s in everyone]
         widths = [s[1][1] for s in everyone]
         model_output = _model_on_full_row(model, all_inputs, widths, case, POISONS[task["poison"]])[rank]
-        output_snapshot = {k: v.clone() for k, v in _fields(model_output).items()}
+        output_snapshot = {k: v.detach().clone() for k, v in _fields(model_output).items()}
         args_snapshot = _clone_args(output_args)
         processor = (ShardedTopKProcessor(case.distillation_keys, world, rank)
                      if case.distillation_use_topk else None)
@@ -241,7 +249,7 @@ def _model_on_full_row(model: Any, inputs: list[dict[str, Any]], widths: list[in
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
     if not replicated:
         return _call_model(model, inputs, case, poison)
-    out = model(**joined)
+    out = _tracked(model(**joined))
     fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
     per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
     return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}, **_shared(out))

@@ -6,6 +6,7 @@ through :mod:`spec.execute`); never an engine's adapter, the runner or the regis
 """
 
 from . import batch, dense, inputs, outputs, slicing  # noqa: F401 - registers the checks
+from . import context  # noqa: F401 - the autograd context (grad, no_grad, inference_mode)
 from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
 from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
 from . import ranks  # noqa: F401 - the real-rank checks (spec/execute/ranks.py)

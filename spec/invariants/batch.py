@@ -146,8 +146,10 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
            adjust=lambda c: c.with_(calculate_entropy=True, entropy_chunk_size=max(
                1, min(c.entropy_chunk_size or 2, c.total_nnz - 1))))
 def chunk_invariance(ctx: Ctx) -> None:
-    whole = ctx.rerun(ctx.case.with_(entropy_chunk_size=None)).outputs
-    match_runs(ctx, ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none")
+    unchunked = ctx.case.with_(entropy_chunk_size=None)
+    whole = ctx.rerun(unchunked).outputs
+    match_runs(ctx, ctx.run.outputs, whole, f"entropy_chunk_size={ctx.case.entropy_chunk_size} vs none",
+               reference=unchunked)
 
 
 @invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10,

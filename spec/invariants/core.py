@@ -60,7 +60,8 @@ class InvariantInfo:
         if self.kind == "dense":
             strategy = dense_cases(**self.strategy_kwargs)
             return strategy.map(self.adjust) if self.adjust else strategy
-        kwargs = {**engine.strategy_limits(), **self.strategy_kwargs}
+        kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **engine.strategy_limits(),
+                  **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         strategy = strategy.map(self.adjust) if self.adjust else strategy
         strategy = strategy.flatmap(self.draw_after) if self.draw_after else strategy
@@ -143,6 +144,15 @@ class Ctx:
         expectation) and a CPU model (the engine's head input: logits, or the fused head's exact product);
         no engine run needed."""
         return expected(self.case, model_for(self.case, "cpu", self.engine), draws(self.case))
+
+    def oracle(self, key: str, case: EngineCase | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Output ``key``'s per-sequence expectation and tolerance at the precision the engine declares for it on
+        ``case``'s path (default: this case): the oracle's rule (:meth:`spec.truth.oracle.Expected.at_precision`)."""
+        declared = getattr(self.engine, "precision", None)
+        precision = declared(key, case or self.case) if declared is not None else None
+        if precision is None:
+            return self.expected.of(key), self.expected.tolerance[key]
+        return self.expected.at_precision(key, precision.returns, precision.scaled_in)
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
         return execute(self.engine, case or self.case, self.device, **kwargs)
@@ -227,9 +237,9 @@ def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
 
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
     """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
-    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives."""
-    wants = ctx.expected.of(key)
-    tols = ctx.expected.tolerance[key]
+    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives,
+    at the precision the engine declares for it (:meth:`Ctx.oracle`)."""
+    wants, tols = ctx.oracle(key)
     bounds = {mechanism: per_key[key] for mechanism, per_key in ctx.expected.bounds.items() if per_key.get(key)}
     seqs = _sequences(got, f"{what or key}", len(wants))
     for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
@@ -265,12 +275,14 @@ def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor
         f"|error| / {m} bound = {r:.3g}" for m, r in sorted(ratios.items())) + "]", *exc.args[1:])
 
 
-def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None) -> None:
+def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | None = None,
+               reference: EngineCase | None = None) -> None:
     """Two runs of the same samples agree on every key (``want``'s keys must all be in ``got``), sequence
     by sequence, at every position a consumer reads, within twice the oracle's tolerance of each token (each
-    run is within it of the oracle). NaN equals NaN here: where both runs give NaN they agree, and the value
-    invariant (against the oracle) reports the NaN once. ``rows``: the samples of the whole case that ``got``'s
-    sequences are (default: all)."""
+    run is within it of the oracle), at the coarser of the precisions the engine declares for the two runs
+    (``got`` is ``ctx.case``'s, ``want`` is ``reference``'s, default the same). NaN equals NaN here: where both
+    runs give NaN they agree, and the value invariant (against the oracle) reports the NaN once. ``rows``: the
+    samples of the whole case that ``got``'s sequences are (default: all)."""
     rows = list(range(ctx.case.batch_size)) if rows is None else rows
     exp = ctx.expected
     for key in sorted(want):
@@ -279,11 +291,23 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
         mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
         theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
         tols = exp.tolerance.get(key)
+        if tols:
+            own, other = ctx.oracle(key)[1], ctx.oracle(key, reference)[1]
+            tols = [torch.maximum(a, b) for a, b in zip(own, other)]
+        bounds = {mechanism: per_key[key] for mechanism, per_key in exp.bounds.items() if per_key.get(key)}
         for j, (x, y) in enumerate(zip(mine, theirs)):
             at = ctx.read[rows[j]]
             atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
-            close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
-                           nan_equal=True)
+            try:
+                close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
+                               nan_equal=True)
+            except AssertionError as exc:
+                # the two runs' difference against each mechanism's bound (each run within it of the oracle: a
+                # record for a run-vs-run difference allows twice it)
+                reach = int(at.max()) + 1 if at.numel() else 0
+                if bounds and min(x.shape[0], y.shape[0]) >= reach:
+                    measure_bounds(exc, x[at], y[at], {m: b[rows[j]][at] for m, b in bounds.items()})
+                raise
 
 
 def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:

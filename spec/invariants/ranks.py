@@ -152,13 +152,24 @@ def _check_outputs_equal_across_ranks(run: Run) -> None:
             fail(f"rank {r} returns keys {sorted(outputs)}, rank 0 {sorted(base)}")
         for key in base:
             a, b = outputs[key], base[key]
-            if a.is_nested != b.is_nested or not torch.equal(a.values() if a.is_nested else a,
-                                                             b.values() if b.is_nested else b):
+            if a.is_nested != b.is_nested or not _identical(a.values() if a.is_nested else a,
+                                                            b.values() if b.is_nested else b):
                 fail(f"rank {r}'s {key!r} differs from rank 0's (every rank must hold the gathered row)")
 
 
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape, dtype and values, NaN equal to NaN at the same place (two ranks holding one gathered row
+    agree on a NaN; whether it should be there is the value invariants' finding, reported once)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = a == b
+    if a.is_floating_point():
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
+
+
 @rank_invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
-           contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
+                contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
            protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
 def ranks_match_single(ctx: Ctx) -> None:
     """Every rank returns the same gathered outputs, key for key, equal to the ``sp = 1`` run."""

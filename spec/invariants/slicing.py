@@ -31,7 +31,7 @@ def slice_shape(ctx: Ctx) -> None:
            protects="the loss reads the right log-prob for each response token, zero past the response", needs=NP2P, adjust=_no_distillation_only)
 def slice_values(ctx: Ctx) -> None:
     sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
-    want, tol = ctx.expected.response_log_probs(ctx.case)
+    want, tol = ctx.expected.response_log_probs(ctx.case, *ctx.oracle("log_probs"))
     close(sliced, want, "response log_probs (B, max_response_len)", atol=tol)
 
 
@@ -99,8 +99,9 @@ def response_round_trip(ctx: Ctx) -> None:
            protects="the (B, R) log-probs a PPO/GRPO loss reads, in the shape TRL's and OpenRLHF's losses take them",
            adjust=_no_distillation_only)
 def consumer_response_view(ctx: Ctx) -> None:
-    """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none."""
-    want, tol = ctx.expected.response_log_probs(ctx.case)
+    """Needs no helper of the engine's: the protocol's own view, for engines (TRL, OpenRLHF) that ship none. At the
+    precision the engine declares for log_probs (:meth:`Ctx.oracle`), as INV-SLICE-002."""
+    want, tol = ctx.expected.response_log_probs(ctx.case, *ctx.oracle("log_probs"))
     log_probs = ctx.run.outputs["log_probs"]
     if not log_probs.is_nested and (log_probs.dim() < 1 or log_probs.shape[0] != ctx.case.total_nnz):
         fail(f"response_view: 'log_probs' of shape {tuple(log_probs.shape)} is neither nested over the sequences nor "

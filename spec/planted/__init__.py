@@ -19,6 +19,8 @@ from ..engines.verl import KNOWN_BUGS as VERL_KNOWN
 from ..engines.verl import SUM_PI_SQUARED_CANCELLATION
 from ..protocol.engine import ShardLayout
 from ..protocol.known import KnownFailure
+from . import config_bugs as G
+from . import context_bugs as C
 from . import dropin_bugs as D
 from . import helper_bugs as H
 from . import inputs_bugs as I
@@ -51,6 +53,10 @@ class PlantedBug:
     known: tuple[KnownFailure, ...] = ()
     #: a micro-batch layer with the bug: impl's layer in, the planted one out (spec/planted/microbatch_bugs.py)
     microbatch: Callable | None = None
+    #: the engine's own configuration switches the bug hides behind (``EngineUnderTest.config_space``)
+    config: tuple = ()
+    #: the engine's declared precision per output key (``EngineUnderTest.precision``), where not the contract's
+    precision: Callable | None = None
 
     @property
     def doc(self) -> str:
@@ -240,6 +246,23 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="mRoPE positions of equal lengths or B = 1"),
     PlantedBug("fixed_path_drops_remainder", ("INV-MB-006",), microbatch=MB.fixed_path_drops_remainder,
                quiet="a batch size micro_batch_size_per_gpu x force_group_size does not divide"),
+    # the autograd context a trainer calls the preparation in (spec/planted/context_bugs.py)
+    PlantedBug("inplace_div_without_grad", ("INV-MUT-002",), lm=C.InplaceDivWithoutGrad,
+               quiet="torch.no_grad() or torch.inference_mode(), T != 1"),
+    PlantedBug("outputs_cached_in_inference_mode", ("INV-BATCH-003",), lm=C.OutputsCachedInInferenceMode,
+               quiet="torch.inference_mode(), a micro-batch of the same shape before, through the same engine object"),
+    PlantedBug("entropy_detached_with_grad", ("INV-GRAD-001",), lm=C.EntropyDetachedWithGrad,
+               quiet="grad enabled (the policy update), entropy asked"),
+    # behind an engine's own configuration switch (spec/planted/config_bugs.py): a flag and a size
+    PlantedBug("checkpointed_entropy_untempered", ("INV-VAL-002",), lm=G.CheckpointedEntropyUntempered,
+               quiet="the engine's entropy_checkpointing switch on, T != 1",
+               config=(G.SWITCHES[G.CheckpointedEntropyUntempered],)),
+    PlantedBug("vocab_chunked_logsumexp", ("INV-VAL-001",), lm=G.VocabChunkedLogsumexp,
+               quiet="the engine's vocab_chunk switch set, a larger logit in a later chunk",
+               config=(G.SWITCHES[G.VocabChunkedLogsumexp],)),
+    PlantedBug("bf16_path_skips_temperature", ("INV-VAL-001",), lm=G.Bf16PathSkipsTemperature,
+               quiet="bf16 logits, T != 1, compared at the bf16 precision the engine declares",
+               precision=G.low_precision_log_probs),
 )}
 
 
@@ -263,6 +286,12 @@ class PlantedEngine(ImplEngine):
     def microbatch_layer(self):
         layer = super().microbatch_layer()
         return self.bug.microbatch(layer) if self.bug.microbatch and layer is not None else layer
+
+    def config_space(self):
+        return (*super().config_space(), *self.bug.config)
+
+    def precision(self, key, case):
+        return self.bug.precision(key, case) if self.bug.precision else super().precision(key, case)
 
 
 def planted_engine(name: str) -> PlantedEngine:

@@ -8,6 +8,7 @@ from .engine import (
     HELPER_FEATURES,
     HELPERS,
     Capabilities,
+    ConfigSwitch,
     EngineObject,
     EngineUnderTest,
     Feature,
@@ -16,6 +17,7 @@ from .engine import (
     HeadInput,
     OutputSpan,
     PaddedLayout,
+    Precision,
     ReproSnippet,
     ShardLayout,
     action_view,
@@ -29,7 +31,8 @@ from .engine import (
 from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
-           "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES", "ENGINE_FEATURE",
+           "OutputsView", "Precision", "ConfigSwitch", "ReproSnippet", "verl_fsdp_view", "HELPERS", "HELPER_FEATURES",
+           "ENGINE_FEATURE",
            "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
            "PaddedLayout", "OutputSpan", "HeadInput", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]

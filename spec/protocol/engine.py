@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
-           "EngineUnderTest", "InputsView", "OutputsView", "ReproSnippet", "verl_fsdp_view", "HELPERS",
+           "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
+           "ReproSnippet", "verl_fsdp_view", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
 
@@ -198,6 +199,53 @@ def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, An
                       return_dict=model_inputs.get("return_dict"))
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How an engine computes one output key on one path, as it declares it (:meth:`EngineUnderTest.precision`).
+
+    ``returns``: the dtype the output comes back in. ``scaled_in``: the dtype of the temperature-scaled logits it
+    is computed from (verl scales bf16 logits in bf16 and takes the log-softmax there). The contract's is float32
+    for both (:data:`CONTRACT_PRECISION`); value invariants compare an engine at the precision it declares (the
+    float64 oracle rounded to ``returns``, that dtype's rounding of the scaled logits and of the result in the
+    tolerance: :meth:`spec.truth.oracle.Expected.at_precision`), so a mistake beyond that rounding still fails,
+    and INV-DEV-001 still holds the engine to float32 (a declared other dtype is a known failure there)."""
+
+    returns: str = "float32"
+    scaled_in: str = "float32"
+
+    def __str__(self) -> str:
+        return self.returns if self.returns == self.scaled_in else f"{self.returns} from {self.scaled_in} logits"
+
+
+CONTRACT_PRECISION = Precision()
+
+
+@dataclass(frozen=True)
+class ConfigSwitch:
+    """One switch of an engine's own configuration that changes the code path of its preparation, declared by its
+    adapter (:meth:`EngineUnderTest.config_space`) so the strategies draw it like any other dimension.
+
+    ``values``: the values drawn, the first the default (where a case shrinks); ``unseen``: values the engine has
+    that the suite does not draw, each with why (the coverage report shows them). ``setting``: the switch is drawn
+    as the suite's own engine setting of that name (an ``EngineCase`` field such as ``entropy_chunk_size``; its
+    values are the setting's), not as a draw of its own. ``needs``: features (:class:`Feature` values) the engine
+    must offer for the switch to apply; ``text``: what it switches. A drawn value reaches the engine as the keyword
+    ``make(head, **settings, name=value)``."""
+
+    name: str
+    values: tuple[Any, ...] = ()
+    text: str = ""
+    needs: tuple[str, ...] = ()
+    setting: str | None = None
+    unseen: Mapping[Any, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.setting is None and not self.values:
+            raise ValueError(f"config switch {self.name!r} draws no value (give values, or the setting it is drawn as)")
+        for need in self.needs:
+            Feature.parse(need)
+
+
 @dataclass
 class OutputsView:
     """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens)."""
@@ -272,8 +320,20 @@ class EngineUnderTest:
         return None
 
     def strategy_limits(self) -> dict[str, Any]:
-        """Strategy keyword arguments that keep drawn cases within what the engine supports."""
+        """Strategy keyword arguments that keep drawn cases within what the engine supports: features it does
+        not offer, never a region of inputs it gets wrong (that is a :class:`~spec.protocol.known.KnownFailure`
+        record; tests/test_regimes.py fails on a limit that excludes a logits dtype or a context)."""
         return {}
+
+    def config_space(self) -> tuple[ConfigSwitch, ...]:
+        """The engine's own configuration switches that change its preparation's code path (the strategies draw
+        each; a case prints the drawn values, the report shows which values ran). Default: none."""
+        return ()
+
+    def precision(self, key: str, case: Any) -> Precision:
+        """The precision output ``key`` comes back in for ``case`` (an ``EngineCase``: the logits' dtype, the
+        path its flags and settings take). The default is the contract's: float32, from float32 scaled logits."""
+        return CONTRACT_PRECISION
 
     def lacks(self, feature: "str | Feature") -> str | None:
         """Why the engine cannot run invariants needing ``feature``, or None (an unknown name is a

@@ -36,6 +36,8 @@ def case_data(case: EngineCase) -> dict[str, Any]:
         "topk": case.topk, "sp_size": case.sp_size, "pad_to_length": case.pad_to_length,
         "pass_cu_seqlens": case.pass_cu_seqlens, "entropy_chunk_size": case.entropy_chunk_size,
         "response_width": case.response_width, "split_view": case.split_view,
+        # the autograd context the engine runs in and the engine's own switches (spec/execute/handoff.py)
+        "context": case.context, "engine_config": [list(item) for item in case.engine_config],
     }
 
 

@@ -20,6 +20,7 @@ __all__ = ["suite_blocks", "RUNTIME", "PREAMBLE"]
 
 PREAMBLE = '''from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
@@ -51,7 +52,8 @@ def suite_blocks() -> str:
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
     for fn in (PaddedLayout, rules.layout_width, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
-               handoff.check_model_inputs, handoff._call_model, harness._in_threads):
+               handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
+               harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle.topk_terms, oracle.TopKProcessor):
@@ -113,7 +115,14 @@ def _copy(value):
 
 
 def execute(c, mb, poison):
+    """The engine's calls and the model in the case's autograd context (grad, no_grad or inference_mode), as a
+    trainer's policy update or log-prob pass runs them; the micro-batch and the model made outside it."""
     model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype)
+    with execution_context(c):
+        return _execute(c, mb, poison, model)
+
+
+def _execute(c, mb, poison, model):
     gather = ThreadedAllGather(c.sp_size) if c.sp_size > 1 else None
     engines = [make_engine(c.head, **_settings(c, r, gather)) for r in range(c.sp_size)]
     handed = [eng.prepare_model_inputs(mb) for eng in engines]
@@ -122,10 +131,14 @@ def execute(c, mb, poison):
     views = [_views_in(mi, args) for mi, args in handed]
     args_before = [_copy(args) for args in output_args]
     model_outputs = _call_model(model, inputs, c, POISONS[poison])
-    logits_before = [o.logits.clone() for o in model_outputs]
+    logits_before = [o.logits.detach().clone() for o in model_outputs]
     processor = TopKProcessor(tuple(c.distillation_keys)) if c.distillation_use_topk else None
-    calls = [(lambda eng=eng, r=r: eng.prepare_model_outputs(model_outputs[r], output_args[r], mb, processor))
-             for r, eng in enumerate(engines)]
+
+    def call(eng, r):
+        with execution_context(c):  # autograd's mode is per thread: each rank's thread enters it again
+            return eng.prepare_model_outputs(model_outputs[r], output_args[r], mb, processor)
+
+    calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
     return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, args_before=args_before,
                            model_outputs=model_outputs, logits_before=logits_before,

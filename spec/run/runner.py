@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis.errors import HypothesisException
 from ..execute import ranks
 from ..execute.attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
 
+from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
@@ -76,6 +78,8 @@ class Outcome:
     case: Any = field(default=None, repr=False, compare=False)
     #: per known-failure record that fired: (the first case it excused, the message); not in JSON
     known_cases: dict = field(default_factory=dict, repr=False, compare=False)
+    #: dimension -> value -> examples that had it (``spec.cases.coverage.dimensions``)
+    coverage: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def rejected_by_check(self) -> bool:
@@ -235,8 +239,12 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
                 for i, record in enumerate(records):
                     passed_under[i] += bool(record.when(ctx.case))
 
+    seen: Counter = Counter()  # (dimension, value) -> examples
+    space = tuple(getattr(engine, "config_space", tuple)())
+
     def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
         settle()
+        seen.update(dimensions(args[1], space))
         ctx = CheckContext(*args)
         current.append([ctx, False])
         return ctx
@@ -302,6 +310,8 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     outcome.distinct_cases = len(state["cases"])
     outcome.known_hits = sum(hits)
     settle()
+    for (dim, value), count in sorted(seen.items()):
+        outcome.coverage.setdefault(dim, {})[value] = count
     outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
                       "reason": r.reason}
                      for r, h, p in zip(records, hits, passed_under)]

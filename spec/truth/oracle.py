@@ -21,6 +21,13 @@ The allowed error is :data:`SAFETY` (32) times that, per token. It grows with ``
 where the math is ill-conditioned, and stays tight where it is not: a log-softmax computed in
 bfloat16 (``2**15`` times float32's eps), or an entropy computed as ``logsumexp - sum(p * z)`` at low
 temperature (off by ``eps * max|z|`` where the condition is ~0), is outside it.
+
+An engine that declares a lower precision for an output (``spec.protocol.Precision``: the scaled logits rounded to
+``scaled_in``, the result to ``returns``) is compared at it (:meth:`Expected.at_precision`): the oracle's value
+rounded to ``returns``, and on top of the float32 budget :data:`LOW_SAFETY` (4) times that dtype's unit roundoff
+``u`` of what a correct evaluation at that precision rounds: ``u_scaled * cond_f`` (each ``z_j`` off by
+``u |z_j|``) plus ``u_returns * (1 + |f|)`` (the result rounded). So a correct bf16 log-softmax passes and a
+mistake beyond bf16's rounding (a temperature applied twice, a wrong label, a cancelling formula) still fails.
 """
 
 from __future__ import annotations
@@ -34,10 +41,22 @@ from tensordict import TensorDict
 from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
-__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY"]
+__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
+           "LOW_SAFETY", "unit_roundoff"]
 
 EPS = torch.finfo(torch.float32).eps
 SAFETY = 32.0
+#: the safety factor on a declared lower precision's rounding (module doc)
+LOW_SAFETY = 4.0
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def unit_roundoff(dtype: str) -> float:
+    """The unit roundoff of ``dtype`` beyond float32's budget: 0 for float32 and float64 (covered by :data:`SAFETY`),
+    ``eps / 2`` for bfloat16 (2**-8) and float16 (2**-11)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; dtypes: {sorted(_DTYPES)}")
+    return 0.0 if dtype in ("float32", "float64") else torch.finfo(_DTYPES[dtype]).eps / 2
 
 
 def topk_terms(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
@@ -100,9 +119,26 @@ class Expected:
     #: key -> per-sequence allowed absolute error (same shapes as the values)
     tolerance: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: mechanism -> key -> per-sequence bound on the error that mechanism can cause (a known deviation's
-    #: excuse reaches no further): ``"float32_cancellation"`` for entropy and sum_pi_squared
+    #: excuse reaches no further): ``"float32_cancellation"`` for entropy and sum_pi_squared (and
+    #: ``"bfloat16_cancellation"``/``"float16_cancellation"`` for such logits)
     #: (:func:`cancellation_bounds`)
     bounds: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    #: key -> per-sequence condition ``cond_f`` of the value in the scaled logits (module doc)
+    condition: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def at_precision(self, key: str, returns: str = "float32", scaled_in: str = "float32"
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Output ``key``'s per-sequence expectation and tolerance for an engine computing it from scaled logits in
+        ``scaled_in`` and returning it in ``returns`` (the module doc's rule); float32 gives :meth:`of` and
+        :attr:`tolerance` as they are."""
+        wants, tols = self.of(key), self.tolerance[key]
+        u_scaled, u_returns = unit_roundoff(scaled_in), unit_roundoff(returns)
+        if not (u_scaled or u_returns):
+            return wants, tols
+        conds = self.condition[key]
+        rounded = [w.to(_DTYPES[returns]).double() for w in wants]
+        extra = [t + LOW_SAFETY * (u_scaled * c + u_returns * (1.0 + w.abs())) for t, c, w in zip(tols, conds, wants)]
+        return rounded, extra
 
     def of(self, key: str) -> list[torch.Tensor]:
         """The per-sequence expectation of output ``key``."""
@@ -110,14 +146,18 @@ class Expected:
             return getattr(self, key)
         return self.distillation[key]
 
-    def response_log_probs(self, case: "EngineCase") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, response_width)`` log-prob of each response token (zero past ``r_i``), and its tolerance."""
+    def response_log_probs(self, case: "EngineCase", log_probs: list[torch.Tensor] | None = None,
+                           tolerance: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, response_width)`` log-prob of each response token (zero past ``r_i``), and its tolerance (of
+        ``log_probs``/``tolerance`` where given: those of :meth:`at_precision`)."""
+        log_probs = self.log_probs if log_probs is None else log_probs
+        tolerance = self.tolerance["log_probs"] if tolerance is None else tolerance
         out = torch.zeros(case.batch_size, case.response_width, dtype=torch.float64)
         tol = torch.zeros_like(out)
         for i, (start, stop) in enumerate(response_positions(case.prompt_lens, case.response_lens)):
             begin = start - (sum(case.seq_lens[:i]))  # the slice within sequence i
-            out[i, : stop - start] = self.log_probs[i][begin: begin + stop - start]
-            tol[i, : stop - start] = self.tolerance["log_probs"][i][begin: begin + stop - start]
+            out[i, : stop - start] = log_probs[i][begin: begin + stop - start]
+            tol[i, : stop - start] = tolerance[i][begin: begin + stop - start]
         return out, tol
 
 
@@ -129,8 +169,8 @@ def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
 CANCELLATION_SAFETY = 4.0
 
 
-def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor | None = None
-                        ) -> dict[str, torch.Tensor]:
+def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor | None = None,
+                        dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Per token, the largest error a float32 evaluation that cancels two large terms can make (what a
     record for that deviation may excuse, and no more), from the float64 ``z`` (n, V) and softmax ``probs``:
 
@@ -143,9 +183,13 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
 
     with ``c`` = :data:`CANCELLATION_SAFETY`. A float32 cancellation cannot make a NaN, nor an error beyond
     these: at T = 0.05 over 152,064 tokens with logits of a few units they are about 2% of the entropy and 7%
-    of sum_pi_squared, so a value 10x off is far outside them."""
+    of sum_pi_squared, so a value 10x off is far outside them.
+
+    ``dtype``: the same evaluation with its terms and reductions in ``dtype`` (``eps`` that dtype's: 2**-7 for
+    bfloat16, 2**-10 for float16), the mechanism ``"<dtype>_cancellation"`` of an engine that computes in the
+    logits' own dtype (:func:`expected` derives it for a case's bf16/fp16 logits)."""
     vocab = z.shape[-1]
-    depth = max(math.sqrt(vocab), math.log2(vocab + 1)) * CANCELLATION_SAFETY * EPS
+    depth = max(math.sqrt(vocab), math.log2(vocab + 1)) * CANCELLATION_SAFETY * torch.finfo(_DTYPES[dtype]).eps
     lse = torch.logsumexp(z, dim=-1)
     out = {"entropy": depth * (lse.abs() + (probs * z.abs()).sum(-1))}
     if spq is not None:
@@ -168,13 +212,15 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
     ids = tokens.ids
     logits = model.sequence_logits(ids, tokens.position_ids(case), lens)
     result = Expected(distillation={key: [] for key in case.distillation_keys})
-    tol = result.tolerance
+    tol, conds = result.tolerance, result.condition
     for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
         tol[key] = []
+        conds[key] = []
     split = lambda t: list(t.split(lens))  # noqa: E731 - per sequence, as views
     if case.head == "value":
         values = logits[:, 0].double()
         result.values, tol["values"] = split(values), split(_bound(values.abs(), values, 1))
+        conds["values"] = split(values.abs())
         return result
     temps = token_temperatures(case).clamp(min=TEMPERATURE_FLOOR)
     z32 = logits.float() / temps.unsqueeze(-1)
@@ -187,27 +233,32 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
     # each token's label is the next token of its sequence; a sequence's last token has none (dropped below)
     labels = torch.roll(ids, -1).unsqueeze(-1)
     lp = lsm.gather(-1, labels).squeeze(-1)
-    lp_tol = _bound(absz.gather(-1, labels).squeeze(-1) + mean_abs, lp, vocab)
+    lp_cond = absz.gather(-1, labels).squeeze(-1) + mean_abs
+    lp_tol = _bound(lp_cond, lp, vocab)
     result.log_probs = [t[:-1] for t in split(lp)]
     tol["log_probs"] = [t[:-1] for t in split(lp_tol)]
+    conds["log_probs"] = [t[:-1] for t in split(lp_cond)]
     if case.calculate_entropy or case.use_fused_kernels:  # (large vocabularies: only what is asked)
         ent = -(probs * lsm).sum(-1)
-        result.entropy = split(ent)
-        tol["entropy"] = split(_bound((probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), ent, vocab))
+        ent_cond = (probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1)
+        result.entropy, tol["entropy"], conds["entropy"] = split(ent), split(_bound(ent_cond, ent, vocab)), \
+            split(ent_cond)
     if case.calculate_sum_pi_squared:
         spq = (probs * probs).sum(-1)
-        result.sum_pi_squared = split(spq)
-        tol["sum_pi_squared"] = split(_bound((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1),
-                                             spq, vocab))
+        spq_cond = (2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1)
+        result.sum_pi_squared, tol["sum_pi_squared"], conds["sum_pi_squared"] = \
+            split(spq), split(_bound(spq_cond, spq, vocab)), split(spq_cond)
     if case.calculate_entropy or case.use_fused_kernels or case.calculate_sum_pi_squared:
-        bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None)
-        result.bounds["float32_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
+        for dtype in _cancellation_dtypes(case):
+            bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None, dtype)
+            result.bounds[f"{dtype}_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
     if case.distillation_use_topk:
         terms = topk_terms(z32, tokens.teacher_ids, tokens.teacher_logprobs)
         cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
         for key in case.distillation_keys:
             result.distillation[key] = split(terms[key])
             tol[key] = split(_bound(cond, terms[key], vocab))
+            conds[key] = split(cond.expand_as(terms[key]))
     return result
 
 
@@ -218,10 +269,11 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
     positions = micro_batch["position_ids"].unbind()
     temps = case.temperatures()
     result = Expected(distillation={key: [] for key in case.distillation_keys})
-    tol = result.tolerance
+    tol, conds = result.tolerance, result.condition
     for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
         tol[key] = []
-    cancel: dict[str, list[torch.Tensor]] = {"entropy": [], "sum_pi_squared": []}
+        conds[key] = []
+    cancel = {dtype: {"entropy": [], "sum_pi_squared": []} for dtype in _cancellation_dtypes(case)}
     teacher = None
     if case.distillation_use_topk:
         teacher = (micro_batch["teacher_ids"].unbind(), micro_batch["teacher_logprobs"].unbind())
@@ -233,6 +285,7 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
             values = logits[:, 0].double()
             result.values.append(values)
             tol["values"].append(_bound(values.abs(), values, 1))
+            conds["values"].append(values.abs())
             continue
         z32 = scaled_logits(logits, temps[i])
         z = z32.double()
@@ -244,27 +297,38 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
         labels = seq_ids[1:]
         lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         result.log_probs.append(lp)
-        tol["log_probs"].append(_bound(absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + mean_abs[:-1],
-                                       lp, vocab))
+        conds["log_probs"].append(absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + mean_abs[:-1])
+        tol["log_probs"].append(_bound(conds["log_probs"][-1], lp, vocab))
         if case.calculate_entropy or case.use_fused_kernels:  # (large vocabularies: only what is asked)
             ent = -(probs * lsm).sum(-1)
             result.entropy.append(ent)
-            tol["entropy"].append(_bound((probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), ent, vocab))
+            conds["entropy"].append((probs * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1))
+            tol["entropy"].append(_bound(conds["entropy"][-1], ent, vocab))
         if case.calculate_sum_pi_squared:
             spq = (probs * probs).sum(-1)
             result.sum_pi_squared.append(spq)
-            tol["sum_pi_squared"].append(_bound((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1),
-                                                spq, vocab))
+            conds["sum_pi_squared"].append((2 * probs * (probs - spq.unsqueeze(-1)).abs() * absz).sum(-1))
+            tol["sum_pi_squared"].append(_bound(conds["sum_pi_squared"][-1], spq, vocab))
         if case.calculate_entropy or case.use_fused_kernels or case.calculate_sum_pi_squared:
-            bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None)
-            for key, bound in bounds.items():
-                cancel[key].append(bound)
+            for dtype, per_key in cancel.items():
+                bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None, dtype)
+                for key, bound in bounds.items():
+                    per_key[key].append(bound)
         if teacher is not None:
             terms = topk_terms(z32, teacher[0][i].cpu(), teacher[1][i].cpu())
             cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
             for key in case.distillation_keys:
                 result.distillation[key].append(terms[key])
                 tol[key].append(_bound(cond, terms[key], vocab))
-    if any(cancel.values()):
-        result.bounds["float32_cancellation"] = {key: bounds for key, bounds in cancel.items() if bounds}
+                conds[key].append(cond.expand_as(terms[key]))
+    for dtype, per_key in cancel.items():
+        if any(per_key.values()):
+            result.bounds[f"{dtype}_cancellation"] = {key: bounds for key, bounds in per_key.items() if bounds}
     return result
+
+
+def _cancellation_dtypes(case: "EngineCase") -> tuple[str, ...]:
+    """The dtypes a cancellation bound is derived for: float32 (the contract's), and the logits' own dtype where
+    lower (an engine computing in it)."""
+    low = getattr(case, "logits_dtype", "float32")
+    return ("float32",) if low == "float32" else ("float32", low)

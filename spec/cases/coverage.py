@@ -1,0 +1,137 @@
+"""Coverage of the input space: the dimensions a drawn case has, and the values each dimension can take.
+
+:func:`dimensions` names, for one case, the value it has on every drawn dimension (a case with several
+temperatures has several temperature ranges). The runner counts them per example (``Outcome.coverage``); the
+report shows, per engine, the share of examples that had each value, and each value never seen with its reason
+(:func:`domains`: a feature the engine lacks, or a configuration value it declares but the suite does not draw).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from ..protocol.engine import Feature
+from .structure import CONTEXTS, LOGITS_DTYPES, DenseCase, EngineCase
+
+__all__ = ["dimensions", "domains", "DIMENSIONS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
+
+TEMPERATURE_RANGES = ("1", "at/below the 1e-8 clamp", "(1e-8, 0.1)", "[0.1, 1)", "(1, 100]")
+#: the index width a vocabulary's ids need (spec.cases.strategies.WIDE_VOCAB_BANDS, the small tier's below)
+VOCAB_BANDS = ("V <= 257", "ids <= 32,767", "ids <= 65,535", "ids > 65,535")
+
+#: dimension -> its values, and for a value that needs an engine feature, the feature
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "logits dtype": LOGITS_DTYPES,
+    "temperature": TEMPERATURE_RANGES,
+    "per-sample temperature": ("no", "yes"),
+    "size tier": ("small", "long", "wide", "batch"),
+    "vocab band": VOCAB_BANDS,
+    "batch size": ("1", "2-7", "8-64"),
+    "lengths": ("all equal", "unequal"),
+    "pad id": ("0", "1", "V-1"),
+    "eos": ("none", "= pad id (a real token equals the pad id)", "other"),
+    "loss-mask holes": ("0.0", "0.2", "0.5"),
+    "layout": ("packed", "padded"),
+    "positions": ("2-D", "mRoPE"),
+    "split view": ("no", "yes"),
+    "execution context": CONTEXTS,
+    "sp size": ("1", "2", "3", "4"),
+    "sp groups": ("no sp", "single", "shifted", "contiguous", "interleaved"),
+    "static bucket": ("no", "yes"),
+    "cu_seqlens passed": ("no", "yes"),
+    "chunk size set": ("no", "yes"),
+    "fused kernels": ("no", "yes"),
+    "entropy": ("no", "yes"),
+    "sum_pi_squared": ("no", "yes"),
+    "distillation": ("no", "yes"),
+    "head": ("lm", "value"),
+}
+
+#: (dimension, value) -> the feature an engine must offer to see it
+_NEEDS = {("sp size", v): Feature.SP for v in ("2", "3", "4")} | {
+    ("sp groups", v): Feature.SP for v in ("single", "shifted", "contiguous", "interleaved")} | {
+    ("static bucket", "yes"): Feature.BUCKET, ("cu_seqlens passed", "yes"): Feature.CU_SEQLENS,
+    ("chunk size set", "yes"): Feature.CHUNKING, ("fused kernels", "yes"): Feature.FUSED,
+    ("sum_pi_squared", "yes"): Feature.SUM_PI_SQUARED, ("distillation", "yes"): Feature.DISTILLATION,
+    ("head", "value"): Feature.VALUE, ("per-sample temperature", "yes"): Feature.PER_SAMPLE_TEMPERATURE,
+}
+
+
+def temperature_range(t: float) -> str:
+    if t == 1.0:
+        return "1"
+    if t <= 1e-8:
+        return "at/below the 1e-8 clamp"
+    if t < 0.1:
+        return "(1e-8, 0.1)"
+    return "[0.1, 1)" if t < 1.0 else "(1, 100]"
+
+
+def tier_of(case: EngineCase) -> str:
+    """The size tier a case is in (``spec.cases.strategies``), read off its sizes."""
+    if case.vocab > 257:  # the small and long tiers' vocabularies are at most 257
+        return "wide"
+    if max(case.seq_lens) > 2048:
+        return "long"
+    return "batch" if case.batch_size >= 8 else "small"
+
+
+def vocab_band(vocab: int) -> str:
+    if vocab <= 257:
+        return VOCAB_BANDS[0]
+    return VOCAB_BANDS[1] if vocab <= 32_768 else VOCAB_BANDS[2] if vocab <= 65_536 else VOCAB_BANDS[3]
+
+
+def _yes(flag: Any) -> str:
+    return "yes" if flag else "no"
+
+
+def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, str]]:
+    """``(dimension, value)`` for every drawn dimension of ``case`` (an ``EngineCase``; a ``DenseCase`` has its
+    own few), plus ``engine config: <name>`` for each switch of ``config_space`` drawn as its own value."""
+    if isinstance(case, DenseCase):
+        return [("dense: mRoPE", _yes(case.mrope)), ("dense: holes", _yes(case.mask_holes)),
+                ("dense: eos = pad", _yes(case.eos_is_pad)), ("dense: teacher top-K", _yes(case.topk)),
+                ("dense: routed experts", case.routed_dtype if case.routed_experts else "none"),
+                ("dense: vocab band", vocab_band(case.vocab))]
+    if not isinstance(case, EngineCase):
+        return []
+    b = case.batch_size
+    out = [("logits dtype", case.logits_dtype), ("per-sample temperature", _yes(case.per_sample_temperature)),
+           ("size tier", tier_of(case)), ("vocab band", vocab_band(case.vocab)), ("batch size", "1" if b == 1 else "2-7" if b < 8 else "8-64"),
+           ("lengths", "all equal" if len(set(case.seq_lens)) == 1 else "unequal"),
+           ("pad id", "0" if case.pad_token_id == 0 else "V-1" if case.pad_token_id == case.vocab - 1 else "1"),
+           ("eos", "none" if case.eos_token_id is None else "= pad id (a real token equals the pad id)"
+            if case.eos_token_id == case.pad_token_id else "other"),
+           ("loss-mask holes", str(case.mask_hole_rate)), ("layout", case.mode),
+           ("positions", "mRoPE" if case.mrope else "2-D"), ("split view", _yes(case.split_view)),
+           ("execution context", case.context), ("sp size", str(case.sp_size)),
+           ("sp groups", case.topology.layout if case.topology is not None
+            else "single" if case.sp_size > 1 else "no sp"),
+           ("static bucket", _yes(case.pad_to_length)), ("cu_seqlens passed", _yes(case.pass_cu_seqlens)),
+           ("chunk size set", _yes(case.entropy_chunk_size)), ("fused kernels", _yes(case.use_fused_kernels)),
+           ("entropy", _yes(case.calculate_entropy)), ("sum_pi_squared", _yes(case.calculate_sum_pi_squared)),
+           ("distillation", _yes(case.distillation_keys)), ("head", case.head)]
+    out += sorted({("temperature", temperature_range(t)) for t in case.temperatures()})
+    drawn = dict(case.engine_config)
+    for switch in config_space:
+        if switch.setting is None and switch.values:
+            out.append((f"engine config: {switch.name}", repr(drawn.get(switch.name, switch.values[0]))))
+    return out
+
+
+def domains(engine: Any) -> dict[str, dict[str, str | None]]:
+    """dimension -> value -> why ``engine`` is not expected to see it (None: expected). A lacking feature gives
+    the engine's reason; a configuration value it declares as not drawn gives the declared reason."""
+    lacks = getattr(engine, "lacks", lambda feature: None)
+    out: dict[str, dict[str, str | None]] = {}
+    for dim, values in DIMENSIONS.items():
+        out[dim] = {v: (lacks(_NEEDS[(dim, v)]) if (dim, v) in _NEEDS else None) for v in values}
+    for switch in getattr(engine, "config_space", tuple)():
+        if switch.setting is not None:
+            continue
+        missing = next((lacks(need) for need in switch.needs if lacks(need)), None)
+        values = {repr(v): missing for v in switch.values}
+        values.update({repr(v): reason for v, reason in switch.unseen.items()})
+        out[f"engine config: {switch.name}"] = values
+    return out
