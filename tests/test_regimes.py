@@ -140,9 +140,11 @@ def test_strategy_limits_leave_no_dtype_context_or_configuration_out(name) -> No
 
 
 def _strategies(engine):
-    """The strategy of every engine invariant of the catalogue for ``engine``, per mode it runs in."""
-    return [info.cases(mode, engine) for info in CATALOGUE.values() if info.kind == "batch"
-            for mode in info.modes if mode in ("packed", "padded", "any", "both")]
+    """The strategy of every engine invariant of the catalogue for ``engine``, per mode it runs in, with how many
+    of its own examples to draw (more for the real-rank ones: four SP group layouts among their draws)."""
+    return [(info.cases(mode, engine), 100 if "real_ranks" in info.needs else 12) for info in CATALOGUE.values()
+            if info.kind in ("batch", "microbatch") for mode in info.modes
+            if mode in ("packed", "padded", "any", "both")]
 
 
 @pytest.mark.parametrize("name", ["impl", "verl", "planted:vocab_chunked_logsumexp"])
@@ -158,7 +160,7 @@ def test_every_dimension_value_is_reachable_or_has_a_reason(name) -> None:
     strategies = _strategies(engine)
     # the union (what any invariant may draw) and a few of each invariant's own (a value only one invariant
     # draws, e.g. the value head's, is not left to the union's luck)
-    for strategy, examples in ((st.one_of(strategies), 800), *((s, 5) for s in strategies)):
+    for strategy, examples in ((st.one_of([s for s, _ in strategies]), 800), *strategies):
         @settings(max_examples=examples, database=None, derandomize=True, deadline=None,
                   suppress_health_check=list(HealthCheck))
         @given(strategy)
@@ -205,3 +207,57 @@ def test_verl_declares_low_precision_per_key_and_path() -> None:
         Precision("bfloat16", "bfloat16")
     assert verl.precision("log_probs", bf16.with_(use_fused_kernels=True)) == Precision()
     assert verl.precision("log_probs", bf16.with_(logits_dtype="float32")) == Precision()
+
+
+# -- the micro-batch layer in the case's context ------------------------------------------------------------------
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_micro_batch_layer_runs_in_the_case_context(context) -> None:
+    from types import SimpleNamespace
+
+    from spec.cases.microbatch import MiniBatchCase, materialize_minibatch
+    from spec.invariants.microbatch import layer
+
+    seen = []
+    raw = ImplEngine().microbatch_layer()
+    prepare = raw.get("prepare_micro_batches")
+
+    def recording(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return prepare(*args, **kwargs)
+
+    class _Engine:
+        def microbatch_layer(self):
+            return raw.with_functions("recording", prepare_micro_batches=recording)
+
+    case = MiniBatchCase((3, 2), (2, 1), max_token_len=5, context=context)
+    data = materialize_minibatch(case, "cpu")
+    layer(SimpleNamespace(engine=_Engine(), case=case)).get("prepare_micro_batches")(data)
+    assert seen == [WANT[context][:2]]
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert (context in repr(case)) is (context != "grad")
+
+
+def test_micro_batch_cases_draw_every_context_and_shrink_to_grad() -> None:
+    from spec.cases.microbatch import minibatch_cases
+
+    seen = set()
+
+    @settings(max_examples=60, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(minibatch_cases())
+    def draw(case):
+        seen.add(case.context)
+
+    draw()
+    assert seen == set(CONTEXTS)
+    shrunk = []
+
+    @settings(max_examples=20, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(minibatch_cases())
+    def always_fails(case):
+        shrunk.append(case)
+        raise AssertionError("shrink me")
+
+    with pytest.raises(AssertionError):
+        always_fails()
+    assert shrunk[-1].context == "grad"

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..protocol.engine import Feature
-from .structure import CONTEXTS, LOGITS_DTYPES, DenseCase, EngineCase
+from .microbatch import MiniBatchCase
+from .structure import CONTEXTS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
-__all__ = ["dimensions", "domains", "DIMENSIONS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
+__all__ = ["dimensions", "domains", "DIMENSIONS", "MB_DIMENSIONS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
 
 TEMPERATURE_RANGES = ("1", "at/below the 1e-8 clamp", "(1e-8, 0.1)", "[0.1, 1)", "(1, 100]")
 #: the index width a vocabulary's ids need (spec.cases.strategies.WIDE_VOCAB_BANDS, the small tier's below)
@@ -45,6 +46,18 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "sum_pi_squared": ("no", "yes"),
     "distillation": ("no", "yes"),
     "head": ("lm", "value"),
+}
+
+#: the drawn dimensions of a micro-batch case (spec.cases.microbatch), each value needing the micro-batch layer
+MB_DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "micro-batch: execution context": CONTEXTS,
+    "micro-batch: path": ("token budget", "fixed size"),
+    "micro-batch: batch size": ("1", "2-8", "9-64", "> 64"),
+    "micro-batch: forced groups": ("no", "yes"),
+    "micro-batch: sp size": ("1", "2", "4"),
+    "micro-batch: routed experts": ("none", *ROUTED_DTYPES),
+    "micro-batch: mRoPE": ("no", "yes"),
+    "micro-batch: data-parallel ranks": ("1", "2+"),
 }
 
 #: (dimension, value) -> the feature an engine must offer to see it
@@ -94,6 +107,16 @@ def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, s
                 ("dense: eos = pad", _yes(case.eos_is_pad)), ("dense: teacher top-K", _yes(case.topk)),
                 ("dense: routed experts", case.routed_dtype if case.routed_experts else "none"),
                 ("dense: vocab band", vocab_band(case.vocab))]
+    if isinstance(case, MiniBatchCase):
+        b = case.batch_size
+        return [("micro-batch: execution context", case.context),
+                ("micro-batch: path", "token budget" if case.use_dynamic_bsz else "fixed size"),
+                ("micro-batch: batch size", "1" if b == 1 else "2-8" if b <= 8 else "9-64" if b <= 64 else "> 64"),
+                ("micro-batch: forced groups", _yes(case.force_group_size > 1)),
+                ("micro-batch: sp size", str(case.sp_size)),
+                ("micro-batch: routed experts", case.routed_dtype if case.routed_experts else "none"),
+                ("micro-batch: mRoPE", _yes(case.mrope)),
+                ("micro-batch: data-parallel ranks", "1" if case.world == 1 else "2+")]
     if not isinstance(case, EngineCase):
         return []
     b = case.batch_size
@@ -127,6 +150,10 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     out: dict[str, dict[str, str | None]] = {}
     for dim, values in DIMENSIONS.items():
         out[dim] = {v: (lacks(_NEEDS[(dim, v)]) if (dim, v) in _NEEDS else None) for v in values}
+    no_layer = lacks(Feature.MICROBATCH)
+    for dim, values in MB_DIMENSIONS.items():
+        out[dim] = {v: no_layer for v in values}
+    out["micro-batch: data-parallel ranks"]["2+"] = no_layer or lacks(Feature.REAL_RANKS)
     for switch in getattr(engine, "config_space", tuple)():
         if switch.setting is not None:
             continue

@@ -28,7 +28,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from .materialize import jagged, materialize
 from .strategies import router_replay, seq_lengths
-from .structure import EngineCase, SampleLengths
+from .structure import CONTEXTS, EngineCase, SampleLengths
 
 __all__ = ["MiniBatchCase", "minibatch_cases", "materialize_minibatch", "STYLES", "MB_TIERS", "runs"]
 
@@ -93,9 +93,13 @@ class MiniBatchCase(SampleLengths):
     #: the case prints instead of its long length lists
     plan: tuple[int, int, int, int] | None = None
     seed: int = 0
+    #: the autograd context the layer's calls (and, end to end, the engine and model) run in (``CONTEXTS``)
+    context: str = "grad"
 
     def __post_init__(self) -> None:
         self._check_lengths()
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of {CONTEXTS}, got {self.context!r}")
 
     # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
@@ -154,7 +158,8 @@ class MiniBatchCase(SampleLengths):
         return EngineCase(self.prompt_lens, self.response_lens, vocab=self.vocab, temperature=temps, mrope=self.mrope,
                           calculate_entropy=self.calculate_entropy, topk=max(self.topk, 1),
                           use_remove_padding=self.use_remove_padding,
-                          distillation_keys=("distillation_losses",) if self.topk else (), seed=self.seed)
+                          distillation_keys=("distillation_losses",) if self.topk else (), seed=self.seed,
+                          context=self.context)
 
     def rank_case(self, rank: int) -> "MiniBatchCase":
         """Data-parallel rank ``rank``'s mini-batch (rank 0: this one) under the same settings."""
@@ -204,6 +209,8 @@ class MiniBatchCase(SampleLengths):
         if self.style != "free" and self.plan is None:
             parts.append(self.style)
         parts.append(f"seed={self.seed}")
+        if self.context != "grad":
+            parts.append(self.context)
         return "MiniBatchCase(" + " ".join(parts) + ")"
 
 
@@ -369,7 +376,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                          min_num_micro_batch=min_num, force_group_size=group, micro_batch_size=mbs, mrope=mrope,
                          topk=int(topk), routed_experts=routed, routed_shape=routed_shape,
                          routed_dtype=routed_dtype, per_sample_temperature=temps, uid=uid,
-                         other_ranks=tuple(others), style=style, plan=plan, seed=draw(st.integers(0, 2 ** 16)))
+                         other_ranks=tuple(others), style=style, plan=plan, seed=draw(st.integers(0, 2 ** 16)),
+                         context=draw(st.sampled_from(CONTEXTS)))  # drawn last: shrinks to grad
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)

@@ -202,7 +202,8 @@ def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, gr
     status: tuple[str, Any] = ("ok", None)
     try:
         data = materialize_minibatch(mine, "cpu")
-        alone = len(layer.get("prepare_micro_batches")(data, dp_group=None, **kwargs)[0])
+        with execution_context(mine):  # the layer in the case's autograd context, the mini-batch made outside it
+            alone = len(layer.get("prepare_micro_batches")(data, dp_group=None, **kwargs)[0])
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised by the caller
         status = ("error", _describe(exc))
     everyone: list[Any] = [None] * case.world
@@ -213,7 +214,9 @@ def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, gr
         reply["error"] = (first_rank, exc_bytes, text)
         return reply
     try:
-        micro, indices = layer.get("prepare_micro_batches")(data, dp_group=group, same_micro_num_in_dp=True, **kwargs)
+        with execution_context(mine):
+            micro, indices = layer.get("prepare_micro_batches")(data, dp_group=group, same_micro_num_in_dp=True,
+                                                                **kwargs)
         micro = list(micro)
     except Exception as exc:  # noqa: BLE001 - re-raised by the caller
         reply["error"] = (rank, *_describe(exc))

@@ -24,6 +24,7 @@ from tensordict import TensorDict
 from ..cases.materialize import draws
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
 from ..execute.attribution import engine_side
+from ..execute.handoff import execution_context
 from ..execute.harness import execute, model_for
 from ..execute.microbatch import dp_micro_batch_counts
 from ..protocol.microbatch import MicroBatchLayer
@@ -115,10 +116,19 @@ def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: s
 # -- reading what the layer returns ---------------------------------------------------------------------------------
 
 def layer(ctx: Ctx) -> MicroBatchLayer:
-    """The engine's layer with each function tagged as the engine's (what it raises is the engine's failure)."""
+    """The engine's layer with each function tagged as the engine's (what it raises is the engine's failure), each
+    called in the case's autograd context (a trainer cuts the mini-batch of an old-policy or reference pass under
+    ``no_grad`` or ``inference_mode``, of a policy update with grad on)."""
     raw = ctx.engine.microbatch_layer()
-    return MicroBatchLayer(raw.name, {name: engine_side(fn, name) for name, fn in raw.functions.items()},
-                           dict(raw.missing))
+    return MicroBatchLayer(raw.name, {name: _in_context(engine_side(fn, name), ctx.case)
+                                      for name, fn in raw.functions.items()}, dict(raw.missing))
+
+
+def _in_context(fn: Callable[..., Any], case: MiniBatchCase) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with execution_context(case):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _items(value: torch.Tensor, what: str) -> list[torch.Tensor]:

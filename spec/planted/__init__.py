@@ -253,6 +253,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="torch.inference_mode(), a micro-batch of the same shape before, through the same engine object"),
     PlantedBug("entropy_detached_with_grad", ("INV-GRAD-001",), lm=C.EntropyDetachedWithGrad,
                quiet="grad enabled (the policy update), entropy asked"),
+    PlantedBug("restore_skipped_without_grad", ("INV-MB-007",), microbatch=MB.restore_skipped_without_grad,
+               quiet="torch.no_grad() or torch.inference_mode(), the balancing put the samples out of order"),
     # behind an engine's own configuration switch (spec/planted/config_bugs.py): a flag and a size
     PlantedBug("checkpointed_entropy_untempered", ("INV-VAL-002",), lm=G.CheckpointedEntropyUntempered,
                quiet="the engine's entropy_checkpointing switch on, T != 1",

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from ..protocol.microbatch import MicroBatchLayer
 
-__all__ = ["restore_off_by_one_when_reordered", "budget_check_exclusive", "equal_lengths_stacked_dense",
+__all__ = ["restore_off_by_one_when_reordered", "restore_skipped_without_grad", "budget_check_exclusive", "equal_lengths_stacked_dense",
            "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder",
            "micro_batch_rows_rotated", "chunks_reversed", "concat_drops_flags", "index_select_sorted",
            "nested_from_list_by_torch", "fix_positions_by_unbind"]
@@ -39,6 +39,20 @@ def restore_off_by_one_when_reordered(layer: MicroBatchLayer) -> MicroBatchLayer
             return restore(data, batch_idx_list)
         shifted = [flat[(i + 1) % len(flat)] for i in range(len(flat))]  # off by one
         return restore(data, [shifted])
+
+    return layer.with_functions("planted", restore_dynamic_batch=restore_dynamic_batch,
+                                postprocess_batch_func=_postprocess_with(layer, restore_dynamic_batch))
+
+
+def restore_skipped_without_grad(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """An evaluation fast path: without grad (the old-policy and reference log-prob passes) restore_dynamic_batch
+    returns the results in micro-batch order, as if the balancing never reordered the samples."""
+    restore = layer.get("restore_dynamic_batch")
+
+    def restore_dynamic_batch(data, batch_idx_list):
+        if torch.is_grad_enabled():
+            return restore(data, batch_idx_list)
+        return data
 
     return layer.with_functions("planted", restore_dynamic_batch=restore_dynamic_batch,
                                 postprocess_batch_func=_postprocess_with(layer, restore_dynamic_batch))
