@@ -121,10 +121,11 @@ def _verify(args: argparse.Namespace) -> int:
                                         titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
                                                 if o.invariant in CATALOGUE}, known=args.repro_known)
     domains = coverage_domains(engine)
+    companions = engine.companions()
     print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
-                   base=Path(args.out), domains=domains))
+                   base=Path(args.out), domains=domains, companions=companions))
     paths = write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
-                          reproducers=reproducers, domains=domains)
+                          reproducers=reproducers, domains=domains, companions=companions)
     for rep in reproducers or ():
         print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]

@@ -157,8 +157,16 @@ def _reproducers(reproducers, base: Path | None) -> list[str]:
     return lines
 
 
+def companions_table(companions: dict[str, str]) -> list[str]:
+    """Whose code each companion the harness hands the engine is (``EngineUnderTest.companions``)."""
+    lines = ["", "## Companions", "", "What the harness hands the engine besides the batch, and whose code it is "
+             "(own: the engine's; stand-in: the suite's, with why).", "", "| companion | whose |", "|---|---|"]
+    return lines + [f"| {name} | {whose} |" for name, whose in sorted(companions.items())]
+
+
 def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str, reproducers=None,
-             base: Path | None = None, domains: dict[str, dict[str, str | None]] | None = None) -> str:
+             base: Path | None = None, domains: dict[str, dict[str, str | None]] | None = None,
+             companions: dict[str, str] | None = None) -> str:
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     word = "FAILS" if failed(outcomes) else "passes"
     lines = [f"# Conformance report: engine `{engine}`", "",
@@ -170,6 +178,8 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
                   f"**{summary_line(layout)}**", ""]
         lines += _table(layout)
     lines += _reproducers(reproducers, base)
+    if companions:
+        lines += companions_table(companions)
     if domains:
         lines += ["", "## Coverage of the input space", "",
                   "Share of the engine's examples (over every invariant run) that had each value of each drawn "
@@ -181,11 +191,12 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
 
 
 def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: str, device: str,
-                  reproducers=None, domains: dict[str, dict[str, str | None]] | None = None) -> list[Path]:
+                  reproducers=None, domains: dict[str, dict[str, str | None]] | None = None,
+                  companions: dict[str, str] | None = None) -> list[Path]:
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js = stem.with_suffix(".md"), stem.with_suffix(".json")
     md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device, reproducers=reproducers,
-                           base=stem.parent, domains=domains))
+                           base=stem.parent, domains=domains, companions=companions))
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
     js.write_text(json.dumps({"engine": engine, "profile": profile, "device": device,
                               "verdict": "fail" if failed(outcomes) else "pass",
@@ -194,6 +205,7 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
                               "shared_counterexamples": [{"counterexample": case, "failures": [o.test_id for o in m]}
                                                          for case, m in by_counterexample(outcomes)],
                               "coverage": coverage(outcomes),
+                              "companions": dict(companions or {}),
                               "outcomes": [o.as_dict() for o in outcomes],
                               "reproducers": [r.as_dict() for r in reproducers or ()]}, indent=2))
     return [md, js]

@@ -43,6 +43,10 @@ def assert_same_oracle(case: EngineCase) -> None:
     assert fast.condition.keys() == loop.condition.keys() == fast.tolerance.keys()
     for key in fast.condition:  # what the declared-precision comparison adds to the tolerance is scaled by it
         identical(fast.condition[key], loop.condition[key], f"condition of {key}")
+    assert {d: set(k) for d, k in fast.ties.items() if k} == {d: set(k) for d, k in loop.ties.items() if k}
+    for dtype, per_key in fast.ties.items():
+        for key in per_key:
+            identical(per_key[key], loop.ties[dtype][key], f"{dtype} tie slack of {key}")
     assert fast.bounds.keys() == loop.bounds.keys()
     for mechanism in fast.bounds:
         assert fast.bounds[mechanism].keys() == loop.bounds[mechanism].keys()

@@ -263,3 +263,39 @@ def test_no_padding_2_padding_wrapper_changes_no_value(engine: VerlEngine) -> No
     assert "attention_mask" not in mb.keys(), "the wrapper changed the caller's micro-batch"
     for got in slices:
         assert torch.equal(got, wrapped)
+
+
+# -- verl's own companion: its top-K distillation processor ---------------------------------------
+
+def test_own_processor_computes_the_oracle_s_terms(engine: VerlEngine) -> None:
+    """verl's own top-K processor (the companion a real verl 0.9 run hands prepare_model_outputs) returns all five
+    keys and computes what spec.truth.oracle.topk_terms defines, on each of its drawn switches (chunked or not, a
+    short last chunk, clamped or not), float32 logits; the clamp changes the terms on these logits (it is checked,
+    not idle). A verl without the processor gets the suite's stand-in, and says why."""
+    import torch
+
+    from spec.cases.structure import DISTILLATION_KEYS
+    from spec.truth.oracle import topk_terms
+
+    if engine.caps.own_processor_error is not None:
+        assert engine.logits_processor(EngineCase(distillation_keys=("student_mass",))) is None
+        assert engine.companions()["logits_processor"].startswith("stand-in: ")
+        pytest.skip(f"verl {engine.caps.version}: {engine.caps.own_processor_error}")
+    assert engine.companions()["logits_processor"].startswith("own: ")
+    gen = torch.Generator().manual_seed(0)
+    for chunked, size, clamp in ((False, 4096, None), (True, 3, None), (False, 4096, -1.0), (True, 2, -1.0)):
+        case = EngineCase(prompt_lens=(3, 2), response_lens=(2, 4), vocab=16, topk=3, distillation_keys=DISTILLATION_KEYS,
+                          engine_config=(("use_chunked_topk", chunked), ("chunked_topk_chunk_size", size),
+                                         ("log_prob_min_clamp", clamp)))
+        mb = materialize(case)
+        logits = 3 * torch.randn(1, case.total_nnz, case.vocab, generator=gen)
+        got = engine.logits_processor(case)(student_logits=logits, data=mb)
+        assert set(got) == set(DISTILLATION_KEYS) == set(engine.processor_keys(case))
+        ids, lp = mb["teacher_ids"].values(), mb["teacher_logprobs"].values()
+        want = topk_terms(logits[0], ids, lp, clamp)
+        for key in DISTILLATION_KEYS:
+            assert got[key].shape == (1, case.total_nnz), (key, tuple(got[key].shape))
+            torch.testing.assert_close(got[key][0].double(), want[key], atol=1e-5, rtol=1e-5, msg=f"{key} {case}")
+        if clamp is not None:
+            plain = topk_terms(logits[0], ids, lp)
+            assert not torch.allclose(plain["distillation_losses"], want["distillation_losses"])

@@ -247,7 +247,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         distillation_keys=distill,
         distillation_only=bool(distill) and draw(st.booleans()),
         use_fused_kernels=fused,
-        topk=draw(st.integers(1, 4)),
+        topk=draw(st.integers(1, min(4, vocab))),  # a teacher's top-K: at most V ids
         pad_token_id=pad_id,
         max_response_len=width,
         sp_size=sp,

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..cases.structure import DISTILLATION_KEYS
+from ..truth.oracle import LOG_PROB_MIN_CLAMP
 from ..protocol.known import KnownFailure, When
 
 from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
@@ -116,6 +117,14 @@ SUM_PI_SQUARED_CANCELLATION = KnownFailure(
     "(precision)", when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
     matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
 
+#: verl's own top-K processor (compute_forward_kl_topk) counts the overlap as an integer
+DISTILLATION_ASKED = When("top-K distillation asked (verl's own processor runs)", lambda c: bool(c.distillation_keys))
+OVERLAP_COUNT_INT64 = KnownFailure(
+    "INV-DEV-001", "verl's own top-K processor returns overlap_count as int64 (overlap_mask.sum(dim=-1), a count; "
+    "prepare_model_outputs nests it as it comes); contract difference (the contract's outputs are float32), the "
+    "count's value is compared elsewhere", when=DISTILLATION_ASKED, raises=AssertionError,
+    matches=r"^AssertionError: output 'overlap_count' has dtype torch\.int64, expected torch\.float32$")
+
 #: low-precision (bf16/fp16) logits on the path where verl computes in the logits' own dtype (not fused kernels)
 LOW_PRECISION = When("bf16/fp16 logits (verl scales them and takes log-softmax, entropy and sum_pi_squared in that "
                      "dtype, and returns them in it)",
@@ -170,11 +179,11 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
             matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"),
         KnownFailure(
-            "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
-            "dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
+            "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values; and its own top-K "
+            "processor's student_mass) in the logits' dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
             "which path); contract difference, the values are compared at that precision elsewhere",
             when=LOW_PRECISION, raises=AssertionError,
-            matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
+            matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values|student_mass)' has dtype "
                     r"torch\.(bfloat16|float16), expected torch\.float32$"),
         *(KnownFailure(
             "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
@@ -281,6 +290,9 @@ class VerlCapabilities:
     cu_seqlens: bool  # the engine reads pass_packed_cu_seqlens (packed cu_seqlens in the model inputs)
     helpers: tuple[str, ...]  # padding helpers verl ships
     attention_utils_error: str | None  # why verl.utils.attention_utils cannot run here (0.7.1 without flash-attn)
+    #: why verl's own top-K distillation processor (verl.trainer.distillation: distillation_ppo_loss and its
+    #: fsdp compute_forward_kl_topk) cannot be the companion here (None: it can; verl 0.7.1 ships no such module)
+    own_processor_error: str | None = "not probed"
 
 
 def _attention_utils_error() -> str | None:
@@ -314,7 +326,26 @@ def probe_verl() -> VerlCapabilities:
         cu_seqlens="pass_packed_cu_seqlens" in _module_source(transformer_impl),
         helpers=tuple(name for name in HELPERS if callable(getattr(padding, name, None))),
         attention_utils_error=_attention_utils_error(),
+        own_processor_error=_own_processor_error(),
     )
+
+
+#: where verl keeps the top-K distillation processor a real run hands prepare_model_outputs
+#: (verl.workers.engine_workers: partial(distillation_ppo_loss, config=actor_config, distillation_config=...))
+OWN_PROCESSOR_MODULES = ("verl.trainer.distillation.losses", "verl.trainer.distillation.fsdp.losses")
+
+
+def _own_processor_error() -> str | None:
+    """Why the installed verl's own top-K processor cannot run (its modules and names probed), or None."""
+    try:
+        losses = importlib.import_module(OWN_PROCESSOR_MODULES[0])
+        fsdp = importlib.import_module(OWN_PROCESSOR_MODULES[1])
+        from verl.workers.config import DistillationConfig, DistillationLossConfig  # noqa: F401
+    except ImportError as exc:
+        return f"no verl.trainer.distillation ({type(exc).__name__}: {exc})"
+    missing = [name for module, name in ((losses, "distillation_ppo_loss"), (fsdp, "compute_forward_kl_topk"))
+               if not callable(getattr(module, name, None))]
+    return f"verl.trainer.distillation lacks {missing}" if missing else None
 
 
 #: where the installed verl keeps its micro-batch layer (0.9.1; a module an older verl lacks is skipped)
@@ -508,6 +539,8 @@ class VerlEngine(EngineUnderTest):
                 "INV-KEYS-001", f"ignores {' and '.join(missing)} (no such output in this verl): the keys the flags "
                 "ask for are missing in both modes", when=asks, raises=AssertionError,
                 matches=rf"\(missing \[(?:(?:{only})(?:, )?)+\]\)$"))
+        if caps.own_processor_error is None:
+            records.append(OVERLAP_COUNT_INT64)
         if caps.sum_pi_squared:
             records.append(SUM_PI_SQUARED_CANCELLATION)
             records.extend(KnownFailure(
@@ -571,6 +604,17 @@ class VerlEngine(EngineUnderTest):
             ConfigSwitch("v_head", (False, True), needs=("value",),
                          text="a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: values are "
                               "output[2]) instead of a token classifier (values are output.logits.squeeze(-1))"),
+            ConfigSwitch("use_chunked_topk", (False, True), needs=("distillation",),
+                         text="distillation.distillation_loss.use_chunked_topk: verl's own top-K processor streams "
+                              "logsumexp and gather over chunks of tokens in float32 (_chunked_topk_log_probs) and "
+                              "ranks the student's top-K on the logits, instead of one log_softmax"),
+            ConfigSwitch("chunked_topk_chunk_size", (4096, 1, 2, 3, 7), needs=("distillation",),
+                         text="distillation.distillation_loss.chunked_topk_chunk_size: the chunk's tokens (verl's "
+                              "default 4096 first; 1, 2, 3, 7 leave a short last chunk on the suite's rows)"),
+            ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
+                         text="distillation.distillation_loss.log_prob_min_clamp: both top-K log-probs clamped below "
+                              "before the KL terms (verl's default is -10.0; the suite shrinks to None, no clamp; "
+                              "-1.0 clamps most tokens); the oracle computes it (spec.truth.oracle.topk_terms)"),
             ConfigSwitch("use_torch_compile", (False,), unseen={True: (
                 "engine_config.use_torch_compile wraps entropy_from_logits in torch.compile(dynamic=True): a compile "
                 "per new shape, seconds each on 2 CPU cores; not drawn")},
@@ -588,7 +632,8 @@ class VerlEngine(EngineUnderTest):
         and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
         (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
         entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
-        suite's processor's (float32) from verl's scaled logits; fused kernels return the model's float32 values;
+        suite's stand-in's (float32) from verl's scaled logits, or verl's own processor's (student_mass in the
+        logits' dtype, the KL terms float32 from log-probs in it, teacher_mass float32); fused kernels return the model's float32 values;
         a value head's values are its logits, squeezed."""
         low = getattr(case, "logits_dtype", "float32")
         if low == "float32":
@@ -597,9 +642,66 @@ class VerlEngine(EngineUnderTest):
             return CONTRACT_PRECISION
         if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
             return Precision("float32", low)
+        if key in DISTILLATION_KEYS and self.caps.own_processor_error is None:
+            # verl's own processor: log_softmax (or, chunked, float32 logsumexp cast back) in the logits' dtype; the
+            # masses of those log-probs in it; the KL terms upcast to float32; the teacher's mass is float32 alone
+            if key == "teacher_mass":
+                return CONTRACT_PRECISION
+            return Precision(low, low) if key == "student_mass" else Precision("float32", low)
         if key in DISTILLATION_KEYS:
             return Precision("float32", low)
         return Precision(low, low)
+
+    # -- companions: verl's own top-K distillation processor --------------------------------------
+    def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Callable | None:  # type: ignore[override]
+        """What a real verl 0.9 run hands ``prepare_model_outputs`` (``verl.workers.engine_workers``):
+        ``partial(distillation_ppo_loss, config=<actor config, strategy fsdp>, distillation_config=...)``, its
+        ``distillation_loss`` the top-K forward KL with the case's drawn switches (:data:`PROCESSOR_SWITCHES`).
+        verl slices the teacher tensors itself under Ulysses SP, reading verl's module-level group, which
+        :class:`VerlEngineObject` sets around the call on real ranks (verl never runs SP on the suite's threads:
+        :meth:`make` refuses an SP engine without a process group). ``enabled=False``: the processor path reads
+        ``distillation_loss`` only (``enabled`` needs teacher models and a resource pool). None where this verl has
+        no such processor (the suite's stand-in)."""
+        if self.caps.own_processor_error is not None:
+            return None
+        from functools import partial
+
+        from verl.trainer.distillation.losses import distillation_ppo_loss
+
+        drawn = dict(getattr(case, "engine_config", ()) or ())
+        switches = (bool(drawn.get("use_chunked_topk", False)), int(drawn.get("chunked_topk_chunk_size", 4096)),
+                    drawn.get(LOG_PROB_MIN_CLAMP))
+        return partial(distillation_ppo_loss, config=self._actor_config(),
+                       distillation_config=self._distillation_config(int(case.topk), *switches))
+
+    def processor_keys(self, case: Any) -> tuple[str, ...] | None:  # type: ignore[override]
+        """verl's processor returns all five keys (compute_forward_kl_topk), whatever the case asks."""
+        return DISTILLATION_KEYS if self.caps.own_processor_error is None else None
+
+    def companions(self) -> dict[str, str]:  # type: ignore[override]
+        why = self.caps.own_processor_error
+        return {"logits_processor": "own: verl.trainer.distillation.losses.distillation_ppo_loss (fsdp "
+                                    "compute_forward_kl_topk), on one rank and on real ranks (verl's Ulysses group)"
+                if why is None else f"stand-in: verl {self.caps.version} ships no top-K processor of its own ({why})"}
+
+    def _actor_config(self) -> Any:
+        if getattr(self, "_actor", None) is None:
+            from verl.workers.config import FSDPActorConfig
+
+            self._actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+        return self._actor
+
+    def _distillation_config(self, topk: int, chunked: bool, chunk_size: int, clamp: Any) -> Any:
+        cache = self.__dict__.setdefault("_distillation_configs", {})
+        key = (topk, chunked, chunk_size, clamp)
+        if key not in cache:
+            from verl.workers.config import DistillationConfig, DistillationLossConfig
+
+            loss = DistillationLossConfig(loss_mode="forward_kl_topk", topk=topk, use_policy_gradient=False,
+                                          log_prob_min_clamp=clamp, use_chunked_topk=chunked,
+                                          chunked_topk_chunk_size=chunk_size)
+            cache[key] = DistillationConfig(enabled=False, distillation_loss=loss)
+        return cache[key]
 
     # -- engine objects and helpers -----------------------------------------------------------
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
@@ -611,6 +713,8 @@ class VerlEngine(EngineUnderTest):
         chunk = settings.pop("entropy_chunk_size", None)
         checkpointing = bool(settings.pop("entropy_checkpointing", False))
         v_head = bool(settings.pop("v_head", False))
+        for switch in PROCESSOR_SWITCHES:  # the processor's (logits_processor reads them off the case), not the engine's
+            settings.pop(switch, None)
         for unseen in ("use_torch_compile", "flash_attn_cross_entropy", "tensor_parallel_logits"):
             if settings.pop(unseen, False):
                 raise NotImplementedError(f"verl adapter: {unseen}=True is not run by the suite")
@@ -676,6 +780,10 @@ class VerlEngine(EngineUnderTest):
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
+
+
+#: the switches of :meth:`VerlEngine.config_space` that configure verl's own top-K processor (DistillationLossConfig)
+PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MIN_CLAMP)
 
 
 #: verl's FSDP engine object built as :meth:`VerlEngine.make` builds it, for a standalone reproducer

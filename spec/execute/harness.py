@@ -32,7 +32,7 @@ from .handoff import (
     snapshot,
 )
 
-__all__ = ["Run", "execute", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+__all__ = ["Run", "execute", "processor_for", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
 
 def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> list[Any]:
     results: list[Any] = [None] * len(calls)
@@ -84,6 +84,16 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return _execute(engine, case, run, mb, gather, poison, stop_after_inputs, reuse)
 
 
+def processor_for(engine: EngineUnderTest, case: EngineCase, sp_size: int, sp_rank: int) -> Callable | None:
+    """The ``logits_processor_func`` rank ``sp_rank`` hands its engine for ``case``: None without top-K
+    distillation, else the engine's own (:meth:`~spec.protocol.EngineUnderTest.logits_processor`) where it gives
+    one, else the suite's stand-in (:class:`~spec.truth.oracle.TopKProcessor`)."""
+    if not case.distillation_use_topk:
+        return None
+    own = engine.logits_processor(case, sp_size, sp_rank)
+    return own if own is not None else TopKProcessor(case.distillation_keys)
+
+
 def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict, gather: ThreadedAllGather | None,
              poison: str, stop_after_inputs: bool, reuse: list[Any] | None) -> Run:
     engines = reuse if reuse else [engine.make(case.head, **_settings(case, r, gather)) for r in range(case.sp_size)]
@@ -102,10 +112,11 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     run.output_args_snapshots = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in args.items()}
                                  for args in run.output_args]
-    processor = TopKProcessor(case.distillation_keys) if case.distillation_use_topk else None
+    processors = [processor_for(engine, case, case.sp_size, r) for r in range(len(engines))]
+
     def call(eng: Any, r: int) -> Any:
         with execution_context(case):  # autograd's mode is per thread: each rank's thread enters it again
-            return eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processor)
+            return eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processors[r])
 
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)

@@ -171,8 +171,12 @@ class _Worker:
         model_output = _model_on_full_row(model, all_inputs, widths, case, POISONS[task["poison"]])[rank]
         output_snapshot = {k: v.detach().clone() for k, v in _fields(model_output).items()}
         args_snapshot = _clone_args(output_args)
-        processor = (ShardedTopKProcessor(case.distillation_keys, world, rank)
-                     if case.distillation_use_topk else None)
+        processor = None
+        if case.distillation_use_topk:  # the engine's own companion where it gives one, else the suite's
+            engine = self.engine(task["engine"], task["recipe"])
+            processor = engine.logits_processor(case, world, rank)
+            if processor is None:
+                processor = ShardedTopKProcessor(case.distillation_keys, world, rank)
         try:
             outputs = eng.prepare_model_outputs(model_output, output_args, mb, processor)
         except Exception as exc:  # noqa: BLE001 - re-raised by the caller

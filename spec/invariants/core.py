@@ -84,9 +84,14 @@ def honour_engine(case: EngineCase, engine: EngineUnderTest) -> EngineCase:
     """An adjusted case within what the engine offers where an invariant's ``adjust`` asks more than the property
     needs: an engine with one temperature per trainer gets one shared temperature (a permutation, a concatenation
     or the temperature's application hold just as well with one; the invariants that need per-sample values
-    declare ``needs=("per_sample_temperature",)`` and are skipped instead)."""
+    declare ``needs=("per_sample_temperature",)`` and are skipped instead); a distillation case of an engine whose
+    own processor returns a fixed set of keys (:meth:`~spec.protocol.EngineUnderTest.processor_keys`) asks those."""
     if isinstance(case, EngineCase) and case.per_sample_temperature and shares_one_temperature(engine):
-        return shared_temperature(case)
+        case = shared_temperature(case)
+    if isinstance(case, EngineCase) and case.distillation_keys:
+        keys = engine.processor_keys(case)  # the engine's own processor returns these whatever the case asks
+        if keys is not None and tuple(keys) != case.distillation_keys:
+            case = case.with_(distillation_keys=tuple(keys))
     return case
 
 

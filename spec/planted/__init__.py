@@ -19,6 +19,7 @@ from ..engines.verl import KNOWN_BUGS as VERL_KNOWN
 from ..engines.verl import SUM_PI_SQUARED_CANCELLATION
 from ..protocol.engine import ShardLayout
 from ..protocol.known import KnownFailure
+from . import companion_bugs as CB
 from . import config_bugs as G
 from . import context_bugs as C
 from . import dropin_bugs as D
@@ -57,10 +58,14 @@ class PlantedBug:
     config: tuple = ()
     #: the engine's declared precision per output key (``EngineUnderTest.precision``), where not the contract's
     precision: Callable | None = None
+    #: the engine's own companion with the bug: ``(case, sp_size, sp_rank) -> logits processor or None``
+    #: (``EngineUnderTest.logits_processor``; None: the suite's stand-in); its switches are among :attr:`config`
+    companion: Callable | None = None
 
     @property
     def doc(self) -> str:
-        source = self.lm or self.value or self.packer or self.microbatch or dict(self.helpers)[self.helpers[0][0]]
+        source = self.lm or self.value or self.packer or self.microbatch or getattr(self.companion, "__self__", None) \
+            or dict(self.helpers)[self.helpers[0][0]]
         return (source.__doc__ or "").strip()
 
 
@@ -267,6 +272,10 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("bf16_path_skips_temperature", ("INV-VAL-001",), lm=G.Bf16PathSkipsTemperature,
                quiet="bf16 logits, T != 1, compared at the bf16 precision the engine declares",
                precision=G.low_precision_log_probs),
+    # in the engine's own companion, the top-K distillation processor it hands itself (spec/planted/companion_bugs.py)
+    PlantedBug("chunked_topk_drops_last_chunk", ("INV-VAL-004",), companion=CB.ChunkedTopKDropsLastChunk.companion,
+               quiet="the engine's own top-K processor chunked (its topk_chunk switch), the chunk not dividing the "
+                     "tokens", config=(CB.SWITCHES[CB.ChunkedTopKDropsLastChunk],)),
 )}
 
 
@@ -296,6 +305,20 @@ class PlantedEngine(ImplEngine):
 
     def precision(self, key, case):
         return self.bug.precision(key, case) if self.bug.precision else super().precision(key, case)
+
+    def make(self, head: str = "lm", **settings: Any) -> Any:
+        if self.bug.companion is not None:  # the companion's switches configure the processor, not the engine
+            for switch in self.bug.config:
+                settings.pop(switch.name, None)
+        return super().make(head, **settings)
+
+    def logits_processor(self, case, sp_size=1, sp_rank=0):
+        return self.bug.companion(case, sp_size, sp_rank) if self.bug.companion else None
+
+    def companions(self):
+        if self.bug.companion is None:
+            return super().companions()
+        return {"logits_processor": "own: the planted engine's chunked top-K processor (with its bug)"}
 
 
 def planted_engine(name: str) -> PlantedEngine:

@@ -330,6 +330,27 @@ class EngineUnderTest:
         each; a case prints the drawn values, the report shows which values ran). Default: none."""
         return ()
 
+    def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Callable | None:
+        """The engine's own ``logits_processor_func`` for ``case`` on rank ``sp_rank`` of ``sp_size`` (its companion:
+        what a real trainer of this engine hands ``prepare_model_outputs``, e.g. verl's top-K forward KL), or None:
+        the suite's stand-in (``spec.truth.oracle.TopKProcessor``). Called only for cases that ask for top-K
+        distillation; the harness asks once per rank (threads or real ranks: a processor that reads process-global
+        state, such as verl's Ulysses group, is given for real ranks only). Default: None."""
+        return None
+
+    def processor_keys(self, case: Any) -> tuple[str, ...] | None:
+        """The keys the engine's own processor returns for ``case`` whatever the case asks (verl's returns all
+        five), or None (the stand-in returns the keys the case asks). The strategies set a distillation case's
+        keys to these (:func:`spec.invariants.core.honour_engine`), so every key a consumer reads is asserted."""
+        return None
+
+    def companions(self) -> dict[str, str]:
+        """Each companion the harness hands this engine (``logits_processor``: the top-K distillation processor)
+        and whose it is: ``"own"`` (the engine's own code runs) or ``"stand-in: <why>"`` (the suite's); shown in
+        the verify report. Default: the suite's stand-in for every one."""
+        return {"logits_processor": "stand-in: the suite's top-K processor (spec.truth.oracle.TopKProcessor); "
+                                    "the engine gives none of its own"}
+
     def precision(self, key: str, case: Any) -> Precision:
         """The precision output ``key`` comes back in for ``case`` (an ``EngineCase``: the logits' dtype, the
         path its flags and settings take). The default is the contract's: float32, from float32 scaled logits."""

@@ -41,7 +41,8 @@ from tensordict import TensorDict
 from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
-__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
+__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "LOG_PROB_MIN_CLAMP", "log_prob_min_clamp",
+           "topk_tie_slack", "OVERLAP_KEYS", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
            "LOW_SAFETY", "unit_roundoff"]
 
 EPS = torch.finfo(torch.float32).eps
@@ -59,26 +60,100 @@ def unit_roundoff(dtype: str) -> float:
     return 0.0 if dtype in ("float32", "float64") else torch.finfo(_DTYPES[dtype]).eps / 2
 
 
-def topk_terms(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
-               teacher_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-token top-K distillation terms from ``(n, V)`` logits and ``(n, K)`` teacher top-K.
+#: the engine configuration switch (``EngineCase.engine_config``) the oracle reads: verl's
+#: ``distillation_loss.log_prob_min_clamp``, the floor both top-K log-probs are clamped at before the KL terms
+LOG_PROB_MIN_CLAMP = "log_prob_min_clamp"
 
-    The student's top-K (for ``overlap_count``) is ranked on the logits as given (float32 in the
-    processor and the oracle alike), so near-ties break the same way in both."""
+
+def log_prob_min_clamp(case: object) -> float | None:
+    """The drawn ``log_prob_min_clamp`` of ``case`` (:data:`LOG_PROB_MIN_CLAMP`), None where it has none."""
+    value = dict(getattr(case, "engine_config", ()) or ()).get(LOG_PROB_MIN_CLAMP)
+    return None if value is None else float(value)
+
+
+def topk_terms(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+               log_prob_min_clamp: float | None = None) -> dict[str, torch.Tensor]:
+    """Per-token top-K distillation terms from ``(n, V)`` logits and ``(n, K)`` teacher top-K, with verl's
+    definitions (``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk``), in float64: ``q`` the
+    student's log-probs at the teacher's ids, ``p`` the teacher's log-probs (both clamped below at
+    ``log_prob_min_clamp`` where given, after the masses), ``kl_j = exp(p_j) (p_j - q_j)``:
+
+    * ``distillation_losses = sum_j kl_j``; ``student_mass = sum_j exp(q_j)``, ``teacher_mass = sum_j exp(p_j)``
+      (unclamped);
+    * ``overlap_count``: how many teacher ids are among the student's own top-K (``K = min(K, V)``);
+    * ``overlap_token_advantage = -sum_{j overlapping} kl_j / overlap_count`` (0 where nothing overlaps).
+
+    The student's top-K is ranked on the logits as given (float32 in the processor and the oracle alike), so
+    near-ties break the same way in both."""
     student = torch.log_softmax(student_logits.double(), dim=-1)
     at_teacher = student.gather(-1, teacher_ids)
     teacher_logprobs = teacher_logprobs.double()
-    teacher_p = teacher_logprobs.exp()
+    student_mass, teacher_mass = at_teacher.exp().sum(-1), teacher_logprobs.exp().sum(-1)
+    if log_prob_min_clamp is not None:
+        at_teacher = at_teacher.clamp_min(log_prob_min_clamp)
+        teacher_logprobs = teacher_logprobs.clamp_min(log_prob_min_clamp)
+    token_kl = teacher_logprobs.exp() * (teacher_logprobs - at_teacher)
     k = teacher_ids.shape[-1]
-    student_top = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1).indices
-    overlap = (teacher_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
+    count, advantage = _overlap_terms(_overlap(student_logits, teacher_ids), token_kl)
     return {
-        "distillation_losses": (teacher_p * (teacher_logprobs - at_teacher)).sum(-1),
-        "student_mass": at_teacher.exp().sum(-1),
-        "teacher_mass": teacher_p.sum(-1),
-        "overlap_count": overlap.to(student.dtype).sum(-1),
-        "overlap_token_advantage": (at_teacher - teacher_logprobs).mean(-1),
+        "distillation_losses": token_kl.sum(-1),
+        "student_mass": student_mass,
+        "teacher_mass": teacher_mass,
+        "overlap_count": count,
+        "overlap_token_advantage": advantage,
     }
+
+
+def _overlap(student_logits: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """``(n, K)`` bool: which teacher ids are among the student's top-K of ``student_logits``."""
+    k = min(teacher_ids.shape[-1], student_logits.shape[-1])
+    student_top = student_logits.topk(k, dim=-1).indices
+    return (teacher_ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1)
+
+
+def _overlap_terms(overlap: torch.Tensor, token_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``overlap_count`` and ``overlap_token_advantage`` of an overlap mask (``(..., K)``) and the KL terms."""
+    count = overlap.to(token_kl.dtype).sum(-1)
+    advantage = (-token_kl * overlap).sum(-1) / count.clamp(min=1)
+    return count, torch.where(count > 0, advantage, torch.zeros_like(advantage))
+
+
+#: the keys whose value depends on which ids make the student's top-K (a discontinuous function of the logits)
+OVERLAP_KEYS = ("overlap_count", "overlap_token_advantage")
+
+
+def topk_tie_slack(z: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                   log_prob_min_clamp: float | None, dtype: str) -> dict[str, torch.Tensor]:
+    """Per token, how far :data:`OVERLAP_KEYS` can move when the student's top-K is ranked on the scaled logits
+    (or their log-softmax) rounded to ``dtype`` rather than in float32: a teacher id whose ``z`` lies within that
+    rounding (``LOW_SAFETY * u * (|z_j| + |z_(K)| + |z_j - lse| + |z_(K) - lse|)``) of the K-th or (K+1)-th
+    largest may tie with it and fall either side. The slack is the largest change of the count and of the
+    advantage over every overlap set such ties allow (the certain members plus any subset of the ambiguous
+    ids: at most ``2**K`` sets), 0 where nothing is ambiguous; ``z`` is the float64 ``(n, V)`` scaled logits."""
+    n, vocab = z.shape
+    k = teacher_ids.shape[-1]
+    zero = z.new_zeros(n)
+    u = unit_roundoff(dtype)
+    if k >= vocab or not u:
+        return {"overlap_count": zero, "overlap_token_advantage": zero}
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    top = z.topk(k + 1, dim=-1).values
+    kth, after = top[:, k - 1:k], top[:, k:k + 1]
+    at = z.gather(-1, teacher_ids)
+    delta = LOW_SAFETY * u * (at.abs() + kth.abs() + (at - lse).abs() + (kth - lse).abs())
+    ambiguous = (at >= after - delta) & (at <= kth + delta)
+    student = z - lse
+    teacher = teacher_logprobs.double()
+    q = student.gather(-1, teacher_ids)
+    if log_prob_min_clamp is not None:
+        q, teacher = q.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
+    token_kl = teacher.exp() * (teacher - q)
+    overlap = _overlap(z.float(), teacher_ids)
+    count, advantage = _overlap_terms(overlap, token_kl)
+    bits = (torch.arange(2 ** k).unsqueeze(-1) >> torch.arange(k)) & 1  # (2**K, K): every subset
+    sets = torch.where(ambiguous, bits.bool().unsqueeze(1), overlap)  # (2**K, n, K)
+    counts, advantages = _overlap_terms(sets, token_kl.unsqueeze(0))
+    return {"overlap_count": (counts - count).abs().amax(0), "overlap_token_advantage": (advantages - advantage).abs().amax(0)}
 
 
 class TopKProcessor:
@@ -125,6 +200,9 @@ class Expected:
     bounds: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     #: key -> per-sequence condition ``cond_f`` of the value in the scaled logits (module doc)
     condition: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: dtype -> key -> per-sequence slack of :data:`OVERLAP_KEYS` for an engine ranking the student's top-K in that
+    #: (lower) dtype (:func:`topk_tie_slack`); added by :meth:`at_precision` where ``scaled_in`` is that dtype
+    ties: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
 
     def at_precision(self, key: str, returns: str = "float32", scaled_in: str = "float32"
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -138,6 +216,9 @@ class Expected:
         conds = self.condition[key]
         rounded = [w.to(_DTYPES[returns]).double() for w in wants]
         extra = [t + LOW_SAFETY * (u_scaled * c + u_returns * (1.0 + w.abs())) for t, c, w in zip(tols, conds, wants)]
+        slack = self.ties.get(scaled_in, {}).get(key)
+        if slack is not None:
+            extra = [t + s for t, s in zip(extra, slack)]
         return rounded, extra
 
     def of(self, key: str) -> list[torch.Tensor]:
@@ -253,12 +334,15 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
             bounds = cancellation_bounds(z, probs, spq if case.calculate_sum_pi_squared else None, dtype)
             result.bounds[f"{dtype}_cancellation"] = {key: split(bound) for key, bound in bounds.items()}
     if case.distillation_use_topk:
-        terms = topk_terms(z32, tokens.teacher_ids, tokens.teacher_logprobs)
+        terms = topk_terms(z32, tokens.teacher_ids, tokens.teacher_logprobs, log_prob_min_clamp(case))
         cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
         for key in case.distillation_keys:
             result.distillation[key] = split(terms[key])
             tol[key] = split(_bound(cond, terms[key], vocab))
             conds[key] = split(cond.expand_as(terms[key]))
+        for dtype in _cancellation_dtypes(case)[1:]:
+            slack = topk_tie_slack(z, tokens.teacher_ids, tokens.teacher_logprobs, log_prob_min_clamp(case), dtype)
+            result.ties[dtype] = {key: split(slack[key]) for key in OVERLAP_KEYS if key in case.distillation_keys}
     return result
 
 
@@ -315,12 +399,17 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
                 for key, bound in bounds.items():
                     per_key[key].append(bound)
         if teacher is not None:
-            terms = topk_terms(z32, teacher[0][i].cpu(), teacher[1][i].cpu())
+            terms = topk_terms(z32, teacher[0][i].cpu(), teacher[1][i].cpu(), log_prob_min_clamp(case))
             cond = (absz.max(-1).values + 1.0) * (1 + case.topk)
             for key in case.distillation_keys:
                 result.distillation[key].append(terms[key])
                 tol[key].append(_bound(cond, terms[key], vocab))
                 conds[key].append(cond.expand_as(terms[key]))
+            for dtype in _cancellation_dtypes(case)[1:]:
+                slack = topk_tie_slack(z, teacher[0][i].cpu(), teacher[1][i].cpu(), log_prob_min_clamp(case), dtype)
+                for key in OVERLAP_KEYS:
+                    if key in case.distillation_keys:
+                        result.ties.setdefault(dtype, {}).setdefault(key, []).append(slack[key])
     for dtype, per_key in cancel.items():
         if any(per_key.values()):
             result.bounds[f"{dtype}_cancellation"] = {key: bounds for key, bounds in per_key.items() if bounds}
