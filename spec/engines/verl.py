@@ -681,7 +681,8 @@ class VerlEngine(EngineUnderTest):
     def companions(self) -> dict[str, str]:  # type: ignore[override]
         why = self.caps.own_processor_error
         return {"logits_processor": "own: verl.trainer.distillation.losses.distillation_ppo_loss (fsdp "
-                                    "compute_forward_kl_topk), on one rank and on real ranks (verl's Ulysses group)"
+                                    "compute_forward_kl_topk), on one rank and on real ranks (verl's Ulysses group); never on the "
+                                    "suite's SP threads: verl's SP runs on real ranks only (one process-global group)"
                 if why is None else f"stand-in: verl {self.caps.version} ships no top-K processor of its own ({why})"}
 
     def _actor_config(self) -> Any:

@@ -56,7 +56,7 @@ def suite_blocks() -> str:
                harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
-    for fn in (oracle.topk_terms, oracle.TopKProcessor):
+    for fn in (oracle._overlap, oracle._overlap_terms, oracle.topk_terms, oracle.TopKProcessor):
         parts += [inspect.getsource(fn), ""]
     return "\n".join(parts)
 
