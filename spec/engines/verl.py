@@ -62,7 +62,8 @@ from ..protocol.microbatch import MicroBatchLayer, layer_from
 from .microbatch_records import MICROBATCH_RECORDS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
-           "known_key", "verl_microbatch_layer"]
+           "known_key", "verl_microbatch_layer", "verl_precision", "LOW_PRECISION_RECORDS", "fp16_records",
+           "fp16_clamp_cast_records"]
 
 #: The rule for "the mask failure" (docs/verl-conformance.md): an invariant belongs here iff its
 #: check, in padded mode, reads the attention mask or compares an output the model computed under
@@ -135,6 +136,39 @@ LOW_PRECISION_ENTROPY = LOW_PRECISION & When(
     "entropy not chunked (entropy_from_logits: logsumexp(z) - sum(softmax(z) * z), each rounded to that dtype)",
     lambda c: not (c.use_remove_padding and c.entropy_chunk_size))
 
+#: what verl computes in the logits' own dtype, as a consumer sees it (the FSDP engine; TorchTitan and Automodel carry
+#: them too, spec.engines.verl_records): outputs in that dtype (INV-DEV-001), entropy_from_logits's cancellation in
+#: it (INV-VAL-002, bounded), and the packed chunked float32 entropy against the unchunked one (INV-KEYS-003,
+#: INV-CHUNK-001, within twice that bound)
+LOW_PRECISION_RECORDS: tuple[KnownFailure, ...] = (
+    KnownFailure(
+        "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
+        "dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
+        "which path); contract difference, the values are compared at that precision elsewhere",
+        when=LOW_PRECISION, raises=AssertionError,
+        matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
+                r"torch\.(bfloat16|float16), expected torch\.float32$"),
+    *(KnownFailure(
+        "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
+        "|z| rounded to that dtype whose difference is a small entropy (beyond the declared precision's "
+        "rounding where the entropy's condition is small); verl bug (precision)",
+        when=LOW_PRECISION_ENTROPY & _logits_in(dtype), certain=False, raises=AssertionError,
+        bound=(f"{dtype}_cancellation", 1.0),
+        matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
+      for dtype in LOW_DTYPES),
+    *(KnownFailure(
+        inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
+        "(the padded path never chunks): logsumexp(z) - sum(softmax(z) * z) cancels beyond the declared "
+        "precision's rounding where the entropy is small; verl bug (precision), the INV-VAL-002 record's cause "
+        "(excused within twice that cancellation's bound: the difference of two runs)",
+        when=LOW_PRECISION & _logits_in(dtype) & When(
+            "entropy asked with a chunk size set", lambda c: c.calculate_entropy and bool(c.entropy_chunk_size)),
+        certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 2.0),
+        matches=r"^AssertionError: (padded vs packed|entropy_chunk_size=\d+ vs none): 'entropy' of sequence \d+: "
+                r"at \(\d+,\) got .* \(\|diff\| .* > allowed")
+      for inv in ("INV-KEYS-003", "INV-CHUNK-001") for dtype in LOW_DTYPES),
+)
+
 #: version -> the known-failure records of that release ("*": every release). Each names the cases it
 #: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
 KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
@@ -169,32 +203,7 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             "(precision), impl had it too and now sums -p log p",
             when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
             matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"),
-        KnownFailure(
-            "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
-            "dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
-            "which path); contract difference, the values are compared at that precision elsewhere",
-            when=LOW_PRECISION, raises=AssertionError,
-            matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
-                    r"torch\.(bfloat16|float16), expected torch\.float32$"),
-        *(KnownFailure(
-            "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
-            "|z| rounded to that dtype whose difference is a small entropy (beyond the declared precision's "
-            "rounding where the entropy's condition is small); verl bug (precision)",
-            when=LOW_PRECISION_ENTROPY & _logits_in(dtype), certain=False, raises=AssertionError,
-            bound=(f"{dtype}_cancellation", 1.0),
-            matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
-          for dtype in LOW_DTYPES),
-        *(KnownFailure(
-            inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
-            "(the padded path never chunks): logsumexp(z) - sum(softmax(z) * z) cancels beyond the declared "
-            "precision's rounding where the entropy is small; verl bug (precision), the INV-VAL-002 record's cause "
-            "(excused within twice that cancellation's bound: the difference of two runs)",
-            when=LOW_PRECISION & _logits_in(dtype) & When(
-                "entropy asked with a chunk size set", lambda c: c.calculate_entropy and bool(c.entropy_chunk_size)),
-            certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 2.0),
-            matches=r"^AssertionError: (padded vs packed|entropy_chunk_size=\d+ vs none): 'entropy' of sequence \d+: "
-                    r"at \(\d+,\) got .* \(\|diff\| .* > allowed")
-          for inv in ("INV-KEYS-003", "INV-CHUNK-001") for dtype in LOW_DTYPES),
+        *LOW_PRECISION_RECORDS,
     ),
     "0.7.1": (
         KnownFailure(
@@ -247,18 +256,27 @@ FP16_WIDE_VOCAB = When("float16 logits and a vocabulary above 65,504 ids (a log-
                        and not getattr(c, "use_fused_kernels", False) and c.vocab > 65_504)
 
 
-def _fp16_zero_temperature() -> tuple[KnownFailure, ...]:
-    return tuple(KnownFailure(
-        inv, "casts the clamped temperature to the logits' dtype (_scale_logits_by_temperature: "
-        "temperature.clamp(min=1e-8).to(logits.dtype)): in float16 a temperature at the 1e-8 clamp is 0 and the "
-        "scaled logits inf/NaN; verl bug (the contract clamps at 1e-8 in float32)",
-        when=FP16_ZERO_TEMPERATURE, certain=False, raises=AssertionError,
-        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS) + tuple(KnownFailure(
-        inv, "takes log-softmax, entropy and sum_pi_squared in the logits' dtype: in float16 the softmax's sum over "
-        "a vocabulary above 65,504 ids overflows (torch's CPU kernel accumulates in float16) and log-probs come out "
-        "-inf; verl bug (precision: the contract computes in float32)",
-        when=FP16_WIDE_VOCAB, certain=False, raises=AssertionError,
-        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS)
+def fp16_records(when: When, reason: str) -> tuple[KnownFailure, ...]:
+    """One float16 overflow/NaN record per invariant of :data:`FP16_ZERO_TEMPERATURE_INVARIANTS`: on ``when``, a
+    NaN/inf value or a non-finite output, possible not certain (it depends on the logits' values)."""
+    return tuple(KnownFailure(inv, reason, when=when, certain=False, raises=AssertionError,
+                              matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS)
+
+
+#: why FP16_WIDE_VOCAB fails (every verl engine that takes the log-softmax in the logits' dtype)
+FP16_WIDE_VOCAB_REASON = (
+    "takes log-softmax, entropy and sum_pi_squared in the logits' dtype: in float16 the softmax's sum over a vocabulary "
+    "above 65,504 ids overflows (torch's CPU kernel accumulates in float16) and log-probs come out -inf; verl bug "
+    "(precision: the contract computes in float32)")
+
+
+def fp16_clamp_cast_records() -> tuple[KnownFailure, ...]:
+    """The float16 records of an engine that scales by the clamped temperature cast to the logits' dtype."""
+    return fp16_records(FP16_ZERO_TEMPERATURE, "casts the clamped temperature to the logits' dtype "
+                        "(temperature.clamp(min=1e-8).to(logits.dtype): the FSDP engine's _scale_logits_by_temperature, "
+                        "Automodel's prepare_model_outputs): in float16 a "
+                        "temperature at the 1e-8 clamp is 0 and the scaled logits inf/NaN; verl bug (the contract "
+                        "clamps at 1e-8 in float32)") + fp16_records(FP16_WIDE_VOCAB, FP16_WIDE_VOCAB_REASON)
 
 
 #: version -> strategy limits for what a release does not offer (each documented); never for what it gets wrong
@@ -270,6 +288,26 @@ KNOWN_BUG_LIMITS: dict[str, dict[str, Any]] = {
     # would make every padded-value invariant fail for that reason and drown the mask failure.
     "0.7.1": {"allow_fused": False},
 }
+
+
+def verl_precision(key: str, case: Any) -> Precision:
+    """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
+    and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
+    (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
+    entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
+    suite's processor's (float32) from verl's scaled logits; fused kernels return the model's float32 values;
+    a value head's values are its logits, squeezed. The FSDP engine's rule, and Automodel's (its
+    ``prepare_model_outputs`` scales by ``temperature.clamp(min=1e-8).to(logits.dtype)`` the same way)."""
+    low = getattr(case, "logits_dtype", "float32")
+    if low == "float32":
+        return CONTRACT_PRECISION
+    if getattr(case, "use_fused_kernels", False) and key in ("log_probs", "entropy"):
+        return CONTRACT_PRECISION
+    if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
+        return Precision("float32", low)
+    if key in DISTILLATION_KEYS:
+        return Precision("float32", low)
+    return Precision(low, low)
 
 
 @dataclass(frozen=True)
@@ -494,7 +532,7 @@ class VerlEngine(EngineUnderTest):
         ask for the missing feature only)."""
         caps = self.caps
         records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
-                   *MICROBATCH_RECORDS.get(caps.version, ()), *_fp16_zero_temperature()]
+                   *MICROBATCH_RECORDS.get(caps.version, ()), *fp16_clamp_cast_records()]
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
@@ -584,22 +622,9 @@ class VerlEngine(EngineUnderTest):
         )
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
-        """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
-        and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
-        (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
-        entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
-        suite's processor's (float32) from verl's scaled logits; fused kernels return the model's float32 values;
-        a value head's values are its logits, squeezed."""
-        low = getattr(case, "logits_dtype", "float32")
-        if low == "float32":
-            return CONTRACT_PRECISION
-        if getattr(case, "use_fused_kernels", False) and key in ("log_probs", "entropy"):
-            return CONTRACT_PRECISION
-        if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
-            return Precision("float32", low)
-        if key in DISTILLATION_KEYS:
-            return Precision("float32", low)
-        return Precision(low, low)
+        """:func:`verl_precision`: outputs in the logits' dtype except the packed chunked entropy, the distillation
+        terms and fused kernels' values (float32)."""
+        return verl_precision(key, case)
 
     # -- engine objects and helpers -----------------------------------------------------------
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
