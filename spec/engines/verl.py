@@ -135,6 +135,11 @@ def _logits_in(dtype: str) -> When:
 LOW_PRECISION_ENTROPY = LOW_PRECISION & When(
     "entropy not chunked (entropy_from_logits: logsumexp(z) - sum(softmax(z) * z), each rounded to that dtype)",
     lambda c: not (c.use_remove_padding and c.entropy_chunk_size))
+#: where it is the packed chunked entropy_from_logits_with_chunking: chunks of the bf16/fp16-scaled logits upcast to
+#: float32, logsumexp(z) - sum(softmax(z) * z) cancelling there
+LOW_PRECISION_CHUNKED_ENTROPY = LOW_PRECISION & When(
+    "the packed entropy chunked (entropy_from_logits_with_chunking: float32 chunks of the scaled logits)",
+    lambda c: bool(c.use_remove_padding and c.entropy_chunk_size))
 
 #: what verl computes in the logits' own dtype, as a consumer sees it (the FSDP engine; TorchTitan and Automodel carry
 #: them too, spec.engines.verl_records): outputs in that dtype (INV-DEV-001), entropy_from_logits's cancellation in
@@ -143,18 +148,24 @@ LOW_PRECISION_ENTROPY = LOW_PRECISION & When(
 LOW_PRECISION_RECORDS: tuple[KnownFailure, ...] = (
     KnownFailure(
         "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
-        "dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
-        "which path); contract difference, the values are compared at that precision elsewhere",
+        "dtype: bf16/fp16 outputs where the contract says float32 (each adapter's precision() declares which "
+        "keys on which path); contract difference, the values are compared at that precision elsewhere",
         when=LOW_PRECISION, raises=AssertionError,
         matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
                 r"torch\.(bfloat16|float16), expected torch\.float32$"),
     *(KnownFailure(
-        "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
-        "|z| rounded to that dtype whose difference is a small entropy (beyond the declared precision's "
-        "rounding where the entropy's condition is small); verl bug (precision)",
-        when=LOW_PRECISION_ENTROPY & _logits_in(dtype), certain=False, raises=AssertionError,
-        bound=(f"{dtype}_cancellation", 1.0),
+        "INV-VAL-002", reason.format(dtype=dtype), when=path & _logits_in(dtype), certain=False,
+        raises=AssertionError, bound=(f"{dtype}_cancellation", 1.0),
         matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
+      for path, reason in (
+          (LOW_PRECISION_ENTROPY, "entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
+                                  "|z| rounded to that dtype whose difference is a small entropy (beyond the declared "
+                                  "precision's rounding where the entropy's condition is small); verl bug (precision)"),
+          (LOW_PRECISION_CHUNKED_ENTROPY, "entropy_from_logits_with_chunking on {dtype}-scaled logits: each chunk "
+                                          "upcast to float32 and logsumexp(z) - sum(softmax(z) * z) taken there, a "
+                                          "float32 cancellation of terms of |z| on top of the scaled logits' {dtype} "
+                                          "rounding where the entropy is small (within that dtype's cancellation "
+                                          "bound); verl bug (precision)"))
       for dtype in LOW_DTYPES),
     *(KnownFailure(
         inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
