@@ -42,7 +42,7 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
     KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
-    entropy_cancellation(modes=("packed",)),
+    entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the same scaling and functions in the logits' dtype as verl's FSDP engine: its low-precision records
     *LOW_PRECISION_RECORDS,

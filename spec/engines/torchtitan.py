@@ -86,7 +86,7 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),
                  when=SCALED_TEMPERATURE),
-    entropy_cancellation(modes=("packed",)),
+    entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the FSDP engine's low-precision records (the same functions in the logits' dtype), INV-DEV-001 but where a
     # (B,) temperature promotes the outputs to float32
