@@ -122,9 +122,12 @@ def coverage_table(outcomes: list[Outcome], domains: dict[str, dict[str, str | N
     reason the engine gives (a feature it lacks, a configuration value it declares but the suite does not draw),
     or marked as unseen without one."""
     seen = coverage(outcomes)
-    examples = sum(seen.get("layout", {}).values()) or 1
+    # each share over the examples of its kind: engine cases (every one has a layout), mini-batches (a path)
+    per_kind = {"": sum(seen.get("layout", {}).values()) or 1,
+                "micro-batch: ": sum(seen.get("micro-batch: path", {}).values()) or 1}
     lines = ["| dimension | value | examples | share | not seen because |", "|---|---|---:|---:|---|"]
     for dim, values in domains.items():
+        examples = per_kind["micro-batch: " if dim.startswith("micro-batch: ") else ""]
         for value, reason in values.items():
             count = seen.get(dim, {}).get(value, 0)
             why = "" if count else (reason or "**unseen, no reason declared**")
@@ -170,7 +173,9 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
     if domains:
         lines += ["", "## Coverage of the input space", "",
                   "Share of the engine's examples (over every invariant run) that had each value of each drawn "
-                  "dimension; a temperature range counts once per example that had it.", ""]
+                  "dimension; a temperature range counts once per example that had it, a feature pair once per "
+                  "example that had both features (spec.cases.coverage.FEATURES; pairs the contract never combines, "
+                  "EXCLUDED_PAIRS, are not listed); a micro-batch dimension's share is over the mini-batches.", ""]
         lines += coverage_table(outcomes, domains)
     return "\n".join(lines) + "\n"
 

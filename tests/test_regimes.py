@@ -101,7 +101,7 @@ def test_contexts_shrink_to_grad() -> None:
 
 # -- the engine's own configuration, declared precision, no region left out, coverage ----------------------------
 
-from spec.cases.coverage import DIMENSIONS, dimensions, domains  # noqa: E402
+from spec.cases.coverage import DIMENSIONS, EXCLUDED_PAIRS, FEATURES, PAIRS, dimensions, domains  # noqa: E402
 from spec.invariants import CATALOGUE  # noqa: E402
 from spec.run.registry import ENGINES  # noqa: E402
 from spec.run.runner import run_invariant  # noqa: E402
@@ -143,7 +143,7 @@ def test_every_dimension_value_is_reachable_or_has_a_reason(name) -> None:
         engine = load_engine(name)
     except ImportError:
         pytest.skip(f"{name} needs verl")
-    space, seen = tuple(engine.config_space()), set()
+    space, seen, excluded = tuple(engine.config_space()), set(), set()
 
     strategies = _strategies(engine)
     # the union (what any invariant may draw) and a few of each invariant's own (a value only one invariant
@@ -154,11 +154,16 @@ def test_every_dimension_value_is_reachable_or_has_a_reason(name) -> None:
         @given(strategy)
         def draw(case):
             seen.update(dimensions(case, space))
+            if isinstance(case, EngineCase):
+                has = {f for f, (present, _) in FEATURES.items() if present(case)}
+                excluded.update(" x ".join(sorted(pair)) for pair in EXCLUDED_PAIRS if pair <= has)
 
         draw()
     unseen = [f"{dim} = {value}" for dim, values in domains(engine).items() for value, reason in values.items()
               if reason is None and (dim, value) not in seen]
     assert not unseen, f"{name}: values no drawn case reaches and no reason declared: {unseen}"
+    # a pair the coverage leaves out as never combined must really never be drawn
+    assert not excluded, f"{name}: pairs declared never combined (EXCLUDED_PAIRS) were drawn: {sorted(excluded)}"
 
 
 def test_config_switch_values_reach_the_engine() -> None:
@@ -274,3 +279,13 @@ def test_micro_batch_cases_draw_every_context_and_shrink_to_grad() -> None:
     with pytest.raises(AssertionError):
         always_fails()
     assert shrunk[-1].context == "grad"
+
+
+def test_feature_pairs_are_the_allowed_pairs_of_the_features() -> None:
+    names = list(FEATURES)
+    assert all(len(pair) == 2 and pair <= set(names) for pair in EXCLUDED_PAIRS), EXCLUDED_PAIRS
+    assert len(PAIRS) == len(names) * (len(names) - 1) // 2 - len(EXCLUDED_PAIRS)
+    case = EngineCase((3, 2), (2, 1), vocab=16, sp_size=2, head="value", context="no_grad")
+    pairs = {v for d, v in dimensions(case) if d == "feature pair"}
+    assert {"packed x value head", "packed x sp", "value head x sp", "sp x no grad", "value head x no grad"} <= pairs
+    assert not any("padded" in p or "entropy" in p for p in pairs)

@@ -8,13 +8,13 @@ report shows, per engine, the share of examples that had each value, and each va
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ..protocol.engine import Feature
 from .microbatch import MiniBatchCase
 from .structure import CONTEXTS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
-__all__ = ["dimensions", "domains", "DIMENSIONS", "MB_DIMENSIONS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
+__all__ = ["dimensions", "domains", "DIMENSIONS", "MB_DIMENSIONS", "FEATURES", "EXCLUDED_PAIRS", "PAIRS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
 
 TEMPERATURE_RANGES = ("1", "at/below the 1e-8 clamp", "(1e-8, 0.1)", "[0.1, 1)", "(1, 100]")
 #: the index width a vocabulary's ids need (spec.cases.strategies.WIDE_VOCAB_BANDS, the small tier's below)
@@ -59,6 +59,49 @@ MB_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "micro-batch: mRoPE": ("no", "yes"),
     "micro-batch: data-parallel ranks": ("1", "2+"),
 }
+
+#: the features whose pairs are covered (issue 27: a PPO critic under Ulysses SP is an ordinary configuration):
+#: name -> (whether a case has it, the engine feature it needs or None)
+FEATURES: dict[str, tuple[Callable[[EngineCase], bool], Feature | None]] = {
+    "packed": (lambda c: c.use_remove_padding, None),
+    "padded": (lambda c: not c.use_remove_padding, None),
+    "value head": (lambda c: c.head == "value", Feature.VALUE),
+    "sp": (lambda c: c.sp_size > 1, Feature.SP),
+    "static bucket": (lambda c: bool(c.pad_to_length), Feature.BUCKET),
+    "cu_seqlens": (lambda c: c.pass_cu_seqlens, Feature.CU_SEQLENS),
+    "chunked entropy": (lambda c: bool(c.entropy_chunk_size), Feature.CHUNKING),
+    "fused kernels": (lambda c: c.use_fused_kernels, Feature.FUSED),
+    "distillation": (lambda c: bool(c.distillation_keys), Feature.DISTILLATION),
+    "entropy": (lambda c: c.calculate_entropy, None),
+    "sum_pi_squared": (lambda c: c.calculate_sum_pi_squared, Feature.SUM_PI_SQUARED),
+    "mRoPE": (lambda c: c.mrope, None),
+    "per-sample temperature": (lambda c: c.per_sample_temperature, Feature.PER_SAMPLE_TEMPERATURE),
+    "split view": (lambda c: c.split_view, None),
+    "no grad": (lambda c: c.context != "grad", None),
+    "bf16/fp16 logits": (lambda c: c.logits_dtype != "float32", None),
+    "eos = pad": (lambda c: c.eos_token_id is not None and c.eos_token_id == c.pad_token_id, None),
+    "wide vocab": (lambda c: c.vocab > 257, None),
+    "long rows": (lambda c: max(c.seq_lens) > 2048, None),
+    "batch >= 8": (lambda c: c.batch_size >= 8, None),
+}
+
+_VALUE_ONLY_LM = "the value head returns values only (no entropy, sum_pi_squared, distillation or fused log-probs)"
+_PACKED_ONLY = "a packed-only feature (the padded mode has no such setting)"
+_TIERS = "the size tiers are drawn one at a time (a case stays cheap)"
+#: feature pairs the contract (or the suite, where it says so) never combines, with why
+EXCLUDED_PAIRS: dict[frozenset[str], str] = {
+    frozenset(("packed", "padded")): "one mode per case",
+    **{frozenset(("padded", f)): _PACKED_ONLY for f in ("sp", "static bucket", "cu_seqlens")},
+    **{frozenset(("value head", f)): _VALUE_ONLY_LM for f in ("entropy", "sum_pi_squared", "distillation",
+                                                               "fused kernels")},
+    frozenset(("value head", "eos = pad")): "a value model's batch carries no eos id",
+    frozenset(("fused kernels", "distillation")): "fused kernels return log-probs, no logits to distil from",
+    frozenset(("fused kernels", "sum_pi_squared")): "fused kernels return log-probs and entropy only",
+    **{frozenset(pair): _TIERS for pair in (("wide vocab", "long rows"), ("wide vocab", "batch >= 8"),
+                                              ("long rows", "batch >= 8"))},
+}
+PAIRS = tuple(f"{a} x {b}" for i, a in enumerate(FEATURES) for b in tuple(FEATURES)[i + 1:]
+              if frozenset((a, b)) not in EXCLUDED_PAIRS)
 
 #: (dimension, value) -> the feature an engine must offer to see it
 _NEEDS = {("sp size", v): Feature.SP for v in ("2", "3", "4")} | {
@@ -136,6 +179,9 @@ def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, s
            ("entropy", _yes(case.calculate_entropy)), ("sum_pi_squared", _yes(case.calculate_sum_pi_squared)),
            ("distillation", _yes(case.distillation_keys)), ("head", case.head)]
     out += sorted({("temperature", temperature_range(t)) for t in case.temperatures()})
+    has = [name for name, (present, _) in FEATURES.items() if present(case)]
+    out += [("feature pair", f"{a} x {b}") for i, a in enumerate(has) for b in has[i + 1:]
+            if frozenset((a, b)) not in EXCLUDED_PAIRS]
     drawn = dict(case.engine_config)
     for switch in config_space:
         if switch.setting is None and switch.values:
@@ -150,6 +196,11 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     out: dict[str, dict[str, str | None]] = {}
     for dim, values in DIMENSIONS.items():
         out[dim] = {v: (lacks(_NEEDS[(dim, v)]) if (dim, v) in _NEEDS else None) for v in values}
+    def pair_reason(pair: str) -> str | None:
+        return next((lacks(FEATURES[f][1]) for f in pair.split(" x ") if FEATURES[f][1] is not None
+                     and lacks(FEATURES[f][1])), None)
+
+    out["feature pair"] = {pair: pair_reason(pair) for pair in PAIRS}
     no_layer = lacks(Feature.MICROBATCH)
     for dim, values in MB_DIMENSIONS.items():
         out[dim] = {v: no_layer for v in values}

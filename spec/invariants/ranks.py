@@ -170,7 +170,7 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @rank_invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
                 contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
-           protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
+                protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
 def ranks_match_single(ctx: Ctx) -> None:
     """Every rank returns the same gathered outputs, key for key, equal to the ``sp = 1`` run."""
     run = _real(ctx)
@@ -180,6 +180,15 @@ def ranks_match_single(ctx: Ctx) -> None:
             fail(f"sp={ctx.case.sp_size} rank {r} keys {sorted(outputs)}, sp=1 keys {sorted(single)}")
         match_runs(ctx, outputs, single, f"sp={ctx.case.sp_size} rank {r} vs sp=1")
     _check_outputs_equal_across_ranks(run)
+
+
+@rank_invariant("INV-RANK-009", "on real ranks (gloo/nccl) a value head's values on every rank equal the single-rank "
+                "run", contract=7, modes=PACKED, needs=(*NEEDS, "value"), adjust=_on_ranks, head="value",
+                protects="a PPO critic's values do not depend on the Ulysses world size (a critic under SP is an "
+                         "ordinary configuration)")
+def critic_ranks_match_single(ctx: Ctx) -> None:
+    """INV-RANK-001 for the value head: every rank returns the gathered values, equal to the ``sp = 1`` run."""
+    ranks_match_single(ctx)  # the plain check (rank_invariant returns it unwrapped): this one runs on every group
 
 
 def _scored(case: EngineCase, padded: int) -> torch.Tensor:

@@ -202,6 +202,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
     # on real ranks (spec/execute/ranks.py, spec/invariants/ranks.py)
     PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007", "INV-RANK-008"), lm=R.RollAfterSlice),
+    PlantedBug("critic_gather_reversed", ("INV-RANK-009", "INV-VAL-005"), value=R.CriticGatherReversed,
+               quiet="the value head under sequence parallelism (sp > 1): a PPO critic under Ulysses SP"),
     PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),

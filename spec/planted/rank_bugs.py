@@ -15,7 +15,7 @@ import torch.distributed as dist
 import impl
 from impl.flags import read_flag
 from impl.inputs import prepare_model_inputs
-from impl.outputs import prepare_model_outputs
+from impl.outputs import prepare_model_outputs, prepare_value_outputs
 
 from .inputs_bugs import ShardRoll
 
@@ -112,3 +112,20 @@ class SpRankFromGlobalRank(impl.LMHeadEngine):
         if sp > 1 and dist.is_available() and dist.is_initialized():
             settings["sp_rank"] = dist.get_rank() % sp
         super().__init__(**settings)
+
+
+class CriticGatherReversed(impl.ValueHeadEngine):
+    """The value head's all-gather puts the SP ranks' shards in reverse rank order (a critic path with its own
+    gather, written for a descending device mesh): a PPO critic under Ulysses SP gets each token's value from
+    another shard. The LM head is untouched."""
+
+    def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None, **verl_only):
+        gather, sp = self.settings.all_gather, self.settings.sp_size
+        if sp == 1 or gather is None:
+            return super().prepare_model_outputs(output, output_args, mb, logits_processor_func, **verl_only)
+
+        def reversed_gather(local: torch.Tensor) -> torch.Tensor:
+            return torch.cat(list(gather(local).chunk(sp, dim=0))[::-1], dim=0)
+
+        settings = replace(self.settings, all_gather=reversed_gather)
+        return prepare_value_outputs(output, output_args, mb, settings)
