@@ -108,15 +108,6 @@ from spec.run.runner import run_invariant  # noqa: E402
 
 from spec.cases.structure import LOGITS_DTYPES  # noqa: E402
 
-#: registered engines whose strategy limits still exclude a logits dtype for a known difference, with why; the
-#: test below fails for any other engine that does, and for one of these that no longer does (so the list
-#: cannot go stale)
-PENDING_DTYPE_LIMIT = {
-    "verl-torchtitan": "its own prepare_model_outputs: precision declarations and bf16/fp16 records not written yet",
-    "verl-automodel": "its own prepare_model_outputs: precision declarations and bf16/fp16 records not written yet",
-}
-
-
 def _engines():
     for name, (build, _) in ENGINES.items():
         try:
@@ -133,10 +124,7 @@ def test_strategy_limits_leave_no_dtype_context_or_configuration_out(name) -> No
     limits = engine.strategy_limits()
     assert "contexts" not in limits and "config_space" not in limits, (name, limits)
     dtypes = tuple(limits.get("logits_dtypes", LOGITS_DTYPES))
-    if name in PENDING_DTYPE_LIMIT:
-        assert dtypes != LOGITS_DTYPES, f"{name} draws every dtype now: drop it from PENDING_DTYPE_LIMIT"
-    else:
-        assert dtypes == LOGITS_DTYPES, f"{name}'s strategy_limits exclude logits dtypes: {limits}"
+    assert dtypes == LOGITS_DTYPES, f"{name}'s strategy_limits exclude logits dtypes: {limits}"
 
 
 def _strategies(engine):
@@ -212,6 +200,31 @@ def test_verl_declares_low_precision_per_key_and_path() -> None:
         Precision("bfloat16", "bfloat16")
     assert verl.precision("log_probs", bf16.with_(use_fused_kernels=True)) == Precision()
     assert verl.precision("log_probs", bf16.with_(logits_dtype="float32")) == Precision()
+
+
+@pytest.mark.parametrize("name", ["verl-torchtitan", "verl-automodel"])
+def test_native_verl_engines_return_the_dtype_they_declare_on_every_path(name) -> None:
+    """TorchTitan and Automodel declare per key and path what dtype they return (no dtype limit): each declaration
+    is the dtype verl's own prepare_model_outputs returns, bf16/fp16 logits, packed and padded, chunked entropy,
+    a (B,) tensor temperature, fused kernels where offered."""
+    pytest.importorskip("verl")
+    from spec.run.registry import load_engine
+
+    engine = load_engine(name)
+    variants = [{}, {"entropy_chunk_size": 2}, {"prompt_lens": (3,), "response_lens": (2,), "temperature": (0.5,)}]
+    if engine.lacks("fused") is None:
+        variants.append({"use_fused_kernels": True})
+    seen = set()
+    for dtype in ("bfloat16", "float16"):
+        for packed in (True, False):
+            for variant in variants:
+                case = EngineCase(**{"prompt_lens": (3, 2), "response_lens": (2, 1), **variant},
+                                  use_remove_padding=packed, calculate_entropy=True, logits_dtype=dtype)
+                for key, value in execute(engine, case).outputs.items():
+                    got = (value.values() if value.is_nested else value).dtype
+                    assert str(got) == f"torch.{engine.precision(key, case).returns}", (case, key, got)
+                    seen.add(str(got))
+    assert {"torch.float32", "torch.bfloat16", "torch.float16"} <= seen, seen  # both declarations are exercised
 
 
 # -- the micro-batch layer in the case's context ------------------------------------------------------------------

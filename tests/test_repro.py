@@ -35,6 +35,7 @@ BUGS = (
     ("slice_without_shift", "INV-SLICE-002", "packed"),  # the response slice helper
     ("shard_roll", "INV-SP-001", "packed"),  # sequence parallelism: ranks in threads, vs sp=1 and the reference
     ("inplace_div_without_grad", "INV-MUT-002", "packed"),  # the autograd context: shows only without grad
+    ("entropy_detached_with_grad", "INV-GRAD-001", "packed"),  # and one that shows only with grad
 )
 
 #: bugs the first five drawn cases (and the pinned ones) miss: a few more examples (derandomized under ci)

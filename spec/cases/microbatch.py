@@ -214,6 +214,20 @@ class MiniBatchCase(SampleLengths):
         return "MiniBatchCase(" + " ".join(parts) + ")"
 
 
+def micro_batch_rows(micro, indices):
+    """Which mini-batch samples each micro-batch holds: the returned index lists (the dynamic path), or consecutive
+    chunks of each micro-batch's size (the fixed path: no indices, the order kept). Written out verbatim into the
+    micro-batch reproducers (spec/repro/minibatch.py): plain Python over the layer's returns."""
+    if indices is not None:
+        return [[int(i) for i in part] for part in indices]
+    rows, start = [], 0
+    for mb in micro:
+        size = int(mb.batch_size[0]) if mb.batch_size else 0
+        rows.append(list(range(start, start + size)))
+        start += size
+    return rows
+
+
 def _first_fit_decreasing(sizes: tuple[int, ...], budget: int) -> int:
     bins: list[int] = []
     for size in sorted(sizes, reverse=True):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..protocol.known import KnownFailure, When
 from ..protocol.engine import InputsView, verl_fsdp_view
-from .verl import MASK_INVARIANTS
+from .verl import LOW_PRECISION_RECORDS, MASK_INVARIANTS, fp16_clamp_cast_records
 from .native import NativeVerlEngine
 from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 
@@ -42,8 +42,11 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
     KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
-    entropy_cancellation(modes=("packed",)),
+    entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
+    # the same scaling and functions in the logits' dtype as verl's FSDP engine: its low-precision records
+    *LOW_PRECISION_RECORDS,
+    *fp16_clamp_cast_records(),
 )
 
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..protocol.known import KnownFailure
-from ..protocol.engine import EngineUnderTest, Feature
+from ..protocol.engine import EngineUnderTest, Feature, Precision
 from .microbatch_records import MICROBATCH_RECORDS
 from .stubs import import_verl_module
-from .verl import verl_microbatch_layer
+from .verl import verl_microbatch_layer, verl_precision
 
 __all__ = ["NativeVerlEngine"]
 
@@ -33,12 +33,9 @@ class NativeVerlEngine(EngineUnderTest):
     #: version -> known-failure records (``spec.protocol.known.KnownFailure``); "*" for every version
     #: (docs/engines/<name>.md has a minimal counterexample for each)
     KNOWN: dict[str, tuple[KnownFailure, ...]] = {}
-    #: strategy limits that keep a documented bug or contract difference out of unrelated invariants
-    LIMITS: dict[str, Any] = {
-        # verl computes and returns outputs in the logits' own dtype (a documented contract difference of every
-        # verl engine, docs/verl-conformance.md): bf16/fp16 logits would fail every value invariant for it
-        "logits_dtypes": ("float32",),
-    }
+    #: strategy limits that keep a documented bug out of unrelated invariants (none here: bf16/fp16 logits are drawn,
+    #: :meth:`precision` declares each output's dtype and the differences are records)
+    LIMITS: dict[str, Any] = {}
 
     def __init__(self) -> None:
         self.version, self.stubs = import_verl_module(self.name, self.module, self.packages, self.records)
@@ -90,6 +87,11 @@ class NativeVerlEngine(EngineUnderTest):
                 "allow_fused": self.lacks(Feature.FUSED) is None,
                 "allow_chunking": self.lacks(Feature.CHUNKING) is None,
                 "allow_sum_pi_squared": self.lacks(Feature.SUM_PI_SQUARED) is None, **self.LIMITS}
+
+    def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
+        """The FSDP engine's rule (:func:`spec.engines.verl.verl_precision`): log_probs and entropy in the logits'
+        dtype, the packed chunked entropy in float32, fused kernels' values in the model's float32."""
+        return verl_precision(key, case)
 
     # -- engine objects --------------------------------------------------------------------------
     def build(self, chunk: int | None) -> Any:

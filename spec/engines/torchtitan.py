@@ -23,13 +23,20 @@ a TorchTitan function) is not run.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
 from ..protocol.known import KnownFailure, When
-from ..protocol.engine import Feature, InputsView
-from .verl import SCALED_TEMPERATURE
+from ..protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
+from .verl import (
+    FP16_WIDE_VOCAB,
+    FP16_WIDE_VOCAB_REASON,
+    LOW_PRECISION_RECORDS,
+    SCALED_TEMPERATURE,
+    fp16_records,
+)
 from .native import NativeVerlEngine
 from .verl_records import (
     PER_SAMPLE_ON_VOCAB,
@@ -57,6 +64,16 @@ PER_SAMPLE_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-TEMP-001", "INV-
 AS_TENSOR_ON_VOCAB = When("B >= 2 samples with B != V (the check also hands the temperature as a (B,) tensor)",
                           lambda case: case.batch_size >= 2 and case.batch_size != case.vocab)
 
+#: the packed path divides by the temperature out of place: a (B,) float32 tensor promotes bf16/fp16 logits to float32
+PROMOTED = When("packed with a per-sample (B,) temperature (logits / a float32 tensor: float32 outputs)",
+                lambda case: case.use_remove_padding and case.per_sample_temperature and not case.use_fused_kernels)
+FP16_OVERFLOW = ("divides float16 logits by the raw temperature (no clamp, no cast): at T <= 1e-8 any |logit| above "
+                 "6.6e-4 scales past float16's 65,504 to inf, and the log-softmax of inf is NaN; engine bug (the "
+                 "contract clamps at 1e-8 and scales in float32)")
+#: float16 logits at a temperature at or below the 1e-8 clamp (a float temperature keeps the logits' dtype)
+FP16_TINY_TEMPERATURE = When("float16 logits and a temperature at or below 1e-8 (logits / T overflows float16)",
+                             lambda case: case.logits_dtype == "float16" and min(case.temperatures()) <= 1e-8)
+
 KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, TEMPERATURE, raises=(RuntimeError, AssertionError),
                    matches=r"The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)|" + VALUE_MISMATCH,
@@ -69,8 +86,13 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),
                  when=SCALED_TEMPERATURE),
-    entropy_cancellation(modes=("packed",)),
+    entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
+    # the FSDP engine's low-precision records (the same functions in the logits' dtype), INV-DEV-001 but where a
+    # (B,) temperature promotes the outputs to float32
+    *(replace(r, when=r.when & ~PROMOTED) if r.invariant == "INV-DEV-001" else r for r in LOW_PRECISION_RECORDS),
+    *fp16_records(FP16_TINY_TEMPERATURE, FP16_OVERFLOW),
+    *fp16_records(FP16_WIDE_VOCAB, FP16_WIDE_VOCAB_REASON),
 )
 
 
@@ -114,10 +136,19 @@ class TorchTitanEngine(NativeVerlEngine):
                  "mesh, not run here")
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-torchtitan.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
-    LIMITS = {**NativeVerlEngine.LIMITS,
-              # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that
-              # force per-sample temperatures carry its record
-              "per_sample_temperature": False}
+    LIMITS = {
+        # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that force
+        # per-sample temperatures carry its record
+        "per_sample_temperature": False}
+
+    def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
+        """``prepare_model_outputs`` divides the logits by ``micro_batch["temperature"]`` as it is: a float keeps
+        their dtype (log_probs and the unchunked entropy in it, the packed chunked entropy in float32, as verl's
+        FSDP engine), but on the packed path a per-sample ``(B,)`` float32 tensor promotes the out-of-place
+        division and everything after it to float32 (the padded path's ``logits.div_`` keeps the logits' dtype)."""
+        if PROMOTED(case):
+            return CONTRACT_PRECISION
+        return super().precision(key, case)
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:
         labels = output_args.get("labels")

@@ -63,7 +63,8 @@ from ..protocol.microbatch import MicroBatchLayer, layer_from
 from .microbatch_records import MICROBATCH_RECORDS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
-           "known_key", "verl_microbatch_layer"]
+           "known_key", "verl_microbatch_layer", "verl_precision", "LOW_PRECISION_RECORDS", "fp16_records",
+           "fp16_clamp_cast_records"]
 
 #: The rule for "the mask failure" (docs/verl-conformance.md): an invariant belongs here iff its
 #: check, in padded mode, reads the attention mask or compares an output the model computed under
@@ -106,6 +107,9 @@ UNEQUAL_RESPONSES = When("response lengths differ", lambda c: len(set(c.response
 EQUAL_RESPONSES_WIDER = When("all response lengths equal and the max_response_len flag wider than them",
                              lambda c: len(set(c.response_lens)) == 1 and c.response_width > c.response_lens[0])
 TEACHER = When("teacher top-K tensors present (topk >= 1)", lambda c: bool(c.topk))
+#: a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: the engine reads output[2])
+V_HEAD = When("a v_head value model (engine config v_head=True)",
+              lambda c: getattr(c, "head", "lm") == "value" and dict(getattr(c, "engine_config", ())).get("v_head", False))
 #: where a float32 difference of two large, nearly equal terms loses the digits of a small result
 CANCELLATION = When("a temperature below 0.1 or a vocabulary above 32,768 (float32 cancellation)",
                     lambda c: min(c.temperatures()) < 0.1 or c.vocab > 32_768)
@@ -143,6 +147,58 @@ def _logits_in(dtype: str) -> When:
 LOW_PRECISION_ENTROPY = LOW_PRECISION & When(
     "entropy not chunked (entropy_from_logits: logsumexp(z) - sum(softmax(z) * z), each rounded to that dtype)",
     lambda c: not (c.use_remove_padding and c.entropy_chunk_size))
+#: where it is the packed chunked entropy_from_logits_with_chunking: chunks of the bf16/fp16-scaled logits upcast to
+#: float32, logsumexp(z) - sum(softmax(z) * z) cancelling there
+LOW_PRECISION_CHUNKED_ENTROPY = LOW_PRECISION & When(
+    "the packed entropy chunked (entropy_from_logits_with_chunking: float32 chunks of the scaled logits)",
+    lambda c: bool(c.use_remove_padding and c.entropy_chunk_size))
+
+#: what verl computes in the logits' own dtype, as a consumer sees it (the FSDP engine; TorchTitan and Automodel carry
+#: them too, spec.engines.verl_records): outputs in that dtype (INV-DEV-001), entropy_from_logits's cancellation in
+#: it (INV-VAL-002, bounded), and the packed chunked float32 entropy against the unchunked one (INV-KEYS-003,
+#: INV-CHUNK-001, within twice that bound)
+LOW_PRECISION_RECORDS: tuple[KnownFailure, ...] = (
+    KnownFailure(
+        "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values) in the logits' "
+        "dtype: bf16/fp16 outputs where the contract says float32 (each adapter's precision() declares which "
+        "keys on which path); contract difference, the values are compared at that precision elsewhere",
+        when=LOW_PRECISION, raises=AssertionError,
+        matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values)' has dtype "
+                r"torch\.(bfloat16|float16), expected torch\.float32$"),
+    *(KnownFailure(
+        "INV-VAL-002", reason.format(dtype=dtype), when=path & _logits_in(dtype), certain=False,
+        raises=AssertionError, bound=(f"{dtype}_cancellation", 1.0),
+        matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
+      for path, reason in (
+          (LOW_PRECISION_ENTROPY, "entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
+                                  "|z| rounded to that dtype whose difference is a small entropy (beyond the declared "
+                                  "precision's rounding where the entropy's condition is small); verl bug (precision)"),
+          (LOW_PRECISION_CHUNKED_ENTROPY, "entropy_from_logits_with_chunking on {dtype}-scaled logits: each chunk "
+                                          "upcast to float32 and logsumexp(z) - sum(softmax(z) * z) taken there, a "
+                                          "float32 cancellation of terms of |z| on top of the scaled logits' {dtype} "
+                                          "rounding where the entropy is small (within that dtype's cancellation "
+                                          "bound); verl bug (precision)"))
+      for dtype in LOW_DTYPES),
+    *(KnownFailure(
+        inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
+        "(the padded path never chunks): logsumexp(z) - sum(softmax(z) * z) cancels beyond the declared "
+        "precision's rounding where the entropy is small; verl bug (precision), the INV-VAL-002 record's cause "
+        "(excused within twice that cancellation's bound: the difference of two runs)",
+        when=LOW_PRECISION & _logits_in(dtype) & When(
+            "entropy asked with a chunk size set", lambda c: c.calculate_entropy and bool(c.entropy_chunk_size)),
+        certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 2.0),
+        matches=r"^AssertionError: (padded vs packed|entropy_chunk_size=\d+ vs none): 'entropy' of sequence \d+: "
+                r"at \(\d+,\) got .* \(\|diff\| .* > allowed")
+      for inv in ("INV-KEYS-003", "INV-CHUNK-001") for dtype in LOW_DTYPES),
+)
+
+#: verl's own top-K processor takes the student's log-probs in the logits' dtype and sums their mass there
+STUDENT_MASS_LOW_PRECISION = KnownFailure(
+    "INV-DEV-001", "verl's own top-K processor returns student_mass in the logits' dtype (the mass of log-probs "
+    "log_softmax takes in it: bf16/fp16 where the contract says float32; VerlEngine.precision declares it); contract "
+    "difference, the value is compared at that precision elsewhere", when=LOW_PRECISION & DISTILLATION_ASKED,
+    raises=AssertionError,
+    matches=r"^AssertionError: output 'student_mass' has dtype torch\.(bfloat16|float16), expected torch\.float32$")
 
 #: version -> the known-failure records of that release ("*": every release). Each names the cases it
 #: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
@@ -178,32 +234,7 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             "(precision), impl had it too and now sums -p log p",
             when=CANCELLATION, certain=False, raises=AssertionError, bound=("float32_cancellation", 1.0),
             matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed"),
-        KnownFailure(
-            "INV-DEV-001", "returns log_probs, entropy, sum_pi_squared (and a value head's values; and its own top-K "
-            "processor's student_mass) in the logits' dtype: bf16/fp16 outputs where the contract says float32 (VerlEngine.precision declares which keys on "
-            "which path); contract difference, the values are compared at that precision elsewhere",
-            when=LOW_PRECISION, raises=AssertionError,
-            matches=r"^AssertionError: output '(log_probs|entropy|sum_pi_squared|values|student_mass)' has dtype "
-                    r"torch\.(bfloat16|float16), expected torch\.float32$"),
-        *(KnownFailure(
-            "INV-VAL-002", f"entropy_from_logits in {dtype}: logsumexp(z) - sum(softmax(z) * z), two terms of "
-            "|z| rounded to that dtype whose difference is a small entropy (beyond the declared precision's "
-            "rounding where the entropy's condition is small); verl bug (precision)",
-            when=LOW_PRECISION_ENTROPY & _logits_in(dtype), certain=False, raises=AssertionError,
-            bound=(f"{dtype}_cancellation", 1.0),
-            matches=r"^AssertionError: 'entropy' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
-          for dtype in LOW_DTYPES),
-        *(KnownFailure(
-            inv, f"the packed chunked entropy (float32 chunks) against the unchunked entropy_from_logits in {dtype} "
-            "(the padded path never chunks): logsumexp(z) - sum(softmax(z) * z) cancels beyond the declared "
-            "precision's rounding where the entropy is small; verl bug (precision), the INV-VAL-002 record's cause "
-            "(excused within twice that cancellation's bound: the difference of two runs)",
-            when=LOW_PRECISION & _logits_in(dtype) & When(
-                "entropy asked with a chunk size set", lambda c: c.calculate_entropy and bool(c.entropy_chunk_size)),
-            certain=False, raises=AssertionError, bound=(f"{dtype}_cancellation", 2.0),
-            matches=r"^AssertionError: (padded vs packed|entropy_chunk_size=\d+ vs none): 'entropy' of sequence \d+: "
-                    r"at \(\d+,\) got .* \(\|diff\| .* > allowed")
-          for inv in ("INV-KEYS-003", "INV-CHUNK-001") for dtype in LOW_DTYPES),
+        *LOW_PRECISION_RECORDS,
     ),
     "0.7.1": (
         KnownFailure(
@@ -213,7 +244,12 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             matches=r"model output 'logits' was modified in place"),
         KnownFailure(
             "INV-VAL-005", "the value head's padded branch keeps the trailing 1: values are (B, j, 1), packed gives "
-            "(B, j); verl bug, fixed in later verl", modes=("padded",), raises=AssertionError,
+            "(B, j); verl bug, fixed in later verl", modes=("padded",), when=~V_HEAD, raises=AssertionError,
+            matches=r"values'? of sequence \d+(:| has) shape \(\d+, 1\), expected \(\d+,\)"),
+        KnownFailure(
+            "INV-VAL-005", "a v_head value model's packed branch unsqueezes the values it read (output[2].squeeze(0)"
+            ".unsqueeze(-1)) and never squeezes them again: values are (B, j, 1); verl bug, fixed in later verl",
+            modes=("packed",), when=V_HEAD, raises=AssertionError,
             matches=r"values'? of sequence \d+(:| has) shape \(\d+, 1\), expected \(\d+,\)"),
         KnownFailure(
             "INV-FUSED-001", "fused kernels get no shift_labels: the model rolls its own (per-shard under sp > 1) "
@@ -256,18 +292,27 @@ FP16_WIDE_VOCAB = When("float16 logits and a vocabulary above 65,504 ids (a log-
                        and not getattr(c, "use_fused_kernels", False) and c.vocab > 65_504)
 
 
-def _fp16_zero_temperature() -> tuple[KnownFailure, ...]:
-    return tuple(KnownFailure(
-        inv, "casts the clamped temperature to the logits' dtype (_scale_logits_by_temperature: "
-        "temperature.clamp(min=1e-8).to(logits.dtype)): in float16 a temperature at the 1e-8 clamp is 0 and the "
-        "scaled logits inf/NaN; verl bug (the contract clamps at 1e-8 in float32)",
-        when=FP16_ZERO_TEMPERATURE, certain=False, raises=AssertionError,
-        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS) + tuple(KnownFailure(
-        inv, "takes log-softmax, entropy and sum_pi_squared in the logits' dtype: in float16 the softmax's sum over "
-        "a vocabulary above 65,504 ids overflows (torch's CPU kernel accumulates in float16) and log-probs come out "
-        "-inf; verl bug (precision: the contract computes in float32)",
-        when=FP16_WIDE_VOCAB, certain=False, raises=AssertionError,
-        matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS)
+def fp16_records(when: When, reason: str) -> tuple[KnownFailure, ...]:
+    """One float16 overflow/NaN record per invariant of :data:`FP16_ZERO_TEMPERATURE_INVARIANTS`: on ``when``, a
+    NaN/inf value or a non-finite output, possible not certain (it depends on the logits' values)."""
+    return tuple(KnownFailure(inv, reason, when=when, certain=False, raises=AssertionError,
+                              matches=r"got (nan|-?inf)\b|is not finite") for inv in FP16_ZERO_TEMPERATURE_INVARIANTS)
+
+
+#: why FP16_WIDE_VOCAB fails (every verl engine that takes the log-softmax in the logits' dtype)
+FP16_WIDE_VOCAB_REASON = (
+    "takes log-softmax, entropy and sum_pi_squared in the logits' dtype: in float16 the softmax's sum over a vocabulary "
+    "above 65,504 ids overflows (torch's CPU kernel accumulates in float16) and log-probs come out -inf; verl bug "
+    "(precision: the contract computes in float32)")
+
+
+def fp16_clamp_cast_records() -> tuple[KnownFailure, ...]:
+    """The float16 records of an engine that scales by the clamped temperature cast to the logits' dtype."""
+    return fp16_records(FP16_ZERO_TEMPERATURE, "casts the clamped temperature to the logits' dtype "
+                        "(temperature.clamp(min=1e-8).to(logits.dtype): the FSDP engine's _scale_logits_by_temperature, "
+                        "Automodel's prepare_model_outputs): in float16 a "
+                        "temperature at the 1e-8 clamp is 0 and the scaled logits inf/NaN; verl bug (the contract "
+                        "clamps at 1e-8 in float32)") + fp16_records(FP16_WIDE_VOCAB, FP16_WIDE_VOCAB_REASON)
 
 
 #: version -> strategy limits for what a release does not offer (each documented); never for what it gets wrong
@@ -279,6 +324,26 @@ KNOWN_BUG_LIMITS: dict[str, dict[str, Any]] = {
     # would make every padded-value invariant fail for that reason and drown the mask failure.
     "0.7.1": {"allow_fused": False},
 }
+
+
+def verl_precision(key: str, case: Any) -> Precision:
+    """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
+    and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
+    (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
+    entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
+    suite's processor's (float32) from verl's scaled logits; fused kernels return the model's float32 values;
+    a value head's values are its logits, squeezed. The FSDP engine's rule, and Automodel's (its
+    ``prepare_model_outputs`` scales by ``temperature.clamp(min=1e-8).to(logits.dtype)`` the same way)."""
+    low = getattr(case, "logits_dtype", "float32")
+    if low == "float32":
+        return CONTRACT_PRECISION
+    if getattr(case, "use_fused_kernels", False) and key in ("log_probs", "entropy"):
+        return CONTRACT_PRECISION
+    if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
+        return Precision("float32", low)
+    if key in DISTILLATION_KEYS:
+        return Precision("float32", low)
+    return Precision(low, low)
 
 
 @dataclass(frozen=True)
@@ -525,7 +590,7 @@ class VerlEngine(EngineUnderTest):
         ask for the missing feature only)."""
         caps = self.caps
         records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
-                   *MICROBATCH_RECORDS.get(caps.version, ()), *_fp16_zero_temperature()]
+                   *MICROBATCH_RECORDS.get(caps.version, ()), *fp16_clamp_cast_records()]
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
@@ -540,7 +605,7 @@ class VerlEngine(EngineUnderTest):
                 "ask for are missing in both modes", when=asks, raises=AssertionError,
                 matches=rf"\(missing \[(?:(?:{only})(?:, )?)+\]\)$"))
         if caps.own_processor_error is None:
-            records.append(OVERLAP_COUNT_INT64)
+            records.extend((OVERLAP_COUNT_INT64, STUDENT_MASS_LOW_PRECISION))
         if caps.sum_pi_squared:
             records.append(SUM_PI_SQUARED_CANCELLATION)
             records.extend(KnownFailure(
@@ -628,29 +693,16 @@ class VerlEngine(EngineUnderTest):
         )
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
-        """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
-        and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
-        (``entropy_from_logits``) and sum_pi_squared come back in the logits' dtype, except the packed chunked
-        entropy (``entropy_from_logits_with_chunking`` upcasts each chunk: float32); the distillation terms are the
-        suite's stand-in's (float32) from verl's scaled logits, or verl's own processor's (student_mass in the
-        logits' dtype, the KL terms float32 from log-probs in it, teacher_mass float32); fused kernels return the model's float32 values;
-        a value head's values are its logits, squeezed."""
+        """:func:`verl_precision`: outputs in the logits' dtype except the packed chunked entropy, the distillation
+        terms and fused kernels' values (float32); with verl's own top-K processor (:meth:`logits_processor`)
+        student_mass comes back in the logits' dtype (the mass of log-probs taken in it), the KL terms float32 from
+        log-probs in it, teacher_mass float32 (the teacher's alone)."""
         low = getattr(case, "logits_dtype", "float32")
-        if low == "float32":
-            return CONTRACT_PRECISION
-        if getattr(case, "use_fused_kernels", False) and key in ("log_probs", "entropy"):
-            return CONTRACT_PRECISION
-        if key == "entropy" and case.use_remove_padding and case.entropy_chunk_size:
-            return Precision("float32", low)
-        if key in DISTILLATION_KEYS and self.caps.own_processor_error is None:
-            # verl's own processor: log_softmax (or, chunked, float32 logsumexp cast back) in the logits' dtype; the
-            # masses of those log-probs in it; the KL terms upcast to float32; the teacher's mass is float32 alone
+        if key in DISTILLATION_KEYS and low != "float32" and self.caps.own_processor_error is None:
             if key == "teacher_mass":
                 return CONTRACT_PRECISION
             return Precision(low, low) if key == "student_mass" else Precision("float32", low)
-        if key in DISTILLATION_KEYS:
-            return Precision("float32", low)
-        return Precision(low, low)
+        return verl_precision(key, case)
 
     # -- companions: verl's own top-K distillation processor --------------------------------------
     def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Callable | None:  # type: ignore[override]
@@ -808,20 +860,26 @@ class _Engine:
         return self.engine.prepare_model_inputs(micro_batch)
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        if hasattr(self.engine.module, "v_head"):  # trl's AutoModelForCausalLMWithValueHead: (lm_logits, loss, value)
+            output = (None, None, output.logits.squeeze(-1))
         return {call}
 
 
-def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None):
+def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None,
+                entropy_checkpointing=False, v_head=False):
     cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
     eng = object.__new__(cls)
     eng.use_ulysses_sp = False
     eng.ulysses_sequence_parallel_size = 1
     eng.ulysses_parallel_group = None
     chunk = entropy_chunk_size
-    eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
-                                        entropy_from_logits_chunk_size=int(chunk or 2048))
+    eng.engine_config = SimpleNamespace(entropy_checkpointing=entropy_checkpointing,
+                                        entropy_from_logits_with_chunking=bool(chunk),
+                                        entropy_from_logits_chunk_size=int(chunk or 2048), use_torch_compile=False)
     eng.compute_entropy_from_logits = verl_F.entropy_from_logits_with_chunking if chunk else verl_F.entropy_from_logits
     eng.module = SimpleNamespace(config=SimpleNamespace())
+    if v_head and head == "value":
+        eng.module.v_head = SimpleNamespace()
     eng.pass_packed_cu_seqlens = pass_cu_seqlens
 {bucket}    return _Engine(eng)
 

@@ -20,7 +20,7 @@ from ..truth.rules import layout_mask
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
-           "execution_context"]
+           "execution_context", "rank_outputs"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -83,11 +83,13 @@ def execution_context(case: EngineCase) -> contextlib.AbstractContextManager:
 
 def _tracked(out: Any) -> Any:
     """The model's floating outputs made to require grad when grad is enabled (a policy update's logits are part
-    of the autograd graph: an engine's in-place write on them, or a detach, behaves as it does in training)."""
+    of the autograd graph: an engine's in-place write on them, or a detach, behaves as it does in training). As a
+    real model's, they are computed from the weights, not leaves: an in-place scaling of a view of them (verl
+    0.7.1's ``logits.squeeze(0).div_``) is what autograd allows in training, not a leaf's error."""
     if torch.is_grad_enabled():
         for key, value in _fields(out).items():
             if value.is_floating_point():
-                setattr(out, key, value.detach().requires_grad_(True))
+                setattr(out, key, value.detach().requires_grad_(True).clone())
     return out
 
 
@@ -202,11 +204,16 @@ def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCa
     for key in ("input_ids", "position_ids", "shift_labels"):
         if key in joined:
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
-    out = _tracked(model(**joined))
+    return rank_outputs(_tracked(model(**joined)), case, poison, [mi["input_ids"].shape[-1] for mi in inputs])
+
+
+def rank_outputs(out: Any, case: EngineCase, poison: float, widths: list[int]) -> list[SimpleNamespace]:
+    """The model's output over the whole packed row, tail poisoned, as each rank's own: rank ``r`` its
+    ``widths[r]`` rows of every per-token field, a tensor of its own (each rank's model computes its own logits;
+    one view of a multi-view split is what autograd refuses an in-place write on, which a real rank's allow)."""
     fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
-    widths = [mi["input_ids"].shape[-1] for mi in inputs]
-    per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
+    per_rank = {k: [part.clone() for part in v.split(widths, dim=1)] for k, v in fields.items()}
     return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}, **_shared(out))
-            for r in range(len(inputs))]
+            for r in range(len(widths))]
 
 

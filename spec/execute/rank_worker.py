@@ -33,8 +33,8 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
-from .handoff import (POISONS, _call_model, _fields, _per_token, _poison_tail, _settings, _shared, _tracked,
-                      execution_context, model_for)
+from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execution_context, model_for,
+                      rank_outputs)
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
@@ -256,11 +256,7 @@ def _model_on_full_row(model: Any, inputs: list[dict[str, Any]], widths: list[in
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
     if not replicated:
         return _call_model(model, inputs, case, poison)
-    out = _tracked(model(**joined))
-    fields = {k: _poison_tail(v, case.total_nnz, poison) for k, v in _per_token(out).items()}
-    per_rank = {k: v.split(widths, dim=1) for k, v in fields.items()}
-    return [SimpleNamespace(**{k: parts[r] for k, parts in per_rank.items()}, **_shared(out))
-            for r in range(len(inputs))]
+    return rank_outputs(_tracked(model(**joined)), case, poison, widths)
 
 
 def on_device(micro_batch: TensorDict, device: str) -> TensorDict:

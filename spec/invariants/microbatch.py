@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from ..cases.materialize import draws
-from ..cases.microbatch import MiniBatchCase, materialize_minibatch, minibatch_cases
+from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows, minibatch_cases
 from ..execute.attribution import engine_side
 from ..execute.handoff import execution_context
 from ..execute.harness import execute, model_for
@@ -241,16 +241,9 @@ def cut(ctx: Ctx, case: MiniBatchCase | None = None, **kwargs: Any):
 def rows_of(case: MiniBatchCase, micro: list, indices) -> list[list[int]]:
     """Which mini-batch samples each micro-batch holds: the returned indices (dynamic path), or consecutive chunks
     of each micro-batch's size (fixed path: no indices, the order is kept)."""
-    if indices is not None:
-        rows = [[int(i) for i in part] for part in indices]
-        if len(rows) != len(micro):
-            fail(f"{len(micro)} micro-batches but {len(rows)} index lists")
-        return rows
-    rows, start = [], 0
-    for mb in micro:
-        size = int(mb.batch_size[0]) if mb.batch_size else 0
-        rows.append(list(range(start, start + size)))
-        start += size
+    rows = micro_batch_rows(micro, indices)
+    if len(rows) != len(micro):
+        fail(f"{len(micro)} micro-batches but {len(rows)} index lists")
     return rows
 
 

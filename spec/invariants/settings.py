@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from ..execute.attribution import expect_engine_error
 from ..execute.harness import Run, execute
 from ..cases.materialize import materialize, materialize_dense
-from .core import Ctx, fail, invariant
+from .core import Ctx, fail, invariant, same
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
 
@@ -120,9 +120,10 @@ def flags_default(ctx: Ctx) -> None:
         np2p = ctx.helper("no_padding_2_padding")
         if "log_probs" in ctx.run.outputs:
             got, want = np2p(ctx.run.outputs["log_probs"], mb), np2p(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
-            if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
-                fail(f"no_padding_2_padding without max_response_len gave shape {tuple(got.shape)}, "
-                     f"expected {tuple(want.shape)} (the flag equalled max(r_i))")
+            if not same(got, want):  # NaN equal to NaN in the same place: a NaN both give is the value checks'
+                fail(f"no_padding_2_padding without max_response_len gave shape {tuple(got.shape)} "
+                     f"({'other values' if tuple(got.shape) == tuple(want.shape) else 'another shape'}), "
+                     f"expected {tuple(want.shape)} as with it (the flag equalled max(r_i))")
 
 
 def _helpers(ctx: Ctx) -> set[str]:

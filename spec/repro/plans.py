@@ -118,6 +118,7 @@ PLANS: dict[str, Plan] = {
     "INV-INPUT-001": Plan(("inputs", "keys", "values")),
     "INV-POS-001": Plan(("inputs", "keys", "values")),
     "INV-POS-002": Plan(("inputs", "keys", "values")),
+    "INV-GRAD-001": Plan(("grad", "keys", "values")),
     "INV-MUT-001": Plan(("unchanged",)),
     "INV-MUT-002": Plan(("unchanged",)),
     "INV-MUT-004": Plan(("unchanged",)),

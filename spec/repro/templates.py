@@ -400,8 +400,20 @@ def check_inputs(c, mb, run):
     return None
 
 
+def check_grad(c, mb, run):
+    # the policy update (grad enabled, the model's logits require grad): what a loss differentiates carries grad
+    if c.context != "grad":
+        return None
+    for r, outputs in enumerate(run.rank_outputs):
+        for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
+            if key in outputs and not outputs[key].requires_grad:
+                return (f"rank {r}: {key!r}: got requires_grad=False, expected True (the model's logits require "
+                        "grad; detached, the loss gets no gradient through it)")
+    return None
+
+
 CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
-          "labels": check_labels, "slice": check_slice}
+          "labels": check_labels, "slice": check_slice, "grad": check_grad}
 
 
 def main():

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from ..cases.microbatch import MiniBatchCase
 from ..cases.structure import EngineCase
 from ..execute.handoff import _settings
 from ..protocol.engine import EngineUnderTest, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
 from .templates import PREAMBLE, RUNTIME, suite_blocks
 
@@ -82,6 +84,12 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     snippet = engine.repro_snippet(_settings_of(case)) if isinstance(case, EngineCase) else None
     header = _header(invariant, mode, engine.name, title, case, error, snippet)
     why = None
+    if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
+        layer = engine.microbatch_layer()
+        why = write_minibatch_reproducer(path, header, invariant, dict(layer.functions) if layer else {}, case)
+        if why:
+            path.write_text(_unsupported(header, why))
+        return path, why
     if not isinstance(case, EngineCase):
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
     elif plan is None:

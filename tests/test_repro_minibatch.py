@@ -1,0 +1,69 @@
+"""Standalone reproducers of the micro-batch layer's invariants (spec/repro/minibatch.py): a failure of a layer
+whose functions are importable by module and name is written out and fails without the suite; impl's twin of the
+same case passes; a layer function the suite defines (a planted wrapper) is said not to be standalone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spec.engines.impl import ImplEngine
+from spec.invariants import CATALOGUE
+from spec.planted import planted_engine
+from spec.repro.writer import run_reproducer, write_reproducer, write_reproducers
+from spec.run.runner import run_invariant
+
+from tests import buggy_layer
+
+
+class _Buggy(ImplEngine):
+    name = "buggy-layer"
+
+    def __init__(self, **replaced):
+        super().__init__()
+        self._replaced = replaced
+
+    def microbatch_layer(self):
+        return super().microbatch_layer().with_functions("buggy", **self._replaced)
+
+
+CASES = (
+    ("INV-MB-007", {"restore_dynamic_batch": buggy_layer.restore_dynamic_batch}),  # shows only without grad
+    ("INV-MB-001", {"prepare_micro_batches": buggy_layer.prepare_micro_batches}),
+)
+
+
+@pytest.mark.parametrize("invariant,replaced", CASES, ids=[c[0] for c in CASES])
+def test_a_layer_failure_reproduces_without_the_suite(invariant, replaced, tmp_path) -> None:
+    engine = _Buggy(**replaced)
+    outcome = run_invariant(CATALOGUE[invariant], engine, "any", "cpu", profile="ci", database=None)
+    assert outcome.status == "fail", (outcome.status, outcome.error)
+    (rep,) = write_reproducers([outcome], engine, tmp_path)
+    assert rep.status == "reproduces", (rep.status, rep.detail)
+    text = rep.path.read_text()
+    assert "from tests.buggy_layer import" in text and "import spec" not in text and "from spec" not in text
+    # without the suite importable at all
+    run = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['spec'] = None; "
+                          f"runpy.run_path({str(rep.path)!r}, run_name='__main__')"],
+                         capture_output=True, text=True, cwd=str(tmp_path), timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # impl and tests only
+    assert run.returncode == 1 and f"FAIL {invariant}" in run.stdout and "expected" in run.stdout, run.stdout + run.stderr
+    twin, why = write_reproducer(tmp_path / "twin.py", invariant=invariant, mode="any", engine=ImplEngine(),
+                                 case=outcome.case)
+    assert why is None
+    code, printed = run_reproducer(twin)
+    assert code == 0 and "PASS" in printed, printed
+
+
+def test_a_suite_defined_layer_function_is_not_standalone(tmp_path) -> None:
+    engine = planted_engine("restore_skipped_without_grad")
+    outcome = run_invariant(CATALOGUE["INV-MB-007"], engine, "any", "cpu", profile="ci", database=None)
+    assert outcome.status == "fail"
+    (rep,) = write_reproducers([outcome], engine, tmp_path)
+    assert rep.status == "not standalone" and "restore_dynamic_batch" in rep.detail
+    code, printed = run_reproducer(rep.path)
+    assert code == 2 and "NOT STANDALONE" in printed
