@@ -53,7 +53,7 @@ def suite_blocks() -> str:
     for fn in (PaddedLayout, rules.layout_width, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
                handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
-               harness._in_threads):
+               handoff.rank_outputs, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle._overlap, oracle._overlap_terms, oracle.topk_terms, oracle.TopKProcessor):

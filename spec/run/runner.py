@@ -35,11 +35,14 @@ SEED_CASES = (
 )
 #: reach floors: one case per index-width band of the vocabulary (ids above 255 below 32,768; above 32,767 below
 #: 65,536; above 65,535), run by every engine-case invariant beside the generated ones, since hypothesis's draws of a
-#: rare tier are far from their nominal share (a band can get no case in a 100-example run); real tokenizer sizes
+#: rare tier are far from their nominal share (a band can get no case in a 100-example run); real tokenizer sizes;
+#: likewise the long tier (3/32 of the draws: a run of a quiet long-row bug found it at its 59th example)
 REACH_CASES = (
     EngineCase(prompt_lens=(3, 2), response_lens=(2, 3), vocab=32_000),
     EngineCase(prompt_lens=(4, 2), response_lens=(3, 4), vocab=50_257),
     EngineCase(prompt_lens=(2,), response_lens=(3,), vocab=152_064),
+    # and one row longer than 2,048 tokens (a rotary table's, a 2,048-token buffer's edge), beside a short one
+    EngineCase(prompt_lens=(1025, 2), response_lens=(1100, 1), vocab=16),
 )
 SEED_DENSE = (
     DenseCase(prompt_lens=(3, 2), response_lens=(2, 1), prompt_width=3, response_width=2, topk=2),
