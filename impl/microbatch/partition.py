@@ -22,13 +22,13 @@ Here:
    workloads are not equal token sums (the ``s ** 2`` term), so with ``k = ceil(total /
    budget)`` a set can end a few tokens over, where verl would add a micro-batch. Exchanges
    bring every set within the budget, then exchanges that keep both sets within it win the
-   workload balance back.
+   workload balance back: single swaps and moves against the 64 lightest sets, pairs
+   against the 8 lightest, up to ``20 k`` exchanges (near the budget each moves little).
 
 The loops run over passes and over micro-batches, never over samples. On verl's own measure
 (the largest micro-batch workload) the result is at least as good as verl's on the inputs
-of ``tests/test_dropin_microbatch.py``; ``bench/results-microbatch.md`` records the
-benchmark's (within 0.002 % of verl's where the token budget binds). It is a heuristic,
-like verl's, not an optimum.
+of ``tests/test_dropin_microbatch.py`` and of ``bench/microbatch.py`` (where the token
+budget binds too, B >= 4096). It is a heuristic, like verl's, not an optimum.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ __all__ = ["calculate_workload", "ceildiv", "roundup_divisible", "balanced_bins"
            "get_seqlen_balanced_partitions"]
 
 _BIG = torch.iinfo(torch.int64).max // 4
+#: within the token budget, pair exchanges are tried against this many of the lightest sets (unbounded: the lightest one)
+PAIR_PARTNERS = 8
+#: within the token budget each exchange moves little workload (the sets sit near the budget): more of them
+BUDGET_EXCHANGES_PER_SET = 20
 
 
 def calculate_workload(seqlen_list: torch.Tensor) -> torch.Tensor:
@@ -195,6 +199,7 @@ def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k
     """
     lower = ceildiv(int(loads.sum()), k) if target is None else int(target)
     partners = min(k - 1, 32 if limits is None else 64)  # the lightest sets hold the useful exchanges
+    pair_partners = 1 if limits is None else min(k - 1, PAIR_PARTNERS)
     for _ in range(limit):
         h = int(loads.argmax())
         top = int(loads[h])
@@ -230,35 +235,14 @@ def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k
                 token_loads[h] -= int(dt[i, j])
                 token_loads[other] += int(dt[i, j])
             continue
-        light = int(loads.argmin())
-        gap = top - int(loads[light])
-        sizes = (0, 1, 2) if moves else (1, 2)
-        ha, hb, hs = _pair_sets(mine, w, cap, sizes)
-        la, lb, ls = _pair_sets((bins == light).nonzero().squeeze(1), w, cap, sizes)
-        if not moves:  # same cardinality on both sides: compare pairs with pairs, singles with singles
-            hs = hs + (hb >= 0) * (_BIG // 8)
-            ls = ls + (lb >= 0) * (_BIG // 8)
-        ls_sorted, ls_order = torch.sort(ls)
-        at = torch.searchsorted(ls_sorted, hs - (gap + 1) // 2)
-        if limits is not None:  # the token sums of the same candidate sets
-            tokens, token_loads, budget = limits
-            t0 = torch.cat([tokens, torch.zeros(1, dtype=tokens.dtype)])
-            h_tok, l_tok = t0[ha] + t0[hb], (t0[la] + t0[lb]).index_select(0, ls_order)
-        best_score, best = _BIG, None
-        for cand in (at - 1, at):
-            cand = cand.clamp(0, ls.numel() - 1)
-            dd = hs - ls_sorted.index_select(0, cand)
-            valid = (dd > 0) & (dd < gap)
-            if limits is not None:
-                dt = h_tok - l_tok.index_select(0, cand)
-                valid &= (token_loads[h] - dt <= budget) & (token_loads[light] + dt <= budget)
-            score = torch.where(valid, (2 * dd - gap).abs(), _BIG)
-            i = int(score.argmin())
-            if int(score[i]) < best_score:
-                best_score, best = int(score[i]), (i, int(ls_order[cand[i]]), int(dd[i]))
-        if best is None:
+        found = None
+        for light in torch.argsort(loads, stable=True)[:pair_partners].tolist():
+            found = _pair_exchange(w, bins, loads, h, light, moves, cap, limits)
+            if found is not None:
+                break
+        if found is None:
             return
-        i, j, step = best
+        (i, j, step), (ha, hb, la, lb) = found
         moved = 0
         for t in (int(ha[i]), int(hb[i])):
             if t >= 0:
@@ -273,6 +257,43 @@ def _heaviest_passes(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, k
         if limits is not None:
             limits[1][h] -= moved
             limits[1][light] += moved
+
+
+def _pair_exchange(w: torch.Tensor, bins: torch.Tensor, loads: torch.Tensor, h: int, light: int, moves: bool,
+                   cap: int, limits: tuple[torch.Tensor, torch.Tensor, int] | None):
+    """Step 2c for one pair of sets: the exchange of up to two items each way that lowers the heavier ``h``.
+
+    Returns ``((heavy candidate, light candidate, workload step), (ha, hb, la, lb))`` or None.
+    """
+    top = int(loads[h])
+    gap = top - int(loads[light])
+    if gap <= 0:
+        return None
+    sizes = (0, 1, 2) if moves else (1, 2)
+    ha, hb, hs = _pair_sets((bins == h).nonzero().squeeze(1), w, cap, sizes)
+    la, lb, ls = _pair_sets((bins == light).nonzero().squeeze(1), w, cap, sizes)
+    if not moves:  # same cardinality on both sides: compare pairs with pairs, singles with singles
+        hs = hs + (hb >= 0) * (_BIG // 8)
+        ls = ls + (lb >= 0) * (_BIG // 8)
+    ls_sorted, ls_order = torch.sort(ls)
+    at = torch.searchsorted(ls_sorted, hs - (gap + 1) // 2)
+    if limits is not None:  # the token sums of the same candidate sets
+        tokens, token_loads, budget = limits
+        t0 = torch.cat([tokens, torch.zeros(1, dtype=tokens.dtype)])
+        h_tok, l_tok = t0[ha] + t0[hb], (t0[la] + t0[lb]).index_select(0, ls_order)
+    best_score, best = _BIG, None
+    for cand in (at - 1, at):
+        cand = cand.clamp(0, ls.numel() - 1)
+        dd = hs - ls_sorted.index_select(0, cand)
+        valid = (dd > 0) & (dd < gap)
+        if limits is not None:
+            dt = h_tok - l_tok.index_select(0, cand)
+            valid &= (token_loads[h] - dt <= budget) & (token_loads[light] + dt <= budget)
+        score = torch.where(valid, (2 * dd - gap).abs(), _BIG)
+        i = int(score.argmin())
+        if int(score[i]) < best_score:
+            best_score, best = int(score[i]), (i, int(ls_order[cand[i]]), int(dd[i]))
+    return None if best is None else (best, (ha, hb, la, lb))
 
 
 def balanced_bins(workloads: torch.Tensor, k: int, equal_size: bool = False) -> torch.Tensor:
@@ -317,7 +338,8 @@ def fit_budget(tokens: torch.Tensor, workloads: torch.Tensor, bins: torch.Tensor
         h = int(tok.argmax())
         need = int(tok[h]) - budget
         if need <= 0:  # within the budget: win back the workload balance without leaving it
-            _heaviest_passes(w, bins, load, k, moves=True, limit=2 * k + 32, limits=(t, tok, budget))
+            _heaviest_passes(w, bins, load, k, moves=True, limit=BUDGET_EXCHANGES_PER_SET * k + 32,
+                              limits=(t, tok, budget))
             return True
         mine = (bins == h).nonzero().squeeze(1)
         y_set = torch.cat([bins, sets])
