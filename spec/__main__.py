@@ -12,6 +12,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from hypothesis import Verbosity
+
+from . import fuzz, report
+from .cases.coverage import domains as coverage_domains
+from .invariants import CATALOGUE
+from .repro import write_reproducers
+from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
+from .run.parallel import default_workers, recorded_seconds, run_targets
+from .run.profiles import load_profile
+from .run.registry import PLANTED, describe_engines, load_engine
+from .run.runner import instances
+
 __all__ = ["main"]
 
 
@@ -81,20 +94,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .run.registry import load_engine
-    from .run.profiles import load_profile
-
     profile = load_profile(args.profile)
-    import torch
-
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
-    from .run.parallel import default_workers, recorded_seconds, run_targets
-    from .cases.coverage import domains as coverage_domains
-    from .report import failed, markdown, summary_line, write_reports
-    from .invariants import CATALOGUE
-    from .run.runner import instances
-    from hypothesis import Verbosity
-
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
     engine = load_engine(args.engine)
     todo = [(i, m) for i, m in instances() if (not args.only or i.id.startswith(args.only))
@@ -115,32 +116,28 @@ def _verify(args: argparse.Namespace) -> int:
     sys.stderr.write("\n")
     reproducers = None
     if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
-        from .repro import write_reproducers
-
         reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
                                         titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
                                                 if o.invariant in CATALOGUE}, known=args.repro_known)
     domains = coverage_domains(engine)
     companions = engine.companions()
-    print(markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
+    print(report.markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
                    base=Path(args.out), domains=domains, companions=companions))
-    paths = write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
+    paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
                           reproducers=reproducers, domains=domains, companions=companions)
     for rep in reproducers or ():
         print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]
     verdict = [o for o in outcomes if not o.layout]
-    print(f"verify: {summary_line(verdict)}" + (f" (layout profile: {summary_line(layout)})" if layout else "")
-          + f"; verdict {'FAIL' if failed(outcomes) else 'pass'} in {time.perf_counter() - start:.1f}s; wrote "
+    print(f"verify: {report.summary_line(verdict)}"
+          + (f" (layout profile: {report.summary_line(layout)})" if layout else "")
+          + f"; verdict {'FAIL' if report.failed(outcomes) else 'pass'} in {time.perf_counter() - start:.1f}s; wrote "
           + ", ".join(str(p) for p in paths))
-    return 1 if failed(outcomes) else 0
+    return 1 if report.failed(outcomes) else 0
 
 
 def _fuzz(args: argparse.Namespace) -> int:
     """A fuzz campaign (spec/fuzz.py) on the database named by $SPEC_EXAMPLE_DB; exit 1 if it found a failure."""
-    from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
-    from .fuzz import failed, run_campaign, safe_name, write_reports
-
     try:
         database = example_database()
         check_reachable(database)
@@ -149,19 +146,17 @@ def _fuzz(args: argparse.Namespace) -> int:
         return 2
     where = describe(database)
     print(f"fuzz: engine {args.engine}, {args.workers} workers, {args.seconds:.0f}s, database {where}", file=sys.stderr)
-    stats = run_campaign(args.engine, workers=args.workers, seconds=args.seconds, only=args.only, device=args.device)
-    paths = write_reports(stats, Path(args.out) / f"fuzz-{safe_name(args.engine)}", engine=args.engine,
+    stats = fuzz.run_campaign(args.engine, workers=args.workers, seconds=args.seconds, only=args.only, device=args.device)
+    paths = fuzz.write_reports(stats, Path(args.out) / f"fuzz-{fuzz.safe_name(args.engine)}", engine=args.engine,
                           seconds=args.seconds, workers=args.workers, database=where)
     for s in stats.values():
         if s.status != "pass":
             print(f"{'FAIL' if s.status == 'fail' else 'known failure'} {s.target}: {s.counterexample} -> {s.error}")
     print(f"fuzz: wrote {', '.join(str(p) for p in paths)}")
-    return 1 if failed(stats) else 0
+    return 1 if fuzz.failed(stats) else 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .invariants import CATALOGUE
-
     if args.markdown:
         print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
     for key in sorted(CATALOGUE):
@@ -175,8 +170,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from .run.registry import PLANTED, describe_engines, load_engine
-
     if args.capabilities:
         caps = load_engine(args.capabilities).capabilities()
         print(f"engine {caps.engine}; CP layouts: {', '.join(layout.value for layout in caps.layouts)}")

@@ -16,8 +16,11 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from .invariants import CATALOGUE
 from .planted import PLANTED, PlantedBug, planted_engine
+from .run import profiles  # noqa: F401 - registers the hypothesis profiles
 from .run.runner import run_invariant
 
 __all__ = ["detects", "detection_table", "main"]
@@ -124,11 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             write(rows, min(r["seeds"] for r in rows))
         return 0
-    import torch
-    from hypothesis import settings  # noqa: F401 - profiles registered on import
-
-    from .run import profiles  # noqa: F401
-
     torch.set_num_threads(1)
     names = [n for n in args.bugs.split(",") if n] or list(PLANTED)
     def log(line: str) -> None:
