@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..protocol.known import KnownFailure, When
+from ..protocol.known import KnownFailure
 from ..protocol.engine import InputsView, verl_fsdp_view
-from .verl import LOW_PRECISION_RECORDS, MASK_INVARIANTS, fp16_clamp_cast_records
+from .verl import LOW_PRECISION_RECORDS, fp16_clamp_cast_records, fused_padded_dense_slices
 from .native import NativeVerlEngine
 from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 
@@ -23,22 +23,12 @@ __all__ = ["AutomodelEngine"]
 
 MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
         "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
-FUSED_PADDED = ("padded fused kernels return dense response slices output.log_probs[:, -L-1:-1] (L = the "
-                "max_response_length flag, default 1024) instead of nested full sequences; engine bug (FSDP's "
-                "engine re-packs them by the full lengths)")
 NO_SHIFT_LABELS = ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without sequence "
                    "parallelism, which this engine does not offer); contract difference")
 NO_HOST_CU = ("no cu_seqlens_cpu beside cu_seqlens (TransformerEngine takes max_seqlen instead); layout difference")
-FUSED_PADDED_LABELS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-CHUNK-001", "INV-LAYOUT-001", "INV-LEAK-001",
-                       "INV-LEAK-002", *sorted(MASK_INVARIANTS - {"INV-MB-015"}))  # micro-batch cases draw no fused kernels
-FUSED = When("fused kernels", lambda case: bool(getattr(case, "use_fused_kernels", False)))
 
 KNOWN_RECORDS: tuple[KnownFailure, ...] = (
-    *(KnownFailure(inv, FUSED_PADDED, raises=(AssertionError, RuntimeError),
-                   matches=r"dense tensor|dense \(|not a nested tensor|is not finite|values expected sparse|"
-                           r"response_view: shape \(\d+, \d+, \d+\)|response_view: 'log_probs' of shape",
-                   when=FUSED, modes=() if inv == "INV-KEYS-003" else ("padded",))
-      for inv in dict.fromkeys(FUSED_PADDED_LABELS)),
+    *fused_padded_dense_slices("engine bug (FSDP's engine re-packs them by the full lengths)"),
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
     KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
