@@ -1,9 +1,9 @@
 """OpenRLHF 0.11.2: compute_entropy = logsumexp(z) - sum(softmax(z) * z) cancels in float32 (low temperature).
 
 Needs: pip install torch openrlhf==0.11.2 (--no-deps is enough: transformers, peft, deepspeed and flash-attn's CUDA
-parts are stubbed below when missing; flash-attn's bert_padding must be importable, as flash-attn or its
-bert_padding.py as flash_attn_bert_padding). Exit 1 while the bug is present, 0 once fixed; ``--fixed`` applies
-the suggested fix (-sum(p * log_softmax(z))) by monkeypatch.
+parts are stubbed below when missing, flash-attn's bert_padding too: the padded path run here never calls it).
+Exit 1 while the bug is present, 0 once fixed; ``--fixed`` applies the suggested fix (-sum(p * log_softmax(z))) by
+monkeypatch.
 
 The entropy the actor logs (return_entropy=True) is the difference of two float32 terms of size |z| = |logits| / T;
 when the entropy is small next to them its digits are lost: two tied top logits (entropy ln 2) come out 0.6875 at
@@ -41,12 +41,15 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-try:  # flash-attn's pure-torch padding helpers run for real: flash-attn itself, or its bert_padding.py copied alone
+try:  # flash-attn's pure-torch padding helpers: flash-attn itself, or its bert_padding.py copied alone
     import flash_attn.bert_padding  # noqa: F401
 except ImportError:
-    import flash_attn_bert_padding
+    try:
+        import flash_attn_bert_padding
 
-    sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+        sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+    except ImportError:  # the padded path run here never calls them: stubbed with the rest
+        _Stubs.NAMES += ("flash_attn.bert_padding",)
 sys.meta_path.append(_Stubs())
 
 import math  # noqa: E402

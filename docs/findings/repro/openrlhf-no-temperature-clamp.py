@@ -2,8 +2,7 @@
 1/T; T = 0: NaN).
 
 Needs: pip install torch openrlhf==0.11.2 (--no-deps is enough: transformers, peft, deepspeed and flash-attn's CUDA
-parts are stubbed below when missing; flash-attn's bert_padding is imported only by the packed path, which this does
-not run, but at module level, so it must be importable: flash-attn, or its bert_padding.py as flash_attn_bert_padding).
+parts are stubbed below when missing, flash-attn's bert_padding too: the padded path run here never calls it).
 Exit 1 while the bug is present, 0 once fixed; ``--fixed`` applies the suggested fix (clamp at 1e-8).
 
 output["logits"].div_(self.temperature) takes the temperature as configured; verl's engines and the contract clamp
@@ -41,12 +40,15 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-try:  # flash-attn's pure-torch padding helpers run for real: flash-attn itself, or its bert_padding.py copied alone
+try:  # flash-attn's pure-torch padding helpers: flash-attn itself, or its bert_padding.py copied alone
     import flash_attn.bert_padding  # noqa: F401
 except ImportError:
-    import flash_attn_bert_padding
+    try:
+        import flash_attn_bert_padding
 
-    sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+        sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+    except ImportError:  # the padded path run here never calls them: stubbed with the rest
+        _Stubs.NAMES += ("flash_attn.bert_padding",)
 sys.meta_path.append(_Stubs())
 
 import torch  # noqa: E402

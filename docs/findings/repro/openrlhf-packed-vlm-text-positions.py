@@ -1,9 +1,10 @@
 """OpenRLHF 0.11.2: packing_samples with a vision-language model hands it 1-D text positions, not its mRoPE positions.
 
-Needs: pip install torch openrlhf==0.11.2 (--no-deps is enough: transformers, peft, deepspeed and flash-attn's CUDA
-parts are stubbed below when missing; flash-attn's pure-torch bert_padding runs for real, from flash-attn itself or
-its bert_padding.py on the path as flash_attn_bert_padding). Exit 1 while the bug is present, 0 once fixed;
-``--fixed`` applies the suggested fix (the model's own mRoPE positions, unpadded like the ids) by monkeypatch.
+Needs: pip install torch einops openrlhf==0.11.2 (--no-deps is enough: transformers, peft, deepspeed and flash-attn's
+CUDA parts are stubbed below when missing; flash-attn's pure-torch bert_padding runs for real, from flash-attn itself
+or its bert_padding.py on the path as flash_attn_bert_padding). Exit 1 while the bug is present, 0 once fixed, 2 when
+bert_padding is missing (nothing checked); ``--fixed`` applies the suggested fix (the model's own mRoPE positions,
+unpadded like the ids) by monkeypatch.
 
 Actor.forward's padded path hands a VLM (is_vlm) position_ids=None, so the model computes its own 3-axis mRoPE
 positions from the image grid; the packed path (packing_samples) calls unpad_and_slice_tensor, which hands every
@@ -45,8 +46,12 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 try:  # flash-attn's pure-torch padding helpers run for real: flash-attn itself, or its bert_padding.py copied alone
     import flash_attn.bert_padding  # noqa: F401
 except ImportError:
-    import flash_attn_bert_padding
-
+    try:
+        import flash_attn_bert_padding
+    except ImportError:  # exit 2, not 1: nothing was checked
+        print("the packed path runs flash-attn's bert_padding: install flash-attn, or put flash-attn 2.8.3's "
+              "flash_attn/bert_padding.py (pure torch + einops) on the path as flash_attn_bert_padding.py", file=sys.stderr)
+        sys.exit(2)
     sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
 sys.meta_path.append(_Stubs())
 
