@@ -6,6 +6,9 @@
   clause there; no doc, invariant or module points to a contract outside the repository or to a build
   machine's absolute path.
 * No hand-written test-suite pass/skip counts in the docs.
+* docs/findings/: the README (linked from README.md) has one table row per finding page, each linking a page that
+  exists; every page links a reproducer under docs/findings/repro/ that exists and states the affected versions,
+  severity and upstream status; every reproducer is named by a page and imports nothing of this suite.
 """
 
 from __future__ import annotations
@@ -100,3 +103,40 @@ def test_the_planted_table_names_the_invariants_that_claim_each_bug() -> None:
     wrong = {name: (listed, ", ".join(PLANTED[name].caught_by)) for name, listed in rows.items()
              if listed != ", ".join(PLANTED[name].caught_by)}
     assert not wrong, f"rejected-by column differs from caught_by: {wrong}"
+
+
+FINDINGS = docs.ROOT / "docs" / "findings"
+
+
+def _finding_pages() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(FINDINGS.glob("F[0-9][0-9]-*.md"))}
+
+
+def test_the_findings_table_lists_every_finding_page() -> None:
+    table = (FINDINGS / "README.md").read_text()
+    linked = re.findall(r"^\| \[(F\d\d)\]\((F\d\d-[\w.-]+\.md)\) \|", table, re.M)
+    pages = _finding_pages()
+    assert pages and [name for _, name in linked] == sorted(pages), (linked, sorted(pages))
+    assert all(name.startswith(fid + "-") for fid, name in linked), linked
+    assert "TODO" not in table
+    assert "docs/findings/README.md" in _read("README.md")
+
+
+def test_every_finding_page_names_a_reproducer_that_exists() -> None:
+    repro = FINDINGS / "repro"
+    named: set[str] = set()
+    for name, text in _finding_pages().items():
+        files = set(re.findall(r"\]\(repro/([\w.-]+\.py)\)", text))
+        assert files, f"{name} links no reproducer under repro/"
+        assert all((repro / f).is_file() for f in files), (name, files)
+        for field in ("affected versions", "severity (consumer's side)", "upstream"):
+            assert f"| {field} |" in text, f"{name} has no '{field}' row"
+        named |= files
+    on_disk = {p.name for p in repro.glob("*.py")}
+    assert on_disk <= named, f"reproducers no page names: {sorted(on_disk - named)}"
+
+
+def test_the_reproducers_import_nothing_of_this_suite() -> None:
+    imports = re.compile(r"^\s*(from|import)\s+(spec|impl)(\.|\s|$)", re.M)
+    hits = [p.name for p in (FINDINGS / "repro").rglob("*.py") if imports.search(p.read_text())]
+    assert not hits, hits
