@@ -48,7 +48,8 @@ MAX_PROMPT, MAX_RESPONSE = 1024, 4096
 BUDGET = 65536  # max_token_len_per_gpu * sp_size (e.g. 32768 x 2)
 MICRO = 16  # micro_batch_size_per_gpu of the fixed-size rows
 SLOW_S = 10.0  # a verl call slower than this is timed once (its check call), not in rounds
-SLOW_BATCH = 4096  # verl's rearrange from this size: one call takes minutes here; no verl memory pass
+SLOW_BATCH = 4096  # default: verl's rearrange from this size gets no memory pass (one call can take minutes)
+VERL_MEMORY_MAX: int = SLOW_BATCH - 1  # --verl-memory-max: the largest size whose verl rearrange is measured
 VERL_REARRANGE_MAX: int | None = None  # --verl-rearrange-max: larger batches time impl's rearrange alone
 
 
@@ -158,7 +159,7 @@ def rows_for(batch: int, verl) -> list[Row]:
     verl_rearranges = verl and (VERL_REARRANGE_MAX is None or batch <= VERL_REARRANGE_MAX)
     rows.append(Row("rearrange_micro_batches (dynamic bsz)", case, lambda: impl.rearrange_micro_batches(td, BUDGET),
                     verl_rearranges and (lambda: verl.sb.rearrange_micro_batches(td, BUDGET)), rearrange_check,
-                    verl_memory=batch < SLOW_BATCH))
+                    verl_memory=batch <= VERL_MEMORY_MAX))
 
     # restore: the model's per-response outputs of each micro-batch, back in mini-batch order
     micro, idx = impl.rearrange_micro_batches(td, BUDGET)
@@ -264,13 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verl-rearrange-max", type=int, default=None,
                         help="skip verl's rearrange_micro_batches above this mini-batch size (one call takes "
                              "longer than a run can wait on a loaded VM)")
+    parser.add_argument("--verl-memory-max", type=int, default=SLOW_BATCH - 1,
+                        help=f"measure the peak memory of verl's rearrange_micro_batches up to this mini-batch size "
+                             f"(default {SLOW_BATCH - 1}: above it one call can take minutes on a loaded VM)")
     parser.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else SIZES)
     verl = load_verl()
     torch.set_num_threads(1)
-    global VERL_REARRANGE_MAX
+    global VERL_REARRANGE_MAX, VERL_MEMORY_MAX
     VERL_REARRANGE_MAX = args.verl_rearrange_max
+    VERL_MEMORY_MAX = args.verl_memory_max
 
     def all_rows():
         for batch in sizes:
