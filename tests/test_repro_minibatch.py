@@ -31,6 +31,14 @@ class _Buggy(ImplEngine):
         return super().microbatch_layer().with_functions("buggy", **self._replaced)
 
 
+class DpAlone(ImplEngine):
+    """impl with a prepare_micro_batches that drops the data-parallel group (rebuilt by class on every rank)."""
+    name = "buggy-layer-dp"
+
+    def microbatch_layer(self):
+        return super().microbatch_layer().with_functions("buggy", prepare_micro_batches=buggy_layer.prepare_micro_batches_alone)
+
+
 CASES = (
     ("INV-MB-007", {"restore_dynamic_batch": buggy_layer.restore_dynamic_batch}),  # shows only without grad
     ("INV-MB-001", {"prepare_micro_batches": buggy_layer.prepare_micro_batches}),
@@ -41,12 +49,13 @@ CASES = (
     ("INV-MB-012", {"nested_tensor_from_tensor_list": buggy_layer.nested_tensor_from_tensor_list}),
     ("INV-MB-013", {"list_of_dict_to_tensordict": buggy_layer.list_of_dict_to_tensordict}),
     ("INV-MB-014", {"maybe_fix_3d_position_ids": buggy_layer.maybe_fix_3d_position_ids}),
+    ("INV-MB-005", DpAlone),  # the reproducer starts its own gloo ranks
 )
 
 
 @pytest.mark.parametrize("invariant,replaced", CASES, ids=[c[0] for c in CASES])
 def test_a_layer_failure_reproduces_without_the_suite(invariant, replaced, tmp_path) -> None:
-    engine = _Buggy(**replaced)
+    engine = replaced() if isinstance(replaced, type) else _Buggy(**replaced)
     outcome = run_invariant(CATALOGUE[invariant], engine, "any", "cpu", profile="ci", database=None, shrink=False,
                             max_examples=10)
     assert outcome.status == "fail", (outcome.status, outcome.error)

@@ -25,6 +25,7 @@ from ..cases.structure import EngineCase
 from ..execute.handoff import _settings
 from ..protocol.engine import EngineUnderTest, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
 from .templates import PREAMBLE, RUNTIME, suite_blocks
@@ -86,7 +87,8 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     why = None
     if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
         layer = engine.microbatch_layer()
-        why = write_minibatch_reproducer(path, header, invariant, dict(layer.functions) if layer else {}, case)
+        write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
+        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
