@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from ..cases.microbatch import MiniBatchCase
-from ..cases.structure import EngineCase
+from ..cases.structure import DenseCase, EngineCase
 from ..execute.handoff import _settings
+from ..invariants import CATALOGUE
 from ..protocol.engine import EngineUnderTest, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
@@ -89,6 +91,11 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         layer = engine.microbatch_layer()
         write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
         why = write(path, header, invariant, dict(layer.functions) if layer else {}, case)
+        if why:
+            path.write_text(_unsupported(header, why))
+        return path, why
+    if isinstance(case, DenseCase):  # the engine's padding helpers on the dense trainer batch
+        why = write_dense_reproducer(path, header, invariant, CATALOGUE[invariant].check, engine, case)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
