@@ -50,7 +50,7 @@ def written(tmp_path_factory):
     return made
 
 
-def _run_without_spec(paths: list[Path]) -> dict[str, int]:
+def _run_without_spec(paths: list[Path]) -> tuple[dict[str, int], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([sys.executable, "-c", RUN_WITHOUT_SPEC, *map(str, paths)], capture_output=True, text=True,
                           env=env, cwd=str(paths[0].parent), timeout=300)

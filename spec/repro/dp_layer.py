@@ -25,6 +25,7 @@ import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..invariants.microbatch import dp_count_feasible, dp_lower_count
+from .launch import LAUNCH
 from .minibatch import case_dict, layer_imports, plain_minibatch
 
 __all__ = ["DP_CHECKS", "write_dp_reproducer"]
@@ -64,7 +65,7 @@ def write_dp_reproducer(path: Path, header: str, invariant: str, functions: dict
         "from pathlib import Path", "", "import torch", "import torch.distributed as dist", "",
         "# ---- the engine's layer ----", imports, "", f"INVARIANT = {invariant!r}",
         "CASE = " + pprint.pformat(data, width=120, sort_dicts=False),
-        f"DEVICE_MODULES = {_device_modules(functions)!r}", "MINIS = Path(__file__).with_suffix('.pt')", _RUNTIME]))
+        f"DEVICE_MODULES = {_device_modules(functions)!r}", "MINIS = Path(__file__).with_suffix('.pt')", LAUNCH, _RUNTIME]))
     return None
 
 
@@ -93,7 +94,7 @@ def cpu_collectives():
 
 def rank_main(rank, port, out):
     cpu_collectives()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=CASE["world"])
+    join_group(rank, CASE["world"], port)
     mini = torch.load(MINIS, weights_only=False)[rank]
     reply = {"rank": rank}
     try:
@@ -117,39 +118,12 @@ def rank_main(rank, port, out):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks():
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the layer as imported here
-        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rank", str(r), str(port), out],
-                                  env=env) for r in range(CASE["world"])]
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            return None, "the ranks did not finish within 300 s (one waits in a collective the others never join?)"
-        replies = []
-        for r in range(CASE["world"]):
-            reply = Path(out, f"rank{r}.json")
-            if not reply.exists():
-                return None, f"rank {r} exited {codes[r]} without a reply"
-            replies.append(json.loads(reply.read_text()))
-    return replies, None
-
-
 def check():
     feasible = CASE["feasible"]
     if feasible is None:
         print("NOT EXERCISED: whether one count fits every rank's groups cannot be told from the bounds")
         return None
-    replies, problem = run_ranks()
+    replies, problem = run_ranks(CASE["world"], "rank{rank}.json", lambda path: json.loads(path.read_text()))
     if problem:
         return problem
     errors = [r["error"] for r in replies if "error" in r]

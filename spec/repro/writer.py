@@ -30,6 +30,7 @@ from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
+from .ranks import RANK_CHECKS, on_real_ranks
 from .templates import PREAMBLE, RUNTIME, suite_blocks
 
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
@@ -101,6 +102,12 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         return path, why
     if not isinstance(case, EngineCase):
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
+    elif invariant in RANK_CHECKS:  # real ranks: the engine-case file, its main on gloo ranks it starts
+        if snippet is None:
+            why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
+        else:
+            path.write_text(on_real_ranks(_source(header, invariant, Plan(RANK_CHECKS[invariant]), snippet, case, path)))
+            return path, None
     elif plan is None:
         why = (f"{invariant} has no standalone check in spec/repro/plans.py; rerun it with `python -m spec verify "
                f"--engine {engine.name} --only {invariant}`")
