@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
+from .imports import function_imports
 from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, helper_case_data
 
 __all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports", "case_dict", "plain_minibatch", "COMMON", "MAIN"]
@@ -37,20 +38,20 @@ MB_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+#: micro-batch invariants written out nowhere, and why
+NOT_WRITTEN = {
+    "INV-MB-015": "INV-MB-015 runs end to end (the layer's cut, the engine's prepare_model_inputs/outputs with the "
+                  "stand-in model on every micro-batch, postprocess_batch_func, the per-sequence oracle): not written "
+                  "out; its layer findings are INV-MB-001..014's reproducers, its engine findings the engine-case ones "
+                  "(rerun it with `python -m spec verify --only INV-MB-015`)",
+}
+
+
 def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...]) -> tuple[str | None, str | None]:
-    """``import`` lines binding each of ``names`` to the layer's own function, or ``(None, why)`` when one is not
-    importable by its module and name (defined by the suite, a closure, a lambda)."""
-    lines = []
-    for name in names:
-        fn = functions.get(name)
-        fn = inspect.unwrap(fn) if fn is not None else None  # an adapter's device shim (verl's CPU collectives)
-        module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-        if fn is None or module is None or "<" in qual or "." in qual:
-            return None, f"the layer's {name} is not a module-level function ({qual or fn!r})"
-        if module.split(".")[0] in ("spec", "__main__"):
-            return None, f"the layer's {name} is defined by the suite ({module}.{qual}), not by the engine"
-        lines.append(f"from {module} import {qual} as {name}")
-    return "\n".join(lines), None
+    """Code binding each of ``names`` to the layer's own function (:func:`.imports.function_imports`), or
+    ``(None, why)`` when one is not importable by its module and name (a closure, a lambda, a suite module that
+    imports the suite)."""
+    return function_imports({name: functions.get(name) for name in names})
 
 
 def plain_minibatch(mini: Any) -> Any:
@@ -86,8 +87,9 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
     elif invariant in HELPER_CHECKS:
         (names, check), extra, checks = HELPER_CHECKS[invariant], helper_case_data(case), HELPER_RUNTIME
     else:
-        return (f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
-                f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])})")
+        return NOT_WRITTEN.get(invariant) or (
+            f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
+            f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])})")
     imports, why = layer_imports(functions, names)
     if why:
         return why
