@@ -14,11 +14,13 @@ kernels), the ranks' labels joined against the global row rolled by one (INV-RAN
 
 Not written out: INV-RANK-003/006/008 check the engine's ``pad_size`` and the private shapes and every position
 of its hand-off, which the written-out views (ids, positions, labels, mask) do not carry; and a topology of several
-SP groups runs here as its first group only (the case as drawn, ranks ``0 .. sp-1``).
+SP groups runs here as its first group only, at that group's global ranks of the topology's world (the other ranks
+idle).
 """
 
 from __future__ import annotations
 
+from ..cases.structure import EngineCase
 from .launch import LAUNCH
 
 __all__ = ["RANK_CHECKS", "on_real_ranks"]
@@ -36,19 +38,24 @@ RANK_CHECKS: dict[str, tuple[str, ...]] = {
 _GUARD = 'if __name__ == "__main__":\n    sys.exit(main())\n'
 
 
-def on_real_ranks(source: str) -> str:
-    """The engine-case reproducer ``source`` with its ``main`` run on real gloo ranks."""
+def on_real_ranks(source: str, case: EngineCase) -> str:
+    """The engine-case reproducer ``source`` of ``case`` with its ``main`` run on real gloo ranks: its topology's
+    first SP group at its global ranks (``[0, sp)`` without one), the other ranks of the world idle."""
     if not source.rstrip().endswith(_GUARD.rstrip()):
         raise ValueError("the engine-case reproducer does not end with its main guard")
     head = source.rstrip()[: -len(_GUARD.rstrip())]
+    topology = getattr(case, "topology", None)
+    group = list(topology.groups[0]) if topology is not None else list(range(case.sp_size))
+    world = topology.world if topology is not None else case.sp_size
     return head + "\n# ---- real ranks (gloo over loopback): this file started once per rank ----\n" + \
         "import os\nimport socket\nimport subprocess\nimport tempfile\nimport warnings\n\nimport torch.distributed as dist\n" + \
-        LAUNCH + _RANKS
+        f"SP_GROUP = {group!r}\nWORLD = {world!r}\n" + LAUNCH + _RANKS
 
 
 _RANKS = r'''
 
-SP = RUNS[0]["case"]["sp_size"]
+SP = max(run["case"]["sp_size"] for run in RUNS)
+GROUP_OF = None  # this process's gloo group of the SP ranks (set in rank_main)
 
 
 def _gathered(local):
@@ -57,16 +64,27 @@ def _gathered(local):
         from torch.distributed.nn.functional import all_gather as differentiable
         with warnings.catch_warnings():  # deprecated in newer torch, still the differentiable one
             warnings.simplefilter("ignore")
-            parts = differentiable(local.contiguous())
+            parts = differentiable(local.contiguous(), group=GROUP_OF)
     except (ImportError, RuntimeError):
         parts = [torch.empty_like(local) for _ in range(SP)]
-        dist.all_gather(parts, local.contiguous())
+        dist.all_gather(parts, local.contiguous(), group=GROUP_OF)
     return torch.cat(list(parts), dim=0)
+
+
+class _Member:
+    """A rank's all-gather over the gloo group (an engine that gathers itself, verl's, reads the group off it)."""
+
+    def __call__(self, local):
+        return _gathered(local)
+
+    @property
+    def group(self):
+        return GROUP_OF
 
 
 class GlooAllGather:
     def member(self, rank):
-        return _gathered
+        return _Member()
 
 
 def _detached(value):
@@ -87,20 +105,29 @@ def rank_execute(c, mb, poison, rank):
         check_model_inputs(mi, rank)
         shared = {k: mi[k].detach() for k in ("input_ids", "position_ids", "shift_labels")
                   if isinstance(mi.get(k), torch.Tensor)}
-        everyone = [None] * SP
-        dist.all_gather_object(everyone, shared)
+        everyone = [shared]  # sp = 1 (a run a plan compares with): every rank runs the whole case alone
+        if c.sp_size > 1:
+            everyone = [None] * SP
+            dist.all_gather_object(everyone, shared, group=GROUP_OF)
         joined = dict(mi)
         for key in shared:
             joined[key] = torch.cat([e[key] for e in everyone], dim=-1)
         widths = [e["input_ids"].shape[-1] for e in everyone]
-        out = rank_outputs(_tracked(model(**joined)), c, POISONS[poison], widths)[rank]
+        out = rank_outputs(_tracked(model(**joined)), c, POISONS[poison], widths)[rank if c.sp_size > 1 else 0]
         processor = TopKProcessor(tuple(c.distillation_keys)) if c.distillation_use_topk else None
         raw = eng.prepare_model_outputs(out, args, mb, processor)
     return view, _views_out(raw)
 
 
-def rank_main(rank, port, out):
-    join_group(rank, SP, port)
+def rank_main(global_rank, port, out):
+    global GROUP_OF
+    join_group(global_rank, WORLD, port)
+    GROUP_OF = dist.new_group(SP_GROUP)  # every rank of the world takes part in making it
+    if global_rank not in SP_GROUP:  # a rank in no SP group idles
+        torch.save({}, Path(out, f"rank{global_rank}.pt"))
+        dist.destroy_process_group()
+        return
+    rank = SP_GROUP.index(global_rank)  # its rank within the SP group: what it slices by
     results = {}
     for run in RUNS:
         c = SimpleNamespace(**run["case"])
@@ -110,15 +137,16 @@ def rank_main(rank, port, out):
         except Exception as exc:  # noqa: BLE001 - reported by the parent
             traceback.print_exc()
             results[run["label"]] = {"error": f"{type(exc).__name__}: {exc}"}
-    torch.save(results, Path(out, f"rank{rank}.pt"))
+    torch.save(results, Path(out, f"rank{global_rank}.pt"))
     dist.destroy_process_group()
 
 
 def main_on_ranks():
-    replies, problem = run_ranks(SP, "rank{rank}.pt", lambda path: torch.load(path, weights_only=False))
+    replies, problem = run_ranks(WORLD, "rank{rank}.pt", lambda path: torch.load(path, weights_only=False))
     if problem:
         print(f"FAIL {INVARIANT}: {problem}")
         return 1
+    replies = [replies[r] for r in SP_GROUP]  # the SP group's ranks, in their group order
     for run in RUNS:
         c = SimpleNamespace(**run["case"])
         mine = [reply[run["label"]] for reply in replies]
@@ -134,7 +162,8 @@ def main_on_ranks():
         for name in CHECK_NAMES:
             problem = CHECKS[name](c, mb, result)
             if problem:
-                print(f"FAIL {INVARIANT} ({name}) on {run['label']}, sp={SP} real ranks: {problem}")
+                print(f"FAIL {INVARIANT} ({name}) on {run['label']}, sp={SP} real ranks (global ranks {SP_GROUP} of "
+                      f"{WORLD}): {problem}")
                 return 1
         print(f"ok: {run['label']} on {SP} real ranks: {', '.join(CHECK_NAMES)}")
     print(f"PASS: {INVARIANT} holds on this case")

@@ -102,11 +102,16 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         return path, why
     if not isinstance(case, EngineCase):
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
-    elif invariant in RANK_CHECKS:  # real ranks: the engine-case file, its main on gloo ranks it starts
-        if snippet is None:
+    elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
+        # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
+        # needs a process group, verl's, has a snippet for them)
+        ranked = engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:
-            path.write_text(on_real_ranks(_source(header, invariant, Plan(RANK_CHECKS[invariant]), snippet, case, path)))
+            checks = Plan(RANK_CHECKS[invariant]) if invariant in RANK_CHECKS else plan
+            header = _header(invariant, mode, engine.name, title, case, error, ranked)
+            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path), case))
             return path, None
     elif plan is None:
         why = (f"{invariant} has no standalone check in spec/repro/plans.py; rerun it with `python -m spec verify "
