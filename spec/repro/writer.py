@@ -36,6 +36,20 @@ from .templates import PREAMBLE, RUNTIME, suite_blocks
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
 
 
+#: why a family has no standalone reproducer, by invariant ID prefix
+WHY_NOT = {
+    "INV-MEG-": "the packer is the adapter's object: spec/engines/megatron.py calls verl.models.mcore.util's "
+                "pre/postprocess for every CP rank under a faked megatron parallel_state and an all_gather answered "
+                "from the other ranks' shards, and the planted packers subclass the suite's ReferencePacker",
+    "INV-RANK-003": "it checks the engine's pad_size, which the written-out views (ids, positions, labels, mask) do "
+                    "not carry",
+    "INV-RANK-006": "it checks the private shapes of the engine's hand-off and its pad_size, which the written-out "
+                    "views do not carry",
+    "INV-RANK-008": "it checks every position of the engine's rolled labels (the wrap and the zero tail included) "
+                    "with its pad_size, which the written-out views do not carry",
+}
+
+
 @dataclass
 class Reproducer:
     invariant: str
@@ -114,8 +128,9 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
             path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path), case))
             return path, None
     elif plan is None:
-        why = (f"{invariant} has no standalone check in spec/repro/plans.py; rerun it with `python -m spec verify "
-               f"--engine {engine.name} --only {invariant}`")
+        why = (f"{invariant} has no standalone check in spec/repro/plans.py"
+               + next((f" ({text})" for prefix, text in WHY_NOT.items() if invariant.startswith(prefix)), "")
+               + f"; rerun it with `python -m spec verify --engine {engine.name} --only {invariant}`")
     elif snippet is None:
         why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
     if why:
