@@ -1,10 +1,12 @@
 """Standalone reproducers of the micro-batch layer's invariants (spec/repro/minibatch.py): a failure of a layer
 whose functions are importable by module and name is written out and fails without the suite; impl's twin of the
-same case passes; a layer function the suite defines (a planted wrapper) is said not to be standalone."""
+same case passes; a planted bug's wrapper (a closure of its factory) is written out with its module; a closure of no
+factory is said not to be standalone."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from spec.repro.writer import run_reproducer, write_reproducer, write_reproducer
 from spec.run.runner import run_invariant
 
 from tests import buggy_layer
+from tests.test_repro_dense import _run_without_spec
 
 
 class _Buggy(ImplEngine):
@@ -77,9 +80,27 @@ def test_a_layer_failure_reproduces_without_the_suite(invariant, replaced, tmp_p
     assert code == 0 and "PASS" in printed, printed
 
 
-def test_a_suite_defined_layer_function_is_not_standalone(tmp_path) -> None:
+def test_a_planted_layer_bug_reproduces_without_the_suite(tmp_path) -> None:
+    """A planted bug's wrapper is a closure of spec/planted/microbatch_bugs.py: the file writes that module and the
+    layer protocol it imports out, and calls the factory on impl's layer."""
     engine = planted_engine("restore_skipped_without_grad")
-    outcome = run_invariant(CATALOGUE["INV-MB-007"], engine, "any", "cpu", profile="ci", database=None)
+    outcome = run_invariant(CATALOGUE["INV-MB-007"], engine, "any", "cpu", profile="ci", database=None, shrink=False,
+                            max_examples=10)
+    assert outcome.status == "fail"
+    (rep,) = write_reproducers([outcome], engine, tmp_path, check=False)
+    text = rep.path.read_text()
+    assert "restore_skipped_without_grad(" in text and not re.search(r"^\s*(import|from)\s+spec\b", text, re.M)
+    codes, out = _run_without_spec([rep.path])
+    assert codes[str(rep.path)] == 1 and "FAIL INV-MB-007" in out, out
+
+
+def test_a_closure_of_no_factory_is_not_standalone(tmp_path) -> None:
+    def restore_dynamic_batch(data, batch_idx_list):  # a closure the suite cannot write out
+        return data
+
+    engine = _Buggy(restore_dynamic_batch=restore_dynamic_batch)
+    outcome = run_invariant(CATALOGUE["INV-MB-007"], engine, "any", "cpu", profile="ci", database=None, shrink=False,
+                            max_examples=10)
     assert outcome.status == "fail"
     (rep,) = write_reproducers([outcome], engine, tmp_path)
     assert rep.status == "not standalone" and "restore_dynamic_batch" in rep.detail

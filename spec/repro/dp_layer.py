@@ -47,9 +47,9 @@ def _device_modules(functions: dict[str, Callable[..., Any]]) -> list[str]:
 
 
 def write_dp_reproducer(path: Path, header: str, invariant: str, functions: dict[str, Callable[..., Any]],
-                        case: MiniBatchCase) -> str | None:
+                        case: MiniBatchCase, factory: Any = None) -> str | None:
     """Write ``path`` (and its ``.pt`` of every rank's mini-batch); returns why it is not standalone, or None."""
-    imports, why = layer_imports(functions, DP_CHECKS[invariant])
+    imports, why = layer_imports(functions, DP_CHECKS[invariant], factory)
     if why:
         return why
     if case.world < 2:

@@ -12,12 +12,14 @@ reach, for a reproducer to run the invariant's own check (its decorators dropped
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
+import sys
 import types
 from typing import Any, Callable, Iterable
 
-__all__ = ["function_imports", "written_out"]
+__all__ = ["function_imports", "factory_layer_imports", "inline_module", "written_out"]
 
 _SUITE_IMPORT = re.compile(r"^\s*(from\s+\.|from\s+spec\b|import\s+spec\b)", re.MULTILINE)
 
@@ -26,9 +28,53 @@ def _suite(module: str) -> bool:
     return module.split(".")[0] in ("spec", "__main__")
 
 
+def _alias(module: str) -> str:
+    return "_written_" + module.replace(".", "_")
+
+
+_RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+([^()\n]+)$", re.MULTILINE)
+
+
+def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[str, str] | None, str | None]:
+    """``{alias: source}`` writing out the suite module ``name`` and the suite modules it imports (relative
+    single-line imports only, rewritten to the aliases), dependencies first; ``(None, why)`` where one imports the
+    suite otherwise."""
+    done = {} if done is None else done
+    module = sys.modules.get(name)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None, f"the source of {name} is not available"
+
+    def absolute(match: re.Match) -> str:
+        return importlib.util.resolve_name(match.group(1), module.__package__)
+
+    for match in _RELATIVE.finditer(source):
+        target = absolute(match)
+        if _alias(target) not in done:
+            _, why = inline_module(target, done)
+            if why:
+                return None, why
+    source = _RELATIVE.sub(lambda m: f"from {_alias(absolute(m))} import {m.group(2)}", source)
+    if _SUITE_IMPORT.search(source):
+        return None, f"{name} imports the suite in a way not written out"
+    done[_alias(name)] = source
+    return done, None
+
+
+_MODULE_HELPER = ("def _module(name, source):  # the suite's own definition, written out (it imports nothing else of "
+                  "the suite)\n    import types\n    mod = sys.modules[name] = types.ModuleType(name)\n"
+                  "    exec(compile(source, name, 'exec'), mod.__dict__)\n    return mod\n\n")
+
+
+def _modules_code(modules: dict[str, str]) -> list[str]:
+    return ["import sys", _MODULE_HELPER] + [f"{alias} = _module({alias!r}, {source!r})"
+                                           for alias, source in modules.items()]
+
+
 def function_imports(functions: dict[str, Callable[..., Any] | None]) -> tuple[str | None, str | None]:
     """Code binding each name to its function (``None``: not importable, then why)."""
-    lines, inlined = [], {}
+    lines, modules = [], {}
     for name, fn in functions.items():
         fn = inspect.unwrap(fn) if fn is not None else None  # an adapter's shim (verl's CPU collectives, dense mask)
         module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -37,21 +83,37 @@ def function_imports(functions: dict[str, Callable[..., Any] | None]) -> tuple[s
         if not _suite(module):
             lines.append(f"from {module} import {qual} as {name}")
             continue
-        try:
-            source = inspect.getsource(inspect.getmodule(fn))
-        except (OSError, TypeError):
-            source = ""
-        if not source or _SUITE_IMPORT.search(source):
-            return None, f"the engine's {name} is defined by the suite ({module}.{qual}), in a module that imports it"
-        alias = "_" + module.replace(".", "_")
-        if alias not in inlined:
-            inlined[alias] = source
-            lines.append(f"{alias} = _module({module!r}, {source!r})")
-        lines.append(f"{name} = {alias}.{qual}")
-    if inlined:
-        lines.insert(0, "def _module(name, source):  # the suite's own definition, written out (it imports nothing "
-                        "of the suite)\n    import types\n    mod = types.ModuleType(name)\n"
-                        "    exec(compile(source, name, 'exec'), mod.__dict__)\n    return mod\n\n")
+        _, why = inline_module(module, modules)
+        if why:
+            return None, f"the engine's {name} is defined by the suite ({module}.{qual}): {why}"
+        lines.append(f"{name} = {_alias(module)}.{qual}")
+    return "\n".join((_modules_code(modules) if modules else []) + lines), None
+
+
+def factory_layer_imports(factory: Callable[..., Any], base: Any, names: Iterable[str]
+                          ) -> tuple[str | None, str | None]:
+    """Code binding ``names`` to the functions of ``factory(base)``: a ``layer -> layer`` factory the suite defines
+    (a planted micro-batch bug) written out with the modules it imports, called on ``base``, a layer of the
+    engine's own module-level functions (``layer_from`` over one module, rebuilt by that module's name)."""
+    module = getattr(factory, "__module__", "") or ""
+    qual = getattr(factory, "__qualname__", "")
+    if not _suite(module) or "<" in qual or "." in qual:
+        return None, f"the layer factory {qual or factory!r} is not a module-level function of the suite"
+    sources = {getattr(fn, "__module__", None) for fn in base.functions.values()}
+    package = {m.rsplit(".", 1)[0] for m in sources if m}
+    if len(package) != 1 or any(m is None or _suite(m) for m in sources):
+        return None, f"the layer {base.name!r} the factory wraps is not one package's module-level functions"
+    modules, why = inline_module("spec.protocol.microbatch")
+    if why:
+        return None, why
+    modules, why = inline_module(module, modules)
+    if why:
+        return None, why
+    (pkg,) = package
+    lines = _modules_code(modules) + [
+        f"import {pkg}",
+        f"_LAYER = {_alias(module)}.{qual}({_alias('spec.protocol.microbatch')}.layer_from({base.name!r}, [{pkg}]))"]
+    lines += [f"{name} = _LAYER.get({name!r})" for name in names]
     return "\n".join(lines), None
 
 

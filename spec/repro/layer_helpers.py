@@ -20,12 +20,13 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..execute.handoff import nested_parts
 from ..invariants.core import held, same
 from ..invariants.microbatch import (NESTED_KEYS, _chunk_count, _halves, _is_stack, _items, _offsets, _plain, _select,
-                                     _selection, _short, _suite_parts, check_nested, check_sample_keys)
+                                     _selection, _short, _snapshot, _suite_parts, check_nested, check_sample_keys)
 
 __all__ = ["HELPER_CHECKS", "helper_case_data", "HELPER_RUNTIME"]
 
 #: invariant -> (the layer functions it calls, the check in :data:`HELPER_RUNTIME`)
 HELPER_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
+    "INV-MB-008": (("prepare_micro_batches",), "keys"),
     "INV-MB-009": (("chunk_tensordict",), "chunk"),
     "INV-MB-010": (("concat_tensordict",), "concat"),
     "INV-MB-011": (("index_select_tensor_dict",), "index_select"),
@@ -46,7 +47,7 @@ def _written_out() -> str:
     """The suite's own readings, verbatim (pure torch/tensordict): what a consumer reads of a nested tensor or a
     TensorDict, and the invariants' comparisons (``fail`` raises the file's ``Wrong``)."""
     functions = (_items, _short, check_nested, check_sample_keys, _is_stack, _plain, _offsets, _select, nested_parts,
-                 held, same)
+                 held, same, _snapshot)
     return "\n\ndef fail(message):\n    raise Wrong(message)\n\n\n" + "\n\n".join(
         inspect.getsource(fn) for fn in functions)
 
@@ -57,6 +58,22 @@ HELPER_RUNTIME = _written_out() + r'''
 def check(mini):
     B = CASE["batch_size"]
     every = list(range(B))
+    if CHECK == "keys":  # INV-MB-008: every key, layout and flag in every micro-batch; the mini-batch unchanged
+        if CASE["refusable"]:
+            print("NOT EXERCISED: the layer may refuse this mini-batch (INV-MB-003/004/006)")
+            return None
+        before = _snapshot(mini)
+        micro, indices = cut(mini)
+        after = _snapshot(mini)
+        changed = [key for key in before if key not in after or not same(after[key], before[key])]
+        if changed or set(after) != set(before):
+            return f"the mini-batch: got keys {changed or sorted(set(after) ^ set(before))} changed, expected it unchanged"
+        rows = micro_batch_rows(micro, indices)
+        if len(rows) != len(micro):
+            return f"got {len(micro)} micro-batches but {len(rows)} index lists, expected one per micro-batch"
+        for k, (mb, part) in enumerate(zip(micro, rows)):
+            check_sample_keys(mb, mini, part, f"micro-batch {k}")
+        return None
     if CHECK == "chunk":
         chunks = CASE["chunks"]
         with context():

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
-from .imports import function_imports
+from .imports import factory_layer_imports, function_imports
 from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, helper_case_data
 
 __all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports", "case_dict", "plain_minibatch", "COMMON", "MAIN"]
@@ -34,7 +34,6 @@ MB_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
     "INV-MB-004": (("prepare_micro_batches",), "count"),
     "INV-MB-006": (("prepare_micro_batches",), "fixed"),
     "INV-MB-007": (("prepare_micro_batches", "restore_dynamic_batch"), "restore"),
-    "INV-MB-008": (("prepare_micro_batches",), "keys"),
 }
 
 
@@ -47,11 +46,16 @@ NOT_WRITTEN = {
 }
 
 
-def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...]) -> tuple[str | None, str | None]:
+def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...], factory: Any = None
+                  ) -> tuple[str | None, str | None]:
     """Code binding each of ``names`` to the layer's own function (:func:`.imports.function_imports`), or
-    ``(None, why)`` when one is not importable by its module and name (a closure, a lambda, a suite module that
-    imports the suite)."""
-    return function_imports({name: functions.get(name) for name in names})
+    ``(None, why)`` when one is not importable by its module and name (a closure, a lambda); ``factory``: the
+    ``(layer -> layer, base layer)`` that made the layer (a planted bug over impl's), written out instead."""
+    imports, why = function_imports({name: functions.get(name) for name in names})
+    if why and factory is not None:
+        imports, also = factory_layer_imports(*factory, names)
+        why = None if imports else f"{why}; {also}"
+    return imports, why
 
 
 def plain_minibatch(mini: Any) -> Any:
@@ -80,7 +84,7 @@ def case_dict(case: MiniBatchCase) -> dict[str, Any]:
 
 
 def write_minibatch_reproducer(path: Path, header: str, invariant: str, functions: dict[str, Callable[..., Any]],
-                               case: MiniBatchCase) -> str | None:
+                               case: MiniBatchCase, factory: Any = None) -> str | None:
     """Write ``path`` (and its ``.pt``); returns why it is not standalone, or None."""
     if invariant in MB_CHECKS:
         (names, check), extra, checks = MB_CHECKS[invariant], {}, _CUT_CHECKS
@@ -90,7 +94,7 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
         return NOT_WRITTEN.get(invariant) or (
             f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
             f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])})")
-    imports, why = layer_imports(functions, names)
+    imports, why = layer_imports(functions, names, factory)
     if why:
         return why
     pt = path.with_suffix(".pt")
@@ -127,7 +131,7 @@ def samples(value):
     return [t for t in value.unbind()] if value.is_nested else list(value)
 '''
 
-#: the checks on what prepare_micro_batches / restore_dynamic_batch return (INV-MB-001/002/003/004/006/007/008)
+#: the checks on what prepare_micro_batches / restore_dynamic_batch return (INV-MB-001/002/003/004/006/007)
 _CUT_CHECKS = r'''
 
 def partition_problem(rows):
@@ -231,12 +235,6 @@ def check(mini):
             homes = sorted({where[i] for i in range(start, start + g)})
             if len(homes) > 1:
                 return f"group {start}..{start + g - 1} split across micro-batches {homes}, expected one"
-        return None
-    if CHECK == "keys":
-        for k, mb in enumerate(micro):
-            missing = sorted(set(mini.keys()) - set(mb.keys()))
-            if missing:
-                return f"micro-batch {k} lacks keys {missing}, expected every key of the mini-batch"
         return None
     parts = [t for mb in micro for t in samples(mb.get("input_ids"))]  # restore
     joined = torch.nested.nested_tensor_from_jagged(torch.cat(parts), torch.tensor([0] + [t.shape[0] for t in parts]).cumsum(0))

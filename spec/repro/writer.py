@@ -22,6 +22,7 @@ import torch
 
 from ..cases.microbatch import MiniBatchCase
 from ..cases.structure import DenseCase, EngineCase
+from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
 from ..invariants import CATALOGUE
 from ..protocol.engine import EngineUnderTest, ReproSnippet
@@ -105,7 +106,9 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
         layer = engine.microbatch_layer()
         write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
-        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case)
+        maker = getattr(getattr(engine, "bug", None), "microbatch", None)  # a planted bug over impl's layer
+        factory = (maker, ImplEngine.microbatch_layer(engine)) if maker and isinstance(engine, ImplEngine) else None
+        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case, factory)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
