@@ -848,11 +848,12 @@ class VerlEngine(EngineUnderTest):
 
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """The attribute setup of :meth:`make`, written out against verl's own classes (sequence parallelism
-        needs a process group: no standalone snippet). A subclass (VeOmni) keeps the default."""
+        needs a process group: a snippet only for a reproducer that starts its own ranks, ``real_ranks`` in the
+        settings, whose all-gather carries the group). A subclass (VeOmni) keeps the default."""
         if type(self) is not VerlEngine:
             return super().repro_snippet(settings)
-        if int(settings.get("sp_size", 1) or 1) > 1:
-            return None
+        if int(settings.get("sp_size", 1) or 1) > 1 and not settings.get("real_ranks"):
+            return None  # verl's Ulysses path needs a process group: only a reproducer that starts real ranks has one
         call = ("self.engine.prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)"
                 if self.caps.processor else "self.engine.prepare_model_outputs(output, output_args, micro_batch)")
         bucket = ("    eng.pad_to_length = bool(pad_to_length)\n"
@@ -868,13 +869,15 @@ PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MI
 
 
 #: verl's FSDP engine object built as :meth:`VerlEngine.make` builds it, for a standalone reproducer
-VERL_SNIPPET = """import warnings
+VERL_SNIPPET = """import contextlib
+import warnings
 from types import SimpleNamespace
 
 warnings.filterwarnings("ignore")
 from verl.utils import torch_functional as verl_F  # noqa: E402
 from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
 from verl.workers.utils import padding  # noqa: E402
+from verl.utils import ulysses  # noqa: E402
 
 
 class _Engine:
@@ -884,22 +887,39 @@ class _Engine:
     def __init__(self, engine):
         self.engine = engine
 
+    @contextlib.contextmanager
+    def _ulysses_group(self):  # verl's Ulysses group for the call, as its engine mode contexts set it
+        previous = ulysses.get_ulysses_sequence_parallel_group()
+        ulysses.set_ulysses_sequence_parallel_group(self.engine.ulysses_parallel_group)
+        try:
+            yield
+        finally:
+            ulysses.set_ulysses_sequence_parallel_group(previous)
+
     def prepare_model_inputs(self, micro_batch):
-        return self.engine.prepare_model_inputs(micro_batch)
+        config = self.engine.module.config  # a vision-language config for mRoPE positions (read only when sp > 1)
+        if micro_batch["position_ids"].dim() == 3:
+            config.vision_config = SimpleNamespace()
+        elif hasattr(config, "vision_config"):
+            del config.vision_config
+        with self._ulysses_group():
+            return self.engine.prepare_model_inputs(micro_batch)
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
         if hasattr(self.engine.module, "v_head"):  # trl's AutoModelForCausalLMWithValueHead: (lm_logits, loss, value)
             output = (None, None, output.logits.squeeze(-1))
-        return {call}
+        with self._ulysses_group():
+            return {call}
 
 
 def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None,
-                entropy_checkpointing=False, v_head=False):
+                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None):
     cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
     eng = object.__new__(cls)
-    eng.use_ulysses_sp = False
-    eng.ulysses_sequence_parallel_size = 1
-    eng.ulysses_parallel_group = None
+    # sp > 1 on real ranks: verl's Ulysses path all-gathers over the process group the all-gather carries
+    eng.use_ulysses_sp = sp_size > 1
+    eng.ulysses_sequence_parallel_size = sp_size
+    eng.ulysses_parallel_group = getattr(all_gather, "group", None) if sp_size > 1 else None
     chunk = entropy_chunk_size
     eng.engine_config = SimpleNamespace(entropy_checkpointing=entropy_checkpointing,
                                         entropy_from_logits_with_chunking=bool(chunk),

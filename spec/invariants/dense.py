@@ -87,9 +87,7 @@ def dense_teacher(ctx: Ctx) -> None:
         if not value.is_nested or value.dim() != 3:
             fail(f"{key} has shape {tuple(value.shape)}, expected nested (B, j, K)")
         want = [row[m].cpu() for row, m in zip(before[key], mask)]
-        got = _nested_rows(value)
-        if any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
-            fail(f"{key} rows differ from the unmasked teacher rows")
+        _first_row_difference(_nested_rows(value), want, key)
 
 
 @invariant("INV-MUT-003", "left_right_2_no_padding leaves its input TensorDict intact", contract=10,
@@ -161,6 +159,16 @@ def dense_routed_experts(ctx: Ctx) -> None:
              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, expected nested (B, j, layers, k)")
     mask = before["attention_mask"].bool()
     want = [row[m].cpu() for row, m in zip(before["routed_experts"], mask)]
-    got = _nested_rows(value)
-    if len(got) != len(want) or any(g.shape != w.shape or not torch.equal(g, w) for g, w in zip(got, want)):
-        fail("routed_experts rows differ from the unmasked routed_experts rows")
+    _first_row_difference(_nested_rows(value), want, "routed_experts")
+
+
+def _first_row_difference(got: list[torch.Tensor], want: list[torch.Tensor], key: str) -> None:
+    """Fails at the first sample and token where ``got`` differs from the unmasked rows ``want``."""
+    if len(got) != len(want):
+        fail(f"{key}: {len(got)} samples, expected {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            fail(f"{key} of sample {i}: shape {tuple(g.shape)}, expected {tuple(w.shape)} (its unmasked rows)")
+        if not torch.equal(g, w):
+            t = int((g != w).reshape(g.shape[0], -1).any(1).nonzero()[0])
+            fail(f"{key} of sample {i}, token {t}: {g[t].tolist()}, expected the unmasked row's {w[t].tolist()}")

@@ -21,37 +21,44 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
+from .imports import factory_layer_imports, function_imports
+from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, helper_case_data
 
-__all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports"]
+__all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports", "case_dict", "plain_minibatch", "COMMON", "MAIN"]
 
 #: invariant -> (the layer functions it calls, the check in :data:`_RUNTIME`)
 MB_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
     "INV-MB-001": (("prepare_micro_batches",), "partition"),
     "INV-MB-002": (("prepare_micro_batches",), "groups"),
     "INV-MB-003": (("prepare_micro_batches",), "budget"),
+    "INV-MB-004": (("prepare_micro_batches",), "count"),
     "INV-MB-006": (("prepare_micro_batches",), "fixed"),
     "INV-MB-007": (("prepare_micro_batches", "restore_dynamic_batch"), "restore"),
-    "INV-MB-008": (("prepare_micro_batches",), "keys"),
 }
 
 
-def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...]) -> tuple[str | None, str | None]:
-    """``import`` lines binding each of ``names`` to the layer's own function, or ``(None, why)`` when one is not
-    importable by its module and name (defined by the suite, a closure, a lambda)."""
-    lines = []
-    for name in names:
-        fn = functions.get(name)
-        fn = inspect.unwrap(fn) if fn is not None else None  # an adapter's device shim (verl's CPU collectives)
-        module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-        if fn is None or module is None or "<" in qual or "." in qual:
-            return None, f"the layer's {name} is not a module-level function ({qual or fn!r})"
-        if module.split(".")[0] in ("spec", "__main__"):
-            return None, f"the layer's {name} is defined by the suite ({module}.{qual}), not by the engine"
-        lines.append(f"from {module} import {qual} as {name}")
-    return "\n".join(lines), None
+#: micro-batch invariants written out nowhere, and why
+NOT_WRITTEN = {
+    "INV-MB-015": "INV-MB-015 runs end to end (the layer's cut, the engine's prepare_model_inputs/outputs with the "
+                  "stand-in model on every micro-batch, postprocess_batch_func, the per-sequence oracle): not written "
+                  "out; its layer findings are INV-MB-001..014's reproducers, its engine findings the engine-case ones "
+                  "(rerun it with `python -m spec verify --only INV-MB-015`)",
+}
 
 
-def _plain(mini: Any) -> Any:
+def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...], factory: Any = None
+                  ) -> tuple[str | None, str | None]:
+    """Code binding each of ``names`` to the layer's own function (:func:`.imports.function_imports`), or
+    ``(None, why)`` when one is not importable by its module and name (a closure, a lambda); ``factory``: the
+    ``(layer -> layer, base layer)`` that made the layer (a planted bug over impl's), written out instead."""
+    imports, why = function_imports({name: functions.get(name) for name in names})
+    if why and factory is not None:
+        imports, also = factory_layer_imports(*factory, names)
+        why = None if imports else f"{why}; {also}"
+    return imports, why
+
+
+def plain_minibatch(mini: Any) -> Any:
     """The mini-batch with the suite's own ``str`` enums (its stand-in for verl's ``DatasetPadMode``) as plain
     strings, equal to them: the saved file unpickles with torch and tensordict alone."""
     for key in list(mini.keys()):
@@ -61,7 +68,7 @@ def _plain(mini: Any) -> Any:
     return mini
 
 
-def _case_dict(case: MiniBatchCase) -> dict[str, Any]:
+def case_dict(case: MiniBatchCase) -> dict[str, Any]:
     return {"batch_size": case.batch_size, "seq_lens": list(case.seq_lens), "budget": case.budget,
             "max_token_len": case.max_token_len, "sp_size": case.sp_size,
             "use_dynamic_bsz": case.use_dynamic_bsz, "balance": case.balance,
@@ -69,30 +76,44 @@ def _case_dict(case: MiniBatchCase) -> dict[str, Any]:
             "force_group_size": case.force_group_size, "micro_batch_size": case.micro_batch_size,
             "over_budget": case.over_budget, "fixed_divides": case.fixed_divides,
             "refusable": (case.over_budget or case.count_feasible() is not True) if case.use_dynamic_bsz
-            else not case.fixed_divides, "context": case.context}
+            else not case.fixed_divides, "context": case.context,
+            # the count rules' expectations (INV-MB-004), from the structure: the fewest count when everything
+            # fits one budget, and whether some count within the groups meets the rules and the budget
+            "num_groups": case.num_groups, "total_nnz": case.total_nnz, "required_count": case.required_count(),
+            "feasible": case.count_feasible()}
 
 
 def write_minibatch_reproducer(path: Path, header: str, invariant: str, functions: dict[str, Callable[..., Any]],
-                               case: MiniBatchCase) -> str | None:
+                               case: MiniBatchCase, factory: Any = None) -> str | None:
     """Write ``path`` (and its ``.pt``); returns why it is not standalone, or None."""
-    if invariant not in MB_CHECKS:
-        return (f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
-                f"{', '.join(MB_CHECKS)})")
-    names, check = MB_CHECKS[invariant]
-    imports, why = layer_imports(functions, names)
+    if invariant in MB_CHECKS:
+        (names, check), extra, checks = MB_CHECKS[invariant], {}, _CUT_CHECKS
+    elif invariant in HELPER_CHECKS:
+        (names, check), extra, checks = HELPER_CHECKS[invariant], helper_case_data(case), HELPER_RUNTIME
+    else:
+        return NOT_WRITTEN.get(invariant) or (
+            f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
+            f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])})")
+    imports, why = layer_imports(functions, names, factory)
     if why:
         return why
     pt = path.with_suffix(".pt")
-    torch.save(_plain(materialize_minibatch(case, "cpu")), pt)
+    torch.save(plain_minibatch(materialize_minibatch(case, "cpu")), pt)
     path.write_text("\n".join([
-        header, "import sys", "from pathlib import Path", "", "import torch", "", "# ---- the engine's layer ----",
-        imports, "", f"INVARIANT = {invariant!r}", f"CHECK = {check!r}",
-        "CASE = " + pprint.pformat(_case_dict(case), width=120, sort_dicts=False),
-        f"MINI = Path(__file__).with_suffix('.pt')", "", "", inspect.getsource(micro_batch_rows), _RUNTIME]))
+        header, "import pickle", "import sys", "from pathlib import Path", "from typing import Any", "", "import torch",
+        "from tensordict import TensorDict", "", "# ---- the engine's layer ----", imports, "",
+        f"INVARIANT = {invariant!r}", f"CHECK = {check!r}",
+        "CASE = " + pprint.pformat({**case_dict(case), **extra}, width=120, sort_dicts=False),
+        f"MINI = Path(__file__).with_suffix('.pt')", "", "", inspect.getsource(micro_batch_rows), COMMON, checks, MAIN]))
     return None
 
 
-_RUNTIME = r'''
+#: what every micro-batch reproducer runs with: the case's autograd context, the layer's cut, a sample list
+COMMON = r'''
+
+class Wrong(Exception):
+    """What the layer got wrong on this case: got vs expected."""
+
 
 def context():
     return {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[CASE["context"]]()
@@ -108,7 +129,10 @@ def cut(mini):
 
 def samples(value):
     return [t for t in value.unbind()] if value.is_nested else list(value)
+'''
 
+#: the checks on what prepare_micro_batches / restore_dynamic_batch return (INV-MB-001/002/003/004/006/007)
+_CUT_CHECKS = r'''
 
 def partition_problem(rows):
     flat = sorted(i for part in rows for i in part)
@@ -137,7 +161,36 @@ def tokens(mb):
     return int(mb.get("input_ids").offsets()[-1])
 
 
+def count_problem(mini):
+    if CASE["over_budget"]:
+        print("NOT EXERCISED: a sample over the budget (INV-MB-003)")
+        return None
+    try:
+        micro, indices = cut(mini)
+    except ValueError as exc:
+        if CASE["feasible"] is not True:
+            return None  # no count within the groups meets the rules and the budget: a refusal is right
+        return (f"refused with ValueError: {str(exc)[:300]}, expected micro-batches: a count within the "
+                f"{CASE['num_groups']} groups meets the rules and the budget {CASE['budget']}")
+    count = len(micro)
+    sizes = [int(mb.batch_size[0]) if mb.batch_size else 0 for mb in micro]
+    if CASE["min_num_micro_batch"] and count < CASE["min_num_micro_batch"]:
+        return f"got {count} micro-batches, expected at least min_num_micro_batch={CASE['min_num_micro_batch']}"
+    if CASE["num_batches_divided_by"] and count % CASE["num_batches_divided_by"]:
+        return f"got {count} micro-batches, expected a multiple of num_batches_divided_by={CASE['num_batches_divided_by']}"
+    needed = CASE["required_count"]
+    if CASE["total_nnz"] <= CASE["budget"] and count != max(needed, 1) and needed <= CASE["num_groups"]:
+        return (f"got {count} micro-batches (sizes {sizes[:8]}), expected {needed}: the whole mini-batch "
+                f"({CASE['total_nnz']} tokens) fits the budget {CASE['budget']}")
+    empty = [k for k, n in enumerate(sizes) if n == 0]
+    if empty and CASE["feasible"] is True:
+        return f"micro-batches {empty[:5]} are empty, expected none: the {CASE['num_groups']} groups fill {count}"
+    return None
+
+
 def check(mini):
+    if CHECK == "count":
+        return count_problem(mini)
     refusable = CASE["refusable"]
     if CHECK in ("budget", "fixed"):
         word = "max_token_len" if CHECK == "budget" else "micro_batch_size"
@@ -183,12 +236,6 @@ def check(mini):
             if len(homes) > 1:
                 return f"group {start}..{start + g - 1} split across micro-batches {homes}, expected one"
         return None
-    if CHECK == "keys":
-        for k, mb in enumerate(micro):
-            missing = sorted(set(mini.keys()) - set(mb.keys()))
-            if missing:
-                return f"micro-batch {k} lacks keys {missing}, expected every key of the mini-batch"
-        return None
     parts = [t for mb in micro for t in samples(mb.get("input_ids"))]  # restore
     joined = torch.nested.nested_tensor_from_jagged(torch.cat(parts), torch.tensor([0] + [t.shape[0] for t in parts]).cumsum(0))
     with context():
@@ -200,9 +247,17 @@ def check(mini):
     return None
 
 
+'''
+
+#: loads the mini-batch, runs ``check``, exits 1 with what was wrong, 0 when right
+MAIN = r'''
+
 def main():
     mini = torch.load(MINI, weights_only=False)
-    problem = check(mini)
+    try:
+        problem = check(mini)
+    except Wrong as exc:
+        problem = str(exc)
     if problem:
         print(f"FAIL {INVARIANT}: {problem}")
         return 1

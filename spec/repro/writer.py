@@ -21,15 +21,34 @@ from typing import Any
 import torch
 
 from ..cases.microbatch import MiniBatchCase
-from ..cases.structure import EngineCase
+from ..cases.structure import DenseCase, EngineCase
+from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
+from ..invariants import CATALOGUE
 from ..protocol.engine import EngineUnderTest, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .dense import write_dense_reproducer
+from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
+from .ranks import RANK_CHECKS, on_real_ranks
 from .templates import PREAMBLE, RUNTIME, suite_blocks
 
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
+
+
+#: why a family has no standalone reproducer, by invariant ID prefix
+WHY_NOT = {
+    "INV-MEG-": "the packer is the adapter's object: spec/engines/megatron.py calls verl.models.mcore.util's "
+                "pre/postprocess for every CP rank under a faked megatron parallel_state and an all_gather answered "
+                "from the other ranks' shards, and the planted packers subclass the suite's ReferencePacker",
+    "INV-RANK-003": "it checks the engine's pad_size, which the written-out views (ids, positions, labels, mask) do "
+                    "not carry",
+    "INV-RANK-006": "it checks the private shapes of the engine's hand-off and its pad_size, which the written-out "
+                    "views do not carry",
+    "INV-RANK-008": "it checks every position of the engine's rolled labels (the wrap and the zero tail included) "
+                    "with its pad_size, which the written-out views do not carry",
+}
 
 
 @dataclass
@@ -86,15 +105,35 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     why = None
     if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
         layer = engine.microbatch_layer()
-        why = write_minibatch_reproducer(path, header, invariant, dict(layer.functions) if layer else {}, case)
+        write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
+        maker = getattr(getattr(engine, "bug", None), "microbatch", None)  # a planted bug over impl's layer
+        factory = (maker, ImplEngine.microbatch_layer(engine)) if maker and isinstance(engine, ImplEngine) else None
+        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case, factory)
+        if why:
+            path.write_text(_unsupported(header, why))
+        return path, why
+    if isinstance(case, DenseCase):  # the engine's padding helpers on the dense trainer batch
+        why = write_dense_reproducer(path, header, invariant, CATALOGUE[invariant].check, engine, case)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
     if not isinstance(case, EngineCase):
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
+    elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
+        # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
+        # needs a process group, verl's, has a snippet for them)
+        ranked = engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        if ranked is None:
+            why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
+        else:
+            checks = Plan(RANK_CHECKS[invariant]) if invariant in RANK_CHECKS else plan
+            header = _header(invariant, mode, engine.name, title, case, error, ranked)
+            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path), case))
+            return path, None
     elif plan is None:
-        why = (f"{invariant} has no standalone check in spec/repro/plans.py; rerun it with `python -m spec verify "
-               f"--engine {engine.name} --only {invariant}`")
+        why = (f"{invariant} has no standalone check in spec/repro/plans.py"
+               + next((f" ({text})" for prefix, text in WHY_NOT.items() if invariant.startswith(prefix)), "")
+               + f"; rerun it with `python -m spec verify --engine {engine.name} --only {invariant}`")
     elif snippet is None:
         why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
     if why:

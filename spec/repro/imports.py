@@ -1,0 +1,160 @@
+"""How a standalone reproducer gets hold of an engine's own function, and the suite's checks it writes out.
+
+:func:`function_imports`: an ``import`` line per function defined at module level outside the suite (the engine's
+package, impl, a user's module); a function the suite itself defines in a module that imports nothing of the
+suite (the planted padding helpers: ``spec/planted/helper_bugs.py``, ``dropin_bugs.py``) gets that module's whole
+source written into the file and run as a module of its own; anything else (a closure, a lambda, a function of a
+suite module that imports the suite) is not standalone, and the reason says which.
+
+:func:`written_out`: the source of the suite's check functions and every module-level function and constant they
+reach, for a reproducer to run the invariant's own check (its decorators dropped).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+import sys
+import types
+from typing import Any, Callable, Iterable
+
+__all__ = ["function_imports", "factory_layer_imports", "inline_module", "written_out"]
+
+_SUITE_IMPORT = re.compile(r"^\s*(from\s+\.|from\s+spec\b|import\s+spec\b)", re.MULTILINE)
+
+
+def _suite(module: str) -> bool:
+    return module.split(".")[0] in ("spec", "__main__")
+
+
+def _alias(module: str) -> str:
+    return "_written_" + module.replace(".", "_")
+
+
+_RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+([^()\n]+)$", re.MULTILINE)
+
+
+def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[str, str] | None, str | None]:
+    """``{alias: source}`` writing out the suite module ``name`` and the suite modules it imports (relative
+    single-line imports only, rewritten to the aliases), dependencies first; ``(None, why)`` where one imports the
+    suite otherwise."""
+    done = {} if done is None else done
+    module = sys.modules.get(name)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None, f"the source of {name} is not available"
+
+    def absolute(match: re.Match) -> str:
+        return importlib.util.resolve_name(match.group(1), module.__package__)
+
+    for match in _RELATIVE.finditer(source):
+        target = absolute(match)
+        if _alias(target) not in done:
+            _, why = inline_module(target, done)
+            if why:
+                return None, why
+    source = _RELATIVE.sub(lambda m: f"from {_alias(absolute(m))} import {m.group(2)}", source)
+    if _SUITE_IMPORT.search(source):
+        return None, f"{name} imports the suite in a way not written out"
+    done[_alias(name)] = source
+    return done, None
+
+
+_MODULE_HELPER = ("def _module(name, source):  # the suite's own definition, written out (it imports nothing else of "
+                  "the suite)\n    import types\n    mod = sys.modules[name] = types.ModuleType(name)\n"
+                  "    exec(compile(source, name, 'exec'), mod.__dict__)\n    return mod\n\n")
+
+
+def _modules_code(modules: dict[str, str]) -> list[str]:
+    return ["import sys", _MODULE_HELPER] + [f"{alias} = _module({alias!r}, {source!r})"
+                                           for alias, source in modules.items()]
+
+
+def function_imports(functions: dict[str, Callable[..., Any] | None]) -> tuple[str | None, str | None]:
+    """Code binding each name to its function (``None``: not importable, then why)."""
+    lines, modules = [], {}
+    for name, fn in functions.items():
+        fn = inspect.unwrap(fn) if fn is not None else None  # an adapter's shim (verl's CPU collectives, dense mask)
+        module, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if fn is None or module is None or "<" in qual or "." in qual:
+            return None, f"the engine's {name} is not a module-level function ({qual or fn!r})"
+        if not _suite(module):
+            lines.append(f"from {module} import {qual} as {name}")
+            continue
+        _, why = inline_module(module, modules)
+        if why:
+            return None, f"the engine's {name} is defined by the suite ({module}.{qual}): {why}"
+        lines.append(f"{name} = {_alias(module)}.{qual}")
+    return "\n".join((_modules_code(modules) if modules else []) + lines), None
+
+
+def factory_layer_imports(factory: Callable[..., Any], base: Any, names: Iterable[str]
+                          ) -> tuple[str | None, str | None]:
+    """Code binding ``names`` to the functions of ``factory(base)``: a ``layer -> layer`` factory the suite defines
+    (a planted micro-batch bug) written out with the modules it imports, called on ``base``, a layer of the
+    engine's own module-level functions (``layer_from`` over one module, rebuilt by that module's name)."""
+    module = getattr(factory, "__module__", "") or ""
+    qual = getattr(factory, "__qualname__", "")
+    if not _suite(module) or "<" in qual or "." in qual:
+        return None, f"the layer factory {qual or factory!r} is not a module-level function of the suite"
+    sources = {getattr(fn, "__module__", None) for fn in base.functions.values()}
+    package = {m.rsplit(".", 1)[0] for m in sources if m}
+    if len(package) != 1 or any(m is None or _suite(m) for m in sources):
+        return None, f"the layer {base.name!r} the factory wraps is not one package's module-level functions"
+    modules, why = inline_module("spec.protocol.microbatch")
+    if why:
+        return None, why
+    modules, why = inline_module(module, modules)
+    if why:
+        return None, why
+    (pkg,) = package
+    lines = _modules_code(modules) + [
+        f"import {pkg}",
+        f"_LAYER = {_alias(module)}.{qual}({_alias('spec.protocol.microbatch')}.layer_from({base.name!r}, [{pkg}]))"]
+    lines += [f"{name} = _LAYER.get({name!r})" for name in names]
+    return "\n".join(lines), None
+
+
+def _body(fn: Callable[..., Any]) -> str:
+    """``fn``'s source from its ``def`` line (decorators dropped)."""
+    lines = inspect.getsource(fn).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+    return "\n".join(lines[start:]) + "\n"
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -> tuple[str | None, str | None]:
+    """The source of ``checks`` and of the suite's module-level functions and plain constants they reach by name
+    (``provided``: names the file defines itself); ``(None, why)`` when one of them reaches something else of the
+    suite (a class, an object) that cannot be written out."""
+    provided = set(provided)
+    seen: dict[str, str] = {}
+    constants: dict[str, str] = {}
+    todo = list(checks)
+    while todo:
+        fn = todo.pop()
+        if fn.__name__ in seen:
+            continue
+        seen[fn.__name__] = _body(fn)
+        for name in sorted(n for n in _names(fn.__code__) - provided if not n.startswith("__")):
+            obj = fn.__globals__.get(name)
+            if obj is None or isinstance(obj, types.ModuleType):
+                continue
+            if inspect.isfunction(obj) and _suite(obj.__module__):
+                todo.append(obj)
+            elif isinstance(obj, (bool, int, float, str)) or (isinstance(obj, tuple) and all(
+                    isinstance(x, (bool, int, float, str)) for x in obj)):
+                constants[name] = repr(obj)
+            elif _suite(getattr(obj, "__module__", "") or ""):
+                return None, f"{fn.__name__} reaches the suite's {name} ({type(obj).__name__}), not written out"
+    head = "".join(f"{name} = {value}\n" for name, value in sorted(constants.items()))
+    return head + "\n\n" + "\n\n".join(reversed(list(seen.values()))), None

@@ -1,0 +1,42 @@
+"""How a standalone reproducer starts its own ranks: ``world`` copies of the file itself as subprocesses
+(``--rank r <port> <folder>``), joined by the file into one gloo group over loopback TCP, each leaving its reply
+in a temporary folder the parent reads. Used by the data-parallel micro-batch reproducer (:mod:`.dp_layer`) and
+the real-rank reproducers (:mod:`.ranks`). Plain Python, written into the file as it is."""
+
+from __future__ import annotations
+
+__all__ = ["LAUNCH"]
+
+LAUNCH = r'''
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world, reply_name, load):
+    """Start this file once per rank; [load(reply of rank r)], or (None, what went wrong)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # modules as imported here
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rank", str(r), str(port), out],
+                                  env=env) for r in range(world)]
+        try:
+            codes = [p.wait(timeout=300) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return None, "the ranks did not finish within 300 s (one waits in a collective the others never join?)"
+        replies = []
+        for r in range(world):
+            reply = Path(out, reply_name.format(rank=r))
+            if not reply.exists():
+                return None, f"rank {r} exited {codes[r]} without a reply"
+            replies.append(load(reply))
+    return replies, None
+
+
+def join_group(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+'''
