@@ -36,6 +36,13 @@ BUGS = (
     ("shard_roll", "INV-SP-001", "packed"),  # sequence parallelism: ranks in threads, vs sp=1 and the reference
     ("inplace_div_without_grad", "INV-MUT-002", "packed"),  # the autograd context: shows only without grad
     ("entropy_detached_with_grad", "INV-GRAD-001", "packed"),  # and one that shows only with grad
+    ("bucket_positions_continue", "INV-PAD-001", "packed"),  # the hand-off alone: the packed tail padding
+    ("fused_temperature_tensor", "INV-FUSED-001", "packed"),  # what a fused-kernel model is handed
+    ("slice_through_float", "INV-DTYPE-001", "any"),  # the helpers on per-token tensors the file builds
+    ("entropy_flag_defaults_true", "INV-FLAG-001", "packed"),  # a run without the flags vs the case's run
+    ("pad_mode_unchecked", "INV-ERR-001", "any"),  # a rejection: the engine must raise, not return
+    ("chunk_size_or_none", "INV-SET-001", "packed"),  # an impossible engine setting
+    ("mask_cached_by_shape", "INV-BATCH-003", "padded"),  # one engine object kept across two micro-batches
 )
 
 #: bugs the first five drawn cases (and the pinned ones) miss: a few more examples (derandomized under ci)
@@ -119,8 +126,8 @@ def test_impl_twins_pass_without_the_suite(written, tmp_path) -> None:
 def test_an_invariant_without_a_plan_says_so(tmp_path) -> None:
     from spec.cases.structure import EngineCase
 
-    path, why = write_reproducer(tmp_path / "x.py", invariant="INV-ERR-001", mode="any", engine=ImplEngine(),
+    path, why = write_reproducer(tmp_path / "x.py", invariant="INV-NONE-999", mode="any", engine=ImplEngine(),
                                  case=EngineCase((1,), (1,)))
-    assert why and "INV-ERR-001" in why
+    assert why and "INV-NONE-999" in why
     code, printed = run_reproducer(path)
     assert code == 2 and printed.startswith("NOT STANDALONE")

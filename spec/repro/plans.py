@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..cases.structure import EngineCase
+from ..invariants.state import sibling
 
 __all__ = ["Plan", "plan_for", "PLANS"]
 
@@ -86,6 +87,12 @@ def _chunked(case: EngineCase) -> list[tuple[str, EngineCase]]:
             ("no chunking", case.with_(entropy_chunk_size=None))]
 
 
+def _after_sibling(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    """The micro-batch a reused engine object prepares first (the suite's sibling), then the case."""
+    return [("the micro-batch before it (the same (B, L), other rows, tokens and temperatures)", sibling(case)),
+            ("the case", case)]
+
+
 @dataclass(frozen=True)
 class Plan:
     checks: tuple[str, ...]
@@ -124,6 +131,37 @@ PLANS: dict[str, Plan] = {
     "INV-MUT-004": Plan(("unchanged",)),
     "INV-SLICE-001": Plan(("slice",)),
     "INV-SLICE-002": Plan(("slice", "keys", "values")),
+    # what prepare_model_inputs hands over (run alone, as the suite's input invariants run it)
+    "INV-INPUT-002": Plan(("ids_fill",)),
+    "INV-POS-003": Plan(("positions_fill",)),
+    "INV-PAD-001": Plan(("tail",)),
+    "INV-PAD-002": Plan(("tail_fill",)),
+    "INV-LABEL-002": Plan(("labels",)),
+    "INV-LABEL-003": Plan(("rolled_row",)),
+    "INV-TEMP-004": Plan(("token_temperature",)),
+    "INV-TEMP-005": Plan(("padded_temperature",)),
+    "INV-FUSED-001": Plan(("fused_inputs",)),
+    "INV-FUSED-002": Plan(("return_dict",)),
+    "INV-CU-001": Plan(("cu_seqlens",)),
+    "INV-CU-002": Plan(("cu_seqlens_cpu",)),
+    # the helpers, on per-token tensors the file builds (no run of the engine)
+    "INV-MASK-004": Plan(("mask_helper",)),
+    "INV-SLICE-003": Plan(("slice_reads",)),
+    "INV-SLICE-004": Plan(("from_nested",)),
+    "INV-SLICE-005": Plan(("round_trip",)),
+    "INV-DTYPE-001": Plan(("slice_dtypes",)),
+    "INV-SLICE-006": Plan(("keys", "response_values")),
+    # flags: left out, spelled otherwise (each run against the case's run and the reference), or bad (rejected)
+    "INV-FLAG-001": Plan(("flags_default",)),
+    "INV-FLAG-002": Plan(("flags_recoded",)),
+    "INV-FLAG-003": Plan(("bad_flags",)),
+    "INV-SET-001": Plan(("bad_settings",)),
+    "INV-ERR-001": Plan(("rejects_pad_mode",)),
+    "INV-ERR-002": Plan(("rejects",)),
+    "INV-ERR-003": Plan(("rejects",)),
+    # one engine object kept across two micro-batches
+    "INV-BATCH-003": Plan(("reused",), _after_sibling),
+    "INV-MUT-005": Plan(("earlier_kept",), _after_sibling),
 }
 
 
