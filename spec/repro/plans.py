@@ -119,7 +119,7 @@ PLANS: dict[str, Plan] = {
     "INV-SP-002": Plan(("keys", "values"), _bucket),
     "INV-CHUNK-001": Plan(("keys", "values"), _chunked),
     "INV-MASK-001": Plan(("mask", "keys", "values")),
-    "INV-MASK-002": Plan(("mask",)),
+    "INV-MASK-002": Plan(("mask_dtype",)),
     "INV-MASK-003": Plan(("mask", "keys", "values")),
     "INV-LABEL-001": Plan(("labels", "keys", "values")),
     "INV-INPUT-001": Plan(("inputs", "keys", "values")),

@@ -52,7 +52,7 @@ def suite_blocks() -> str:
              "from functools import lru_cache", "", _module_body(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
-    for fn in (PaddedLayout, rules.layout_width, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
+    for fn in (PaddedLayout, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
                handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
                handoff.rank_outputs, harness._in_threads):
@@ -138,13 +138,26 @@ def _copy(value):
     return value
 
 
+#: who raised each exception seen leaving a call (by id): "engine" (the engine's own calls) or "suite" (the
+#: stand-in model, the processor handed to the engine); the innermost call's word stands
+ORIGINS = {}
+
+
 def _tag(exc, who):
-    """Mark who raised ``exc`` (the engine's calls: "engine"; the stand-in model or processor: "suite"), unless
-    an inner call did already."""
-    if getattr(exc, "repro_origin", None) is None:
-        with contextlib.suppress(AttributeError, TypeError):
-            exc.repro_origin = who
+    ORIGINS.setdefault(id(exc), (exc, who))
     return exc
+
+
+def origin(exc):
+    """Who raised ``exc``: a suite-side exception anywhere in its cause/context chain wins (an engine that re-raises
+    the processor's error under its own type has rejected nothing by itself)."""
+    seen, link = set(), exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if ORIGINS.get(id(link), (None, None))[1] == "suite":
+            return "suite"
+        link = link.__cause__ or link.__context__
+    return ORIGINS.get(id(exc), (None, None))[1]
 
 
 def _side(who, fn):
@@ -154,6 +167,15 @@ def _side(who, fn):
         except Exception as exc:
             raise _tag(exc, who)
     return call
+
+
+def _processor(c, r):
+    """The logits_processor_func rank r hands its engine: the engine's own (its snippet's logits_processor) where it
+    gives one, else the suite's top-K stand-in written out above; what either raises is the suite side's."""
+    if not c.distillation_use_topk:
+        return None
+    own = logits_processor(c, c.sp_size, r) if "logits_processor" in globals() else None
+    return _side("suite", own if own is not None else TopKProcessor(tuple(c.distillation_keys)))
 
 
 def execute(c, mb, poison, inputs_only=False, engines=None):
@@ -178,13 +200,13 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
     if inputs_only:
         return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
     args_before = [_copy(args) for args in output_args]
-    model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison])
+    model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
     logits_before = [o.logits.detach().clone() for o in model_outputs]
-    processor = _side("suite", TopKProcessor(tuple(c.distillation_keys))) if c.distillation_use_topk else None
+    processors = [_processor(c, r) for r in range(len(engines))]
 
     def call(eng, r):
         with execution_context(c):  # autograd's mode is per thread: each rank's thread enters it again
-            return _side("engine", eng.prepare_model_outputs)(model_outputs[r], output_args[r], mb, processor)
+            return _side("engine", eng.prepare_model_outputs)(model_outputs[r], output_args[r], mb, processors[r])
 
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
@@ -285,13 +307,21 @@ def check_values(c, mb, run):
                 seq = seq.detach().to("cpu", torch.float64)
                 if seq.dim() != 1 or seq.shape[0] != c.seq_lens[i]:
                     return f"rank {r}: {key!r} of sequence {i}: got shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
-                bad = _first_bad(seq[: exp.shape[0]], exp, tol)
+                lo, hi = read_span(c, i)
+                bad = _first_bad(seq[lo:hi], exp[lo:hi], tol[lo:hi])
                 if bad is not None:
-                    t, count = bad
+                    t, count = lo + bad[0], bad[1]
                     return (f"rank {r}: {key!r} of sequence {i} at token {t}: got {seq[t].item():.8g}, expected "
                             f"{exp[t].item():.8g} (|diff| {abs(seq[t].item() - exp[t].item()):.3g} > allowed "
-                            f"{tol[t].item():.3g}; {count} of {exp.shape[0]} tokens differ)")
+                            f"{tol[t].item():.3g}; {count} of the {hi - lo} tokens a consumer reads differ)")
     return None
+
+
+def read_span(c, i):
+    """The positions of sequence i's per-token outputs a consumer reads: 0 .. n_i - 2 (the last token scores no
+    token of its sequence), or p_i - 1 .. n_i - 2 for an engine whose outputs cover the scored response tokens only."""
+    lo = c.prompt_lens[i] - 1 if globals().get("OUTPUT_SPAN", "sequence") == "response" else 0
+    return lo, c.seq_lens[i] - 1
 
 
 def check_float32(c, mb, run):
@@ -308,17 +338,29 @@ def check_mask(c, mb, run):
     mask = run.views[0]["attention_mask"]
     if mask is None:
         return "padded mode: got attention_mask None, expected (B, max_seq_len) int32"
-    width = max(c.seq_lens)
+    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: max n_i
     if tuple(mask.shape) != (c.batch_size, width):
         return f"attention_mask: got shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
-    want = (torch.arange(width).unsqueeze(0) < torch.tensor(c.seq_lens).unsqueeze(1)).to(torch.int64)
+    want = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, width)
     got = mask.detach().to("cpu", torch.int64)
     for i in range(c.batch_size):
         if not torch.equal(got[i], want[i]):
             return (f"attention_mask row {i}: got {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
                     f"{c.seq_lens[i]}, response length {c.response_lens[i]})")
+    return None
+
+
+def check_mask_dtype(c, mb, run):
+    """The padded mask as attention kernels take it: int32, on the ids' device."""
+    if c.use_remove_padding:
+        return None
+    mask, ids = run.views[0]["attention_mask"], run.views[0]["input_ids"]
+    if mask is None:
+        return "padded mode: got attention_mask None, expected (B, L) int32"
     if mask.dtype != torch.int32:
         return f"attention_mask: got dtype {mask.dtype}, expected torch.int32"
+    if ids is not None and mask.device != ids.device:
+        return f"attention_mask: got it on {mask.device}, expected the ids' device {ids.device}"
     return None
 
 
@@ -400,7 +442,8 @@ def _first_row_diff(got, want):
 
 def check_inputs(c, mb, run):
     """The ids and positions the model is handed: packed (1, n) / (1, n) or (4, 1, n), the ranks' slices joined;
-    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions first in its row."""
+    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions at the columns the declared layout
+    puts them (verl's right padding: from column 0)."""
     views = run.views
     if any(v.get("input_ids") is None for v in views):
         return None
@@ -427,13 +470,14 @@ def check_inputs(c, mb, run):
             return f"packed position_ids at {at}: got {got_pos[at].item()}, expected {want_pos[at].item()}"
         return None
     ids, pos = views[0]["input_ids"].cpu(), views[0].get("position_ids")
-    width = max(c.seq_lens)
+    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)
+    columns = layout_columns(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: 0 .. n_i - 1
     if tuple(ids.shape) != (c.batch_size, width):
         return f"padded input_ids: got shape {tuple(ids.shape)}, expected {(c.batch_size, width)}"
     for i, seq in enumerate(seq_ids):
-        n = seq.shape[0]
-        if not torch.equal(ids[i, :n], seq.cpu()):
-            return f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} first (then padding)"
+        if not torch.equal(ids[i, columns[i]], seq.cpu()):
+            return (f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} at columns "
+                    f"{columns[i].tolist()} ({PADDED_LAYOUT} padding)")
     if pos is None:
         return "padded position_ids: got None, expected (B, L) or (4, B, L)"
     pos = pos.cpu()
@@ -441,8 +485,7 @@ def check_inputs(c, mb, run):
     if tuple(pos.shape) != want_shape:
         return f"padded position_ids: got shape {tuple(pos.shape)}, expected {want_shape}"
     for i, sp in enumerate(seq_pos):
-        n = sp.shape[-1]
-        got = pos[:, i, :n] if mrope else pos[i, :n]
+        got = pos[:, i, columns[i]] if mrope else pos[i, columns[i]]
         if not torch.equal(got, sp.cpu()):
             return f"padded position_ids of sample {i}: got {got.tolist()}, expected {sp.tolist()}"
     return None
@@ -477,18 +520,20 @@ def _joined(run, key):
 
 
 def _padding_fill(c, got, fill, key):
-    """Every padding column of a padded (B, L) or (C, B, L) model input holds ``fill`` (verl's right padding)."""
+    """Every padding column of a padded (B, L) or (C, B, L) model input holds ``fill`` (the columns the engine's
+    declared layout leaves to padding: verl's right padding unless it says otherwise)."""
     if got is None:
         return f"padded {key}: got None, expected (B, L)"
     got = got.detach().cpu()
     if got.dim() < 2 or got.shape[-2] != c.batch_size:
         return f"padded {key}: got shape {tuple(got.shape)}, expected {c.batch_size} rows"
-    pad = torch.arange(got.shape[-1]).unsqueeze(0) >= torch.tensor(c.seq_lens).unsqueeze(1)
+    pad = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, got.shape[-1]) == 0
     bad = (got != fill) & pad
     if bool(bad.any()):
         at = tuple(int(i) for i in bad.nonzero()[0])
         i, j = at[-2], at[-1]
-        return (f"padded {key}{list(at)} (column {j}, after sequence {i}'s {c.seq_lens[i]} tokens): got {got[at].item()}, "
+        return (f"padded {key}{list(at)} (column {j}, a padding column of row {i} in the {PADDED_LAYOUT} layout; sequence "
+                f"{i} has {c.prompt_lens[i]} + {c.response_lens[i]} tokens): got {got[at].item()}, "
                 f"expected {fill} (the padding fill); the padding holds {sorted(set(got[..., pad].reshape(-1).tolist()))[:8]}")
     return None
 
@@ -886,7 +931,7 @@ def _rejected(c, mb, what):
     try:
         result = execute(c, mb, POISON)
     except Exception as exc:  # noqa: BLE001 - classified
-        if getattr(exc, "repro_origin", None) == "engine":
+        if origin(exc) == "engine":
             print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
             return None
         return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
@@ -989,6 +1034,7 @@ def check_earlier_kept(c, mb, runs):
 
 
 CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
+          "mask_dtype": check_mask_dtype,
           "labels": check_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
           "positions_fill": check_positions_fill, "tail": check_tail, "tail_fill": check_tail_fill,
           "rolled_row": check_rolled_row, "token_temperature": check_token_temperature,
@@ -1003,7 +1049,7 @@ CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "f
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
           "rejects", "bad_settings"}
 #: checks that read what prepare_model_inputs handed over, and nothing after it
-INPUTS_ONLY = {"inputs", "mask", "labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
+INPUTS_ONLY = {"inputs", "mask", "mask_dtype", "labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu"}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
