@@ -6,13 +6,32 @@ checked against the float64 reference written out in the file, so a run-vs-run i
 padded, a permutation, halves, a float vs a tensor temperature, sequence parallelism, a bucket, chunking)
 becomes "each of the runs equals the reference": where the two runs disagree, one of them is wrong.
 
-Checks (their code is in :mod:`.templates`): ``keys`` (the output keys the flags ask for), ``values``
-(every output against the reference, per token, within the oracle's tolerance), ``float32`` (the
-outputs' dtype), ``mask`` (padded attention mask: n_i leading ones, int32, ``(B, max n)``), ``labels``
-(each packed token's label is the next token of its sequence), ``inputs`` (the ids and positions the model is
-handed hold each sample's own, packed or padded), ``unchanged`` (the micro-batch, the
-model's logits and ``output_args`` are left as they were), ``slice`` (``no_padding_2_padding`` of the
-log-probs against the reference's response slice).
+Checks (their code is in :mod:`.templates`), each the property of the invariant that names it:
+
+* on the outputs: ``keys`` (the output keys the flags ask for), ``values`` (every output against the reference,
+  per token a consumer reads, within the oracle's tolerance), ``float32`` (the outputs' dtype), ``grad`` (what a
+  loss differentiates carries grad), ``response_values`` (the (B, R) log-probs a loss reads), ``slice``
+  (``no_padding_2_padding`` of the log-probs against the reference's response slice), ``unchanged`` (the
+  micro-batch, the model's logits and ``output_args`` are left as they were);
+* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it): ``mask`` (the
+  padded attention mask marks each sample's tokens where the declared layout puts them), ``mask_dtype`` (int32 on
+  the ids' device), ``inputs`` (the ids and positions the model is handed hold each sample's own), ``labels``
+  (each packed token's label is the next token of its sequence, across shard edges too), ``ids_fill`` /
+  ``positions_fill`` (padded columns hold pad_token_id / 0), ``tail`` / ``tail_fill`` (the packed tail padding's
+  length, pad_size and restarting positions; its ids 0 and temperature 1), ``rolled_row`` (the labels are the
+  whole packed row rolled by one, zeros after), ``token_temperature`` / ``padded_temperature`` (each token's or
+  sample's own temperature handed to the output step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel
+  model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
+* on the helpers, with per-token tensors the file builds (no run of the case): ``mask_helper``,
+  ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks), ``from_nested``,
+  ``round_trip``, ``slice_dtypes``;
+* run against run: ``flags_default`` (the flags at their defaults left out), ``flags_recoded`` (0/1 ints, numpy
+  scalars, a plain str), each the same hand-off and outputs as the case's run (and the reference); ``on_cuda``
+  (a CUDA run against the reference; exit 2 without a GPU); ``reused`` / ``earlier_kept`` (one engine object
+  through the run before, then the case: what a fresh one gives, and the earlier results left as returned);
+* rejections, "the call raises a clear exception, never returns a silently wrong tensor": ``bad_flags``,
+  ``bad_settings``, ``rejects_pad_mode``, ``rejects`` (the case itself is invalid); only the engine's own
+  exception counts, not the stand-in model's or the processor's.
 
 Invariants without a plan have no standalone reproducer: the file written for them says so, and the
 report lists them.
@@ -159,6 +178,8 @@ PLANS: dict[str, Plan] = {
     "INV-ERR-001": Plan(("rejects_pad_mode",)),
     "INV-ERR-002": Plan(("rejects",)),
     "INV-ERR-003": Plan(("rejects",)),
+    # the CPU run and a CUDA run of the case, each against the reference (exit 2 without a CUDA device)
+    "INV-DEV-002": Plan(("keys", "values", "on_cuda")),
     # one engine object kept across two micro-batches
     "INV-BATCH-003": Plan(("reused",), _after_sibling),
     "INV-MUT-005": Plan(("earlier_kept",), _after_sibling),

@@ -178,12 +178,13 @@ def _processor(c, r):
     return _side("suite", own if own is not None else TopKProcessor(tuple(c.distillation_keys)))
 
 
-def execute(c, mb, poison, inputs_only=False, engines=None):
+def execute(c, mb, poison, inputs_only=False, engines=None, device="cpu"):
     """The engine's calls and the model in the case's autograd context (grad, no_grad or inference_mode), as a
     trainer's policy update or log-prob pass runs them; the micro-batch and the model made outside it.
     ``inputs_only``: prepare_model_inputs alone (what an input check reads); ``engines``: engine objects kept
     across calls (an empty list is filled with the ones built here)."""
-    model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype)
+    model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype,
+                        device=device)
     with execution_context(c):
         return _execute(c, mb, poison, model, inputs_only, engines)
 
@@ -975,6 +976,28 @@ def check_bad_settings(c, mb, run):
     return None
 
 
+# ---- on a GPU ----
+def check_on_cuda(c, mb, run):
+    """The same micro-batch on a CUDA device: what the CPU run gives, each output against the reference (the
+    stand-in model's weights are drawn on the CPU, so both devices run the same model)."""
+    if not torch.cuda.is_available():
+        raise NotStandalone("INV-DEV-002 compares a CUDA run with the CPU's: this machine has no CUDA device")
+    try:
+        on_device = mb.to("cuda")
+    except Exception as exc:  # noqa: BLE001 - the file's own copy failed, not the engine
+        raise NotStandalone(f"could not copy the micro-batch to cuda ({type(exc).__name__}: {exc})") from exc
+    on_cuda = execute(c, on_device, POISON, device="cuda")
+    for r, outputs in enumerate(on_cuda.rank_outputs):
+        for key, value in outputs.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cuda":
+                return f"rank {r}: {key!r} of the CUDA run: got it on {value.device}, expected it on the batch's device"
+    on_cuda.rank_outputs = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()}
+                            for o in on_cuda.rank_outputs]
+    on_cuda.model = run.model  # the reference reads the CPU copy of the same weights
+    problem = check_keys(c, mb, on_cuda) or check_values(c, mb, on_cuda)
+    return None if problem is None else f"on cuda: {problem}"
+
+
 # ---- an engine object kept across micro-batches, as a trainer keeps it ----
 def _held(value):
     if isinstance(value, torch.Tensor) and value.is_nested:
@@ -1044,7 +1067,7 @@ CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "f
           "slice_dtypes": check_slice_dtypes, "mask_helper": check_mask_helper, "response_values": check_response_values,
           "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
           "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings,
-          "reused": check_reused, "earlier_kept": check_earlier_kept}
+          "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda}
 #: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
           "rejects", "bad_settings"}
@@ -1075,6 +1098,8 @@ def _run_checks(c, mb, result, fresh, label):
     for name in CHECK_NAMES:
         try:
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
+        except NotStandalone:
+            raise
         except RuntimeError as exc:
             if "this reproducer needs it" in str(exc):
                 raise NotStandalone(str(exc)) from exc
