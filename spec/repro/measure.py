@@ -41,21 +41,25 @@ EXAMPLES.update(dict.fromkeys(("chunk_drops_tail", "last_partial_chunk_untempere
 
 #: runs each file given on the command line; with --no-spec first, ``spec`` cannot be imported; prints "EXIT code path"
 RUNNER = """
-import runpy, sys
+import contextlib, io, re, runpy, sys
 args = sys.argv[1:]
 if args and args[0] == "--no-spec":
     sys.modules["spec"] = None  # any import of the suite fails
     args = args[1:]
 for path in args:
-    try:
-        runpy.run_path(path, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException as exc:  # noqa: BLE001 - a broken file: reported as 3
-        print("ERROR", type(exc).__name__, exc, flush=True)
-        code = 3
-    print("EXIT", code, path, flush=True)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException as exc:  # noqa: BLE001 - a broken file: reported as 3
+            print("ERROR", type(exc).__name__, exc)
+            code = 3
+    # how it failed: a failed check ("FAIL <ID> (<check>) on ..."), or an exception the file caught
+    how = "check" if re.search(r"^FAIL \\S+ \\(\\w+\\) on ", out.getvalue(), re.M) else "raised"
+    print("EXIT", code, how, path, flush=True)
 """
 
 
@@ -79,8 +83,8 @@ def _run_files(paths: list[Path], no_spec: bool, timeout: float) -> dict[str, in
     codes = {}
     for line in out.splitlines():
         if line.startswith("EXIT "):
-            _, code, path = line.split(" ", 2)
-            codes[path] = int(code)
+            _, code, how, path = line.split(" ", 3)
+            codes[path] = (int(code), how)
     return codes
 
 
@@ -92,11 +96,12 @@ def _for_impl(case):
     return case
 
 
-def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] | None) -> list[dict]:
+def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] | None,
+            every: bool = False) -> list[dict]:
+    """One row per bug and invariant: its first ``caught_by`` (``every``: each of them)."""
     rows = []
-    for name in bugs:
-        bug = PLANTED[name]
-        invariant = bug.caught_by[0]
+    pairs = [(name, inv) for name in bugs for inv in (PLANTED[name].caught_by if every else PLANTED[name].caught_by[:1])]
+    for name, invariant in pairs:
         if invariants and invariant not in invariants:
             continue
         info = CATALOGUE[invariant]
@@ -112,7 +117,7 @@ def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] |
             except Exception as exc:  # noqa: BLE001 - recorded
                 row["why"] = f"run_invariant raised {type(exc).__name__}: {exc}"[:200]
                 continue
-            made = write_reproducers([outcome], engine, folder / name, check=False, known=True)
+            made = write_reproducers([outcome], engine, folder / name / invariant, check=False, known=True)
             if not made:
                 row["suite"] = outcome.status
                 continue
@@ -137,23 +142,26 @@ def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] |
     twins = _run_files([r["twin_path"] for r in rows if r.get("twin_path")], no_spec=True, timeout=1800)
     for r in rows:
         if r.get("path") and r["planted"] is None:
-            r["planted"] = planted.get(str(r["path"]))
+            r["planted"], r["how"] = planted.get(str(r["path"]), (None, ""))
         if r.get("twin_path"):
-            r["twin"] = twins.get(str(r["twin_path"]))
+            r["twin"] = twins.get(str(r["twin_path"]), (None, ""))[0]
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    lines = [f"{'bug':42s} {'invariant':15s} {'mode':7s} {'suite':10s} planted twin  note"]
+    lines = [f"{'bug':42s} {'invariant':15s} {'mode':7s} {'suite':10s} {'planted':15s} twin  note"]
     for r in rows:
+        how = f" ({r['how']})" if r.get("planted") == 1 else ""
         lines.append(f"{r['bug']:42s} {r['invariant']:15s} {r['mode']:7s} {r['suite']:10s} "
-                     f"{str(r['planted']):7s} {str(r['twin']):5s} {r['why']}")
+                     f"{str(r['planted']) + how:15s} {str(r['twin']):5s} {r['why']}")
     failures = [r for r in rows if r["suite"] in ("fail", "known")]
     good = [r for r in failures if r["planted"] == 1 and r["twin"] == 0]
     standalone = [r for r in failures if r["planted"] != 2]
+    by_check = [r for r in good if r.get("how") == "check"]
     lines.append("")
-    lines.append(f"of {len(rows)} planted bugs, {len(failures)} failed their first caught_by invariant here; of those "
-                 f"{len(failures)} failures, {len(good)} reproduce (exit 1) and their twins pass (exit 0); "
+    lines.append(f"of {len(rows)} (planted bug, invariant) runs, {len(failures)} failed here; of those "
+                 f"{len(failures)} failures, {len(good)} reproduce (exit 1; {len(by_check)} by a failed check, "
+                 f"{len(good) - len(by_check)} by an exception of the engine's) and their twins pass (exit 0); "
                  f"{len(failures) - len(standalone)} got a 'not standalone' file (exit 2); "
                  f"{len(standalone) - len(good)} other")
     return "\n".join(lines)
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-families", default="", help="skip bugs whose first invariant starts with one of "
                         "these prefixes, e.g. INV-RANK,INV-MEG")
     parser.add_argument("--examples", type=int, default=5)
+    parser.add_argument("--every", action="store_true", help="each caught_by invariant of a bug, not only its first")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     os.environ.setdefault("SPEC_EXAMPLE_DB", ":memory:")
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if skip:
         bugs = [b for b in bugs if not PLANTED[b].caught_by[0].startswith(skip)]
     folder = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="repro-measure-"))
-    rows = measure(bugs, folder, args.examples, set(args.invariants.split(",")) if args.invariants else None)
+    rows = measure(bugs, folder, args.examples, set(args.invariants.split(",")) if args.invariants else None,
+                   every=args.every)
     print(report(rows))
     print(f"(files under {folder})")
     return 0

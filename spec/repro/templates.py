@@ -727,7 +727,7 @@ def _need(name):
     fn = helper(name)
     if fn is None:
         raise RuntimeError(f"the engine snippet's helper({name!r}) is None: this reproducer needs it")
-    return fn
+    return _side("engine", fn)
 
 
 def _response_ranges(c):
@@ -868,6 +868,16 @@ def check_response_values(c, mb, run):
 
 
 # ---- flags and settings: defaults, other spellings, bad values ----
+def _show(value):
+    """A value as printed in a message: a tensor by its dtype, shape and elements (flattened), at most 200 characters."""
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
+        return f"nested (values {_show(value[0])}, offsets {value[1].tolist()})"
+    if isinstance(value, torch.Tensor):
+        text = f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)} {value.detach().reshape(-1).tolist()}"
+        return text if len(text) <= 200 else text[:197] + "..."
+    return f"{value!r:.200}"
+
+
 def _same_run(got, want, what):
     """``got`` handed the model and its output step what ``want`` did and returned the same outputs."""
     pairs = [(f"model_inputs of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.inputs, want.inputs))]
@@ -1087,6 +1097,13 @@ def _fail(name, label, problem):
     return 1
 
 
+def _own_error(exc):
+    """The file's own mistake (a name it lacks), not the engine's: exit 3, never a reproduction."""
+    print(f"REPRODUCER ERROR: {type(exc).__name__}: {exc} (in this file's own code, not the engine's)")
+    traceback.print_exc()
+    return 3
+
+
 def _raised(label, exc, what):
     print(f"FAIL {INVARIANT} on {label}: got {type(exc).__name__}: {exc} ({what}: traceback below), expected outputs "
           "(the micro-batch is valid)")
@@ -1095,11 +1112,16 @@ def _raised(label, exc, what):
 
 
 def _run_checks(c, mb, result, fresh, label):
+    """Each check on the run; 0 when all hold, 1 at the first that fails, 3 on the file's own error."""
     for name in CHECK_NAMES:
         try:
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
         except NotStandalone:
             raise
+        except (NameError, UnboundLocalError) as exc:
+            if origin(exc) is None:
+                return _own_error(exc)
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
         except RuntimeError as exc:
             if "this reproducer needs it" in str(exc):
                 raise NotStandalone(str(exc)) from exc
@@ -1120,9 +1142,12 @@ def _main():
         try:
             c, *runs = run_reused(before, case_run)
         except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
+            if isinstance(exc, NameError) and origin(exc) is None:
+                return _own_error(exc)
             return _raised(label, exc, "raised by the engine, or by the stand-in model fed what the engine handed it")
-        if _run_checks(c, build_micro_batch(case_run), runs, None, label):
-            return 1
+        code = _run_checks(c, build_micro_batch(case_run), runs, None, label)
+        if code:
+            return code
     else:
         for run in RUNS:
             c = SimpleNamespace(**run["case"])
@@ -1132,10 +1157,13 @@ def _main():
                 try:
                     result = execute(c, mb, POISON, inputs_only=names <= NO_RUN | INPUTS_ONLY)
                 except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
+                    if isinstance(exc, NameError) and origin(exc) is None:
+                        return _own_error(exc)
                     return _raised(run["label"], exc, "raised by the engine, or by the stand-in model fed what the "
                                    "engine handed it")
-            if _run_checks(c, mb, result, fresh, run["label"]):
-                return 1
+            code = _run_checks(c, mb, result, fresh, run["label"])
+            if code:
+                return code
     print(f"PASS: {INVARIANT} holds on this case")
     return 0
 
