@@ -261,9 +261,12 @@ class ReproSnippet:
       (``prepare_model_inputs(mb)``, ``prepare_model_outputs(output, output_args, mb, logits_processor_func)``);
     * ``helper(name)``: the padding helper ``name`` (``no_padding_2_padding``, ...) or None;
 
-    and optionally ``view_inputs(model_inputs, output_args) -> dict`` (keys ``attention_mask``, ``labels``,
-    ``input_ids``, ``position_ids``: what the model got and the flat labels the output step scores) and ``view_outputs(outputs) -> dict``
-    (the contract's keys, nested over the full sequences) where the engine's convention is not verl's.
+    and optionally ``view_inputs(model_inputs, output_args) -> dict`` (the :class:`InputsView` fields by name:
+    ``attention_mask``, ``labels``, ``input_ids``, ``position_ids``, ``cu_seqlens``, ``temperature``, ``pad_size``, ...:
+    what the model got and what the output step is handed; a key left out reads as None) and ``view_outputs(outputs) -> dict``
+    (the contract's keys, nested over the full sequences) where the engine's convention is not verl's, and
+    ``logits_processor(case, sp_size, sp_rank)`` (the engine's own top-K processor, :meth:`EngineUnderTest.logits_processor`,
+    or None for the suite's stand-in, which the file writes out).
 
     ``requires``: what to ``pip install`` besides torch and tensordict; ``standalone``: the code imports
     nothing of this suite (False for the default, which imports the adapter itself)."""
@@ -431,10 +434,11 @@ class EngineUnderTest:
                 "    return _ENGINE.helper(name)\n\n\n"
                 "def view_inputs(model_inputs, output_args):\n"
                 "    view = _ENGINE.view_inputs(model_inputs, output_args)\n"
-                "    return {'attention_mask': view.attention_mask, 'labels': view.labels, 'input_ids': view.input_ids,\n"
-                "            'position_ids': view.position_ids}\n\n\n"
+                "    return {k: v for k, v in vars(view).items() if k != 'extra'}\n\n\n"
                 "def view_outputs(outputs):\n"
-                "    return _ENGINE.view_outputs(outputs).per_sequence\n")
+                "    return _ENGINE.view_outputs(outputs).per_sequence\n\n\n"
+                "def logits_processor(case, sp_size, sp_rank):\n"
+                "    return _ENGINE.logits_processor(case, sp_size, sp_rank)\n")
         return ReproSnippet(code, requires=module.split(".")[0], standalone=False)
 
     def __repr__(self) -> str:

@@ -6,13 +6,32 @@ checked against the float64 reference written out in the file, so a run-vs-run i
 padded, a permutation, halves, a float vs a tensor temperature, sequence parallelism, a bucket, chunking)
 becomes "each of the runs equals the reference": where the two runs disagree, one of them is wrong.
 
-Checks (their code is in :mod:`.templates`): ``keys`` (the output keys the flags ask for), ``values``
-(every output against the reference, per token, within the oracle's tolerance), ``float32`` (the
-outputs' dtype), ``mask`` (padded attention mask: n_i leading ones, int32, ``(B, max n)``), ``labels``
-(each packed token's label is the next token of its sequence), ``inputs`` (the ids and positions the model is
-handed hold each sample's own, packed or padded), ``unchanged`` (the micro-batch, the
-model's logits and ``output_args`` are left as they were), ``slice`` (``no_padding_2_padding`` of the
-log-probs against the reference's response slice).
+Checks (their code is in :mod:`.templates`), each the property of the invariant that names it:
+
+* on the outputs: ``keys`` (the output keys the flags ask for), ``values`` (every output against the reference,
+  per token a consumer reads, within the oracle's tolerance), ``float32`` (the outputs' dtype), ``grad`` (what a
+  loss differentiates carries grad), ``response_values`` (the (B, R) log-probs a loss reads), ``slice``
+  (``no_padding_2_padding`` of the log-probs against the reference's response slice), ``unchanged`` (the
+  micro-batch, the model's logits and ``output_args`` are left as they were);
+* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it): ``mask`` (the
+  padded attention mask marks each sample's tokens where the declared layout puts them), ``mask_dtype`` (int32 on
+  the ids' device), ``inputs`` (the ids and positions the model is handed hold each sample's own), ``labels``
+  (each packed token's label is the next token of its sequence, across shard edges too), ``ids_fill`` /
+  ``positions_fill`` (padded columns hold pad_token_id / 0), ``tail`` / ``tail_fill`` (the packed tail padding's
+  length, pad_size and restarting positions; its ids 0 and temperature 1), ``rolled_row`` (the labels are the
+  whole packed row rolled by one, zeros after), ``token_temperature`` / ``padded_temperature`` (each token's or
+  sample's own temperature handed to the output step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel
+  model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
+* on the helpers, with per-token tensors the file builds (no run of the case): ``mask_helper``,
+  ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks), ``from_nested``,
+  ``round_trip``, ``slice_dtypes``;
+* run against run: ``flags_default`` (the flags at their defaults left out), ``flags_recoded`` (0/1 ints, numpy
+  scalars, a plain str), each the same hand-off and outputs as the case's run (and the reference); ``on_cuda``
+  (a CUDA run against the reference; exit 2 without a GPU); ``reused`` / ``earlier_kept`` (one engine object
+  through the run before, then the case: what a fresh one gives, and the earlier results left as returned);
+* rejections, "the call raises a clear exception, never returns a silently wrong tensor": ``bad_flags``,
+  ``bad_settings``, ``rejects_pad_mode``, ``rejects`` (the case itself is invalid); only the engine's own
+  exception counts, not the stand-in model's or the processor's.
 
 Invariants without a plan have no standalone reproducer: the file written for them says so, and the
 report lists them.
@@ -24,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..cases.structure import EngineCase
+from ..invariants.state import sibling
 
 __all__ = ["Plan", "plan_for", "PLANS"]
 
@@ -86,6 +106,12 @@ def _chunked(case: EngineCase) -> list[tuple[str, EngineCase]]:
             ("no chunking", case.with_(entropy_chunk_size=None))]
 
 
+def _after_sibling(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    """The micro-batch a reused engine object prepares first (the suite's sibling), then the case."""
+    return [("the micro-batch before it (the same (B, L), other rows, tokens and temperatures)", sibling(case)),
+            ("the case", case)]
+
+
 @dataclass(frozen=True)
 class Plan:
     checks: tuple[str, ...]
@@ -111,19 +137,53 @@ PLANS: dict[str, Plan] = {
     "INV-SP-001": Plan(("keys", "values"), _sp),
     "INV-SP-002": Plan(("keys", "values"), _bucket),
     "INV-CHUNK-001": Plan(("keys", "values"), _chunked),
-    "INV-MASK-001": Plan(("mask", "keys", "values")),
-    "INV-MASK-002": Plan(("mask",)),
-    "INV-MASK-003": Plan(("mask", "keys", "values")),
-    "INV-LABEL-001": Plan(("labels", "keys", "values")),
-    "INV-INPUT-001": Plan(("inputs", "keys", "values")),
-    "INV-POS-001": Plan(("inputs", "keys", "values")),
-    "INV-POS-002": Plan(("inputs", "keys", "values")),
+    # the hand-off invariants read prepare_model_inputs alone (a model fed wrong inputs must not crash first)
+    "INV-MASK-001": Plan(("mask",)),
+    "INV-MASK-002": Plan(("mask_dtype",)),
+    "INV-MASK-003": Plan(("mask",)),
+    "INV-LABEL-001": Plan(("labels",)),
+    "INV-INPUT-001": Plan(("inputs",)),
+    "INV-POS-001": Plan(("inputs",)),
+    "INV-POS-002": Plan(("inputs",)),
     "INV-GRAD-001": Plan(("grad", "keys", "values")),
     "INV-MUT-001": Plan(("unchanged",)),
     "INV-MUT-002": Plan(("unchanged",)),
     "INV-MUT-004": Plan(("unchanged",)),
     "INV-SLICE-001": Plan(("slice",)),
     "INV-SLICE-002": Plan(("slice", "keys", "values")),
+    # what prepare_model_inputs hands over (run alone, as the suite's input invariants run it)
+    "INV-INPUT-002": Plan(("ids_fill",)),
+    "INV-POS-003": Plan(("positions_fill",)),
+    "INV-PAD-001": Plan(("tail",)),
+    "INV-PAD-002": Plan(("tail_fill",)),
+    "INV-LABEL-002": Plan(("labels",)),
+    "INV-LABEL-003": Plan(("rolled_row",)),
+    "INV-TEMP-004": Plan(("token_temperature",)),
+    "INV-TEMP-005": Plan(("padded_temperature",)),
+    "INV-FUSED-001": Plan(("fused_inputs",)),
+    "INV-FUSED-002": Plan(("return_dict",)),
+    "INV-CU-001": Plan(("cu_seqlens",)),
+    "INV-CU-002": Plan(("cu_seqlens_cpu",)),
+    # the helpers, on per-token tensors the file builds (no run of the engine)
+    "INV-MASK-004": Plan(("mask_helper",)),
+    "INV-SLICE-003": Plan(("slice_reads",)),
+    "INV-SLICE-004": Plan(("from_nested",)),
+    "INV-SLICE-005": Plan(("round_trip",)),
+    "INV-DTYPE-001": Plan(("slice_dtypes",)),
+    "INV-SLICE-006": Plan(("keys", "response_values")),
+    # flags: left out, spelled otherwise (each run against the case's run and the reference), or bad (rejected)
+    "INV-FLAG-001": Plan(("flags_default",)),
+    "INV-FLAG-002": Plan(("flags_recoded",)),
+    "INV-FLAG-003": Plan(("bad_flags",)),
+    "INV-SET-001": Plan(("bad_settings",)),
+    "INV-ERR-001": Plan(("rejects_pad_mode",)),
+    "INV-ERR-002": Plan(("rejects",)),
+    "INV-ERR-003": Plan(("rejects",)),
+    # the CPU run and a CUDA run of the case, each against the reference (exit 2 without a CUDA device)
+    "INV-DEV-002": Plan(("keys", "values", "on_cuda")),
+    # one engine object kept across two micro-batches
+    "INV-BATCH-003": Plan(("reused",), _after_sibling),
+    "INV-MUT-005": Plan(("earlier_kept",), _after_sibling),
 }
 
 

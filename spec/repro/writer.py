@@ -25,7 +25,7 @@ from ..cases.structure import DenseCase, EngineCase
 from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
 from ..invariants import CATALOGUE
-from ..protocol.engine import EngineUnderTest, ReproSnippet
+from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
@@ -139,11 +139,14 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     if why:
         path.write_text(_unsupported(header, why))
         return path, why
-    path.write_text(_source(header, invariant, plan, snippet, case, path))
+    layout = PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value
+    span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
+    path.write_text(_source(header, invariant, plan, snippet, case, path, layout, span))
     return path, None
 
 
-def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path) -> str:
+def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path,
+            layout: str = "right", span: str = "sequence") -> str:
     runs, heavy = [], {}
     for label, variant in plan.runs(case):
         data, tensors, elements = batch_data(variant)
@@ -162,6 +165,8 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
         "# ---- engine under test (begin) ----", snippet.code.strip(), "# ---- engine under test (end) ----", "",
         suite_blocks(),
         f"INVARIANT = {invariant!r}", f"CHECK_NAMES = {list(plan.checks)!r}", f"POISON = {plan.poison!r}",
+        f"PADDED_LAYOUT = {layout!r}  # where the engine puts each sequence in its padded (B, L) model input",
+        f"OUTPUT_SPAN = {span!r}  # which positions of each sequence its per-token outputs cover",
         "RUNS = " + pprint.pformat(runs, width=120, sort_dicts=False), "",
         RUNTIME])
 
