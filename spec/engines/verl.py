@@ -350,12 +350,6 @@ def fp16_clamp_cast_records() -> tuple[KnownFailure, ...]:
                         "clamps at 1e-8 in float32)") + fp16_records(FP16_WIDE_VOCAB, FP16_WIDE_VOCAB_REASON)
 
 
-#: version -> strategy limits for what a release does not offer (each documented); never for what it gets wrong
-#: (bf16/fp16 logits and 0.7.1's fused kernels, once limited here, are drawn: :meth:`VerlEngine.precision` declares
-#: the dtype of each output, and the differences are records of KNOWN_BUGS)
-KNOWN_BUG_LIMITS: dict[str, dict[str, Any]] = {}
-
-
 def verl_precision(key: str, case: Any) -> Precision:
     """verl scales the logits in their own dtype (``_scale_logits_by_temperature``: ``logits / T.to(dtype)``)
     and computes every output from them there: log_probs (``logprobs_from_logits``), entropy
@@ -673,10 +667,11 @@ class VerlEngine(EngineUnderTest):
         return super().lacks(feature)  # type: ignore[misc]
 
     def strategy_limits(self) -> dict[str, Any]:  # type: ignore[override]
+        """What a release does not offer, as probed; never what it gets wrong (bf16/fp16 logits and 0.7.1's fused
+        kernels, once limited here, are drawn, their differences records of KNOWN_BUGS)."""
         caps = self.caps
         return {"allow_sp": False, "allow_bucket": caps.bucket, "allow_distillation": caps.processor,
-                "allow_cu_seqlens": caps.cu_seqlens,
-                **KNOWN_BUG_LIMITS.get("*", {}), **KNOWN_BUG_LIMITS.get(caps.version, {})}
+                "allow_cu_seqlens": caps.cu_seqlens}
 
     def config_space(self) -> tuple[ConfigSwitch, ...]:  # type: ignore[override]
         """Every switch the FSDP engine's ``prepare_model_inputs``/``prepare_model_outputs`` read (installed code:
