@@ -5,16 +5,23 @@
 #   .ci/steps.sh --list          the step names, as a JSON array
 #   .ci/steps.sh --show STEP     the bash a step runs
 #   .ci/steps.sh STEP            run one step (from the repository root, CI=true)
+#   .ci/steps.sh --show-setup STEP   the bash of its setup
+#   .ci/steps.sh --setup STEP    only install what the step needs (its leading venv/with_redis/pip commands, or
+#                                `SCRIPT --setup` for a step that is one script); .ci/run installs the later
+#                                steps this way in the background while the first one runs
 #
-# Adding a step is one line in STEPS: a name and the bash it runs. `venv NAME [PIP ARGS...]` makes (or
-# reuses) the virtual environment .venv-NAME, activates it and pip-installs the arguments into it, so a
+# Adding a step is one line in STEPS: a name and the bash it runs. `venv NAME [PIP ARGS...]` (.ci/lib.sh) makes
+# (or reuses) the virtual environment .venv-NAME, activates it and pip-installs the arguments into it, so a
 # step is self-contained on a fresh GitHub runner and shares nothing with the other steps' environments.
+# A step starts with what it installs (venv, with_redis, pip install: its setup), then what it runs.
 # torch 2.13.0 goes in first (the CPU build here; the workflow installs it from the CPU index), then every
 # package under constraints-torch.txt so pip cannot swap torch for a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CI="${CI:-true}"          # selects the `ci` hypothesis profile (derandomized)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+# shellcheck source=.ci/lib.sh
+. .ci/lib.sh   # venv NAME [PIP ARGS...] (reused when installed already), pip (editable builds one at a time)
 
 # name            the bash it runs (one line each; order matters for .ci/run only where a note says so)
 STEPS=(
@@ -32,16 +39,6 @@ ADVISORY=(  # none: every step was re-verified on the tree of 2026-12-01 (the se
 
 advisory_reason() { local s; for s in "${ADVISORY[@]}"; do if [ "${s%% *}" = "$1" ]; then s="${s#* }"; echo "${s#"${s%%[![:space:]]*}"}"; return 0; fi; done; return 1; }
 
-venv() {  # venv NAME [PIP ARGS...]: .venv-NAME with torch 2.13.0 (CPU) and the arguments, activated
-    local name=$1; shift
-    [ -x ".venv-$name/bin/python" ] || python3 -m venv ".venv-$name"
-    # shellcheck disable=SC1090
-    . ".venv-$name/bin/activate"
-    python -m pip install -q --upgrade pip
-    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple}
-    if [ "$#" -gt 0 ]; then python -m pip install -q -c constraints-torch.txt "$@"; fi
-}
-
 with_redis() {  # a redis-server binary for tests/test_example_db.py's Redis run, unless CI gives a server
     # The test starts its own server (a fresh port, retried if taken) when $SPEC_TEST_REDIS_URL is unset;
     # the workflow sets that URL to its Redis service container. policy-rc.d keeps the OS package from
@@ -55,6 +52,20 @@ with_redis() {  # a redis-server binary for tests/test_example_db.py's Redis run
         || echo "redis-server could not be installed: the Redis run of tests/test_example_db.py will skip"
     if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
     return 0
+}
+
+setup_of() {  # the setup part of a step's command (see --setup)
+    local cmd part out=() ; cmd=$(command_of "$1") || return 2
+    if [[ "$cmd" =~ ^bash\ (\.ci/steps/[A-Za-z0-9_.-]+\.sh)$ ]]; then echo "bash ${BASH_REMATCH[1]} --setup"; return 0; fi
+    while [ -n "$cmd" ]; do
+        part=${cmd%% && *}
+        case "$part" in venv\ *|with_redis|pip\ install\ *) out+=("$part") ;; *) break ;; esac
+        if [ "$part" = "$cmd" ]; then break; fi
+        cmd=${cmd#* && }
+    done
+    local joined=""
+    for part in "${out[@]}"; do joined+="${joined:+ && }$part"; done
+    echo "$joined"
 }
 
 names() { local s; for s in "${STEPS[@]}"; do echo "${s%% *}"; done; }
@@ -73,6 +84,12 @@ case "${1:-}" in
     --names) names ;;
     --advisory) if advisory_reason "$2" >/dev/null; then advisory_reason "$2"; else exit 1; fi ;;
     --show) command_of "$2" ;;
+    --show-setup) setup_of "$2" ;;
+    --setup)
+        cmd=$(setup_of "$2")
+        echo "=== CI setup $2: ${cmd:-(nothing to install)}"
+        if [ -n "$cmd" ]; then eval "$cmd"; fi
+        ;;
     ""|-h|--help) sed -n '2,12p' "$0"; echo "steps: $(names | tr '\n' ' ')" ;;
     *)
         cmd=$(command_of "$1")

@@ -69,3 +69,71 @@ def test_the_tox_matrix_has_the_oldest_and_the_newest_torch() -> None:
     assert pins[versions[-1][1]][1] == "0.15.3", "the newest torch runs with the newest tensordict"
     tox = (ROOT / "tox.ini").read_text()
     assert all(env in tox.split("env_list =", 1)[1].splitlines()[0] for env in pins)
+
+
+def test_every_step_begins_with_its_setup() -> None:
+    """`.ci/steps.sh --setup STEP` installs only: the step's leading venv/with_redis/pip commands (or its script's
+    --setup); what the step runs comes after, so .ci/run can install a later step ahead while an earlier one runs."""
+    for name, command in docs.ci_steps():
+        setup = _steps_sh("--show-setup", name).strip()
+        assert setup, f"step {name} installs nothing before it runs: {command}"
+        parts = setup.split(" && ")
+        assert all(p.startswith(("venv ", "with_redis", "pip install ", "bash .ci/steps/")) for p in parts), setup
+        if setup.startswith("bash .ci/steps/"):
+            assert setup == f"{command} --setup", (setup, command)
+            script = (ROOT / command.split()[1]).read_text()
+            assert '"${1:-}" = "--setup"' in script  # the script stops after its installs
+        else:
+            assert command.startswith(setup + " && "), (setup, command)
+            assert "pytest" not in setup and "spec verify" not in setup
+
+
+FAKE_STEPS = r'''#!/usr/bin/env bash
+# a stand-in for .ci/steps.sh: three steps whose setups and runs log when they start and end
+cd "$(dirname "$0")/.."
+log() { echo "$1 $(date +%s.%N)" >> events.log; }
+case "$1" in
+    --names) printf 'one\ntwo\nthree\n' ;;
+    --advisory) exit 1 ;;
+    --setup) log "setup-$2-start"; sleep 0.4; if [ "$2" = "$FAIL_SETUP" ]; then exit 7; fi; log "setup-$2-end" ;;
+    *) log "run-$1-start"; sleep 0.6; log "run-$1-end" ;;
+esac
+'''
+
+
+def _fake_ci(tmp_path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / ".ci" / "run").write_text((ROOT / ".ci" / "run").read_text())
+    (tmp_path / ".ci" / "steps.sh").write_text(FAKE_STEPS)
+    (tmp_path / ".ci" / "steps.sh").chmod(0o755)
+    run = subprocess.run(["bash", ".ci/run"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env})
+    events = [line.split()[0] for line in sorted((tmp_path / "events.log").read_text().splitlines(),
+                                                   key=lambda line: float(line.split()[1]))]
+    return run, events
+
+
+def test_ci_run_installs_the_later_steps_ahead_and_waits_for_each(tmp_path) -> None:
+    run, events = _fake_ci(tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    at = {e: i for i, e in enumerate(events)}
+    assert at["setup-one-end"] < at["run-one-start"]  # the first step's setup in the foreground
+    assert at["setup-two-start"] < at["run-one-end"]  # the next one's while the first step runs
+    for step in ("two", "three"):
+        assert at[f"setup-{step}-end"] < at[f"run-{step}-start"]
+    assert [e for e in events if e.startswith("run-")] == [
+        "run-one-start", "run-one-end", "run-two-start", "run-two-end", "run-three-start", "run-three-end"]
+    assert "two setup:" in run.stdout and "in the background" in run.stdout
+
+
+def test_a_failed_setup_ahead_leaves_the_step_to_install_itself(tmp_path) -> None:
+    run, events = _fake_ci(tmp_path, FAIL_SETUP="two")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "run-two-start" in events and "setup two ended with 7 in the background" in run.stdout
+    assert "two setup: failed in the background (exit 7); installed by the step" in run.stdout
+
+
+def test_ci_install_ahead_can_be_turned_off(tmp_path) -> None:
+    run, events = _fake_ci(tmp_path, CI_INSTALL_AHEAD="0")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not any(e.startswith("setup-") for e in events)
