@@ -46,7 +46,10 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
     embed = torch.randn(vocab, hidden, generator=gen).to(device)
     pos_embed = (0.5 * torch.randn(POSITION_AXES, max_pos, hidden, generator=gen)).to(device)
     proj = (2.0 * torch.randn(hidden, out_dim, generator=gen)).to(device)
-    return embed, pos_embed, proj, proj.double()
+    proj64 = proj.double()
+    # the fused head's (V, H) LM-head weight: the projection quantised, exact in every logits dtype
+    weight64 = ((proj64.T / _WEIGHT_STEP).round() * _WEIGHT_STEP).clamp(-_WEIGHT_MAX, _WEIGHT_MAX)
+    return embed, pos_embed, proj, proj64, weight64
 
 
 class ToyCausalLM:
@@ -61,15 +64,13 @@ class ToyCausalLM:
             raise ValueError(f"head_input must be 'logits' or 'hidden', got {head_input!r}")
         #: "hidden": the fused-head protocol (hidden states and the LM-head weight, no logits)
         self.head_input = head_input
-        self.embed, self.pos_embed, self.proj, self._proj64 = _weights(
+        self.embed, self.pos_embed, self.proj, self._proj64, self._weight64 = _weights(
             vocab, int(seed), out_dim or vocab, hidden, max_pos, str(torch.device(device)))
-        weight = (self._proj64.T / _WEIGHT_STEP).round() * _WEIGHT_STEP
-        self._weight64 = weight.clamp(-_WEIGHT_MAX, _WEIGHT_MAX)  # (V, H), exact in every logits dtype
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The fused-head protocol's ``(V, H)`` LM-head weight, in :attr:`dtype`."""
-        return self._weight64.to(self.dtype)
+        return self._weight64.to(self.dtype, copy=True)  # the cached weight is shared: never hand it out
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
