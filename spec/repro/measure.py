@@ -59,8 +59,10 @@ for path in args:
         except BaseException as exc:  # noqa: BLE001 - a broken file: reported as 3
             print("ERROR", type(exc).__name__, exc)
             code = 3
-    # how it failed: a failed check ("FAIL <ID> (<check>) on ..."), or an exception the file caught
-    how = "check" if re.search(r"^FAIL \\S+ \\(\\w+\\) on ", out.getvalue(), re.M) else "raised"
+    # how it failed: an exception of the engine's the file caught ("FAIL <ID> ...: got <Error>: ...", "the packer
+    # raised <Error>"), else a failed check ("FAIL <ID> (<check>) on ...: ...", "FAIL <ID>: got ..., expected ...")
+    raised = re.search(r"^FAIL \\S+[^\\n]*?(got|raised) \\w*(Error|Exception)\\b", out.getvalue(), re.M)
+    how = "raised" if raised else "check"
     print("EXIT", code, how, path, flush=True)
 """
 

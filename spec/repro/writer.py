@@ -30,6 +30,7 @@ from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSn
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
+from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
 from .minibatch import write_minibatch_reproducer
 from .packing import packer_requires, write_packing_reproducer
 from .plans import Plan, plan_for
@@ -107,7 +108,14 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
         maker = getattr(getattr(engine, "bug", None), "microbatch", None)  # a planted bug over impl's layer
         factory = (maker, ImplEngine.microbatch_layer(engine)) if maker and isinstance(engine, ImplEngine) else None
-        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case, factory)
+        functions = dict(layer.functions) if layer else {}
+        if invariant == END_TO_END:  # and the engine on every micro-batch
+            # a bug planted in the layer alone runs impl's own engine (written out as impl's snippet)
+            snippet = (ImplEngine() if layer_bug_only(engine) else engine).repro_snippet(_settings_of(case.engine_case()))
+            header = _header(invariant, mode, engine.name, title, case, error, snippet)
+            why = write_end_to_end_reproducer(path, header, engine, snippet, functions, case, factory)
+        else:
+            why = write(path, header, invariant, functions, case, factory)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
