@@ -142,8 +142,8 @@ def main():
     except Exception as exc:  # noqa: BLE001 - the layer or the engine failed on a valid mini-batch
         if isinstance(exc, NameError) and origin(exc) is None:
             return _own_error(exc)
-        print(f"FAIL {INVARIANT}: got {type(exc).__name__}: {exc} (raised by the layer or the engine: traceback "
-              "below), expected outputs (the mini-batch is valid)")
+        print(f"FAIL {INVARIANT}: got {type(exc).__name__}: {exc} (raised by the layer, the engine, or the stand-in "
+              "model fed what the engine handed it: traceback below), expected outputs (the mini-batch is valid)")
         traceback.print_exc()
         return 1
     if problem:

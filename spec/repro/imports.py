@@ -141,7 +141,8 @@ def _names(code: types.CodeType) -> set[str]:
 def _reached(fn: Any) -> tuple[set[str], dict[str, Any]]:
     """The global names ``fn`` reads (a class: its whole body, decorators and bases included) and its globals."""
     if inspect.isclass(fn):
-        code = compile(_body(fn), fn.__qualname__, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        code = compile(_body(fn), fn.__qualname__, "exec", flags=__future__.annotations.compiler_flag,
+                       dont_inherit=True)  # annotations stay strings, as in the suite's modules
         return (_names(code) - {fn.__name__},
                 vars(sys.modules[fn.__module__]))
     return _names(fn.__code__), fn.__globals__

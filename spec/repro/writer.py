@@ -111,7 +111,8 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         functions = dict(layer.functions) if layer else {}
         if invariant == END_TO_END:  # and the engine on every micro-batch
             # a bug planted in the layer alone runs impl's own engine (written out as impl's snippet)
-            snippet = (ImplEngine() if layer_bug_only(engine) else engine).repro_snippet(_settings_of(case.engine_case()))
+            built = ImplEngine() if layer_bug_only(engine) else engine
+            snippet = built.repro_snippet(_settings_of(case.engine_case()))
             header = _header(invariant, mode, engine.name, title, case, error, snippet)
             why = write_end_to_end_reproducer(path, header, engine, snippet, functions, case, factory)
         else:
