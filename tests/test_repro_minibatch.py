@@ -106,3 +106,22 @@ def test_a_closure_of_no_factory_is_not_standalone(tmp_path) -> None:
     assert rep.status == "not standalone" and "restore_dynamic_batch" in rep.detail
     code, printed = run_reproducer(rep.path)
     assert code == 2 and "NOT STANDALONE" in printed
+
+
+def test_the_end_to_end_failure_reproduces_without_the_suite_and_impl_passes(tmp_path) -> None:
+    """INV-MB-015 (spec/repro/end_to_end.py): the planted layer's wrapper written out with its factory, impl's engine
+    on every micro-batch, postprocess_batch_func, the float64 reference of the whole mini-batch; impl's twin passes."""
+    engine = planted_engine("restore_off_by_one_when_reordered")
+    outcome = run_invariant(CATALOGUE["INV-MB-015"], engine, "packed", "cpu", profile="ci", database=None,
+                            shrink=False, max_examples=10)
+    assert outcome.status == "fail", (outcome.status, outcome.error)
+    (rep,) = write_reproducers([outcome], engine, tmp_path)
+    assert rep.status == "reproduces", (rep.status, rep.detail)
+    text = rep.path.read_text()
+    assert "restore_off_by_one_when_reordered(" in text and not re.search(r"^\s*(import|from)\s+spec\b", text, re.M)
+    twin, why = write_reproducer(tmp_path / "twin.py", invariant="INV-MB-015", mode="packed", engine=ImplEngine(),
+                                 case=outcome.case)
+    assert why is None, why
+    codes, out = _run_without_spec([rep.path, twin])
+    assert codes[str(rep.path)] == 1 and "FAIL INV-MB-015" in out and "expected" in out, out
+    assert codes[str(twin)] == 0 and "PASS: INV-MB-015" in out, out

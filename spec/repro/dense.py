@@ -12,6 +12,7 @@ case, the device and the helpers. It exits 1 printing got vs expected, 0 when th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pprint
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,26 @@ from ..cases.structure import DenseCase
 from ..protocol.engine import HELPERS, EngineUnderTest
 from .imports import function_imports, written_out
 
-__all__ = ["write_dense_reproducer"]
+__all__ = ["case_fields", "write_dense_reproducer"]
 
 #: names the written file defines itself (the checks' ``fail``, dataclasses' ``replace``, the imports)
 PROVIDED = ("fail", "replace", "torch", "TensorDict", "Any")
+
+
+def _literal(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, tuple) and all(_literal(v) for v in value))
+
+
+def _is_property(attr: Any) -> bool:
+    return isinstance(attr, property)
+
+
+def case_fields(case: Any) -> dict[str, Any]:
+    """The case's fields and derived sizes (its properties) that are literals, as the written check reads them."""
+    fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
+    derived = {name: getattr(case, name) for name, _ in inspect.getmembers(type(case), _is_property)}
+    return {k: v for k, v in {**fields, **derived}.items() if _literal(v)}
 
 
 def write_dense_reproducer(path: Path, header: str, invariant: str, check: Any, engine: EngineUnderTest,
@@ -38,12 +55,11 @@ def write_dense_reproducer(path: Path, header: str, invariant: str, check: Any, 
     imports, why = function_imports({n: engine.helper(n) for n in names})
     if why:
         return why
-    fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
     path.write_text("\n".join([
         header, "from __future__ import annotations", "", "import sys", "from types import SimpleNamespace", "from typing import Any", "", "import torch",
         "from tensordict import TensorDict", "", "# ---- the engine's helpers ----", imports, "",
         f"INVARIANT = {invariant!r}", f"HELPERS = {names!r}",
-        "CASE = " + pprint.pformat({**fields, "batch_size": case.batch_size}, width=120, sort_dicts=False), "",
+        "CASE = " + pprint.pformat(case_fields(case), width=120, sort_dicts=False), "",
         _PRELUDE, "# ---- the invariant's check and what it calls (the suite's, verbatim) ----", code, "",
         f"CHECK = {check.__name__}", _MAIN]))
     return None

@@ -7,19 +7,23 @@ source written into the file and run as a module of its own; anything else (a cl
 suite module that imports the suite) is not standalone, and the reason says which.
 
 :func:`written_out`: the source of the suite's check functions and every module-level function and constant they
-reach, for a reproducer to run the invariant's own check (its decorators dropped).
+reach, and an import line for each module or object outside the suite they reach, for a reproducer to run the
+invariant's own check (its decorators dropped; a helper class of the suite written out whole).
 """
 
 from __future__ import annotations
 
+import __future__
 import importlib.util
 import inspect
+import math
 import re
 import sys
+import textwrap
 import types
 from typing import Any, Callable, Iterable
 
-__all__ = ["function_imports", "factory_layer_imports", "inline_module", "written_out"]
+__all__ = ["alias", "function_imports", "factory_layer_imports", "inline_module", "modules_code", "written_out"]
 
 _SUITE_IMPORT = re.compile(r"^\s*(from\s+\.|from\s+spec\b|import\s+spec\b)", re.MULTILINE)
 
@@ -28,7 +32,7 @@ def _suite(module: str) -> bool:
     return module.split(".")[0] in ("spec", "__main__")
 
 
-def _alias(module: str) -> str:
+def alias(module: str) -> str:
     return "_written_" + module.replace(".", "_")
 
 
@@ -40,7 +44,7 @@ def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[s
     single-line imports only, rewritten to the aliases), dependencies first; ``(None, why)`` where one imports the
     suite otherwise."""
     done = {} if done is None else done
-    module = sys.modules.get(name)
+    module = sys.modules.get(name) or importlib.import_module(name)
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError):
@@ -51,14 +55,14 @@ def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[s
 
     for match in _RELATIVE.finditer(source):
         target = absolute(match)
-        if _alias(target) not in done:
+        if alias(target) not in done:
             _, why = inline_module(target, done)
             if why:
                 return None, why
-    source = _RELATIVE.sub(lambda m: f"from {_alias(absolute(m))} import {m.group(2)}", source)
+    source = _RELATIVE.sub(lambda m: f"from {alias(absolute(m))} import {m.group(2)}", source)
     if _SUITE_IMPORT.search(source):
         return None, f"{name} imports the suite in a way not written out"
-    done[_alias(name)] = source
+    done[alias(name)] = source
     return done, None
 
 
@@ -67,7 +71,7 @@ _MODULE_HELPER = ("def _module(name, source):  # the suite's own definition, wri
                   "    exec(compile(source, name, 'exec'), mod.__dict__)\n    return mod\n\n")
 
 
-def _modules_code(modules: dict[str, str]) -> list[str]:
+def modules_code(modules: dict[str, str]) -> list[str]:
     return ["import sys", _MODULE_HELPER] + [f"{alias} = _module({alias!r}, {source!r})"
                                            for alias, source in modules.items()]
 
@@ -86,8 +90,8 @@ def function_imports(functions: dict[str, Callable[..., Any] | None]) -> tuple[s
         _, why = inline_module(module, modules)
         if why:
             return None, f"the engine's {name} is defined by the suite ({module}.{qual}): {why}"
-        lines.append(f"{name} = {_alias(module)}.{qual}")
-    return "\n".join((_modules_code(modules) if modules else []) + lines), None
+        lines.append(f"{name} = {alias(module)}.{qual}")
+    return "\n".join((modules_code(modules) if modules else []) + lines), None
 
 
 def factory_layer_imports(factory: Callable[..., Any], base: Any, names: Iterable[str]
@@ -110,15 +114,17 @@ def factory_layer_imports(factory: Callable[..., Any], base: Any, names: Iterabl
     if why:
         return None, why
     (pkg,) = package
-    lines = _modules_code(modules) + [
+    lines = modules_code(modules) + [
         f"import {pkg}",
-        f"_LAYER = {_alias(module)}.{qual}({_alias('spec.protocol.microbatch')}.layer_from({base.name!r}, [{pkg}]))"]
+        f"_LAYER = {alias(module)}.{qual}({alias('spec.protocol.microbatch')}.layer_from({base.name!r}, [{pkg}]))"]
     lines += [f"{name} = _LAYER.get({name!r})" for name in names]
     return "\n".join(lines), None
 
 
 def _body(fn: Callable[..., Any]) -> str:
-    """``fn``'s source from its ``def`` line (decorators dropped)."""
+    """``fn``'s source from its ``def`` line (decorators dropped); a class's whole source (its decorators kept)."""
+    if inspect.isclass(fn):
+        return textwrap.dedent(inspect.getsource(fn))
     lines = inspect.getsource(fn).splitlines()
     start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
     return "\n".join(lines[start:]) + "\n"
@@ -132,29 +138,68 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def _reached(fn: Any) -> tuple[set[str], dict[str, Any]]:
+    """The global names ``fn`` reads (a class: its whole body, decorators and bases included) and its globals."""
+    if inspect.isclass(fn):
+        code = compile(_body(fn), fn.__qualname__, "exec", flags=__future__.annotations.compiler_flag,
+                       dont_inherit=True)  # annotations stay strings, as in the suite's modules
+        return (_names(code) - {fn.__name__},
+                vars(sys.modules[fn.__module__]))
+    return _names(fn.__code__), fn.__globals__
+
+
+def _plain(obj: Any) -> bool:
+    return isinstance(obj, (bool, int, float, str)) or (isinstance(obj, tuple) and all(
+        isinstance(x, (bool, int, float, str)) for x in obj))
+
+
+def _literal(obj: Any) -> str:
+    """``repr`` that reads back (a non-finite float as ``float('nan')``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return f"float({str(obj)!r})"
+    if isinstance(obj, tuple):
+        return "(" + "".join(_literal(x) + ", " for x in obj) + ")"
+    return repr(obj)
+
+
+def _import_line(name: str, obj: Any) -> str | None:
+    """An import binding ``name`` to ``obj`` (a module, or an object its module exports by that name), or None."""
+    if isinstance(obj, types.ModuleType):
+        return f"import {obj.__name__}" + ("" if obj.__name__ == name else f" as {name}")
+    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not qual or "." in qual or getattr(sys.modules.get(module), qual, None) is not obj:
+        return None
+    return f"from {module} import {qual}" + ("" if qual == name else f" as {name}")
+
+
 def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -> tuple[str | None, str | None]:
-    """The source of ``checks`` and of the suite's module-level functions and plain constants they reach by name
-    (``provided``: names the file defines itself); ``(None, why)`` when one of them reaches something else of the
-    suite (a class, an object) that cannot be written out."""
+    """The source of ``checks`` and of the suite's module-level functions, classes and plain constants they reach by
+    name (``provided``: names the file defines itself), with an import line for each module or importable object
+    outside the suite they reach; ``(None, why)`` when one of them reaches something else of the suite (an object)
+    that cannot be written out."""
     provided = set(provided)
     seen: dict[str, str] = {}
     constants: dict[str, str] = {}
+    imports: dict[str, str] = {}
     todo = list(checks)
     while todo:
         fn = todo.pop()
         if fn.__name__ in seen:
             continue
         seen[fn.__name__] = _body(fn)
-        for name in sorted(n for n in _names(fn.__code__) - provided if not n.startswith("__")):
-            obj = fn.__globals__.get(name)
-            if obj is None or isinstance(obj, types.ModuleType):
+        names, scope = _reached(fn)
+        for name in sorted(n for n in names - provided if not n.startswith("__")):
+            obj = scope.get(name)
+            if obj is None:
                 continue
-            if inspect.isfunction(obj) and _suite(obj.__module__):
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and _suite(obj.__module__):
                 todo.append(obj)
-            elif isinstance(obj, (bool, int, float, str)) or (isinstance(obj, tuple) and all(
-                    isinstance(x, (bool, int, float, str)) for x in obj)):
-                constants[name] = repr(obj)
+            elif _plain(obj):
+                constants[name] = _literal(obj)
             elif _suite(getattr(obj, "__module__", "") or ""):
                 return None, f"{fn.__name__} reaches the suite's {name} ({type(obj).__name__}), not written out"
-    head = "".join(f"{name} = {value}\n" for name, value in sorted(constants.items()))
+            elif (line := _import_line(name, obj)) is not None:
+                imports[name] = line
+    head = "".join(f"{line}\n" for _, line in sorted(imports.items()))
+    head += "".join(f"{name} = {value}\n" for name, value in sorted(constants.items()))
     return head + "\n\n" + "\n\n".join(reversed(list(seen.values()))), None

@@ -3,7 +3,8 @@
 ``python -m spec.repro.measure [--bugs a,b] [--invariants INV-X,...] [--examples 5] [--out DIR]``: for every planted
 bug (spec/planted), its first ``caught_by`` invariant runs under the ci profile (a few examples, no shrinking, no
 example database, as tests/test_repro.py's fixture runs it) in each of its modes until one fails; the failure's
-reproducer is written and the same reproducer with impl's engine block (the bug fixed: its twin) beside it. Then
+reproducer is written and the same reproducer with impl's engine block (the bug fixed: its twin; for a planted
+packer, the suite's reference packer) beside it. Then
 both sets of files run in fresh processes: the twins with ``spec`` unimportable, the planted ones with only the
 planted engine's adapter importing it (the text outside the engine block imports nothing of the suite, checked here).
 Prints per bug the invariant, the mode, the planted reproducer's exit code and its twin's, and the totals. A
@@ -27,6 +28,7 @@ from ..invariants import CATALOGUE
 from ..planted import PLANTED
 from ..run.registry import load_engine
 from ..run.runner import run_invariant
+from .packing import ReferencePackingEngine
 from .writer import write_reproducer, write_reproducers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +59,10 @@ for path in args:
         except BaseException as exc:  # noqa: BLE001 - a broken file: reported as 3
             print("ERROR", type(exc).__name__, exc)
             code = 3
-    # how it failed: a failed check ("FAIL <ID> (<check>) on ..."), or an exception the file caught
-    how = "check" if re.search(r"^FAIL \\S+ \\(\\w+\\) on ", out.getvalue(), re.M) else "raised"
+    # how it failed: an exception of the engine's the file caught ("FAIL <ID> ...: got <Error>: ...", "the packer
+    # raised <Error>"), else a failed check ("FAIL <ID> (<check>) on ...: ...", "FAIL <ID>: got ..., expected ...")
+    raised = re.search(r"^FAIL \\S+[^\\n]*?(got|raised) \\w*(Error|Exception)\\b", out.getvalue(), re.M)
+    how = "raised" if raised else "check"
     print("EXIT", code, how, path, flush=True)
 """
 
@@ -96,6 +100,11 @@ def _for_impl(case):
     return case
 
 
+def _twin_engine(invariant: str):
+    """The bug fixed: impl, or for a planted packer the suite's reference packer (impl has no packer)."""
+    return ReferencePackingEngine() if invariant.startswith("INV-MEG-") else ImplEngine()
+
+
 def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] | None,
             every: bool = False) -> list[dict]:
     """One row per bug and invariant: its first ``caught_by`` (``every``: each of them)."""
@@ -128,7 +137,7 @@ def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] |
                 break
             case = _for_impl(outcome.case if not rep.known else next(iter(outcome.known_cases.values()))[0])
             twin, why = write_reproducer(rep.path.with_name(rep.path.stem + "-impl.py"), invariant=invariant,
-                                         mode=mode, engine=ImplEngine(), case=case)
+                                         mode=mode, engine=_twin_engine(invariant), case=case)
             row["twin_path"] = None if why else twin
             if why:
                 row["why"] = f"twin: {why}"[:200]

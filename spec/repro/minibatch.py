@@ -37,15 +37,6 @@ MB_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-#: micro-batch invariants written out nowhere, and why
-NOT_WRITTEN = {
-    "INV-MB-015": "INV-MB-015 runs end to end (the layer's cut, the engine's prepare_model_inputs/outputs with the "
-                  "stand-in model on every micro-batch, postprocess_batch_func, the per-sequence oracle): not written "
-                  "out; its layer findings are INV-MB-001..014's reproducers, its engine findings the engine-case ones "
-                  "(rerun it with `python -m spec verify --only INV-MB-015`)",
-}
-
-
 def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...], factory: Any = None
                   ) -> tuple[str | None, str | None]:
     """Code binding each of ``names`` to the layer's own function (:func:`.imports.function_imports`), or
@@ -91,9 +82,8 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
     elif invariant in HELPER_CHECKS:
         (names, check), extra, checks = HELPER_CHECKS[invariant], helper_case_data(case), HELPER_RUNTIME
     else:
-        return NOT_WRITTEN.get(invariant) or (
-            f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
-            f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])})")
+        return (f"{invariant} has no standalone micro-batch check in spec/repro/minibatch.py (standalone: "
+                f"{', '.join([*MB_CHECKS, *HELPER_CHECKS])}; INV-MB-015: spec/repro/end_to_end.py)")
     imports, why = layer_imports(functions, names, factory)
     if why:
         return why

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..cases.microbatch import MiniBatchCase
+from ..cases.dropin import DropinCase
 from ..cases.structure import DenseCase, EngineCase
 from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
@@ -29,7 +30,9 @@ from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSn
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
+from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
 from .minibatch import write_minibatch_reproducer
+from .packing import packer_requires, write_packing_reproducer
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
 from .templates import PREAMBLE, RUNTIME, suite_blocks
@@ -39,9 +42,6 @@ __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproduce
 
 #: why a family has no standalone reproducer, by invariant ID prefix
 WHY_NOT = {
-    "INV-MEG-": "the packer is the adapter's object: spec/engines/megatron.py calls verl.models.mcore.util's "
-                "pre/postprocess for every CP rank under a faked megatron parallel_state and an all_gather answered "
-                "from the other ranks' shards, and the planted packers subclass the suite's ReferencePacker",
     "INV-RANK-003": "it checks the engine's pad_size, which the written-out views (ids, positions, labels, mask) do "
                     "not carry",
     "INV-RANK-006": "it checks the private shapes of the engine's hand-off and its pad_size, which the written-out "
@@ -108,11 +108,27 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         write = write_dp_reproducer if invariant in DP_CHECKS else write_minibatch_reproducer
         maker = getattr(getattr(engine, "bug", None), "microbatch", None)  # a planted bug over impl's layer
         factory = (maker, ImplEngine.microbatch_layer(engine)) if maker and isinstance(engine, ImplEngine) else None
-        why = write(path, header, invariant, dict(layer.functions) if layer else {}, case, factory)
+        functions = dict(layer.functions) if layer else {}
+        if invariant == END_TO_END:  # and the engine on every micro-batch
+            # a bug planted in the layer alone runs impl's own engine (written out as impl's snippet)
+            built = ImplEngine() if layer_bug_only(engine) else engine
+            snippet = built.repro_snippet(_settings_of(case.engine_case()))
+            header = _header(invariant, mode, engine.name, title, case, error, snippet)
+            why = write_end_to_end_reproducer(path, header, engine, snippet, functions, case, factory)
+        else:
+            why = write(path, header, invariant, functions, case, factory)
         if why:
             path.write_text(_unsupported(header, why))
         return path, why
-    if isinstance(case, DenseCase):  # the engine's padding helpers on the dense trainer batch
+    if invariant.startswith("INV-MEG-"):  # the engine's packer, over every TP x CP x layout
+        requires = packer_requires(engine)
+        header = _header(invariant, mode, engine.name, title, case, error, ReproSnippet("", requires) if requires
+                         else None)
+        why = write_packing_reproducer(path, header, invariant, CATALOGUE[invariant].check, engine, case)
+        if why:
+            path.write_text(_unsupported(header, why))
+        return path, why
+    if isinstance(case, (DenseCase, DropinCase)):  # the engine's padding helpers on a dense batch
         why = write_dense_reproducer(path, header, invariant, CATALOGUE[invariant].check, engine, case)
         if why:
             path.write_text(_unsupported(header, why))
