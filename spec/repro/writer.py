@@ -29,6 +29,7 @@ from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSn
 from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
+from .engine_source import planted_engine_snippet
 from .minibatch import write_minibatch_reproducer
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
@@ -42,12 +43,6 @@ WHY_NOT = {
     "INV-MEG-": "the packer is the adapter's object: spec/engines/megatron.py calls verl.models.mcore.util's "
                 "pre/postprocess for every CP rank under a faked megatron parallel_state and an all_gather answered "
                 "from the other ranks' shards, and the planted packers subclass the suite's ReferencePacker",
-    "INV-RANK-003": "it checks the engine's pad_size, which the written-out views (ids, positions, labels, mask) do "
-                    "not carry",
-    "INV-RANK-006": "it checks the private shapes of the engine's hand-off and its pad_size, which the written-out "
-                    "views do not carry",
-    "INV-RANK-008": "it checks every position of the engine's rolled labels (the wrap and the zero tail included) "
-                    "with its pad_size, which the written-out views do not carry",
 }
 
 
@@ -121,8 +116,8 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
-        # needs a process group, verl's, has a snippet for them)
-        ranked = engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        # needs a process group, verl's, has a snippet for them; a planted engine is written out with impl)
+        ranked = planted_engine_snippet(engine) or engine.repro_snippet({**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:
