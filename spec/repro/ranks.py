@@ -124,8 +124,7 @@ def rank_execute(c, mb, poison, rank, inputs_only=False):
             joined[key] = torch.cat([e[key] for e in everyone], dim=-1)
         widths = [e["input_ids"].shape[-1] for e in everyone]
         out = rank_outputs(_tracked(model(**joined)), c, POISONS[poison], widths)[rank if c.sp_size > 1 else 0]
-        processor = TopKProcessor(tuple(c.distillation_keys)) if c.distillation_use_topk else None
-        raw = eng.prepare_model_outputs(out, args, mb, processor)
+        raw = eng.prepare_model_outputs(out, args, mb, _processor(c, rank))  # the engine's own or the stand-in
     return view, _views_out(raw)
 
 
