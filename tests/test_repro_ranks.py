@@ -2,18 +2,27 @@
 A user's engine with a sequence-parallel bug that shows only on real ranks (tests/shard_roll_engine.py: labels
 rolled within each rank's shard) fails INV-RANK-002; its reproducer exits 1 with ``spec`` unimportable (in the
 parent; the ranks it starts import only torch, tensordict and the engine's module), and the impl twin of the same
-case exits 0. One subprocess runs both."""
+case exits 0. One subprocess runs both. The planted rank engines' files (their engine module and impl written out)
+reproduce INV-RANK-003/006/008 with neither the suite nor impl importable, in the file's process and its ranks."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import impl
+from spec.cases.structure import EngineCase
 from spec.engines.impl import ImplEngine
 from spec.invariants import CATALOGUE
+from spec.repro.engine_source import planted_engine_snippet
 from spec.repro.writer import write_reproducer, write_reproducers
 from spec.run.registry import load_engine
 from spec.run.runner import run_invariant
 
+from tests.test_repro import ROOT, RUN_WITHOUT_SPEC
 from tests.test_repro_dense import _run_without_spec
 
 
@@ -34,3 +43,73 @@ def test_a_real_rank_failure_reproduces_on_ranks_the_file_starts(tmp_path) -> No
     codes, out = _run_without_spec([rep.path, twin])
     assert codes[str(rep.path)] == 1 and "FAIL INV-RANK-002 (labels)" in out and "real ranks" in out, out
     assert codes[str(twin)] == 0 and "PASS: INV-RANK-002" in out, out
+
+
+#: planted real-rank bugs caught by what each rank hands over, not by its outputs' values: (bug, invariant, the
+#: file's check that fails, a case it shows on): a row of 2 tokens divides sp = 2 (no pad is due, the bug adds a
+#: row of 2); every rank gets the whole row's temperature, 3 tokens; each rank rolls its own shard of 5 tokens
+HANDOFF = (
+    ("rank_pad_when_divisible", "INV-RANK-003", "rank_pad", EngineCase((1,), (1,), sp_size=2)),
+    ("rank_temperature_not_sliced", "INV-RANK-006", "rank_shapes", EngineCase((2,), (1,), sp_size=2)),
+    ("rank_roll_after_slice", "INV-RANK-008", "rank_roll_exact", EngineCase((2,), (3,), vocab=16, seed=3, sp_size=2)),
+)
+
+#: on PYTHONPATH (first), in the file's process and in every rank it starts: neither the suite nor impl imports
+NEITHER = "import sys\nsys.modules['spec'] = None\nsys.modules['impl'] = None\n"
+
+
+def _run(paths: list[Path], pythonpath: str) -> tuple[dict[str, int], str]:
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", RUN_WITHOUT_SPEC, *map(str, paths)], capture_output=True, text=True,
+                          env=env, cwd=str(paths[0].parent), timeout=900)
+    codes = {line.split()[2]: int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("EXIT")}
+    assert set(codes) == {str(p) for p in paths}, done.stdout + done.stderr
+    return codes, done.stdout
+
+
+def test_planted_rank_engines_are_written_out_with_impl_and_need_neither() -> None:
+    """A planted engine's snippet writes its module and impl out: the engine it builds is that source, run under
+    private module names (the process's own impl and spec are neither used nor replaced)."""
+    before = {name: sys.modules.get(name) for name in ("impl", "impl.engines")}
+    snippet = planted_engine_snippet(load_engine("planted:rank_pad_when_divisible"))
+    assert snippet is not None and snippet.standalone and not snippet.requires
+    assert not re.search(r"^\s*(import|from)\s+(spec|impl)\b", snippet.code, re.M)
+    space: dict = {}
+    exec(compile(snippet.code, "snippet", "exec"), space)  # noqa: S102 - the written engine block
+    eng = space["make_engine"]("lm", sp_size=1)
+    assert type(eng).__name__ == "PadWhenDivisible" and type(eng).__module__ == "_written_spec_planted_rank_bugs"
+    assert not isinstance(eng, impl.LMHeadEngine)  # impl's own class, written out: not the process's impl
+    assert space["helper"]("no_padding_2_padding").__module__ == "_written_impl_padding"
+    assert {name: sys.modules.get(name) for name in before} == before
+    # a bug that is more than an engine class (a planted helper) keeps the engine's own snippet
+    assert planted_engine_snippet(load_engine("planted:slice_without_shift")) is None
+    assert planted_engine_snippet(ImplEngine()) is None
+
+
+def test_rank_handoff_failures_reproduce_without_the_suite_or_impl(tmp_path) -> None:
+    """INV-RANK-003/006/008's reproducers check what each rank reports and hands over (its pad size, the shapes of
+    its labels and temperature, every position of its labels) against values the file computes: the planted
+    engines' files exit 1 at the check with neither the suite nor impl importable (the engine written out), and
+    the impl twins of the same cases exit 0."""
+    site = tmp_path / "neither"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NEITHER)
+    planted, twins = [], []
+    for bug, invariant, _, case in HANDOFF:
+        path, why = write_reproducer(tmp_path / f"{bug}.py", invariant=invariant, mode="packed",
+                                     engine=load_engine(f"planted:{bug}"), case=case)
+        twin, why_twin = write_reproducer(tmp_path / f"{bug}-impl.py", invariant=invariant, mode="packed",
+                                          engine=ImplEngine(), case=case)
+        assert why is None and why_twin is None, (bug, why, why_twin)
+        text = path.read_text()
+        assert "--rank" in text and "_written_impl" in text, bug
+        assert not re.search(r"^\s*(import|from)\s+(spec|impl)\b", text, re.M), bug
+        planted.append(path)
+        twins.append(twin)
+    codes, out = _run(planted, str(site))
+    for (bug, invariant, check, _), path in zip(HANDOFF, planted):
+        assert codes[str(path)] == 1 and f"FAIL {invariant} ({check}) on the case, sp=2 real ranks" in out, (bug, out)
+    assert "pad_size: got 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
+    codes, out = _run(twins, str(ROOT))
+    for (bug, invariant, check, _), path in zip(HANDOFF, twins):
+        assert codes[str(path)] == 0 and f"PASS: {invariant}" in out, (bug, out)

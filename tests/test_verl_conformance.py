@@ -306,3 +306,32 @@ def test_own_processor_computes_the_oracle_s_terms(engine: VerlEngine) -> None:
         if clamp is not None:
             plain = topk_terms(logits[0], ids, lp)
             assert not torch.allclose(plain["distillation_losses"], want["distillation_losses"])
+
+
+def test_reproducer_hands_verl_its_own_processor(engine: VerlEngine, tmp_path) -> None:
+    """A distillation reproducer builds and hands verl the processor the adapter hands it (0.9: its own
+    distillation_ppo_loss with the case's drawn switches) and exits 0 on a case verl gets right; the same file with
+    that processor taken out (the written-out stand-in, which never clamps) exits 1 on the clamped case, so the file
+    runs verl's own. verl 0.7.1 ships none: its file hands the stand-in, as the adapter does."""
+    from spec.cases.structure import DISTILLATION_KEYS
+    from spec.repro.writer import write_reproducer
+
+    case = EngineCase(prompt_lens=(2, 3), response_lens=(3, 2), vocab=16, topk=2, temperature=0.7, seed=5,
+                      distillation_keys=DISTILLATION_KEYS,
+                      engine_config=(("log_prob_min_clamp", -1.0), ("use_chunked_topk", True),
+                                     ("chunked_topk_chunk_size", 3)))
+    path, why = write_reproducer(tmp_path / "own.py", invariant="INV-VAL-004", mode="packed", engine=engine, case=case)
+    assert why is None, why
+    text = path.read_text()
+    if engine.caps.own_processor_error is not None:
+        assert "def logits_processor(" not in text and "distillation_ppo_loss" not in text
+        pytest.skip(f"verl {engine.caps.version}: {engine.caps.own_processor_error}")
+    assert "def logits_processor(" in text and "distillation_ppo_loss" in text
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(text.replace("def logits_processor(", "def _not_handed_logits_processor("))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    runs = {p.name: subprocess.run([sys.executable, str(p)], capture_output=True, text=True, env=env, cwd=str(tmp_path),
+                                   timeout=600) for p in (path, stand_in)}
+    assert runs["own.py"].returncode == 0 and "PASS: INV-VAL-004" in runs["own.py"].stdout, runs["own.py"].stdout
+    assert runs["stand_in.py"].returncode == 1 and "FAIL INV-VAL-004 (values)" in runs["stand_in.py"].stdout, \
+        runs["stand_in.py"].stdout

@@ -844,7 +844,10 @@ class VerlEngine(EngineUnderTest):
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """The attribute setup of :meth:`make`, written out against verl's own classes (sequence parallelism
         needs a process group: a snippet only for a reproducer that starts its own ranks, ``real_ranks`` in the
-        settings, whose all-gather carries the group). A subclass (VeOmni) keeps the default."""
+        settings, whose all-gather carries the group). Where this verl ships its own top-K processor (0.9:
+        :meth:`logits_processor`), the snippet builds it the same way (:data:`VERL_PROCESSOR_SNIPPET`) and the file
+        hands it the engine; verl 0.7.1 ships none, so its file hands the stand-in it writes out, as the suite does.
+        A subclass (VeOmni) keeps the default."""
         if type(self) is not VerlEngine:
             return super().repro_snippet(settings)
         if int(settings.get("sp_size", 1) or 1) > 1 and not settings.get("real_ranks"):
@@ -853,7 +856,9 @@ class VerlEngine(EngineUnderTest):
                 if self.caps.processor else "self.engine.prepare_model_outputs(output, output_args, micro_batch)")
         bucket = ("    eng.pad_to_length = bool(pad_to_length)\n"
                   "    eng.pad_to_length_bucket = int(pad_to_length) if pad_to_length else 1\n") if self.caps.bucket else ""
-        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket), requires=f"verl=={self.caps.version}")
+        # verl's own top-K processor where this verl ships it (logits_processor); else the file's stand-in
+        own = VERL_PROCESSOR_SNIPPET if self.caps.processor and self.caps.own_processor_error is None else ""
+        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket) + own, requires=f"verl=={self.caps.version}")
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
@@ -908,7 +913,10 @@ class _Engine:
 
 
 def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None,
-                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None):
+                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None, use_chunked_topk=False,
+                chunked_topk_chunk_size=4096, log_prob_min_clamp=None):
+    # use_chunked_topk, chunked_topk_chunk_size, log_prob_min_clamp configure verl's top-K processor (logits_processor
+    # below, where this verl ships one), not the engine
     cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
     eng = object.__new__(cls)
     # sp > 1 on real ranks: verl's Ulysses path all-gathers over the process group the all-gather carries
@@ -929,6 +937,35 @@ def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entr
 
 def helper(name):
     return getattr(padding, name, None)
+"""
+
+
+#: verl's own top-K distillation processor built as :meth:`VerlEngine.logits_processor` builds it (verl 0.9: the
+#: file hands it the engine instead of the stand-in it writes out), for a standalone reproducer
+VERL_PROCESSOR_SNIPPET = """
+
+from functools import partial  # noqa: E402
+
+from verl.trainer.distillation.losses import distillation_ppo_loss  # noqa: E402
+from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPActorConfig  # noqa: E402
+
+_ACTOR = []
+
+
+def logits_processor(case, sp_size, sp_rank):
+    \"\"\"What a verl 0.9 run hands prepare_model_outputs (verl.workers.engine_workers): partial(distillation_ppo_loss,
+    config=<actor config, strategy fsdp>, distillation_config=...), its distillation_loss the top-K forward KL with
+    the case's switches (enabled=False: the processor path reads distillation_loss only). Under Ulysses SP verl
+    slices the teacher tensors itself, reading its module-level group (_Engine sets it around the call).\"\"\"
+    if not _ACTOR:
+        _ACTOR.append(FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1))
+    drawn = dict(case.engine_config or ())
+    loss = DistillationLossConfig(loss_mode="forward_kl_topk", topk=int(case.topk), use_policy_gradient=False,
+                                  log_prob_min_clamp=drawn.get("log_prob_min_clamp"),
+                                  use_chunked_topk=bool(drawn.get("use_chunked_topk", False)),
+                                  chunked_topk_chunk_size=int(drawn.get("chunked_topk_chunk_size", 4096)))
+    return partial(distillation_ppo_loss, config=_ACTOR[0],
+                   distillation_config=DistillationConfig(enabled=False, distillation_loss=loss))
 """
 
 

@@ -6,7 +6,8 @@ example database, as tests/test_repro.py's fixture runs it) in each of its modes
 reproducer is written and the same reproducer with impl's engine block (the bug fixed: its twin; for a planted
 packer, the suite's reference packer) beside it. Then
 both sets of files run in fresh processes: the twins with ``spec`` unimportable, the planted ones with only the
-planted engine's adapter importing it (the text outside the engine block imports nothing of the suite, checked here).
+planted engine's adapter importing it (the text outside the engine block imports nothing of the suite, checked here),
+or, a file importing neither ``spec`` nor ``impl`` (its engine written out), with neither importable.
 Prints per bug the invariant, the mode, the planted reproducer's exit code and its twin's, and the totals. A
 measurement, not a test: it takes minutes (the full run longer).
 """
@@ -74,10 +75,20 @@ def _outside_engine_imports_spec(text: str) -> bool:
     return bool(re.search(r"^\s*(import|from)\s+spec\b", text, re.M))
 
 
-def _run_files(paths: list[Path], no_spec: bool, timeout: float) -> dict[str, int]:
+#: a file that imports neither (its engine written out: spec/repro/engine_source.py) runs with neither importable,
+#: in its process and the ranks it starts (this ``sitecustomize`` on their PYTHONPATH)
+NEITHER = "import sys\nsys.modules['spec'] = None\nsys.modules['impl'] = None\n"
+_IMPORTS_EITHER = re.compile(r"^\s*(import|from)\s+(spec|impl)\b", re.M)
+
+
+def _run_files(paths: list[Path], no_spec: bool, timeout: float, neither: bool = False) -> dict[str, int]:
     if not paths:
         return {}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    if neither:
+        site = Path(tempfile.mkdtemp(prefix="repro-neither-"))
+        (site / "sitecustomize.py").write_text(NEITHER)
+        env["PYTHONPATH"] = str(site)
     cmd = [sys.executable, "-c", RUNNER, *(["--no-spec"] if no_spec else []), *map(str, paths)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(paths[0].parent), timeout=timeout)
@@ -147,7 +158,11 @@ def measure(bugs: list[str], folder: Path, examples: int, invariants: set[str] |
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
         print(f"  ran {name}: {row['invariant']} {row['mode']} {row['suite']} ({row['seconds']:.0f} s)", flush=True)
-    planted = _run_files([r["path"] for r in rows if r.get("path") and not r["why"]], no_spec=False, timeout=1800)
+    written = [r for r in rows if r.get("path") and not r["why"]]
+    for r in written:
+        r["alone"] = not _IMPORTS_EITHER.search(r["path"].read_text())
+    planted = _run_files([r["path"] for r in written if not r["alone"]], no_spec=False, timeout=1800)
+    planted.update(_run_files([r["path"] for r in written if r["alone"]], no_spec=True, timeout=1800, neither=True))
     twins = _run_files([r["twin_path"] for r in rows if r.get("twin_path")], no_spec=True, timeout=1800)
     for r in rows:
         if r.get("path") and r["planted"] is None:
@@ -172,7 +187,8 @@ def report(rows: list[dict]) -> str:
                  f"{len(failures)} failures, {len(good)} reproduce (exit 1; {len(by_check)} by a failed check, "
                  f"{len(good) - len(by_check)} by an exception of the engine's) and their twins pass (exit 0); "
                  f"{len(failures) - len(standalone)} got a 'not standalone' file (exit 2); "
-                 f"{len(standalone) - len(good)} other")
+                 f"{len(standalone) - len(good)} other; {sum(1 for r in good if r.get('alone'))} of the reproducing "
+                 "files import neither spec nor impl and ran with neither importable")
     return "\n".join(lines)
 
 

@@ -10,12 +10,16 @@ suite's harness does) and hands the engine its own slice of the output, then sav
 the gathered outputs it returned. The parent checks every rank's outputs against the reference (the single-rank
 answer: INV-RANK-001/009 every key, INV-RANK-005 the distillation keys, INV-RANK-007 with a bucket and fused
 kernels), the ranks' labels joined against the global row rolled by one (INV-RANK-002), their positions joined
-(INV-RANK-004).
+(INV-RANK-004); and what each rank handed its own output step, as its view of the hand-off carries it (the
+``pad_size`` it reports, the labels and per-token temperature it hands on, whatever their private shape, the fused
+``shift_labels``): INV-RANK-003 the pad size against the bucket and sequence-parallel pad computed in the file,
+each rank's token count, the tail's positions and temperature, and the outputs holding exactly the real tokens
+(finite where the reference is); INV-RANK-006 the shapes each rank hands over against its share of the padded
+row; INV-RANK-008 every position of each rank's labels against its slice of the global row rolled by one, the
+zero tail included. INV-RANK-006/008 read the hand-off alone: the ranks stop after ``prepare_model_inputs``.
 
-Not written out: INV-RANK-003/006/008 check the engine's ``pad_size`` and the private shapes and every position
-of its hand-off, which the written-out views (ids, positions, labels, mask) do not carry; and a topology of several
-SP groups runs here as its first group only, at that group's global ranks of the topology's world (the other ranks
-idle).
+Not written out: a topology of several SP groups runs here as its first group only, at that group's global ranks
+of the topology's world (the other ranks idle).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ RANK_CHECKS: dict[str, tuple[str, ...]] = {
     "INV-RANK-007": ("keys", "values"),
     "INV-RANK-004": ("inputs", "keys", "values"),
     "INV-RANK-002": ("labels", "keys", "values"),
+    "INV-RANK-003": ("rank_pad",),
+    "INV-RANK-006": ("rank_shapes",),
+    "INV-RANK-008": ("rank_roll_exact",),
 }
 
 _GUARD = 'if __name__ == "__main__":\n    sys.exit(main())\n'
@@ -95,13 +102,16 @@ def _detached(value):
     return value
 
 
-def rank_execute(c, mb, poison, rank):
-    # one rank: its engine, its inputs, the stand-in model once over the joined row, its slice of the output
+def rank_execute(c, mb, poison, rank, inputs_only=False):
+    # one rank: its engine, its inputs (inputs_only: nothing more), the stand-in model once over the joined row, its
+    # slice of the output
     model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype)
     with execution_context(c):
         eng = make_engine(c.head, **_settings(c, rank, GlooAllGather()))
         mi, args = eng.prepare_model_inputs(mb)
         view = _views_in(mi, args)
+        if inputs_only:
+            return view, None
         check_model_inputs(mi, rank)
         shared = {k: mi[k].detach() for k in ("input_ids", "position_ids", "shift_labels")
                   if isinstance(mi.get(k), torch.Tensor)}
@@ -114,8 +124,7 @@ def rank_execute(c, mb, poison, rank):
             joined[key] = torch.cat([e[key] for e in everyone], dim=-1)
         widths = [e["input_ids"].shape[-1] for e in everyone]
         out = rank_outputs(_tracked(model(**joined)), c, POISONS[poison], widths)[rank if c.sp_size > 1 else 0]
-        processor = TopKProcessor(tuple(c.distillation_keys)) if c.distillation_use_topk else None
-        raw = eng.prepare_model_outputs(out, args, mb, processor)
+        raw = eng.prepare_model_outputs(out, args, mb, _processor(c, rank))  # the engine's own or the stand-in
     return view, _views_out(raw)
 
 
@@ -132,13 +141,156 @@ def rank_main(global_rank, port, out):
     for run in RUNS:
         c = SimpleNamespace(**run["case"])
         try:
-            view, outputs = rank_execute(c, build_micro_batch(run), POISON, rank)
+            view, outputs = rank_execute(c, build_micro_batch(run), POISON, rank,
+                                         inputs_only=set(CHECK_NAMES) <= RANK_INPUTS_ONLY)
             results[run["label"]] = {"view": _detached(view), "outputs": _detached(outputs)}
         except Exception as exc:  # noqa: BLE001 - reported by the parent
             traceback.print_exc()
             results[run["label"]] = {"error": f"{type(exc).__name__}: {exc}"}
     torch.save(results, Path(out, f"rank{global_rank}.pt"))
     dist.destroy_process_group()
+
+
+# ---- the checks of what each rank handed over (its view: pad_size, labels, temperature, shift_labels) ----
+def _count(tensor):
+    # the tokens a per-token hand-off tensor holds, whatever its shape (-1 when the engine hands none)
+    return -1 if not isinstance(tensor, torch.Tensor) else tensor.numel()
+
+
+def _replicated(run):
+    # every rank was handed the whole padded row (an engine whose model slices after its embedding)
+    ids = [v["input_ids"].detach().cpu() for v in run.views]
+    local = sum(_count(v["labels"]) for v in run.views)
+    return len(ids) > 1 and ids[0].shape[-1] == local and all(torch.equal(x, ids[0]) for x in ids[1:])
+
+
+def _rows(run, key):
+    # model input `key` over the whole padded row: the ranks' slices joined (or the row every rank got)
+    parts = [v[key].detach().cpu() for v in run.views]
+    return parts[0] if _replicated(run) else torch.cat(parts, dim=-1)
+
+
+def _restarts(tail):
+    # tail positions start at 0 and each is 0 or its left neighbour + 1, on every axis (the pad is its own
+    # sequence or sequences, never part of the last real one)
+    if tail.shape[-1] == 0:
+        return True
+    steps = tail[..., 1:]
+    return bool((tail[..., 0] == 0).all()) and bool(((steps == 0) | (steps == tail[..., :-1] + 1)).all())
+
+
+def _mrope(mb):
+    return mb["position_ids"].values().dim() > 1  # (C, total) positions: mRoPE
+
+
+def _share(c):
+    padded = padded_length(c.total_nnz, c.pad_to_length, c.sp_size)
+    return padded, padded - c.total_nnz, padded // c.sp_size
+
+
+def check_rank_pad(c, mb, run):
+    """INV-RANK-003: pad_size = bucket pad + SP pad, each rank (total + pad) / sp tokens, the tail's positions from 0
+    with temperature 1, and outputs of exactly the real tokens, finite where the reference is."""
+    total, sp = c.total_nnz, c.sp_size
+    padded, pad, local = _share(c)
+    why = (f"total_nnz {total} rounded up to the bucket {c.pad_to_length}, then to a multiple of sp={sp}: "
+           f"{padded} tokens, {local} per rank")
+    for r, view in enumerate(run.views):
+        if view["pad_size"] != pad:
+            return f"rank {r}: pad_size: got {view['pad_size']!r}, expected {pad} ({why})"
+        ids, rolled = view["input_ids"], _count(view["labels"])
+        width = ids.shape[-1]
+        if rolled != local or ids.shape[0] != 1 or not (width == local or (_replicated(run) and width == local * sp)):
+            return (f"rank {r}: input_ids {tuple(ids.shape)}, rolled labels ({rolled},): expected {local} tokens = "
+                    f"(total_nnz {total} + pad {pad}) / sp (input_ids may be the whole padded row on every rank)")
+    ids, pos = _rows(run, "input_ids")[0], _rows(run, "position_ids")
+    temps = [v["temperature"] for v in run.views]
+    if any(not isinstance(t, torch.Tensor) for t in temps):
+        return f"the packed hand-off carries temperature {temps[0]!r}, expected one per token (a tensor)"
+    temps = torch.cat([t.detach().reshape(-1).cpu() for t in temps])
+    tail_pos = pos[..., 0, total:] if pos.dim() == 3 else pos[0, total:]
+    if ids.shape[0] != padded or not _restarts(tail_pos) or not torch.equal(temps[total:].float(), torch.ones(pad)):
+        return (f"packed row of {ids.shape[0]} tokens (expected {padded}), tail positions {tail_pos.tolist()}, "
+                f"temperature {temps[total:].tolist()}; expected positions from 0 on every axis (runs 0, 1, 2, ...) "
+                "and ones")
+    offsets = torch.tensor([0, *c.seq_lens]).cumsum(0)
+    want = reference(c, mb, run.model)
+    for r, outputs in enumerate(run.rank_outputs):
+        for key, value in sorted(outputs.items()):
+            if not (isinstance(value, torch.Tensor) and value.is_nested) or \
+                    not torch.equal(value.offsets().cpu(), offsets) or value.values().shape[0] != total:
+                held = value.values().shape[0] if isinstance(value, torch.Tensor) and value.is_nested else "-"
+                return (f"rank {r}: output {key!r} holds {held} tokens (offsets "
+                        f"{value.offsets().tolist() if isinstance(value, torch.Tensor) and value.is_nested else '-'}), "
+                        f"expected the {total} real ones (offsets {offsets.tolist()})")
+            for i, seq in enumerate(value.unbind() if key in want else ()):
+                lo, hi = read_span(c, i)
+                got, exp = seq.detach().to("cpu", torch.float64)[lo:hi], want[key][i][0][lo:hi]
+                bad = (~torch.isfinite(got) & torch.isfinite(exp)).nonzero()
+                if bad.numel():
+                    t = lo + int(bad[0, 0])
+                    return (f"rank {r}: output {key!r} of sequence {i} at token {t}: got {got[t - lo].item()}, expected "
+                            f"{exp[t - lo].item():.8g} (finite: the tail is poisoned, and the sample alone gives a "
+                            "finite value there)")
+    return None
+
+
+def check_rank_shapes(c, mb, run):
+    """INV-RANK-006: each rank's (1, n) ids, (1, n) or (C, 1, n) positions, its labels, temperature (whatever their
+    private shape) and fused shift_labels of its n tokens, n * sp = total_nnz + pad_size, n the same on every rank."""
+    sp, widths = c.sp_size, set()
+    for r, view in enumerate(run.views):
+        width = view["input_ids"].shape[-1]
+        n = width // sp if _replicated(run) else width
+        widths.add(n)
+        pos = view["position_ids"]
+        shapes = {"input_ids": (tuple(view["input_ids"].shape), (1, width)),
+                  "position_ids": (None if pos is None else tuple(pos.shape),
+                                   (mb["position_ids"].values().shape[0], 1, width) if _mrope(mb) else (1, width)),
+                  "labels": ((_count(view["labels"]),), (n,)),
+                  "temperature": ((_count(view["temperature"]),), (n,))}
+        if c.use_fused_kernels:
+            labels = view["model_labels"]
+            shapes["shift_labels"] = (None if labels is None else tuple(labels.shape), (1, n))
+        for key, (got, want) in shapes.items():
+            if got != want:
+                return (f"rank {r}: {key} has shape {got}, expected {want} (the rank's model input and output hold "
+                        f"{n} tokens)")
+        if n * sp != c.total_nnz + int(view["pad_size"] or 0):
+            return (f"rank {r}: {n} tokens x {sp} ranks != total_nnz {c.total_nnz} + pad_size {view['pad_size']} "
+                    f"(expected {_share(c)[2]} tokens per rank, pad_size {_share(c)[1]})")
+    if len(widths) != 1:
+        return f"ranks hold different numbers of tokens {sorted(widths)}"
+    return None
+
+
+def check_rank_roll_exact(c, mb, run):
+    """INV-RANK-008: each rank's labels (and fused shift_labels) are exactly its slice of the global packed row
+    rolled left by one (the wrap at each sequence end included), then zeros."""
+    ids = mb["input_ids"].values().cpu()
+    padded, pad, local = _share(c)
+    want = torch.cat([torch.roll(ids, -1), ids.new_zeros(pad)])
+    for r, view in enumerate(run.views):
+        if view["labels"] is None:
+            return f"rank {r}: the engine hands no labels to its output step"
+        got, mine = view["labels"].detach().reshape(-1).cpu(), want[r * local:(r + 1) * local]
+        what = (f"rank {r}'s slice [{r * local}, {(r + 1) * local}) of the global row {ids.tolist()} rolled left by "
+                f"one, then {pad} zeros")
+        if got.shape != mine.shape or not torch.equal(got, mine):
+            wrong = [k for k in range(min(len(got), len(mine))) if got[k] != mine[k]]
+            at = f"; first wrong at local position {wrong[0]} (global {r * local + wrong[0]})" if wrong else ""
+            return f"rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} ({what}{at})"
+        labels = view["model_labels"]
+        if c.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
+                                    or not torch.equal(labels[0].cpu(), mine)):
+            return (f"rank {r}: fused shift_labels {None if labels is None else labels.tolist()}, expected "
+                    f"[{mine.tolist()}] ({what})")
+    return None
+
+
+CHECKS.update(rank_pad=check_rank_pad, rank_shapes=check_rank_shapes, rank_roll_exact=check_rank_roll_exact)
+#: the checks that read the ranks' hand-off alone: their ranks stop after prepare_model_inputs
+RANK_INPUTS_ONLY = INPUTS_ONLY | {"rank_shapes", "rank_roll_exact"}
 
 
 def main_on_ranks():

@@ -258,7 +258,9 @@ def reference(c, mb, model):
             cond = (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1)
             want.setdefault("sum_pi_squared", []).append((spq, _bound(cond, spq, vocab)))
         if c.distillation_use_topk:
-            terms = topk_terms(z32, mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i])
+            clamp = dict(getattr(c, "engine_config", None) or ()).get("log_prob_min_clamp")  # a drawn switch of the
+            # engine's own processor: both top-K log-probs clamped below, as the oracle computes it
+            terms = topk_terms(z32, mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i], clamp)
             cond = (absz.max(-1).values + 1.0) * (1 + c.topk)
             for key in c.distillation_keys:
                 want.setdefault(key, []).append((terms[key], _bound(cond, terms[key], vocab)))

@@ -31,6 +31,7 @@ from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
+from .engine_source import planted_engine_snippet
 from .minibatch import write_minibatch_reproducer
 from .packing import packer_requires, write_packing_reproducer
 from .plans import Plan, plan_for
@@ -40,15 +41,8 @@ from .templates import PREAMBLE, RUNTIME, suite_blocks
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
 
 
-#: why a family has no standalone reproducer, by invariant ID prefix
-WHY_NOT = {
-    "INV-RANK-003": "it checks the engine's pad_size, which the written-out views (ids, positions, labels, mask) do "
-                    "not carry",
-    "INV-RANK-006": "it checks the private shapes of the engine's hand-off and its pad_size, which the written-out "
-                    "views do not carry",
-    "INV-RANK-008": "it checks every position of the engine's rolled labels (the wrap and the zero tail included) "
-                    "with its pad_size, which the written-out views do not carry",
-}
+#: why a family has no standalone reproducer, by invariant ID prefix (none today: every family has one)
+WHY_NOT: dict[str, str] = {}
 
 
 @dataclass
@@ -137,8 +131,8 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
-        # needs a process group, verl's, has a snippet for them)
-        ranked = engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        # needs a process group, verl's, has a snippet for them; a planted engine is written out with impl)
+        ranked = planted_engine_snippet(engine) or engine.repro_snippet({**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:

@@ -1,0 +1,119 @@
+"""A planted engine written out whole: its module's source and impl's, so a reproducer runs without the suite or impl.
+
+A planted engine (:class:`spec.planted.PlantedEngine`) is impl with one mistake, its ``lm`` / ``value`` classes
+subclasses of impl's defined in a module of ``spec/planted``. :func:`planted_engine_snippet` writes that module
+and every module it imports from the suite or from impl (impl's whole package: its ``__init__`` imports the rest)
+into the file, each as a module of its own under a private name (``_written_impl_flags``, ...; its imports rewritten
+to those names, so the process's own ``impl`` and ``spec``, where importable, are neither used nor replaced), and
+binds ``make_engine`` / ``helper`` to them as impl's snippet binds them to impl. A bug that is more than an engine
+class (a planted helper, companion, micro-batch layer or packer), or a module that imports the suite otherwise,
+gets None: the engine keeps its own snippet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+import sys
+
+from ..planted import PlantedEngine
+from ..protocol.engine import ReproSnippet
+from .imports import _alias, _modules_code
+
+__all__ = ["planted_engine_snippet", "written_modules"]
+
+#: the top-level packages whose modules are written out (the suite's and the engine it plants bugs in)
+WRITTEN = ("spec", "impl")
+
+#: a relative import, one line or parenthesized over several
+_RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+(\([^)]*\)|[^\n]+)$", re.MULTILINE)
+#: ``from impl.x import ...`` / ``from spec.x import ...``, one line or parenthesized
+_FROM = re.compile(r"^from\s+((?:spec|impl)(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]+)$", re.MULTILINE)
+#: ``import impl`` / ``import impl.x`` (a bare name of a written package)
+_IMPORT = re.compile(r"^import\s+((?:spec|impl)(?:\.\w+)*)\s*$", re.MULTILINE)
+#: anything else importing a written package (``import impl as x``, a nested import): not written out
+_OTHER = re.compile(r"^\s*(from\s+\.|from\s+(spec|impl)\b|import\s+(spec|impl)\b)", re.MULTILINE)
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def written_modules(name: str, done: dict[str, str] | None = None, visiting: frozenset[str] = frozenset()
+                    ) -> tuple[dict[str, str] | None, str | None]:
+    """``{alias: source}`` writing out module ``name`` (of :data:`WRITTEN`) and every module of those packages it
+    imports, dependencies first, each import rewritten to the alias; ``(None, why)`` where one cannot be."""
+    done = {} if done is None else done
+    if _alias(name) in done:
+        return done, None
+    if name in visiting:
+        return None, f"{name} is imported in a cycle"
+    module = sys.modules.get(name)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return None, f"the source of {name} is not available"
+    package = module.__package__ if module.__package__ is not None else name.rpartition(".")[0]
+
+    targets: list[str] = []
+
+    def relative(match: re.Match) -> str:
+        target = importlib.util.resolve_name(match.group(1), package)
+        targets.append(target)
+        return f"from {_alias(target)} import {match.group(2)}"
+
+    def absolute(match: re.Match) -> str:
+        targets.append(match.group(1))
+        return f"from {_alias(match.group(1))} import {match.group(2)}"
+
+    def bare(match: re.Match) -> str:
+        target = match.group(1)
+        if "." in target:  # ``import impl.x`` binds ``impl``: only the package itself is written this way
+            targets.append("")
+            return match.group(0)
+        targets.append(target)
+        return f"import {_alias(target)} as {target}"
+
+    source = _RELATIVE.sub(relative, source)
+    source = _FROM.sub(absolute, source)
+    source = _IMPORT.sub(bare, source)
+    if "" in targets or _OTHER.search(source):
+        return None, f"{name} imports {' or '.join(WRITTEN)} in a way not written out"
+    for target in targets:
+        if target in (name, "") or _top(target) not in WRITTEN or target not in sys.modules:
+            return None, f"{name} imports {target or '?'}, which is not written out"
+        _, why = written_modules(target, done, visiting | {name})
+        if why:
+            return None, why
+    done[_alias(name)] = source
+    return done, None
+
+
+def planted_engine_snippet(engine: object) -> ReproSnippet | None:
+    """impl's snippet for a planted engine whose bug is its ``lm`` / ``value`` class alone, that class's module and
+    impl written out into the file; None for any other engine or bug."""
+    bug = getattr(engine, "bug", None)
+    if not isinstance(engine, PlantedEngine) or bug is None or not (bug.lm or bug.value) or any(
+            (bug.helpers, bug.microbatch, bug.packer, bug.companion, bug.precision, bug.config)):
+        return None
+    modules: dict[str, str] = {}
+    classes = {}
+    for head, cls in engine.engine_classes.items():
+        module, qual = getattr(cls, "__module__", ""), getattr(cls, "__qualname__", "")
+        if _top(module) not in WRITTEN or "<" in qual or "." in qual:
+            return None
+        modules, why = written_modules(module, modules)
+        if why:
+            return None
+        classes[head] = f"{_alias(module)}.{qual}"
+    modules, why = written_modules("impl", modules)
+    if why:
+        return None
+    code = "\n".join([
+        "# the planted engine's module and impl, written out (each its own module under a private name)",
+        *_modules_code(modules), "",
+        "_CLASSES = {" + ", ".join(f"{head!r}: {ref}" for head, ref in classes.items()) + "}", "", "",
+        "def make_engine(head, **settings):", "    return _CLASSES[head](**settings)", "", "",
+        "def helper(name):", f"    return getattr({_alias('impl')}, name, None)", ""])
+    return ReproSnippet(code, requires="", standalone=True)
