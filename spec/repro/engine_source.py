@@ -19,7 +19,7 @@ import sys
 
 from ..planted import PlantedEngine
 from ..protocol.engine import ReproSnippet
-from .imports import _alias, _modules_code
+from .imports import alias, modules_code
 
 __all__ = ["planted_engine_snippet", "written_modules"]
 
@@ -45,7 +45,7 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
     """``{alias: source}`` writing out module ``name`` (of :data:`WRITTEN`) and every module of those packages it
     imports, dependencies first, each import rewritten to the alias; ``(None, why)`` where one cannot be."""
     done = {} if done is None else done
-    if _alias(name) in done:
+    if alias(name) in done:
         return done, None
     if name in visiting:
         return None, f"{name} is imported in a cycle"
@@ -61,11 +61,11 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
     def relative(match: re.Match) -> str:
         target = importlib.util.resolve_name(match.group(1), package)
         targets.append(target)
-        return f"from {_alias(target)} import {match.group(2)}"
+        return f"from {alias(target)} import {match.group(2)}"
 
     def absolute(match: re.Match) -> str:
         targets.append(match.group(1))
-        return f"from {_alias(match.group(1))} import {match.group(2)}"
+        return f"from {alias(match.group(1))} import {match.group(2)}"
 
     def bare(match: re.Match) -> str:
         target = match.group(1)
@@ -73,7 +73,7 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
             targets.append("")
             return match.group(0)
         targets.append(target)
-        return f"import {_alias(target)} as {target}"
+        return f"import {alias(target)} as {target}"
 
     source = _RELATIVE.sub(relative, source)
     source = _FROM.sub(absolute, source)
@@ -86,7 +86,7 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
         _, why = written_modules(target, done, visiting | {name})
         if why:
             return None, why
-    done[_alias(name)] = source
+    done[alias(name)] = source
     return done, None
 
 
@@ -106,14 +106,14 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
         modules, why = written_modules(module, modules)
         if why:
             return None
-        classes[head] = f"{_alias(module)}.{qual}"
+        classes[head] = f"{alias(module)}.{qual}"
     modules, why = written_modules("impl", modules)
     if why:
         return None
     code = "\n".join([
         "# the planted engine's module and impl, written out (each its own module under a private name)",
-        *_modules_code(modules), "",
+        *modules_code(modules), "",
         "_CLASSES = {" + ", ".join(f"{head!r}: {ref}" for head, ref in classes.items()) + "}", "", "",
         "def make_engine(head, **settings):", "    return _CLASSES[head](**settings)", "", "",
-        "def helper(name):", f"    return getattr({_alias('impl')}, name, None)", ""])
+        "def helper(name):", f"    return getattr({alias('impl')}, name, None)", ""])
     return ReproSnippet(code, requires="", standalone=True)

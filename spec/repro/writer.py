@@ -94,7 +94,9 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     """Write the reproducer of ``invariant``'s failure on ``case``; returns ``(path, why not standalone)``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = plan_for(invariant)
-    snippet = engine.repro_snippet(_settings_of(case)) if isinstance(case, EngineCase) else None
+    # a planted engine whose bug is its engine class is written out with impl (neither imported); else its snippet
+    snippet = (planted_engine_snippet(engine) or engine.repro_snippet(_settings_of(case))
+               if isinstance(case, EngineCase) else None)
     header = _header(invariant, mode, engine.name, title, case, error, snippet)
     why = None
     if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
