@@ -78,7 +78,8 @@ def _outside_engine_imports_spec(text: str) -> bool:
 #: a file that imports neither (its engine written out: spec/repro/engine_source.py) runs with neither importable,
 #: in its process and the ranks it starts (this ``sitecustomize`` on their PYTHONPATH)
 NEITHER = "import sys\nsys.modules['spec'] = None\nsys.modules['impl'] = None\n"
-_IMPORTS_EITHER = re.compile(r"^\s*(import|from)\s+(spec|impl)\b", re.M)
+#: an import of either package: at a line's start, or in a module written out as a string literal (after its "\\n")
+_IMPORTS_EITHER = re.compile(r"(^|\\n)\s*(import|from)\s+(spec|impl)\b", re.M)
 
 
 def _run_files(paths: list[Path], no_spec: bool, timeout: float, neither: bool = False) -> dict[str, int]:
