@@ -127,6 +127,27 @@ def test_impl_twins_pass_without_the_suite(written, tmp_path) -> None:
     assert all(code == 0 for code in codes.values()), done.stdout + done.stderr
 
 
+_IMPORTS_EITHER = re.compile(r"(^|\\n)\s*(import|from)\s+(spec|impl)\b", re.M)
+
+
+def test_a_planted_engine_is_written_out_whole(written) -> None:
+    """A planted engine whose bug is its engine class or a padding helper it hands out is written into its file with
+    impl (under private module names): the file exits 1 with neither ``spec`` nor ``impl`` importable."""
+    names = {bug: str(rep.path) for bug, _, rep, _ in written if not _IMPORTS_EITHER.search(rep.path.read_text())}
+    alone = list(names.values())
+    # an engine class (double_temperature, mask_cached_by_shape), a padding helper (slice_without_shift,
+    # slice_through_float), a shard bug run in threads (shard_roll)
+    assert {"double_temperature", "mask_cached_by_shape", "slice_without_shift", "slice_through_float",
+            "shard_roll"} <= set(names), sorted(names)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    blocked = RUN_WITHOUT_SPEC.replace('sys.modules["spec"] = None', 'sys.modules["spec"] = sys.modules["impl"] = None')
+    assert blocked != RUN_WITHOUT_SPEC
+    done = subprocess.run([sys.executable, "-c", blocked, *alone], capture_output=True, text=True, env=env,
+                          cwd=str(Path(alone[0]).parent), timeout=600)
+    codes = {line.split()[2]: int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("EXIT")}
+    assert set(codes) == set(alone) and all(c == 1 for c in codes.values()), done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_an_invariant_without_a_plan_says_so(tmp_path) -> None:
     from spec.cases.structure import EngineCase
 

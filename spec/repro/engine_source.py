@@ -6,8 +6,9 @@ and every module it imports from the suite or from impl (impl's whole package: i
 into the file, each as a module of its own under a private name (``_written_impl_flags``, ...; its imports rewritten
 to those names, so the process's own ``impl`` and ``spec``, where importable, are neither used nor replaced), and
 binds ``make_engine`` / ``helper`` to them as impl's snippet binds them to impl. A bug that is more than an engine
-class (a planted helper, companion, micro-batch layer or packer), or a module that imports the suite otherwise,
-gets None: the engine keeps its own snippet.
+class or a padding helper (behind a configuration switch or a declared precision or not: neither changes how the
+engine is built), say a companion, micro-batch layer or packer, or a module that imports the suite otherwise, gets
+None: the engine keeps its own snippet.
 """
 
 from __future__ import annotations
@@ -91,29 +92,35 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
 
 
 def planted_engine_snippet(engine: object) -> ReproSnippet | None:
-    """impl's snippet for a planted engine whose bug is its ``lm`` / ``value`` class alone, that class's module and
-    impl written out into the file; None for any other engine or bug."""
+    """impl's snippet for a planted engine whose bug is its ``lm`` / ``value`` class or a padding helper it hands out
+    (``helper(name)``), that class's or helper's module and impl written out into the file; None for any other
+    engine or bug."""
     bug = getattr(engine, "bug", None)
-    if not isinstance(engine, PlantedEngine) or bug is None or not (bug.lm or bug.value) or any(
-            (bug.helpers, bug.microbatch, bug.packer, bug.companion, bug.precision, bug.config)):
+    if not isinstance(engine, PlantedEngine) or bug is None or not (bug.lm or bug.value or bug.helpers) or any(
+            (bug.microbatch, bug.packer, bug.companion)):  # a switch or a declared precision builds as it is
         return None
     modules: dict[str, str] = {}
-    classes = {}
-    for head, cls in engine.engine_classes.items():
-        module, qual = getattr(cls, "__module__", ""), getattr(cls, "__qualname__", "")
+
+    def ref(obj: object) -> str | None:  # the written-out name of a class or function of the suite or impl
+        nonlocal modules
+        module, qual = getattr(obj, "__module__", ""), getattr(obj, "__qualname__", "")
         if _top(module) not in WRITTEN or "<" in qual or "." in qual:
             return None
         modules, why = written_modules(module, modules)
-        if why:
-            return None
-        classes[head] = f"{alias(module)}.{qual}"
+        return None if why else f"{alias(module)}.{qual}"
+
+    classes = {head: ref(cls) for head, cls in engine.engine_classes.items()}
+    helpers = {name: ref(fn) for name, fn in bug.helpers}
+    if None in classes.values() or None in helpers.values():
+        return None
     modules, why = written_modules("impl", modules)
     if why:
         return None
     code = "\n".join([
         "# the planted engine's module and impl, written out (each its own module under a private name)",
         *modules_code(modules), "",
-        "_CLASSES = {" + ", ".join(f"{head!r}: {ref}" for head, ref in classes.items()) + "}", "", "",
+        "_CLASSES = {" + ", ".join(f"{head!r}: {r}" for head, r in classes.items()) + "}",
+        "_HELPERS = {" + ", ".join(f"{name!r}: {r}" for name, r in helpers.items()) + "}  # the planted ones", "", "",
         "def make_engine(head, **settings):", "    return _CLASSES[head](**settings)", "", "",
-        "def helper(name):", f"    return getattr({alias('impl')}, name, None)", ""])
+        "def helper(name):", f"    return _HELPERS.get(name) or getattr({alias('impl')}, name, None)", ""])
     return ReproSnippet(code, requires="", standalone=True)
