@@ -91,3 +91,25 @@ def test_a_written_reproducer_and_its_impl_twin(tmp_path) -> None:
     assert why is None and files_under([tmp_path]) == [twin, rep.path]
     assert main(["--python", sys.executable, str(rep.path)]) == 0
     assert main(["--python", sys.executable, str(tmp_path)]) == 1  # the twin exits 0
+
+
+def test_an_adapter_is_carried_as_source(tmp_path) -> None:
+    """The default snippet of an adapter of spec.engines imports it; carried, the file serves the adapter and every
+    project module it imports from its own sources (hypothesis and pytest unimportable, the installed suite unused)."""
+    from spec.protocol.engine import ReproSnippet
+    from spec.repro.carry import carried, closure
+
+    modules = closure("spec.engines.hf_batch")
+    assert {"spec", "spec.engines", "spec.engines.hf_batch", "impl", "impl.flags"} <= set(modules), sorted(modules)
+    assert closure("spec.cases.topology_draws") is None  # imports hypothesis: not carried
+    snippet = carried(ReproSnippet("from spec.engines.hf_batch import one_temperature as _build\n", standalone=False))
+    assert snippet is not None and snippet.standalone
+    script = tmp_path / "carried.py"
+    script.write_text("import sys\nsys.modules['hypothesis'] = sys.modules['pytest'] = None\n" + snippet.code + """
+import spec.engines.hf_batch as m
+assert type(m.__spec__.loader).__name__ == "_Carried", m.__spec__
+print(_build({"temperature": 0.5}))
+""")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env={})
+    assert out.returncode == 0 and out.stdout.strip() == "0.5", out.stderr
+    assert carried(ReproSnippet("from spec.planted.harmless import X as _build\n", standalone=False)) is None

@@ -30,6 +30,7 @@ from .micro_batch import INLINE_LIMIT, batch_data, case_data
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .minibatch import write_minibatch_reproducer
+from .carry import carried
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
 from .templates import PREAMBLE, RUNTIME, suite_blocks
@@ -100,7 +101,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     """Write the reproducer of ``invariant``'s failure on ``case``; returns ``(path, why not standalone)``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = plan_for(invariant)
-    snippet = engine.repro_snippet(_settings_of(case)) if isinstance(case, EngineCase) else None
+    snippet = _snippet(engine, _settings_of(case)) if isinstance(case, EngineCase) else None
     header = _header(invariant, mode, engine.name, title, case, error, snippet)
     why = None
     if isinstance(case, MiniBatchCase):  # the micro-batch layer's own functions, on the saved mini-batch
@@ -122,7 +123,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
         # needs a process group, verl's, has a snippet for them)
-        ranked = engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        ranked = _snippet(engine, {**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:
@@ -143,6 +144,13 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
     path.write_text(_source(header, invariant, plan, snippet, case, path, layout, span))
     return path, None
+
+
+def _snippet(engine: EngineUnderTest, settings: dict[str, Any]) -> ReproSnippet | None:
+    """The engine's snippet; a real engine's adapter imported by the default snippet is carried as source instead
+    (:mod:`.carry`), so that the file needs only the engine's package."""
+    snippet = engine.repro_snippet(settings)
+    return (carried(snippet) or snippet) if snippet is not None else None
 
 
 def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path,
