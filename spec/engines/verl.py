@@ -853,7 +853,8 @@ class VerlEngine(EngineUnderTest):
                 if self.caps.processor else "self.engine.prepare_model_outputs(output, output_args, micro_batch)")
         bucket = ("    eng.pad_to_length = bool(pad_to_length)\n"
                   "    eng.pad_to_length_bucket = int(pad_to_length) if pad_to_length else 1\n") if self.caps.bucket else ""
-        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket), requires=f"verl=={self.caps.version}")
+        own = VERL_PROCESSOR_SNIPPET if self.caps.processor and self.caps.own_processor_error is None else ""
+        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket) + own, requires=f"verl=={self.caps.version}")
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
@@ -908,7 +909,9 @@ class _Engine:
 
 
 def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None,
-                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None):
+                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None, **processor_switches):
+    # processor_switches (use_chunked_topk, chunked_topk_chunk_size, log_prob_min_clamp): the top-K processor's,
+    # read off the case by logits_processor, not the engine's
     cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
     eng = object.__new__(cls)
     # sp > 1 on real ranks: verl's Ulysses path all-gathers over the process group the all-gather carries
@@ -930,6 +933,27 @@ def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entr
 def helper(name):
     return getattr(padding, name, None)
 """
+
+
+#: verl's own top-K distillation processor as :meth:`VerlEngine.logits_processor` builds it, for a reproducer
+VERL_PROCESSOR_SNIPPET = """
+
+def logits_processor(case, sp_size, sp_rank):
+    \"\"\"verl's own top-K processor with the case's drawn switches, as a verl run hands prepare_model_outputs.\"\"\"
+    from functools import partial
+
+    from verl.trainer.distillation.losses import distillation_ppo_loss
+    from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPActorConfig
+
+    drawn = dict(case.engine_config or ())
+    loss = DistillationLossConfig(loss_mode="forward_kl_topk", topk=int(case.topk), use_policy_gradient=False,
+                                  log_prob_min_clamp=drawn.get(%r),
+                                  use_chunked_topk=bool(drawn.get("use_chunked_topk", False)),
+                                  chunked_topk_chunk_size=int(drawn.get("chunked_topk_chunk_size", 4096)))
+    return partial(distillation_ppo_loss,
+                   config=FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1),
+                   distillation_config=DistillationConfig(enabled=False, distillation_loss=loss))
+""" % LOG_PROB_MIN_CLAMP
 
 
 def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:

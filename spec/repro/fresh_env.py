@@ -3,7 +3,8 @@
 Every ``.py`` under the given folders (or the files given) runs with that interpreter (a venv holding only torch,
 tensordict and the engine's package, without this suite), in a fresh temporary working directory, with an empty
 environment except ``PATH`` and ``HOME`` (no ``PYTHONPATH``), one file at a time. An uncaught exception exits 1 as well: its last line is shown instead of
-the output's first, and an ``ImportError`` (a missing package, or the suite) is never a reproduction. A file whose source takes
+the output's first, and it is never a reproduction (the file broke: a missing package, the suite, its own harness;
+a reproducer reports what the engine raised itself and exits 1). A file whose source takes
 ``--fixed`` (the findings' scripts, docs/findings/repro/) runs a second time with it. Expected: exit 1 as released
 (the bug shows) and exit 0 with ``--fixed``. A file that exits 2 printing ``NOT STANDALONE`` (the writer's file for
 a check it cannot write out) is counted apart, and so is any other exit 2 (a findings script that checked nothing,
@@ -79,8 +80,8 @@ def run_file(python: str, path: Path, *, fixed: bool = False, timeout: float = 9
 
 
 def classify(run: Run) -> str:
-    if run.uncaught and run.first.startswith(("ModuleNotFoundError", "ImportError")):
-        return UNEXPECTED  # exit 1, but a package (or the suite) is missing: nothing was checked
+    if run.uncaught:  # exit 1 too, but the file broke (a missing package, the suite, its own harness): a
+        return UNEXPECTED  # reproducer reports what the engine did itself ("FAIL ...", exit 1)
     if run.code == (0 if run.fixed else 1):
         return OK
     if run.code == 2 and run.first.startswith("NOT STANDALONE"):
