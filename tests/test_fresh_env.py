@@ -88,7 +88,7 @@ def test_a_written_reproducer_and_its_impl_twin(tmp_path) -> None:
     (rep,) = write_reproducers([outcome], engine, tmp_path / "bug", check=False)
     twin, why = write_reproducer(tmp_path / "twin" / "INV-MASK-001-padded-impl.py", invariant="INV-MASK-001",
                                  mode="padded", engine=ImplEngine(), case=outcome.case)
-    assert why is None and files_under([tmp_path]) == [twin, rep.path]
+    assert why is None and files_under([tmp_path]) == [rep.path, twin]  # sorted: bug/ before twin/
     assert main(["--python", sys.executable, str(rep.path)]) == 0
     assert main(["--python", sys.executable, str(tmp_path)]) == 1  # the twin exits 0
 
@@ -113,3 +113,12 @@ print(_build({"temperature": 0.5}))
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env={})
     assert out.returncode == 0 and out.stdout.strip() == "0.5", out.stderr
     assert carried(ReproSnippet("from spec.planted.harmless import X as _build\n", standalone=False)) is None
+
+
+def test_a_caught_engine_exception_with_its_traceback_is_a_reproduction(tmp_path) -> None:
+    source = ("import sys, traceback\ntry:\n    raise ValueError('the engine')\nexcept ValueError:\n"
+              "    traceback.print_exc()\n    print('FAIL: the engine raised ValueError')\n    sys.exit(1)\n")
+    code, out = _judge(tmp_path, "caught.py", source)
+    assert code == 0 and "| 1 | ok | FAIL: the engine raised ValueError |" in out, out
+    code, out = _judge(tmp_path, "uncaught.py", "raise ValueError('the harness')\n")
+    assert code == 1 and "| 1 | UNEXPECTED | ValueError: the harness |" in out, out

@@ -2,8 +2,8 @@
 
 Every ``.py`` under the given folders (or the files given) runs with that interpreter (a venv holding only torch,
 tensordict and the engine's package, without this suite), in a fresh temporary working directory, with an empty
-environment except ``PATH`` and ``HOME`` (no ``PYTHONPATH``), one file at a time. An uncaught exception exits 1 as well: its last line is shown instead of
-the output's first, and it is never a reproduction (the file broke: a missing package, the suite, its own harness;
+environment except ``PATH`` and ``HOME`` (no ``PYTHONPATH``), one file at a time. An uncaught exception (a traceback and no ``FAIL`` printed) exits 1 as well:
+its last line is shown instead of the output's first, and it is never a reproduction (the file broke: a missing package, the suite, its own harness;
 a reproducer reports what the engine raised itself and exits 1). A file whose source takes
 ``--fixed`` (the findings' scripts, docs/findings/repro/) runs a second time with it. Expected: exit 1 as released
 (the bug shows) and exit 0 with ``--fixed``. A file that exits 2 printing ``NOT STANDALONE`` (the writer's file for
@@ -73,7 +73,9 @@ def run_file(python: str, path: Path, *, fixed: bool = False, timeout: float = 9
             code, out, err = 124, "", f"timed out after {timeout:.0f} s"
     lines = [line.strip() for line in (out.splitlines() or err.splitlines()) if line.strip()]
     tail = [line.strip() for line in err.splitlines() if line.strip()]
-    uncaught = "Traceback (most recent call last):" in err
+    # uncaught: a traceback and no verdict printed (a reproducer that catches what the engine raised prints its
+    # traceback too, then its "FAIL ..." line)
+    uncaught = "Traceback (most recent call last):" in err and "FAIL" not in out
     if uncaught or code not in (0, 1, 2):  # an uncaught exception (exit 1 too): its last line says more
         lines = tail[-1:] or lines
     return Run(path, fixed, code, lines[0] if lines else "", time.perf_counter() - start, uncaught=uncaught)
