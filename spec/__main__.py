@@ -38,7 +38,8 @@ def _add_verify(sub) -> None:
                         help="hypothesis profile: default, dev, ci, thorough, cuda, debug "
                              "(default: $HYPOTHESIS_PROFILE or default)")
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
-    verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK)")
+    verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK; several: "
+                             "comma-separated, INV-MASK,INV-VAL-001)")
     verify.add_argument("--no-layout", action="store_true",
                         help="skip the layout profile (verl's layout conventions, never part of the verdict)")
     verify.add_argument("--out", default="reports", help="folder for the Markdown and JSON reports (default: reports/)")
@@ -98,7 +99,8 @@ def _verify(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
     engine = load_engine(args.engine)
-    todo = [(i, m) for i, m in instances() if (not args.only or i.id.startswith(args.only))
+    only = tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only else ()
+    todo = [(i, m) for i, m in instances() if (not only or i.id.startswith(only))
             and not (args.no_layout and i.layout)]
     quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
     workers = default_workers() if args.workers == "auto" else args.workers

@@ -15,7 +15,8 @@ from hypothesis import find, settings
 
 import impl
 from spec.cases.structure import EngineCase
-from spec.cases.topology import Topology, layouts, topologies
+from spec.cases.topology import Topology, layouts
+from spec.cases.topology_draws import topologies
 from spec.execute import ranks
 from spec.execute.harness import execute
 from spec.invariants import CATALOGUE

@@ -23,7 +23,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..cases.structure import EngineCase
-from ..cases.topology import topologies
+from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
 from ..execute.ranks import execute as execute_on_ranks

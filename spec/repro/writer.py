@@ -34,6 +34,7 @@ from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
 from .engine_source import planted_engine_snippet
 from .minibatch import write_minibatch_reproducer
 from .packing import packer_requires, write_packing_reproducer
+from .carry import carried
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
 from .templates import PREAMBLE, RUNTIME, suite_blocks
@@ -94,8 +95,9 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     """Write the reproducer of ``invariant``'s failure on ``case``; returns ``(path, why not standalone)``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     plan = plan_for(invariant)
-    # a planted engine whose bug is its engine class is written out with impl (neither imported); else its snippet
-    snippet = (planted_engine_snippet(engine) or engine.repro_snippet(_settings_of(case))
+    # a planted engine whose bug is its engine class or a helper is written out with impl (neither imported);
+    # else the engine's snippet, a real engine's adapter carried as source
+    snippet = ((planted_engine_snippet(engine) or _snippet(engine, _settings_of(case)))
                if isinstance(case, EngineCase) else None)
     header = _header(invariant, mode, engine.name, title, case, error, snippet)
     why = None
@@ -134,7 +136,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
         # needs a process group, verl's, has a snippet for them; a planted engine is written out with impl)
-        ranked = planted_engine_snippet(engine) or engine.repro_snippet({**_settings_of(case), "real_ranks": True})
+        ranked = planted_engine_snippet(engine) or _snippet(engine, {**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:
@@ -155,6 +157,13 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
     path.write_text(_source(header, invariant, plan, snippet, case, path, layout, span))
     return path, None
+
+
+def _snippet(engine: EngineUnderTest, settings: dict[str, Any]) -> ReproSnippet | None:
+    """The engine's snippet; a real engine's adapter imported by the default snippet is carried as source instead
+    (:mod:`.carry`), so that the file needs only the engine's package."""
+    snippet = engine.repro_snippet(settings)
+    return (carried(snippet) or snippet) if snippet is not None else None
 
 
 def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path,

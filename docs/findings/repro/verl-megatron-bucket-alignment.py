@@ -1,7 +1,8 @@
 """verl 0.9.1 Megatron engine: the static bucket ignores the TP x CP (x2 zig-zag) alignment of packed THD sequences.
 
 Needs: pip install torch tensordict verl==0.9.1 (megatron-core is stubbed when absent: only its parallel-state
-getters are read, and they are answered here). Exit 1 while the bug is present, 0 once fixed.
+getters are read, and they are answered here, and its PackedSeqParams, a plain dataclass, is written out below with
+megatron-core 0.16.1's fields; a bare stub would hand verl a MagicMock for the lengths checked here). Exit 1 while the bug is present, 0 once fixed.
 
 verl.models.mcore.util.preprocess_thd_engine pads every sequence to a multiple of align = TP * CP (* 2 for the
 zig-zag CP layout), then, with pad_to_length_bucket=b, pads the total to lcm(b, CP) and gives that pad to the last
@@ -42,11 +43,25 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         pass
 
+from dataclasses import dataclass  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.meta_path.insert(0, _Stubs(("megatron",), {}))
+@dataclass
+class PackedSeqParams:  # megatron.core.packed_seq_params.PackedSeqParams (megatron-core 0.16.1), used only if absent
+    qkv_format: str = None
+    cu_seqlens_q: torch.Tensor = None
+    cu_seqlens_kv: torch.Tensor = None
+    cu_seqlens_q_padded: torch.Tensor = None
+    cu_seqlens_kv_padded: torch.Tensor = None
+    max_seqlen_q: int = None
+    max_seqlen_kv: int = None
+    local_cp_size: int = None
+    cp_group: object = None
+
+
+sys.meta_path.insert(0, _Stubs(("megatron",), {"megatron.core.packed_seq_params": {"PackedSeqParams": PackedSeqParams}}))
 import warnings  # noqa: E402
 
 warnings.filterwarnings("ignore")

@@ -1,0 +1,127 @@
+"""A real engine's adapter carried in its reproducer as source, so that the file runs where only the engine's package
+is installed (no suite, no hypothesis, no pytest: ``python -m spec.repro.fresh_env`` checks it).
+
+Engines whose adapter has no written-out snippet (TRL, OpenRLHF, verl's TorchTitan, Automodel, VeOmni and Megatron
+adapters) get :meth:`EngineUnderTest.repro_snippet`'s default, which imports the adapter. :func:`carried` writes the
+adapter's module and every module of this project it imports (``spec.*`` and ``impl.*``, found by reading their
+imports with ``ast``; package ``__init__`` files included) into the file as a dict of sources served by an import
+hook placed first on ``sys.meta_path``: the same code the suite ran, nothing installed. Only adapters of
+``spec.engines`` are carried (a planted engine or a user's module keeps the import, as its header says); a carried
+module that imports hypothesis or pytest makes it return None (the file then imports the suite, as before).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+from pathlib import Path
+
+from ..protocol.engine import ReproSnippet
+
+__all__ = ["carried", "closure"]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the packages of this project a carried module may import (anything else must be installed)
+PROJECT = ("spec", "impl")
+#: what a carried module may not import: the suite's test dependencies, absent from a fresh environment
+FORBIDDEN = ("hypothesis", "pytest")
+#: what to pip install for each carried adapter (pinned to the versions installed when the file is written)
+PACKAGES = {"spec.engines.trl": ("trl",), "spec.engines.openrlhf": ("openrlhf", "einops"),
+            "spec.engines.veomni": ("verl", "veomni"), "spec.engines.megatron": ("verl", "megatron-core")}
+_BUILD = re.compile(r"^from ([\w.]+) import (\w+) as _build$", re.MULTILINE)
+
+
+def _file(module: str) -> tuple[Path | None, bool]:
+    base = ROOT.joinpath(*module.split("."))
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py", True
+    return (base.with_suffix(".py"), False) if base.with_suffix(".py").is_file() else (None, False)
+
+
+def _imports(module: str) -> set[str]:
+    path, package = _file(module)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = module.split(".") if package else module.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            found |= {target, *(f"{target}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def closure(module: str) -> dict[str, tuple[bool, str]] | None:
+    """``{name: (is_package, source)}`` for ``module``, its parent packages and every project module they import,
+    transitively; None when one of them imports hypothesis or pytest."""
+    todo, out = [module], {}
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            mod = ".".join(parts[:i])
+            path, package = _file(mod)
+            if path is None or mod in out:
+                continue
+            imported = _imports(mod)
+            if any(i.split(".")[0] in FORBIDDEN for i in imported):
+                return None
+            out[mod] = (package, path.read_text())
+            todo += [i for i in imported if i.split(".")[0] in PROJECT]
+    return dict(sorted(out.items()))
+
+
+HOOK = '''import importlib.abc as _abc  # noqa: E402
+import importlib.util as _util  # noqa: E402
+import sys as _sys  # noqa: E402
+
+
+class _Carried(_abc.MetaPathFinder, _abc.Loader):
+    """Serves the carried modules (_CARRIED) before anything installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in _CARRIED:
+            return _util.spec_from_loader(name, self, is_package=_CARRIED[name][0])
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        exec(compile(_CARRIED[module.__name__][1], f"<carried {module.__name__}>", "exec"), module.__dict__)
+
+
+_sys.meta_path.insert(0, _Carried())
+'''
+
+
+def carried(snippet: ReproSnippet) -> ReproSnippet | None:
+    """``snippet`` (the default, importing an adapter of ``spec.engines``) with that adapter carried as source; None
+    where it is not such a snippet or the adapter cannot be carried."""
+    match = _BUILD.search(snippet.code)
+    if snippet.standalone or match is None or not match.group(1).startswith("spec.engines."):
+        return None
+    sources = closure(match.group(1))
+    if sources is None:
+        return None
+    lines = sum(len(src.splitlines()) for _, src in sources.values())
+    code = (f"# {match.group(1)} (the adapter) and the {len(sources) - 1} modules of this project it imports, carried "
+            f"as source ({lines} lines): nothing of the suite need be installed\n"
+            "_CARRIED = {\n" + "".join(f"    {name!r}: ({package!r}, {src!r}),\n"
+                                       for name, (package, src) in sources.items())
+            + "}\n" + HOOK + "\n" + snippet.code)
+    return ReproSnippet(code, requires=_requires(match.group(1)), standalone=True)
+
+
+def _requires(module: str) -> str:
+    pins = []
+    for dist in PACKAGES.get(module, ("verl",)):  # every other adapter of spec.engines wraps verl
+        try:
+            pins.append(f"{dist}=={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pins.append(dist)
+    return " ".join(pins) + (" (openrlhf --no-deps: its heavy imports are stubbed)" if module.endswith("openrlhf") else "")
