@@ -81,12 +81,13 @@ def test_planted_rank_engines_are_written_out_with_impl_and_need_neither() -> No
     assert not isinstance(eng, impl.LMHeadEngine)  # impl's own class, written out: not the process's impl
     assert space["helper"]("no_padding_2_padding").__module__ == "_written_impl_padding"
     assert {name: sys.modules.get(name) for name in before} == before
-    # a planted padding helper is written out too, handed out by helper(); a bug that is more than an engine class or
-    # a helper (a planted companion, a micro-batch layer) keeps the engine's own snippet
+    # a planted padding helper is written out too, handed out by helper(), and an own companion; a bug in a
+    # micro-batch layer keeps the engine's own snippet
     helper_bug = planted_engine_snippet(load_engine("planted:slice_without_shift"))
     assert helper_bug is not None and "'no_padding_2_padding': _written_spec_planted_helper_bugs.slice_without_shift" \
         in helper_bug.code
-    assert planted_engine_snippet(load_engine("planted:chunked_topk_drops_last_chunk")) is None
+    own = planted_engine_snippet(load_engine("planted:chunked_topk_drops_last_chunk"))  # an own companion
+    assert own is not None and "def logits_processor(case, sp_size, sp_rank)" in own.code
     assert planted_engine_snippet(load_engine("planted:groups_split")) is None
     assert planted_engine_snippet(ImplEngine()) is None
 

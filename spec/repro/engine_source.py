@@ -6,9 +6,10 @@ and every module it imports from the suite or from impl (impl's whole package: i
 into the file, each as a module of its own under a private name (``_written_impl_flags``, ...; its imports rewritten
 to those names, so the process's own ``impl`` and ``spec``, where importable, are neither used nor replaced), and
 binds ``make_engine`` / ``helper`` to them as impl's snippet binds them to impl. A bug that is more than an engine
-class or a padding helper (behind a configuration switch or a declared precision or not: neither changes how the
-engine is built), say a companion, micro-batch layer or packer, or a module that imports the suite otherwise, gets
-None: the engine keeps its own snippet.
+class, a padding helper or its own companion (a planted processor class's classmethod, the file's
+``logits_processor``), behind a configuration switch or a declared precision or not (neither changes how the engine
+is built), say a micro-batch layer or packer, or a module that imports the suite otherwise, gets None: the engine
+keeps its own snippet.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
     (``helper(name)``), that class's or helper's module and impl written out into the file; None for any other
     engine or bug."""
     bug = getattr(engine, "bug", None)
-    if not isinstance(engine, PlantedEngine) or bug is None or not (bug.lm or bug.value or bug.helpers) or any(
-            (bug.microbatch, bug.packer, bug.companion)):  # a switch or a declared precision builds as it is
+    companion = getattr(bug, "companion", None)
+    if not isinstance(engine, PlantedEngine) or bug is None or not (bug.lm or bug.value or bug.helpers or companion) \
+            or any((bug.microbatch, bug.packer)):  # a switch or a declared precision builds as it is
         return None
     modules: dict[str, str] = {}
 
@@ -111,7 +113,10 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
 
     classes = {head: ref(cls) for head, cls in engine.engine_classes.items()}
     helpers = {name: ref(fn) for name, fn in bug.helpers}
-    if None in classes.values() or None in helpers.values():
+    # an own companion (a classmethod of a planted processor class): the file's logits_processor(case, sp_size, sp_rank)
+    owner = getattr(companion, "__self__", None)
+    own = None if companion is None else (ref(owner) if isinstance(owner, type) else None)
+    if None in classes.values() or None in helpers.values() or (companion is not None and own is None):
         return None
     modules, why = written_modules("impl", modules)
     if why:
@@ -121,6 +126,11 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
         *modules_code(modules), "",
         "_CLASSES = {" + ", ".join(f"{head!r}: {r}" for head, r in classes.items()) + "}",
         "_HELPERS = {" + ", ".join(f"{name!r}: {r}" for name, r in helpers.items()) + "}  # the planted ones", "", "",
-        "def make_engine(head, **settings):", "    return _CLASSES[head](**settings)", "", "",
-        "def helper(name):", f"    return _HELPERS.get(name) or getattr({alias('impl')}, name, None)", ""])
+        # the companion's switches configure the processor, not the engine (as PlantedEngine.make drops them)
+        "_PROCESSOR_SWITCHES = " + repr(tuple(sw.name for sw in bug.config) if companion is not None else ()), "", "",
+        "def make_engine(head, **settings):",
+        "    return _CLASSES[head](**{k: v for k, v in settings.items() if k not in _PROCESSOR_SWITCHES})", "", "",
+        "def helper(name):", f"    return _HELPERS.get(name) or getattr({alias('impl')}, name, None)", "",
+        *([] if own is None else ["", "def logits_processor(case, sp_size, sp_rank):  # the engine's own companion",
+                                  f"    return {own}.{companion.__name__}(case, sp_size, sp_rank)", ""])])
     return ReproSnippet(code, requires="", standalone=True)
