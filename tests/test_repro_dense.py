@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spec.engines.impl import ImplEngine
-from spec.invariants import CATALOGUE
-from spec.repro.writer import write_reproducer, write_reproducers
-from spec.run.registry import load_engine
-from spec.run.runner import run_invariant
-
+from tests.planted_repro import planted_and_twins
 from tests.test_repro import ROOT, RUN_WITHOUT_SPEC
 
 #: (planted bug, the invariant it fails): the input left intact, nested positions, teacher rows, the response
@@ -35,19 +30,7 @@ BUGS = (
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("repro-dense")
-    made = []
-    for bug, invariant in BUGS:
-        engine = load_engine(f"planted:{bug}")
-        outcome = run_invariant(CATALOGUE[invariant], engine, "any", "cpu", profile="ci", shrink=False,
-                                max_examples=20, database=None)
-        assert outcome.status == "fail", (bug, outcome.status, outcome.error)
-        (rep,) = write_reproducers([outcome], engine, folder / bug)
-        twin, why = write_reproducer(folder / bug / "twin.py", invariant=invariant, mode="any", engine=ImplEngine(),
-                                     case=outcome.case)
-        assert why is None, why
-        made.append((bug, rep, twin))
-    return made
+    return planted_and_twins(tmp_path_factory.mktemp("repro-dense"), BUGS, 20)
 
 
 def _run_without_spec(paths: list[Path]) -> tuple[dict[str, int], str]:

@@ -15,10 +15,11 @@ from spec.engines.impl import ImplEngine
 from spec.engines.megatron import VerlMegatronPacker
 from spec.invariants import CATALOGUE
 from spec.repro.packing import ReferencePackingEngine
-from spec.repro.writer import run_reproducer, write_reproducer, write_reproducers
+from spec.repro.writer import run_reproducer, write_reproducer
 from spec.run.registry import load_engine
 from spec.run.runner import run_invariant
 
+from tests.planted_repro import planted_and_twins
 from tests.test_repro_dense import _run_without_spec
 
 #: (planted bug, the invariant it fails): every planted packer (a round trip, the alignment, positions, labels)
@@ -37,20 +38,8 @@ BUGS = (
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("repro-packing")
-    made = []
-    for bug, invariant in BUGS:
-        engine = load_engine(f"planted:{bug}")
-        outcome = run_invariant(CATALOGUE[invariant], engine, "any", "cpu", profile="ci", shrink=False,
-                                max_examples=5, database=None)
-        assert outcome.status == "fail", (bug, outcome.status, outcome.error)
-        (rep,) = write_reproducers([outcome], engine, folder / bug)
-        twin_engine = ReferencePackingEngine() if invariant.startswith("INV-MEG-") else ImplEngine()
-        twin, why = write_reproducer(folder / bug / "twin.py", invariant=invariant, mode="any", engine=twin_engine,
-                                     case=outcome.case)
-        assert why is None, why
-        made.append((bug, rep, twin))
-    return made
+    return planted_and_twins(tmp_path_factory.mktemp("repro-packing"), BUGS, 5, lambda invariant:
+                             ReferencePackingEngine() if invariant.startswith("INV-MEG-") else ImplEngine())
 
 
 def test_planted_packers_and_dropin_helpers_reproduce_without_the_suite_and_their_twins_pass(written) -> None:
