@@ -219,7 +219,9 @@ def _compare(args) -> int:
     loads = []
     for round_ in range(args.rounds):
         for name, path in trees.items():
-            env = {**os.environ, "PYTHONPATH": str(Path(path).resolve()), "SPEC_EXAMPLE_DB": ":memory:"}
+            # no example database: "none" reads the same in every checkout (before 2026-12-01 ":memory:" was a
+            # directory path, and an old tree measured here wrote one into the repository)
+            env = {**os.environ, "PYTHONPATH": str(Path(path).resolve()), "SPEC_EXAMPLE_DB": "none"}
             cmd = [sys.executable, str(Path(__file__).resolve()), "--engine", args.engine, "--profile", args.profile,
                    "--json", "--clock", args.clock] + (["--only", args.only] if args.only else []) + ([] if args.stages else ["--no-stages"])
             loads.append(f"round {round_ + 1} {name}: load {_load()}")

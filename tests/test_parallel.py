@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spec.run.parallel import Target, recorded_seconds, schedule, static_estimate
+from spec.run.parallel import Target, next_for, recorded_seconds, schedule, static_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,3 +81,30 @@ def test_recorded_seconds_reads_a_report(tmp_path: Path) -> None:
         {"invariant": "INV-CU-001", "mode": "packed", "status": "skip", "seconds": 0.0}]}))
     assert recorded_seconds(path) == {"INV-MASK-001/padded": 2.5}
     assert recorded_seconds(tmp_path / "absent.json") == {}
+
+
+def test_real_rank_targets_go_to_the_worker_that_owns_the_pool() -> None:
+    """One rank pool per run: a real-rank target is taken only by the worker that took the first one; the others
+    take the next target that needs no ranks, or nothing."""
+    waiting, on_ranks = [4, 7, 2, 9], frozenset({4, 2})
+    assert next_for(waiting, on_ranks, None, 1) == 0  # no owner yet: any worker takes the head
+    assert next_for(waiting, on_ranks, 1, 1) == 0  # the owner takes the head
+    assert next_for(waiting, on_ranks, 1, 0) == 1  # another worker skips the real-rank head
+    assert next_for([4, 2], on_ranks, 1, 0) is None  # only real-rank targets left: nothing for it
+    assert next_for([], on_ranks, None, 0) is None
+
+
+def test_verify_marks_the_real_rank_targets() -> None:
+    """The targets run on ranks are those that need them, or that need sequence parallelism from an engine whose
+    sequence parallelism runs on a process group (verl's); none of an engine's other targets."""
+    from spec.invariants import CATALOGUE
+    from spec.run.registry import load_engine
+    from spec.run.runner import runs_on_ranks
+
+    impl = load_engine("impl")
+    marked = {i for i, info in CATALOGUE.items() if runs_on_ranks(info, impl)}
+    assert {i for i in CATALOGUE if i.startswith("INV-RANK")} <= marked  # the real-rank family, every one
+    assert not marked & {"INV-VAL-001", "INV-TEMP-001", "INV-MASK-001"}  # single-process checks
+    assert not runs_on_ranks(CATALOGUE["INV-LABEL-002"], impl)  # impl's SP runs in one process
+    Ranked = type("Ranked", (), {"sp_on_real_ranks": True})
+    assert runs_on_ranks(CATALOGUE["INV-LABEL-002"], Ranked())

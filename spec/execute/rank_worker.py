@@ -296,8 +296,23 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: s
             finally:
                 faulthandler.disable()
     finally:
-        if rank == 0 and os.getppid() != parent:  # the parent exited without closing the pool: tidy up
+        if rank == 0 and orphaned(parent):  # the parent exited without closing the pool: tidy up
             shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def orphaned(parent: int) -> bool:
+    """Whether the process that started the pool (pid ``parent``) is gone. A rank is its child when spawned, a
+    child of the pool's fork server otherwise (:class:`spec.execute.ranks.RankPool`), so the parent is looked for
+    by its pid, not only as ours."""
+    if os.getppid() == parent:
+        return False
+    try:
+        os.kill(parent, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a process of another user holds the pid now: ours is gone
+        return True
+    return False
 
 
 def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, results: Any, parent: int) -> None:
@@ -318,7 +333,7 @@ def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, res
             try:
                 item = tasks.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent:  # the parent is gone: do not linger
+                if orphaned(parent):  # the parent is gone: do not linger
                     return
                 continue
             if item is None:

@@ -1,7 +1,8 @@
 """Real ranks: sequence parallelism run in separate processes joined by ``torch.distributed``.
 
 One pool of :data:`MAX_WORLD` long-lived worker processes per backend (``gloo`` for CPU
-batches, ``nccl`` for CUDA ones), started lazily with ``torch.multiprocessing`` (spawn) and
+batches, ``nccl`` for CUDA ones), started lazily with ``torch.multiprocessing`` (forked by a fork server
+that imported the rank side once, :func:`start_method`; else spawned) and
 a ``FileStore`` in a fresh temporary directory (no port or path is shared between pytest-xdist
 workers), shut down at exit. Every set of two or more ranks is a subgroup of the one pool, made once at
 start-up, so any process topology (:mod:`spec.cases.topology`: the case's ``topology``, by default
@@ -56,10 +57,13 @@ from .handoff import Run, attach_views, model_for, snapshot
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
 
-__all__ = ["MAX_WORLD", "WORLDS", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
+__all__ = ["MAX_WORLD", "PRELOAD", "WORLDS", "start_method", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
            "shutdown", "backend_for", "unavailable", "task_timeout"]
 
 MAX_WORLD = 4
+#: what a pool's fork server imports before it forks the ranks (torch, tensordict, impl and the suite's rank side:
+#: about 3 s of CPU each rank paid again when spawned)
+PRELOAD = ("torch", "spec.execute.rank_worker")
 _STARTUP_TIMEOUT = 180.0
 #: seconds the other ranks get to answer once one rank reported an error
 _ERROR_GRACE = 3.0
@@ -67,6 +71,16 @@ _ERROR_GRACE = 3.0
 
 class RankFailure(RuntimeError):
     """A worker died or hung; the message holds each rank's traceback."""
+
+
+def start_method() -> str:
+    """How a pool's ranks start: ``forkserver`` where the platform has it (a fork server that imported
+    :data:`PRELOAD` once forks each rank: a fresh process that touched no CUDA, threads or process group), else
+    ``spawn``; ``SPEC_RANKS_START=spawn`` forces spawn."""
+    wanted = os.environ.get("SPEC_RANKS_START", "").strip() or "forkserver"
+    if wanted not in ("forkserver", "spawn"):
+        raise ValueError(f"SPEC_RANKS_START={wanted!r}: use forkserver or spawn")
+    return wanted if wanted in tmp.get_all_start_methods() else "spawn"
 
 
 def backend_for(device: str) -> str:
@@ -98,7 +112,10 @@ class RankPool:
     def __init__(self, backend: str, world: int = MAX_WORLD):
         self.backend, self.world = backend, world
         self.dir = tempfile.mkdtemp(prefix="spec-ranks-")
-        ctx = tmp.get_context("spawn")
+        method = start_method()
+        ctx = tmp.get_context(method)
+        if method == "forkserver":  # the server imports the suite's rank side once; each rank forks from it
+            ctx.set_forkserver_preload(list(PRELOAD))
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.loaded: set[str] = set()
@@ -119,7 +136,7 @@ class RankPool:
             self.context = tmp.start_processes(
                 worker_main, args=(world, backend, os.path.join(self.dir, "store"), self.dir, self.tasks,
                                     self.results, os.getpid()),
-                nprocs=world, join=False, daemon=True, start_method="spawn")
+                nprocs=world, join=False, daemon=True, start_method=method)
         finally:
             for key, value in hidden.items():
                 setattr(main, key, value)

@@ -12,10 +12,10 @@ the timings.
 Workers are started with ``forkserver`` where the platform has it (the server imports torch and
 the suite once; each worker forks from it), else ``spawn``; never ``fork``, so a parent that has
 touched CUDA or threads hands nothing of it on. Each worker loads the engine by name and, for
-engines whose sequence parallelism runs on real ranks, owns its own rank pool
-(:mod:`spec.execute.ranks`: a ``FileStore`` in a private temporary directory, no ports), stopped when the
-worker exits. A worker that dies mid-target (a segfault, the OOM killer) has that target reported
-as a suite error with the Python traceback ``faulthandler`` dumped (or the signal that killed it),
+targets that run on real ranks, owns a rank pool (:mod:`spec.execute.ranks`: a ``FileStore`` in a private
+temporary directory, no ports), stopped when the worker exits; every real-rank target goes to the one worker
+that took the first (:func:`next_for`), so one pool is started, not one per worker. A worker that dies
+mid-target (a segfault, the OOM killer) has that target reported as a suite error with the Python traceback ``faulthandler`` dumped (or the signal that killed it),
 and a fresh worker takes its place for the targets left.
 """
 
@@ -43,9 +43,9 @@ import torch
 from ..invariants import CATALOGUE, InvariantInfo
 from .profiles import load_profile
 from .registry import load_engine
-from .runner import Outcome, run_invariant
+from .runner import Outcome, run_invariant, runs_on_ranks
 
-__all__ = ["Target", "default_workers", "static_estimate", "recorded_seconds", "schedule", "run_parallel",
+__all__ = ["Target", "default_workers", "static_estimate", "recorded_seconds", "schedule", "next_for", "run_parallel",
            "run_targets", "outcome_from_dict"]
 
 #: a worker's answer: (worker index, kind, target index, payload)
@@ -120,6 +120,16 @@ def schedule(targets: list[Target], recorded: dict[str, float] | None = None) ->
 def outcome_from_dict(data: dict, case: Any = None, known_cases: dict | None = None) -> Outcome:
     names = {f.name for f in fields(Outcome)} - {"case", "known_cases"}
     return Outcome(**{k: v for k, v in data.items() if k in names}, case=case, known_cases=dict(known_cases or {}))
+
+
+def next_for(waiting: list[int], on_ranks: frozenset[int], owner: int | None, worker: int) -> int | None:
+    """The index in ``waiting`` (positions, longest first) of the target ``worker`` takes next: the first one,
+    except that a real-rank target (in ``on_ranks``) goes only to the worker that owns the rank pool (``owner``),
+    or to any worker while none does; None when nothing waiting is for this worker."""
+    for n, position in enumerate(waiting):
+        if position not in on_ranks or owner is None or owner == worker:
+            return n
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,12 +233,17 @@ class _Slot:
 def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profile: str, device: str = "cpu",
                  threads: int = 1, overrides: dict | None = None, recorded: dict[str, float] | None = None,
                  progress: Callable[[int, int, list[str]], None] | None = None,
-                 startup_timeout: float = 600.0) -> list[Outcome]:
+                 startup_timeout: float = 600.0, on_ranks: frozenset[int] = frozenset()) -> list[Outcome]:
     """Run ``targets`` on ``engine_name`` over ``workers`` processes; the outcomes in ``targets``' order.
+
+    ``on_ranks``: the positions of the targets that run on real ranks. One worker takes them all (the first
+    that takes one; another, should it die), so one rank pool is started (:mod:`spec.execute.ranks`: each
+    pool is :data:`~spec.execute.ranks.MAX_WORLD` processes that import torch, the suite and the engine);
+    the other workers take the next target that needs none.
 
     ``progress(done, total, running)`` is called whenever a target starts or finishes."""
     overrides = dict(overrides or {})
-    waiting = schedule(targets, recorded)  # longest first; each idle worker takes the head
+    waiting = schedule(targets, recorded)  # longest first; each idle worker takes the first it may run
     outcomes: list[Outcome | None] = [None] * len(targets)
     workers = max(1, min(workers, len(targets)))
     ctx = _context(device)
@@ -252,10 +267,22 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
             outcomes[position] = outcome
             done += 1
 
+    rank_slot: list[int] = []  # the worker that owns the rank pool, once one took a real-rank target
+
     def feed(slot: _Slot) -> None:
-        if waiting:
-            position = waiting.pop(0)
+        if rank_slot and rank_slot[0] not in slots:  # it died: the next worker starts a pool
+            rank_slot.clear()
+        n = next_for(waiting, on_ranks, rank_slot[0] if rank_slot else None, slot.index)
+        if n is not None:
+            position = waiting.pop(n)
+            if position in on_ranks:
+                rank_slot[:] = [slot.index]
             slot.give(position, targets[position])
+
+    def feed_idle() -> None:
+        for slot in list(slots.values()):
+            if slot.current is None and slot.index in ready:
+                feed(slot)
 
     def error(position: int, message: str) -> Outcome:
         t = targets[position]
@@ -279,6 +306,7 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
                     if waiting:  # a fresh worker for the targets left
                         slots[next_index] = _Slot(ctx, next_index, args, results, folder)
                         next_index += 1
+                    feed_idle()
                     report()
                 if not ready and time.monotonic() - started > startup_timeout:
                     raise RuntimeError(f"spec verify: no worker was ready within {startup_timeout:.0f} s")
@@ -294,6 +322,7 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
                        else error(position, f"suite error: the worker raised\n{payload}"))
             if slot.current is None:
                 feed(slot)
+            feed_idle()  # a worker left idle (only real-rank targets waited) may take one now
             report()
     finally:
         for slot in slots.values():
@@ -328,6 +357,7 @@ def run_targets(engine, pairs: list[tuple[InvariantInfo, str]], *, workers: int,
         if progress is not None:
             progress(len(pairs), len(pairs), [])
         return outcomes
+    on_ranks = frozenset(n for n, (info, _) in enumerate(pairs) if runs_on_ranks(info, engine))
     return run_parallel(engine_name or engine.name, [Target(info.id, mode) for info, mode in pairs], workers=workers,
                         profile=profile, device=device, threads=threads, overrides=overrides, recorded=recorded,
-                        progress=progress)
+                        progress=progress, on_ranks=on_ranks)

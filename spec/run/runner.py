@@ -23,7 +23,7 @@ from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import honour_engine
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
-__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "SEED_CASES", "DEVICES"]
+__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -120,6 +120,12 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> st
     # an invariant that names the functions it calls (the micro-batch layer's) is skipped where one is missing
     extra = getattr(info, "skip_reason_for", None)
     return reason or (extra(engine) if extra is not None else None)
+
+
+def runs_on_ranks(info: InvariantInfo, engine: EngineUnderTest) -> bool:
+    """Whether ``info``'s check runs ``engine`` on real ranks (the rank pool): it needs them, or it needs
+    sequence parallelism and the engine's runs on a process group."""
+    return "real_ranks" in info.needs or ("sp" in info.needs and bool(getattr(engine, "sp_on_real_ranks", False)))
 
 
 def _real_ranks_unavailable(engine: EngineUnderTest, need: str) -> str | None:
