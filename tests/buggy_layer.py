@@ -83,6 +83,14 @@ def prepare_micro_batches_exclusive(data, dp_group=None, num_batches_divided_by=
                       force_group_size=_flag(data, "force_group_size"))
 
 
+def prepare_micro_batches_fixed_keys(data, *args, **kwargs):
+    """The fixed path's micro-batches lose the loss_mask (input_ids, which decide the samples, are right)."""
+    micro, indices = _prepare(data, *args, **kwargs)
+    if indices is None:
+        micro = [mb.exclude("loss_mask") for mb in micro]
+    return micro, indices
+
+
 def prepare_micro_batches_alone(data, dp_group=None, *args, **kwargs):
     """The data-parallel group is never handed on: each rank picks its own count."""
     return _prepare(data, None, *args, **kwargs)

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from spec.cases.structure import EngineCase
 from spec.engines.impl import ImplEngine
 from spec.invariants import CATALOGUE
+from spec.invariants.core import Ctx
+from spec.planted import planted_engine
 from spec.repro import plan_for, run_reproducer, write_reproducer, write_reproducers
 from spec.run.registry import load_engine
 from spec.run.runner import run_invariant
@@ -190,3 +193,28 @@ def test_a_reproducer_defines_every_name_it_reads(tmp_path) -> None:
     read = {node.id for node in ast.walk(tree)
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and id(node) not in in_notes}
     assert not read - defined - OPTIONAL, sorted(read - defined - OPTIONAL)
+
+
+def test_a_declared_lower_precision_is_the_files_tolerance_too(tmp_path) -> None:
+    """An engine that declares log_probs computed from bf16-scaled logits (the planted bf16 fast path, verl's
+    declaration) is compared at that precision by the suite and by its reproducer alike: at T = 1 its bug does not
+    show and both pass (at float32's tolerance the file failed on the bf16 rounding); at T = 0.5 both fail, on
+    log_probs, the key the suite reports."""
+    engine = planted_engine("bf16_path_skips_temperature")
+    info = CATALOGUE["INV-VAL-001"]
+    for temperature, code in ((1.0, 0), (0.5, 1)):
+        case = EngineCase((3, 2), (4, 3), vocab=64, temperature=temperature, logits_dtype="bfloat16", seed=5)
+        try:
+            info.check(Ctx(engine, case, "cpu", "packed"))
+            suite = 0
+        except AssertionError as exc:
+            suite = 1
+            assert "'log_probs'" in str(exc), exc
+        path, why = write_reproducer(tmp_path / f"T{temperature}.py", invariant="INV-VAL-001", mode="packed",
+                                     engine=engine, case=case)
+        assert why is None
+        assert "'precision': {'log_probs': ('float32', 'bfloat16')}" in path.read_text()
+        got, printed = run_reproducer(path)
+        assert (suite, got) == (code, code), (temperature, suite, printed)
+        if code:
+            assert "'log_probs' of sequence" in printed, printed

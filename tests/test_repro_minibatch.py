@@ -46,6 +46,8 @@ CASES = (
     ("INV-MB-007", {"restore_dynamic_batch": buggy_layer.restore_dynamic_batch}),  # shows only without grad
     ("INV-MB-001", {"prepare_micro_batches": buggy_layer.prepare_micro_batches}),
     ("INV-MB-004", {"prepare_micro_batches": buggy_layer.prepare_micro_batches_exclusive}),
+    # the fixed path's file checks every key as INV-MB-006 does, not only the samples' input_ids
+    ("INV-MB-006", {"prepare_micro_batches": buggy_layer.prepare_micro_batches_fixed_keys}),
     ("INV-MB-009", {"chunk_tensordict": buggy_layer.chunk_tensordict}),
     ("INV-MB-010", {"concat_tensordict": buggy_layer.concat_tensordict}),
     ("INV-MB-011", {"index_select_tensor_dict": buggy_layer.index_select_tensor_dict}),

@@ -119,3 +119,25 @@ def test_rank_handoff_failures_reproduce_without_the_suite_or_impl(tmp_path) -> 
     codes, out = _run(twins, str(ROOT))
     for (bug, invariant, check, _), path in zip(HANDOFF, twins):
         assert codes[str(path)] == 0 and f"PASS: {invariant}" in out, (bug, out)
+
+
+def test_rank_distillation_with_the_stand_in_processor_fails_on_the_values(tmp_path) -> None:
+    """INV-RANK-005 with the suite's stand-in top-K processor (impl gives none of its own): each rank of the file
+    hands the processor it gets in the suite's rank worker, aligned with the rank's shard of the row (not the whole
+    row's teacher tensors, which no shard aligns with). The planted even-share gather (7 tokens over sp = 2) fails
+    on a distillation value with neither the suite nor impl importable; the impl twin of the same case passes."""
+    case = EngineCase((4,), (3,), vocab=16, seed=1, sp_size=2, distillation_keys=("distillation_losses",))
+    path, why = write_reproducer(tmp_path / "even_share.py", invariant="INV-RANK-005", mode="packed",
+                                 engine=load_engine("planted:rank_gather_even_share"), case=case)
+    twin, why_twin = write_reproducer(tmp_path / "even_share-impl.py", invariant="INV-RANK-005", mode="packed",
+                                      engine=ImplEngine(), case=case)
+    assert why is None and why_twin is None, (why, why_twin)
+    assert "class ShardedTopKProcessor" in twin.read_text()
+    site = tmp_path / "neither"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NEITHER)
+    codes, out = _run([path], str(site))
+    assert codes[str(path)] == 1 and "FAIL INV-RANK-005 (values) on the case, sp=2 real ranks" in out, out
+    assert "'distillation_losses' of sequence 0" in out and "do not align" not in out, out
+    codes, out = _run([twin], str(ROOT))
+    assert codes[str(twin)] == 0 and "PASS: INV-RANK-005" in out, out

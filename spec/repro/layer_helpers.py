@@ -22,7 +22,7 @@ from ..invariants.core import held, same
 from ..invariants.microbatch import (NESTED_KEYS, _chunk_count, _halves, _is_stack, _items, _offsets, _plain, _select,
                                      _selection, _short, _snapshot, _suite_parts, check_nested, check_sample_keys)
 
-__all__ = ["HELPER_CHECKS", "helper_case_data", "HELPER_RUNTIME"]
+__all__ = ["HELPER_CHECKS", "helper_case_data", "HELPER_RUNTIME", "READINGS"]
 
 #: invariant -> (the layer functions it calls, the check in :data:`HELPER_RUNTIME`)
 HELPER_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -52,8 +52,11 @@ def _written_out() -> str:
         inspect.getsource(fn) for fn in functions)
 
 
-#: the written-out checks: the suite's readings of nested tensors and TensorDicts, and one check per helper
-HELPER_RUNTIME = _written_out() + r'''
+#: the suite's readings of nested tensors and TensorDicts, written out (the cut checks of :mod:`.minibatch` use them too)
+READINGS = _written_out()
+
+#: the written-out checks: the suite's readings, and one check per helper
+HELPER_RUNTIME = READINGS + r'''
 
 def check(mini):
     B = CASE["batch_size"]

@@ -16,8 +16,9 @@ import torch
 
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
+from ..protocol.engine import EngineUnderTest
 
-__all__ = ["batch_data", "case_data", "INLINE_LIMIT"]
+__all__ = ["batch_data", "case_data", "declared_precision", "INLINE_LIMIT"]
 
 #: up to this many tensor elements per run the values are written into the file; beyond, into a .pt beside it
 INLINE_LIMIT = 4096
@@ -39,6 +40,16 @@ def case_data(case: EngineCase) -> dict[str, Any]:
         # the autograd context the engine runs in and the engine's own switches (spec/execute/handoff.py)
         "context": case.context, "engine_config": [list(item) for item in case.engine_config],
     }
+
+
+def declared_precision(engine: EngineUnderTest, case: EngineCase) -> dict[str, tuple[str, str]]:
+    """Output key -> ``(returns, scaled_in)`` where the engine declares a precision other than the contract's for
+    ``case``'s path (:meth:`EngineUnderTest.precision`): the file compares that key at it, as the suite does
+    (``spec.invariants.core.Ctx.oracle``)."""
+    keys = ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys)
+    declared = {key: engine.precision(key, case) for key in keys}
+    return {key: (p.returns, p.scaled_in) for key, p in declared.items()
+            if p is not None and (p.returns, p.scaled_in) != ("float32", "float32")}
 
 
 def _plain(value: Any) -> Any:

@@ -22,7 +22,7 @@ import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
 from .imports import factory_layer_imports, function_imports
-from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, helper_case_data
+from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, READINGS, helper_case_data
 
 __all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports", "case_dict", "plain_minibatch", "COMMON", "MAIN"]
 
@@ -78,7 +78,7 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
                                case: MiniBatchCase, factory: Any = None) -> str | None:
     """Write ``path`` (and its ``.pt``); returns why it is not standalone, or None."""
     if invariant in MB_CHECKS:
-        (names, check), extra, checks = MB_CHECKS[invariant], {}, _CUT_CHECKS
+        (names, check), extra, checks = MB_CHECKS[invariant], {}, READINGS + _CUT_CHECKS
     elif invariant in HELPER_CHECKS:
         (names, check), extra, checks = HELPER_CHECKS[invariant], helper_case_data(case), HELPER_RUNTIME
     else:
@@ -207,7 +207,9 @@ def check(mini):
             return f"got indices {indices!r:.80}, expected None (the fixed path keeps the order)"
         if sizes != [size] * (CASE["batch_size"] // size):
             return f"micro-batch sizes {sizes[:8]}, expected {CASE['batch_size'] // size} of {size}"
-        return rows_problem(mini, micro, micro_batch_rows(micro, None))
+        for k, mb in enumerate(micro):  # every key of its samples, as INV-MB-006 checks it (layouts included)
+            check_sample_keys(mb, mini, list(range(k * size, (k + 1) * size)), f"micro-batch {k}")
+        return None
     if refusable:
         print("NOT EXERCISED: the layer may refuse this mini-batch")
         return None

@@ -24,7 +24,10 @@ of the topology's world (the other ranks idle).
 
 from __future__ import annotations
 
+import inspect
+
 from ..cases.structure import EngineCase
+from ..execute.rank_worker import ShardedTopKProcessor
 from .launch import LAUNCH
 
 __all__ = ["RANK_CHECKS", "on_real_ranks"]
@@ -56,8 +59,22 @@ def on_real_ranks(source: str, case: EngineCase) -> str:
     world = topology.world if topology is not None else case.sp_size
     return head + "\n# ---- real ranks (gloo over loopback): this file started once per rank ----\n" + \
         "import os\nimport socket\nimport subprocess\nimport tempfile\nimport warnings\n\nimport torch.distributed as dist\n" + \
-        f"SP_GROUP = {group!r}\nWORLD = {world!r}\n" + LAUNCH + _RANKS
+        f"SP_GROUP = {group!r}\nWORLD = {world!r}\n" + LAUNCH + _PROCESSOR + _RANKS
 
+
+#: what a real rank hands its engine as ``logits_processor_func``, as the suite's rank worker hands it
+#: (spec/execute/rank_worker.py): the engine's own where it gives one, else the stand-in that takes the rank's shard
+_PROCESSOR = "\n\n# ---- the stand-in top-K processor on real ranks (spec/execute/rank_worker.py), written out ----\n" + \
+    inspect.getsource(ShardedTopKProcessor) + r'''
+
+def _rank_processor(c, rank):
+    """The logits_processor_func this rank hands its engine: the engine's own (its snippet's logits_processor) where
+    it gives one, else the stand-in aligned with this rank's shard of the row (the suite's ShardedTopKProcessor)."""
+    if not c.distillation_use_topk:
+        return None
+    own = logits_processor(c, c.sp_size, rank) if "logits_processor" in globals() else None
+    return _side("suite", own if own is not None else ShardedTopKProcessor(tuple(c.distillation_keys), c.sp_size, rank))
+'''
 
 _RANKS = r'''
 
@@ -124,7 +141,7 @@ def rank_execute(c, mb, poison, rank, inputs_only=False):
             joined[key] = torch.cat([e[key] for e in everyone], dim=-1)
         widths = [e["input_ids"].shape[-1] for e in everyone]
         out = rank_outputs(_tracked(model(**joined)), c, POISONS[poison], widths)[rank if c.sp_size > 1 else 0]
-        raw = eng.prepare_model_outputs(out, args, mb, _processor(c, rank))  # the engine's own or the stand-in
+        raw = eng.prepare_model_outputs(out, args, mb, _rank_processor(c, rank))  # the engine's own or the stand-in
     return view, _views_out(raw)
 
 

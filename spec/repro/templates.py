@@ -66,6 +66,13 @@ def suite_blocks() -> str:
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle._overlap, oracle._overlap_terms, oracle.topk_terms, oracle.TopKProcessor):
         parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the oracle's rule for an output the engine declares at a lower precision (spec/truth/oracle.py) ----",
+              "from dataclasses import dataclass, field", "",
+              f"LOW_SAFETY = {oracle.LOW_SAFETY!r}", f"OVERLAP_KEYS = {oracle.OVERLAP_KEYS!r}",
+              "_DTYPES = {" + ", ".join(f"{k!r}: torch.{str(v).removeprefix('torch.')}"
+                                        for k, v in oracle._DTYPES.items()) + "}", ""]
+    for fn in (oracle.unit_roundoff, oracle.topk_tie_slack, rules.response_positions, oracle.Expected):
+        parts += [inspect.getsource(fn), ""]
     return "\n".join(parts)
 
 
@@ -226,16 +233,25 @@ def _bound(cond, value, vocab):
 
 
 def reference(c, mb, model):
-    """key -> per sequence (expected float64 values, allowed absolute error per token)."""
+    """key -> per sequence (expected float64 values, allowed absolute error per token), each key at the precision the
+    engine declares for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the
+    oracle's rule (Expected.at_precision, written out above), as the suite compares it."""
     ids, positions = mb["input_ids"].unbind(), mb["position_ids"].unbind()
-    want = {}
+    exp = Expected(distillation={key: [] for key in c.distillation_keys})
+    low = c.logits_dtype if c.logits_dtype != "float32" else None  # the tie slack of a top-K ranked in it
+
+    def add(key, value, cond, vocab):
+        (exp.distillation[key] if key in exp.distillation else getattr(exp, key)).append(value)
+        exp.tolerance.setdefault(key, []).append(_bound(cond, value, vocab))
+        exp.condition.setdefault(key, []).append(cond.expand_as(value))
+
     for i in range(c.batch_size):
         seq_pos = positions[i]
         pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)
         logits = model.logits(ids[i].unsqueeze(0), pos).squeeze(0)
         if c.head == "value":
             v = logits[:, 0].double()
-            want.setdefault("values", []).append((v, _bound(v.abs(), v, 1)))
+            add("values", v, v.abs(), 1)
             continue
         temp = torch.tensor(c.temperatures[i], dtype=torch.float32).clamp(min=1e-8)
         z32 = logits.float() / temp
@@ -248,23 +264,29 @@ def reference(c, mb, model):
         lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         cond = absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + (p * absz).sum(-1)[:-1]
         if not c.distillation_only:
-            want.setdefault("log_probs", []).append((lp, _bound(cond, lp, vocab)))
+            add("log_probs", lp, cond, vocab)
         if c.calculate_entropy:
             ent = -(p * lsm).sum(-1)
-            cond = (p * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1)
-            want.setdefault("entropy", []).append((ent, _bound(cond, ent, vocab)))
+            add("entropy", ent, (p * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
         if c.calculate_sum_pi_squared:
             spq = (p * p).sum(-1)
-            cond = (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1)
-            want.setdefault("sum_pi_squared", []).append((spq, _bound(cond, spq, vocab)))
+            add("sum_pi_squared", spq, (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
         if c.distillation_use_topk:
             clamp = dict(getattr(c, "engine_config", None) or ()).get("log_prob_min_clamp")  # a drawn switch of the
             # engine's own processor: both top-K log-probs clamped below, as the oracle computes it
-            terms = topk_terms(z32, mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i], clamp)
+            teacher_ids, teacher_lp = mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i]
+            terms = topk_terms(z32, teacher_ids, teacher_lp, clamp)
             cond = (absz.max(-1).values + 1.0) * (1 + c.topk)
             for key in c.distillation_keys:
-                want.setdefault(key, []).append((terms[key], _bound(cond, terms[key], vocab)))
-    return want
+                add(key, terms[key], cond, vocab)
+            if low is not None:
+                slack = topk_tie_slack(z, teacher_ids, teacher_lp, clamp, low)
+                for key in OVERLAP_KEYS:
+                    if key in c.distillation_keys:
+                        exp.ties.setdefault(low, {}).setdefault(key, []).append(slack[key])
+    declared = getattr(c, "precision", None) or {}
+    return {key: list(zip(*exp.at_precision(key, *declared.get(key, ("float32", "float32")))))
+            for key in exp.tolerance}
 
 
 # ---- the checks: each returns None when right, else what is wrong (got vs expected) ----

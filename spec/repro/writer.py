@@ -27,7 +27,7 @@ from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
 from ..invariants import CATALOGUE
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSnippet
-from .micro_batch import INLINE_LIMIT, batch_data, case_data
+from .micro_batch import INLINE_LIMIT, batch_data, case_data, declared_precision
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
@@ -142,7 +142,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         else:
             checks = Plan(RANK_CHECKS[invariant]) if invariant in RANK_CHECKS else plan
             header = _header(invariant, mode, engine.name, title, case, error, ranked)
-            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path), case))
+            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path, engine), case))
             return path, None
     elif plan is None:
         why = (f"{invariant} has no standalone check in spec/repro/plans.py"
@@ -155,7 +155,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         return path, why
     layout = PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value
     span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
-    path.write_text(_source(header, invariant, plan, snippet, case, path, layout, span))
+    path.write_text(_source(header, invariant, plan, snippet, case, path, engine, layout, span))
     return path, None
 
 
@@ -167,7 +167,7 @@ def _snippet(engine: EngineUnderTest, settings: dict[str, Any]) -> ReproSnippet 
 
 
 def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path,
-            layout: str = "right", span: str = "sequence") -> str:
+            engine: EngineUnderTest, layout: str = "right", span: str = "sequence") -> str:
     runs, heavy = [], {}
     for label, variant in plan.runs(case):
         data, tensors, elements = batch_data(variant)
@@ -175,7 +175,8 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
         values = {k: v.tolist() for k, v in tensors.items()} if inline else None
         if not inline:
             heavy[label] = tensors
-        runs.append({"label": label, "case": case_data(variant), "data": data, "values": values})
+        runs.append({"label": label, "case": {**case_data(variant), "precision": declared_precision(engine, variant)},
+                     "data": data, "values": values})
     pt = path.with_suffix(".pt")
     if heavy:
         torch.save(heavy, pt)
