@@ -139,5 +139,8 @@ def test_a_caught_engine_exception_with_its_traceback_is_a_reproduction(tmp_path
               "    traceback.print_exc()\n    print('FAIL: the engine raised ValueError')\n    sys.exit(1)\n")
     code, out = _judge(tmp_path, "caught.py", source)
     assert code == 0 and "| 1 | ok | FAIL: the engine raised ValueError |" in out, out
+    logged = "print('[INFO] patches applied')\nprint('FAIL: got 0, expected 0.69')\nraise SystemExit(1)\n"
+    code, out = _judge(tmp_path, "logged.py", logged)  # the verdict line is shown, not what the engine logged first
+    assert code == 0 and "| 1 | ok | FAIL: got 0, expected 0.69 |" in out, out
     code, out = _judge(tmp_path, "uncaught.py", "raise ValueError('the harness')\n")
     assert code == 1 and "| 1 | UNEXPECTED | ValueError: the harness |" in out, out
