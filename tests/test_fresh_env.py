@@ -115,10 +115,32 @@ print(_build({"temperature": 0.5}))
     assert carried(ReproSnippet("from spec.planted.harmless import X as _build\n", standalone=False)) is None
 
 
+def test_a_carried_file_needs_the_packages_the_suite_ran_with(tmp_path, monkeypatch) -> None:
+    """A package installed when the file was written (pinned in its header's Needs) must be there when it runs:
+    without it the adapter would stub it and run what the suite did not (verl's VeOmni engine without veomni gets
+    no varlen kwargs). One not installed then (the suite ran the stubs too) is not required."""
+    from spec.protocol.engine import ReproSnippet
+    from spec.repro import carry
+
+    monkeypatch.setitem(carry.PACKAGES, "spec.engines.hf_batch", ("tensordict", "no-such-distribution"))
+    snippet = carry.carried(ReproSnippet("from spec.engines.hf_batch import one_temperature as _build\n",
+                                         standalone=False))
+    assert snippet is not None and "tensordict==" in snippet.requires and "no-such-distribution" in snippet.requires
+    script = tmp_path / "carried.py"
+    for hide, code in (("", 0), ("import sys\nsys.modules['tensordict'] = None\n", 1)):
+        script.write_text(hide + snippet.code + "\nprint(_build({'temperature': 0.5}))\n")
+        out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env={})
+        assert out.returncode == code, out.stderr
+    assert "ModuleNotFoundError: No module named 'tensordict': this reproducer needs tensordict==" in out.stderr, out.stderr
+
+
 def test_a_caught_engine_exception_with_its_traceback_is_a_reproduction(tmp_path) -> None:
     source = ("import sys, traceback\ntry:\n    raise ValueError('the engine')\nexcept ValueError:\n"
               "    traceback.print_exc()\n    print('FAIL: the engine raised ValueError')\n    sys.exit(1)\n")
     code, out = _judge(tmp_path, "caught.py", source)
     assert code == 0 and "| 1 | ok | FAIL: the engine raised ValueError |" in out, out
+    logged = "print('[INFO] patches applied')\nprint('FAIL: got 0, expected 0.69')\nraise SystemExit(1)\n"
+    code, out = _judge(tmp_path, "logged.py", logged)  # the verdict line is shown, not what the engine logged first
+    assert code == 0 and "| 1 | ok | FAIL: got 0, expected 0.69 |" in out, out
     code, out = _judge(tmp_path, "uncaught.py", "raise ValueError('the harness')\n")
     assert code == 1 and "| 1 | UNEXPECTED | ValueError: the harness |" in out, out

@@ -29,6 +29,11 @@ FORBIDDEN = ("hypothesis", "pytest")
 #: what to pip install for each carried adapter (pinned to the versions installed when the file is written)
 PACKAGES = {"spec.engines.trl": ("trl",), "spec.engines.openrlhf": ("openrlhf", "einops"),
             "spec.engines.veomni": ("verl", "veomni"), "spec.engines.megatron": ("verl", "megatron-core")}
+#: the module a distribution installs, where it is not the distribution's name
+MODULES = {"megatron-core": "megatron.core"}
+#: how .ci/steps.sh installs a carried adapter's package, where it is not a plain ``pip install`` (the header says so)
+NO_DEPS = {"spec.engines.openrlhf": "openrlhf --no-deps: its heavy imports are stubbed",
+           "spec.engines.veomni": "veomni --no-deps, as .ci/steps.sh's verl-engines step installs it"}
 _BUILD = re.compile(r"^from ([\w.]+) import (\w+) as _build$", re.MULTILINE)
 
 
@@ -114,14 +119,36 @@ def carried(snippet: ReproSnippet) -> ReproSnippet | None:
             "_CARRIED = {\n" + "".join(f"    {name!r}: ({package!r}, {src!r}),\n"
                                        for name, (package, src) in sources.items())
             + "}\n" + HOOK + "\n" + snippet.code)
-    return ReproSnippet(code, requires=_requires(match.group(1)), standalone=True)
+    pins = _pins(match.group(1))
+    installed = [(pin, MODULES.get(dist, dist.replace("-", "_"))) for dist, pin in pins if "==" in pin]
+    return ReproSnippet(NEEDS.format(installed=installed) + code, requires=_requires(match.group(1), pins),
+                        standalone=True)
 
 
-def _requires(module: str) -> str:
+#: first in a carried file: the packages installed when the suite ran (its header's Needs, pinned), each findable;
+#: without one the adapter would stub it (spec/engines/stubs.py) and the file would run what the suite did not
+NEEDS = '''import importlib.util as _iu  # noqa: E402
+for _pin, _module in {installed!r}:
+    try:
+        _found = _iu.find_spec(_module)
+    except ModuleNotFoundError:
+        _found = None
+    if _found is None:
+        raise ModuleNotFoundError(f"No module named {{_module!r}}: this reproducer needs {{_pin}} (its header's Needs), "
+                                  "installed when the suite ran it; without it the adapter would run stubs", name=_module)
+'''
+
+
+def _pins(module: str) -> list[tuple[str, str]]:
+    """(distribution, ``dist==version`` where installed now, else the bare name) for each package ``module`` wraps."""
     pins = []
     for dist in PACKAGES.get(module, ("verl",)):  # every other adapter of spec.engines wraps verl
         try:
-            pins.append(f"{dist}=={importlib.metadata.version(dist)}")
+            pins.append((dist, f"{dist}=={importlib.metadata.version(dist)}"))
         except importlib.metadata.PackageNotFoundError:
-            pins.append(dist)
-    return " ".join(pins) + (" (openrlhf --no-deps: its heavy imports are stubbed)" if module.endswith("openrlhf") else "")
+            pins.append((dist, dist))
+    return pins
+
+
+def _requires(module: str, pins: list[tuple[str, str]]) -> str:
+    return " ".join(pin for _, pin in pins) + (f" ({NO_DEPS[module]})" if module in NO_DEPS else "")

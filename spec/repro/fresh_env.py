@@ -9,7 +9,7 @@ a reproducer reports what the engine raised itself and exits 1). A file whose so
 (the bug shows) and exit 0 with ``--fixed``. A file that exits 2 printing ``NOT STANDALONE`` (the writer's file for
 a check it cannot write out) is counted apart, and so is any other exit 2 (a findings script that checked nothing,
 e.g. for want of an optional package); anything else (an ImportError of the suite or of a package, a crash, exit 0 as released) is unexpected. Prints one row per
-run (exit code, the first line of output) and a summary line; exits 1 when a run is not as expected (``--allow``
+run (exit code, the first line of output, or the verdict line: ``FAIL``/``PASS``/``NOT STANDALONE``) and a summary line; exits 1 when a run is not as expected (``--allow``
 names the outcomes that do not count: ``not-standalone``, ``nothing-checked``).
 
 Imports nothing of the suite (a face: tests/test_layering.py), so it runs from any interpreter.
@@ -30,6 +30,8 @@ __all__ = ["Run", "files_under", "run_file", "classify", "main"]
 
 #: how each run is judged
 OK, NOT_STANDALONE, NOTHING_CHECKED, UNEXPECTED = "ok", "not-standalone", "nothing-checked", "UNEXPECTED"
+#: how a reproducer's verdict line starts (the table shows it, not a log line the engine printed first: VeOmni's)
+VERDICTS = ("FAIL", "PASS", "NOT STANDALONE")
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Run:
     path: Path
     fixed: bool  # run with --fixed
     code: int
-    first: str  # first line of output (stdout, else stderr)
+    first: str  # the verdict line (FAIL/PASS/NOT STANDALONE), else the first line of output (stdout, else stderr)
     seconds: float
     uncaught: bool = False  # it ended in an uncaught exception (first: the exception's line)
     verdict: str = ""
@@ -72,6 +74,7 @@ def run_file(python: str, path: Path, *, fixed: bool = False, timeout: float = 9
         except subprocess.TimeoutExpired:
             code, out, err = 124, "", f"timed out after {timeout:.0f} s"
     lines = [line.strip() for line in (out.splitlines() or err.splitlines()) if line.strip()]
+    lines = [line for line in lines if line.startswith(VERDICTS)][:1] or lines  # past what the engine logged
     tail = [line.strip() for line in err.splitlines() if line.strip()]
     # uncaught: a traceback and no verdict printed (a reproducer that catches what the engine raised prints its
     # traceback too, then its "FAIL ..." line)
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="folders (every .py under them) or .py files")
     args = parser.parse_args(argv)
     runs = []
-    print("| file | mode | exit | verdict | first line of output |\n|---|---|---:|---|---|")
+    print("| file | mode | exit | verdict | verdict line, else the first line of output |\n|---|---|---:|---|---|")
     for path in files_under(args.paths):
         for fixed in (False, True) if takes_fixed(path) else (False,):
             run = run_file(args.python, path, fixed=fixed, timeout=args.timeout)
