@@ -14,7 +14,7 @@ from spec.invariants import CATALOGUE
 from spec.repro import write_reproducer, write_reproducers
 from spec.repro.fresh_env import files_under, main
 from spec.run.registry import load_engine
-from spec.run.runner import run_invariant
+from spec.run.runner import SEED_CASES, run_invariant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +91,22 @@ def test_a_written_reproducer_and_its_impl_twin(tmp_path) -> None:
     assert why is None and files_under([tmp_path]) == [rep.path, twin]  # sorted: bug/ before twin/
     assert main(["--python", sys.executable, str(rep.path)]) == 0
     assert main(["--python", sys.executable, str(tmp_path)]) == 1  # the twin exits 0
+
+
+def test_an_import_error_of_the_engine_is_never_a_reproduction(tmp_path) -> None:
+    """A written reproducer whose engine cannot be built here for a missing module (an adapter that needs a package the
+    environment lacks) prints no FAIL line and ends on the ImportError: fresh_env counts it unexpected, the writer an
+    error, never 'reproduces'."""
+    engine = load_engine("tests.user_engines:NeedsAMissingModule")
+    path, why = write_reproducer(tmp_path / "INV-VAL-001-packed.py", invariant="INV-VAL-001", mode="packed",
+                                 engine=engine, case=SEED_CASES[0])
+    assert why is None
+    run = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 1 and "FAIL" not in run.stdout, run.stdout + run.stderr
+    assert "ImportError: NeedsAMissingModule needs the module not_installed_here" in run.stderr
+    assert "not run" in run.stderr
+    assert main(["--python", sys.executable, str(path)]) == 1  # unexpected: the file broke, the engine did not
 
 
 def test_an_adapter_is_carried_as_source(tmp_path) -> None:

@@ -19,3 +19,10 @@ class NoSettingsEngine(impl.LMHeadEngine):
 
 
 ENGINE_OBJECT = NoSettingsEngine()
+
+
+class NeedsAMissingModule(impl.LMHeadEngine):
+    """An engine that needs a module this environment lacks (tests/test_fresh_env.py): built, it raises ImportError."""
+
+    def __init__(self, **settings):
+        raise ImportError("NeedsAMissingModule needs the module not_installed_here")

@@ -32,7 +32,9 @@ PACKAGES = {"spec.engines.trl": ("trl",), "spec.engines.openrlhf": ("openrlhf", 
 #: the module a distribution installs, where it is not the distribution's name
 MODULES = {"megatron-core": "megatron.core"}
 #: how .ci/steps.sh installs a carried adapter's package, where it is not a plain ``pip install`` (the header says so)
-NO_DEPS = {"spec.engines.openrlhf": "openrlhf --no-deps: its heavy imports are stubbed",
+NO_DEPS = {"spec.engines.openrlhf": "openrlhf --no-deps: its heavy imports are stubbed; and flash-attn 2.8.3's "
+                                     "pure-torch bert_padding.py as the module flash_attn_bert_padding, since flash-attn "
+                                     "needs CUDA to build: `python .ci/steps/bert_padding.py` in rl-ioprep copies it",
            "spec.engines.veomni": "veomni --no-deps, as .ci/steps.sh's verl-engines step installs it"}
 _BUILD = re.compile(r"^from ([\w.]+) import (\w+) as _build$", re.MULTILINE)
 

@@ -1129,6 +1129,10 @@ def _own_error(exc):
 
 
 def _raised(label, exc, what):
+    if isinstance(exc, ImportError):  # this environment lacks a module the engine needs: never a reproduction
+        print(f"{INVARIANT} on {label}: not run: {type(exc).__name__}: {exc} (install what Needs above says)",
+              file=sys.stderr)
+        raise exc
     print(f"FAIL {INVARIANT} on {label}: got {type(exc).__name__}: {exc} ({what}: traceback below), expected outputs "
           "(the micro-batch is valid)")
     traceback.print_exc()
