@@ -15,8 +15,8 @@ touched CUDA or threads hands nothing of it on. Each worker loads the engine by 
 targets that run on real ranks, owns a rank pool (:mod:`spec.execute.ranks`: a ``FileStore`` in a private
 temporary directory, no ports), stopped when the worker exits; every real-rank target goes to the one worker
 that took the first (:func:`next_for`), so one pool is started, not one per worker. A worker that dies
-mid-target (a segfault, the OOM killer) has that target reported as a suite error with the Python traceback ``faulthandler`` dumped (or the signal that killed it),
-and a fresh worker takes its place for the targets left.
+mid-target (a segfault, the OOM killer) has that target reported as a suite error with the Python traceback
+``faulthandler`` dumped (or the signal that killed it), and a fresh worker takes its place for the targets left.
 """
 
 from __future__ import annotations
