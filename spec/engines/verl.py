@@ -43,6 +43,7 @@ fail, on exactly the invariants of :data:`MASK_INVARIANTS` that apply to it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import warnings
@@ -548,8 +549,10 @@ class VerlEngineObject:
         return f"<verl {self.caps.version} {type(self.verl_engine).__name__}>"
 
 
+@functools.lru_cache(maxsize=None)
 def _reads_attention_mask_before_branching(fn: Callable) -> bool:
-    """Whether ``no_padding_2_padding`` reads ``data["attention_mask"]`` even for nested input."""
+    """Whether ``no_padding_2_padding`` reads ``data["attention_mask"]`` even for nested input (read from its source
+    once per function: :meth:`VerlEngine.helper` asks on every call, and ``inspect.getsource`` re-reads the file)."""
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
