@@ -28,6 +28,7 @@ from .engine import (
     sequences_from_rows,
     verl_fsdp_view,
 )
+from .profile import DEFAULT_PROFILE, MODES, POSITIONS, Convention, EngineProfile
 from .known import ALWAYS, KnownFailure, When, applicable, as_records, describe_records, matching
 
 __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnderTest", "InputsView",
@@ -35,4 +36,5 @@ __all__ = ["Feature", "ShardLayout", "Capabilities", "EngineObject", "EngineUnde
            "ENGINE_FEATURE",
            "When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
            "PaddedLayout", "OutputSpan", "HeadInput", "response_view", "completion_view", "action_view",
-           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
+           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS",
+           "EngineProfile", "Convention", "DEFAULT_PROFILE", "MODES", "POSITIONS"]

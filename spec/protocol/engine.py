@@ -25,6 +25,8 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from .profile import DEFAULT_PROFILE, EngineProfile
+
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
            "ReproSnippet", "verl_fsdp_view", "HELPERS",
@@ -284,6 +286,8 @@ class EngineUnderTest:
     """Base class of every engine under test. Subclasses implement :meth:`make`, may override the rest."""
 
     name = "engine"
+    #: everything the suite may assume about this engine, in one record (:class:`spec.protocol.profile.EngineProfile`)
+    profile: EngineProfile = DEFAULT_PROFILE
     #: a failure the suite knows about and documents (reported, not hidden); the runner looks it up by
     #: ``ID/mode`` then ``ID``
     known_failures: Any = ()  # spec.protocol.known.KnownFailure records (a legacy {ID: reason} dict is read too)
