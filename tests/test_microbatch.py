@@ -52,6 +52,32 @@ def rows_of(nt: torch.Tensor) -> list[list]:
     return [t.tolist() for t in nt.unbind()]
 
 
+def _torch_pads_jagged() -> bool:
+    """Whether this torch has ``to_padded_tensor`` for jagged tensors (torch 2.4 has none: NotImplementedError)."""
+    try:
+        _jagged(torch.zeros(1), [1]).to_padded_tensor(0)
+    except NotImplementedError:
+        return False
+    return True
+
+
+TORCH_PADS_JAGGED = _torch_pads_jagged()
+
+
+def padded_shape(nt: torch.Tensor) -> tuple[int, ...]:
+    """The shape ``nt.to_padded_tensor(0)`` has: the ragged dim as long as the cached longest row.
+
+    The cache (``_max_seqlen``, what torch's padding and SDPA read) must hold the true longest row; where
+    torch can pad jagged tensors (not torch 2.4), the padded tensor must have that width too.
+    """
+    longest = max(int(n) for n in nt.offsets().diff().tolist())
+    assert nt._max_seqlen == longest, (nt._max_seqlen, longest)
+    shape = (*nt.shape[:nt._ragged_idx], longest, *nt.shape[nt._ragged_idx + 1:])
+    if TORCH_PADS_JAGGED:
+        assert tuple(nt.to_padded_tensor(0).shape) == shape
+    return shape
+
+
 def snapshot(td: TensorDict) -> dict:
     out = {}
     for key, value in td.items():
@@ -248,7 +274,7 @@ def test_restore_keeps_3d_equal_length_outputs_ragged_at_2():
         out = impl.restore_dynamic_batch(pos, idx)
         assert out._ragged_idx == 2 and out.shape[:2] == (batch, 4)
         assert rows_of(out) == rows_of(pos)[::-1]
-        assert out.to_padded_tensor(0).shape == (batch, 4, 2)
+        assert padded_shape(out) == (batch, 4, 2)
 
 
 def test_postprocess_restores_each_samples_outputs():
@@ -282,7 +308,7 @@ def test_index_select_chunk_concat_round_trip_every_layout():
     assert back.get("uid").tolist() == ["u0", "u1", "u2", "u3"] and back["calculate_entropy"] is True
     sel = impl.index_select_tensor_dict(td, [-1, 0])
     assert rows_of(sel["input_ids"]) == [rows_of(td["input_ids"])[3], rows_of(td["input_ids"])[0]]
-    assert sel["position_ids"].to_padded_tensor(0).shape == (2, 4, 3)
+    assert padded_shape(sel["position_ids"]) == (2, 4, 3)
     one = impl.index_select_tensor_dict(td, torch.tensor([2]))
     assert one["position_ids"]._ragged_idx == 2 and rows_of(one["position_ids"]) == [rows_of(td["position_ids"])[2]]
     assert impl.index_select_tensor_dict(None, [0]) is None
@@ -306,7 +332,7 @@ def test_tensordict_utility_errors_name_the_problem():
 def test_nested_tensor_from_tensor_list_caches_the_longest_row():
     samples = [torch.ones(2, 5), torch.ones(2, 7)]  # ragged at the last dim, values (2, 12)
     nt = impl.nested_tensor_from_tensor_list(samples, ragged_idx=2)
-    assert nt._ragged_idx == 2 and nt.to_padded_tensor(0).shape == (2, 2, 7)  # verl: (2, 2, 2), truncated
+    assert nt._ragged_idx == 2 and padded_shape(nt) == (2, 2, 7)  # verl: (2, 2, 2), truncated
     assert rows_of(nt) == [s.tolist() for s in samples]
     with raises(ShapeError, "sample 1", "(3, 7)"):
         impl.nested_tensor_from_tensor_list([torch.ones(2, 5), torch.ones(3, 7)], ragged_idx=2)
@@ -390,6 +416,51 @@ def test_gathers_in_blocks_and_with_empty_rows(monkeypatch):
         for key, rows in expect.items():
             assert rows_of(sel[key]) == rows, (block, key)
         assert sel["position_ids"]._ragged_idx == 2
+
+
+# --------------------------------------------------------------------------- the torch floor (2.4)
+
+REAL_FACTORY = torch.nested.nested_tensor_from_jagged
+
+
+def _factory_of_torch_24(values, offsets=None, lengths=None, jagged_dim=None):
+    """torch 2.4.0's ``nested_tensor_from_jagged``: no ``min_seqlen`` / ``max_seqlen`` keywords."""
+    return REAL_FACTORY(values, offsets, lengths, jagged_dim)
+
+
+def test_the_factory_keywords_are_detected_for_this_torch():
+    from impl.microbatch import nested
+
+    version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    assert nested.FACTORY_TAKES_SEQLENS == (version >= (2, 5)), torch.__version__
+
+
+def test_the_torch_24_path_builds_every_tensor_through_the_old_factory(monkeypatch):
+    """On any torch: the layer as it runs on torch 2.4, where the factory lacks the length keywords (the
+    regression of issue 39: every micro-batch call raised TypeError there). Rows, layout and cached lengths
+    as on the fast path; a tensor that requires grad keeps its graph."""
+    from impl.microbatch import nested
+
+    td = mini_batch(LENS, use_dynamic_bsz=True, max_token_len_per_gpu=8)
+    expect, _ = impl.prepare_micro_batches(td)
+    monkeypatch.setattr(torch.nested, "nested_tensor_from_jagged", _factory_of_torch_24)
+    monkeypatch.setattr(nested, "FACTORY_TAKES_SEQLENS", False)  # what the import finds on torch 2.4
+    monkeypatch.setattr(nested, "_JaggedTensor", None)  # every tensor through the public factory
+    micro, idx = impl.prepare_micro_batches(td)
+    assert len(micro) == len(expect)
+    for got, want in zip(micro, expect):
+        for key in ("input_ids", "position_ids", "teacher_ids", "routed_experts"):
+            assert rows_of(got[key]) == rows_of(want[key]) and got[key]._ragged_idx == want[key]._ragged_idx, key
+            padded_shape(got[key])
+    back = impl.restore_dynamic_batch(impl.concat_nested_tensors([m["input_ids"] for m in micro]), idx)
+    assert rows_of(back) == rows_of(td["input_ids"])
+    values = torch.arange(12.0).view(2, 6).requires_grad_()
+    nt = impl.nested_tensor_from_tensor_list([values[:, :2], values[:, 2:]], ragged_idx=2)
+    assert padded_shape(nt) == (2, 2, 4)
+    sel = nested.take_rows(nt, torch.tensor([1]), "x")
+    assert rows_of(sel) == [values[:, 2:].tolist()] and padded_shape(sel) == (1, 2, 4)
+    sel.values().sum().backward()
+    assert values.grad.tolist() == [[0, 0, 1, 1, 1, 1]] * 2
 
 
 def test_fit_budget_exchanges_until_every_set_fits():

@@ -10,6 +10,7 @@ per call (no Python loop over the rows).
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -22,9 +23,24 @@ __all__ = ["nested_tensor_from_tensor_list", "concat_nested_tensors", "jagged", 
 
 try:  # the jagged layout's Python class: built directly, no dispatch through _nested_view_from_jagged
     from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
-    from torch.nested._internal.nested_tensor import _store_val_in_tensor
 except ImportError:  # pragma: no cover - a torch without the jagged layout's Python class
     _JaggedTensor = None
+
+try:  # torch >= 2.5 caches the min / max lengths as tensors of shape (n, 0) (dynamic shapes under dynamo)
+    from torch.nested._internal.nested_tensor import _store_val_in_tensor as _seqlen_cached
+except ImportError:  # torch 2.4 (the floor): the cache holds the plain ints (what its own _max_seqlen computes)
+    _seqlen_cached = int
+
+#: the public factory takes min_seqlen / max_seqlen (torch >= 2.5; torch 2.4 has values, offsets, lengths, jagged_dim)
+FACTORY_TAKES_SEQLENS = {"min_seqlen", "max_seqlen"} <= set(
+    inspect.signature(torch.nested.nested_tensor_from_jagged).parameters)
+
+
+def _cache_seqlens(out: torch.Tensor, min_seqlen: int, max_seqlen: int) -> torch.Tensor:
+    """``out`` with its min / max lengths cached, in the form this torch keeps them."""
+    out._metadata_cache["max_seqlen"] = _seqlen_cached(max_seqlen)
+    out._metadata_cache["min_seqlen"] = _seqlen_cached(min_seqlen)
+    return out
 
 
 def jagged(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int, lengths: torch.Tensor | None = None,
@@ -42,14 +58,16 @@ def jagged(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int, lengths
             min_seqlen, max_seqlen = (int(x) for x in torch.stack(lens.aminmax()).tolist())
         else:
             min_seqlen = max_seqlen = 0
-    if (_JaggedTensor is None or values.requires_grad or torch.compiler.is_compiling()):
-        return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_idx, min_seqlen=min_seqlen,
-                                                      max_seqlen=max_seqlen)
-    out = _JaggedTensor(values, offsets, _ragged_idx=ragged_idx)
+    compiling = torch.compiler.is_compiling()
+    if _JaggedTensor is None or values.requires_grad or compiling:
+        if FACTORY_TAKES_SEQLENS:
+            return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_idx,
+                                                          min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+        out = torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_idx)
+        # torch 2.4: cached on the tensor as its own factory does (under dynamo it computes them when asked)
+        return out if compiling else _cache_seqlens(out, min_seqlen, max_seqlen)
     # cached after construction: given to the constructor, torch marks them dynamic for dynamo (~200 us)
-    out._metadata_cache["max_seqlen"] = _store_val_in_tensor(max_seqlen)
-    out._metadata_cache["min_seqlen"] = _store_val_in_tensor(min_seqlen)
-    return out
+    return _cache_seqlens(_JaggedTensor(values, offsets, _ragged_idx=ragged_idx), min_seqlen, max_seqlen)
 
 
 def ragged_idx_of(tensor: torch.Tensor) -> int:
