@@ -2,6 +2,7 @@
 # Shared by .ci/steps.sh and .ci/steps/*.sh (sourced, never run): the virtual environments of the CI steps.
 #
 #   venv NAME [PIP ARGS...]   make (or reuse) .venv-NAME, activate it, pip-install torch and the arguments
+#                             (torch 2.13.0, else $TORCH_SPEC; an argument torch==V: that torch, and V pins it)
 #   pip ...                   pip, with the project's editable builds one at a time (see below)
 #
 # A venv is reused without calling pip when its marker (.venv-NAME/.ci-installed) holds the key of what was
@@ -48,16 +49,23 @@ venv() {  # venv NAME [PIP ARGS...]: .venv-NAME with torch 2.13.0 (CPU) and the 
     local key; key=$(_ci_venv_key "$@")
     if venv_ready "$name" "$key"; then echo "venv $name: installed already (.venv-$name/.ci-installed)"; return 0; fi
     rm -f ".venv-$name/.ci-installed"
+    # an argument torch==V (the torch24 step: the floor) is the venv's torch, and the constraint the rest is
+    # installed under instead of constraints-torch.txt (which pins 2.13.0)
+    local a torch_spec="${TORCH_SPEC:-torch==2.13.0}" constraints=constraints-torch.txt
+    for a in "$@"; do
+        if [[ "$a" == torch==* ]]; then torch_spec=$a; constraints=".venv-$name/constraints-torch.txt"; fi
+    done
+    if [ "$constraints" != constraints-torch.txt ]; then echo "$torch_spec" > "$constraints"; fi
     python -m pip install -q --upgrade pip
-    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple}
+    python -m pip install -q "$torch_spec" ${TORCH_INDEX:+--index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple}
     # the packages first, then the project's editable build (under the lock), against what is installed
-    local a packages=() editable=() next_editable=0
+    local packages=() editable=() next_editable=0
     for a in "$@"; do
         if [ "$next_editable" = 1 ]; then editable+=(-e "$a"); next_editable=0
         elif [ "$a" = "-e" ] || [ "$a" = "--editable" ]; then next_editable=1
         else packages+=("$a"); fi
     done
-    if [ "${#packages[@]}" -gt 0 ]; then python -m pip install -q -c constraints-torch.txt "${packages[@]}"; fi
-    if [ "${#editable[@]}" -gt 0 ]; then _ci_locked python -m pip install -q -c constraints-torch.txt "${packages[@]}" "${editable[@]}"; fi
+    if [ "${#packages[@]}" -gt 0 ]; then python -m pip install -q -c "$constraints" "${packages[@]}"; fi
+    if [ "${#editable[@]}" -gt 0 ]; then _ci_locked python -m pip install -q -c "$constraints" "${packages[@]}" "${editable[@]}"; fi
     venv_installed "$name" "$key"
 }

@@ -15,7 +15,8 @@
 # step is self-contained on a fresh GitHub runner and shares nothing with the other steps' environments.
 # A step starts with what it installs (venv, with_redis, pip install: its setup), then what it runs.
 # torch 2.13.0 goes in first (the CPU build here; the workflow installs it from the CPU index), then every
-# package under constraints-torch.txt so pip cannot swap torch for a CUDA build.
+# package under constraints-torch.txt so pip cannot swap torch for a CUDA build. The torch24 step is the floor:
+# its venv's torch is 2.4.0 (`venv NAME torch==V ...` pins V instead), with tensordict 0.8.3 as in tox -e torch24.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CI="${CI:-true}"          # selects the `ci` hypothesis profile (derandomized)
@@ -30,6 +31,7 @@ STEPS=(
 "verl-engines     venv verl-engines verl==0.9.1 -e '.[test]' && pip install -q --no-deps veomni==0.1.12 megatron-core==0.16.1 && pytest -p no:cacheprovider tests/test_adapters.py && for e in verl-veomni verl-megatron verl-torchtitan verl-automodel; do python -m spec verify --engine \$e --profile ci --out reports/\$e || exit 1; done"
 "verl071          venv verl071 verl==0.7.1 'numpy<2' 'pyarrow>=19,<20' 'datasets<4' -e '.[test]' && VERL_EXPECT_VERSION=0.7.1 VERL_EXPECT_MASK_BUG=1 pytest -p no:cacheprovider tests/test_verl_conformance.py"
 "trl-openrlhf     bash .ci/steps/engines-trl-openrlhf.sh"
+"torch24          venv torch24 torch==2.4.0 tensordict==0.8.3 -e '.[test]' && SPEC_EXPECT_TORCH=2.4.0 SPEC_EXPECT_TENSORDICT=0.8.3 pytest -p no:cacheprovider -n auto tests/test_environment.py tests/test_microbatch.py tests/test_dense_kernels.py tests/test_examples.py tests/test_errors.py tests/test_examples_mutation.py && python -m spec verify --engine impl --profile dev --out reports/torch24"
 )
 
 # Advisory steps: run by .ci/run and the workflow alike, reported, but not failing CI. A step is advisory only while

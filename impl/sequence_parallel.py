@@ -34,7 +34,11 @@ class TorchDistributedAllGather:
         import torch.distributed as dist
 
         world = dist.get_world_size(self.group)
-        parts = [torch.empty_like(local) for _ in range(world)]
+        # the buffers the collective writes are normal tensors even under torch.inference_mode(): gloo writes them
+        # on its own thread, where torch 2.4 refuses an in-place update of an inference tensor (the concatenation
+        # below is one again)
+        with torch.inference_mode(False):
+            parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts, dim=0)
 

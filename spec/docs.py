@@ -111,6 +111,9 @@ _STEP_WHAT = {
     "verl071": "verl 0.7.1 must fail, and only on the attention-mask invariants (tests/test_verl_conformance.py)",
     "trl-openrlhf": "TRL 1.16.0 (`spec verify --engine trl`, `trl-fused`) and OpenRLHF 0.11.2 (`--engine openrlhf`), "
                     "each in its own venv, then tests/test_hf_engines.py",
+    "torch24": "the floor, torch 2.4.0 (CPU) with tensordict 0.8.3: impl's own tests (micro-batch layer, dense "
+               "kernels and their index fallback, worked examples, errors; tests/test_environment.py checks the pins) "
+               "and `spec verify --engine impl --profile dev`",
 }
 
 

@@ -137,3 +137,51 @@ def test_ci_install_ahead_can_be_turned_off(tmp_path) -> None:
     run, events = _fake_ci(tmp_path, CI_INSTALL_AHEAD="0")
     assert run.returncode == 0, run.stdout + run.stderr
     assert not any(e.startswith("setup-") for e in events)
+
+
+def test_the_torch24_step_runs_impl_and_the_catalogue_on_the_floor() -> None:
+    """The floor in CI (issue 39): torch 2.4.0 with tox torch24's tensordict, impl's own tests with the pins checked
+    (tests/test_environment.py), and a quick `spec verify` of the catalogue on impl."""
+    command = dict(docs.ci_steps())["torch24"]
+    torch_v, tensordict_v = docs._tox_pins()["torch24"]
+    assert command.startswith(f"venv torch24 torch=={torch_v} tensordict=={tensordict_v} -e '.[test]' && "), command
+    assert f"SPEC_EXPECT_TORCH={torch_v} SPEC_EXPECT_TENSORDICT={tensordict_v} pytest" in command
+    for test in ("test_environment", "test_microbatch", "test_dense_kernels", "test_examples", "test_errors"):
+        assert f"tests/{test}.py" in command, test
+    assert re.search(r"python -m spec verify --engine impl --profile \w+", command), command
+
+
+FAKE_PYTHON = r'''#!/usr/bin/env bash
+# a stand-in for the venv's python: logs each call; `-m venv DIR` makes DIR with an activate script
+echo "$*" >> "$CALLS"
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; echo 'PATH="$FAKE_BIN:$PATH"' > "$3/bin/activate"; touch "$3/bin/python"; chmod +x "$3/bin/python"; fi
+'''
+
+
+def _venv_calls(tmp_path, *args: str) -> list[str]:
+    """The python calls `venv ARGS...` (.ci/lib.sh) makes, with pip stubbed out."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    for name in ("python", "python3"):
+        (fake / name).write_text(FAKE_PYTHON)
+        (fake / name).chmod(0o755)
+    (tmp_path / "constraints-torch.txt").write_text("torch==2.13.0\n")
+    calls = tmp_path / "calls.log"
+    calls.write_text("")
+    script = f'. {ROOT / ".ci" / "lib.sh"} && venv {" ".join(args)}'
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls), "FAKE_BIN": str(fake),
+                              "CI_PIP_LOCK": str(tmp_path / "lock")})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [line for line in calls.read_text().splitlines() if "pip install" in line and "--upgrade pip" not in line]
+
+
+def test_a_venv_takes_its_torch_from_a_torch_argument(tmp_path) -> None:
+    """`venv NAME torch==V ...` installs torch V and pins V for the rest (not constraints-torch.txt's 2.13.0, which
+    would make pip swap the floor's torch for 2.13.0); without one, torch 2.13.0 under constraints-torch.txt."""
+    floor = _venv_calls(tmp_path, "torch24", "torch==2.4.0", "tensordict==0.8.3", "-e", ".")
+    assert floor[0] == "-m pip install -q torch==2.4.0", floor
+    assert all("-c .venv-torch24/constraints-torch.txt" in line for line in floor[1:]) and len(floor) == 3, floor
+    assert (tmp_path / ".venv-torch24" / "constraints-torch.txt").read_text() == "torch==2.4.0\n"
+    plain = _venv_calls(tmp_path, "other", "verl==0.9.1")
+    assert plain == ["-m pip install -q torch==2.13.0", "-m pip install -q -c constraints-torch.txt verl==0.9.1"]

@@ -37,3 +37,60 @@ def test_impl_imports_and_torch_has_jagged_dim() -> None:
     assert "jagged_dim" in inspect.signature(factory).parameters, (
         f"torch {torch.__version__}'s nested_tensor_from_jagged has no jagged_dim parameter "
         "(needed for mRoPE (B, 4, j) position_ids): impl needs torch >= 2.4")
+
+
+# --------------------------------------------------------------------------- what torch 2.4 does differently
+# Each test forces the torch 2.4 path on any torch, so the `tests` CI step (torch 2.13) catches a regression of the
+# floor; the torch24 step (.ci/steps.sh) runs them on 2.4 itself. The micro-batch layer's: tests/test_microbatch.py.
+
+def test_the_all_gather_writes_normal_tensors_under_inference_mode(monkeypatch) -> None:
+    """impl's TorchDistributedAllGather under torch.inference_mode(): gloo writes the gathered parts on its own
+    thread, where torch 2.4 refuses an in-place update of an inference tensor (every real-rank run in the
+    `inference_mode` context failed there); the parts must be normal tensors, the result what a gather gives."""
+    import torch
+    import torch.distributed as dist
+
+    from impl.sequence_parallel import TorchDistributedAllGather
+
+    written = []
+
+    def all_gather(parts, local, group=None):
+        written.extend(p.is_inference() for p in parts)
+        for i, p in enumerate(parts):
+            p.copy_(local + 10 * i)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    with torch.inference_mode():
+        out = TorchDistributedAllGather()(torch.arange(3.0).view(3, 1))
+    assert written == [False, False]
+    assert out.view(-1).tolist() == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+
+
+def test_jagged_tensors_cross_the_rank_boundary_as_on_torch_24(monkeypatch) -> None:
+    """The real-rank harness pickles micro-batches and replies; on torch 2.4 a jagged tensor whose shape was read
+    does not pickle ("cannot pickle 'PyCapsule' object": every real-rank invariant failed there), so it is rebuilt
+    from its parts: the ragged dim, rows and cached lengths survive (2.4's own reduction would make a (4, j)
+    mRoPE tensor ragged at dim 1)."""
+    import pickle
+
+    import torch
+    from tensordict import TensorDict
+
+    from spec.execute import rank_worker
+
+    monkeypatch.setattr(rank_worker, "_PICKLES_JAGGED", False)  # what the import finds on torch 2.4
+    offsets = torch.tensor([0, 2, 5])
+    positions = torch.nested.nested_tensor_from_jagged(torch.arange(20).view(4, 5), offsets, jagged_dim=2)
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)
+    assert positions.shape[1] == 4 and ids.shape[0] == 2  # the shape read: 2.4 caches a capsule on the tensor
+    td = TensorDict({"position_ids": positions, "input_ids": ids}, batch_size=[2])
+    back = pickle.loads(rank_worker.dumps({"micro_batch": td}))["micro_batch"]
+    for key, before in td.items():
+        after = back[key]
+        assert after._ragged_idx == before._ragged_idx and after._max_seqlen == before._max_seqlen == 3, key
+        assert [t.tolist() for t in after.unbind()] == [t.tolist() for t in before.unbind()], key
+    with torch.inference_mode():  # an engine's output: a CPU tensor stays on the CPU (torch 2.4 has no .cpu() there)
+        made = torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)
+        safe = rank_worker._nested_safe({"x": made})["x"]
+    assert safe.is_nested and safe.values().tolist() == list(range(5))

@@ -12,6 +12,7 @@ faulthandler dumps (fatal signals, ``SIGUSR1``) go to ``rank<r>.log`` in the poo
 from __future__ import annotations
 
 import faulthandler
+import io
 import os
 import pickle
 import queue
@@ -38,7 +39,7 @@ from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execut
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
-__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task"]
+__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task", "dumps"]
 
 WORLDS = (2, 3, 4)
 
@@ -92,12 +93,56 @@ class ShardedTopKProcessor(TopKProcessor):
 def _nested_safe(obj: Any) -> Any:
     """Detach and move to CPU whatever crosses the process boundary."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        obj = obj.detach()
+        # .cpu() of a CPU tensor is the tensor itself; torch 2.4 has no such op for a jagged one in inference mode
+        return obj if obj.device.type == "cpu" else obj.cpu()
     if isinstance(obj, dict):
         return {k: _nested_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_nested_safe(v) for v in obj)
     return obj
+
+
+try:  # the jagged layout's Python class (torch >= 2.4)
+    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
+except ImportError:  # pragma: no cover
+    _JaggedTensor = None
+
+#: torch drops a jagged tensor's cached size capsules when it is pickled (torch >= 2.5; 2.4 does not, and a jagged
+#: tensor whose shape was read cannot be pickled there: "cannot pickle 'PyCapsule' object")
+_PICKLES_JAGGED = _JaggedTensor is None or hasattr(_JaggedTensor, "_clear_non_serializable_cached_data")
+
+
+def _rebuild_jagged(values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, ragged_idx: int,
+                    cache: dict[str, Any]) -> torch.Tensor:
+    return _JaggedTensor(values, offsets, lengths=lengths, _ragged_idx=ragged_idx, _metadata_cache=cache)
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with torch 2.4's jagged tensors rebuilt from their parts: values, offsets, lengths, ragged dim and
+    cached lengths (torch 2.4's own reduction also carries the cached ``PyCapsule``, which does not pickle, and
+    rebuilds the size ragged at dim 1 whatever the tensor's ragged dim)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if _PICKLES_JAGGED or type(obj) is not _JaggedTensor:
+            return NotImplemented
+        return _rebuild_jagged, (obj._values, obj._offsets, obj._lengths, obj._ragged_idx, dict(obj._metadata_cache))
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps(obj)``, also on torch 2.4 for jagged tensors whose shape was read (see :class:`_Pickler`)."""
+    if _PICKLES_JAGGED:
+        return pickle.dumps(obj)
+    buffer = io.BytesIO()
+    _Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _exchange(everyone: list[Any], status: Any, group: Any) -> None:
+    """``dist.all_gather_object`` of the ranks' status, outside ``torch.inference_mode()`` (the suite's exchange, not
+    the engine's: under it torch 2.4's gloo refuses to write the gathered sizes, created as inference tensors)."""
+    with torch.inference_mode(False):
+        dist.all_gather_object(everyone, status, group=group)
 
 
 def _namespace_dict(out: Any) -> dict[str, Any]:
@@ -156,7 +201,7 @@ class _Worker:
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised below
             status = ("error", _describe(exc))
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, status, group=group)
+        _exchange(everyone, status, group)
         failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
         if failed:
             first_rank, (exc_bytes, text) = failed[0]
@@ -211,7 +256,7 @@ def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, gr
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised by the caller
         status = ("error", _describe(exc))
     everyone: list[Any] = [None] * case.world
-    dist.all_gather_object(everyone, status, group=group)
+    _exchange(everyone, status, group)
     failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
     if failed:
         first_rank, (exc_bytes, text) = failed[0]
@@ -328,7 +373,7 @@ def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, res
                                   for size in range(2, world + 1) for members in combinations(range(world), size)}
         groups.update({w: groups[tuple(range(w))] for w in WORLDS if w <= world})
         worker = _Worker(rank, backend, groups)
-        results.put(pickle.dumps(("ready", rank, {})))
+        results.put(dumps(("ready", rank, {})))
         while True:
             try:
                 item = tasks.get(timeout=1.0)
@@ -349,9 +394,9 @@ def _serve(rank: int, world: int, backend: str, store_path: str, tasks: Any, res
             except Exception as exc:  # noqa: BLE001 - a suite-side failure is reported like an engine's
                 reply = {"rank": rank, "error": (rank, *_describe(exc))}
             try:
-                out = pickle.dumps((task_id, rank, reply))
+                out = dumps((task_id, rank, reply))
             except Exception as exc:  # noqa: BLE001 - an unpicklable reply is an error, not a hang
-                out = pickle.dumps((task_id, rank, {"rank": rank, "error": (rank, *_describe(exc))}))
+                out = dumps((task_id, rank, {"rank": rank, "error": (rank, *_describe(exc))}))
             results.put(out)
     finally:
         dist.destroy_process_group()

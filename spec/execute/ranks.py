@@ -55,7 +55,7 @@ from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
 from .handoff import Run, attach_views, model_for, snapshot
 from ..cases.materialize import materialize
-from .rank_worker import WORLDS, ShardedTopKProcessor, on_device, task_timeout, worker_main
+from .rank_worker import WORLDS, ShardedTopKProcessor, dumps, on_device, task_timeout, worker_main
 
 __all__ = ["MAX_WORLD", "PRELOAD", "WORLDS", "start_method", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
            "shutdown", "backend_for", "unavailable", "task_timeout"]
@@ -228,7 +228,7 @@ class RankPool:
         if not self.alive():
             raise RankFailure("real ranks: the pool is closed or a rank is dead")
         self.next_id += 1
-        blob = pickle.dumps(task)
+        blob = dumps(task)
         for r in ranks:
             self.tasks[r].put((self.next_id, blob))
         return self._collect(self.next_id, ranks, timeout, what)
