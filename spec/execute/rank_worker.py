@@ -39,6 +39,11 @@ from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execut
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
 
+try:  # the jagged layout's Python class (torch >= 2.4)
+    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
+except ImportError:  # pragma: no cover
+    _JaggedTensor = None
+
 __all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task", "dumps"]
 
 WORLDS = (2, 3, 4)
@@ -102,11 +107,6 @@ def _nested_safe(obj: Any) -> Any:
         return type(obj)(_nested_safe(v) for v in obj)
     return obj
 
-
-try:  # the jagged layout's Python class (torch >= 2.4)
-    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
-except ImportError:  # pragma: no cover
-    _JaggedTensor = None
 
 #: torch drops a jagged tensor's cached size capsules when it is pickled (torch >= 2.5; 2.4 does not, and a jagged
 #: tensor whose shape was read cannot be pickled there: "cannot pickle 'PyCapsule' object")
