@@ -327,7 +327,7 @@ def check_values(c, mb, run):
 def read_span(c, i):
     """The positions of sequence i's per-token outputs a consumer reads: 0 .. n_i - 2 (the last token scores no
     token of its sequence), or p_i - 1 .. n_i - 2 for an engine whose outputs cover the scored response tokens only."""
-    lo = c.prompt_lens[i] - 1 if globals().get("OUTPUT_SPAN", "sequence") == "response" else 0
+    lo = c.prompt_lens[i] - 1 if OUTPUT_SPAN == "response" else 0
     return lo, c.seq_lens[i] - 1
 
 
