@@ -2,8 +2,8 @@
 micro-batch, the layer's ``postprocess_batch_func``, against the per-sequence float64 reference).
 
 The file is the engine-case reproducer's runtime (:mod:`.runtime` and the suite's stand-in model and hand-off,
-written beside it by :func:`.templates.write_beside`; the engine built as its adapter does, the float64 reference) joined with the micro-batch reproducer's
-(:mod:`.minibatch`: the shrunk mini-batch saved as a ``.pt`` beside it, the layer's own functions imported by module
+written beside it by :func:`.templates.write_beside`; the engine built as its adapter does, the float64 reference)
+joined with the micro-batch reproducer's (:mod:`.minibatch`: the shrunk mini-batch saved as a ``.pt`` beside it, the layer's own functions imported by module
 and name, or a planted wrapper's factory written out). It cuts the mini-batch with the layer's
 ``prepare_micro_batches``, runs every micro-batch through one engine object (as a trainer keeps it) with the
 micro-batch's samples as its case, joins the outputs with ``postprocess_batch_func`` (or the layer's

@@ -146,7 +146,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
-        # needs a process group, verl's, has a snippet for them; a planted engine is written out with impl)
+        # needs a process group, verl's, has a snippet for them; a planted engine is written out over impl)
         ranked = planted_engine_snippet(engine) or _snippet(engine, {**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
