@@ -8,6 +8,7 @@ from typing import Callable
 
 from spec.engines.impl import ImplEngine
 from spec.invariants import CATALOGUE
+from spec.protocol.engine import EngineUnderTest
 from spec.repro import write_reproducer, write_reproducers
 from spec.run.registry import load_engine
 from spec.run.runner import run_invariant
@@ -29,3 +30,11 @@ def planted_and_twins(folder: Path, bugs, max_examples: int,
         assert why is None, why
         made.append((bug, rep, twin))
     return made
+
+
+class AdapterOnly(ImplEngine):
+    """impl through its adapter alone: the protocol's default snippet, which imports this module (and so the suite)
+    to build the engine; a file written for it cannot run without the suite."""
+
+    name = "impl-through-its-adapter"
+    repro_snippet = EngineUnderTest.repro_snippet

@@ -84,7 +84,7 @@ def test_verls_packer_is_written_out_over_its_module_by_name(tmp_path) -> None:
     text = path.read_text()
     assert "def fake_parallel_state(" in text and "class VerlMegatronPacker" in text
     assert "importlib.import_module('no_such_verl_module.mcore.util')" in text
-    assert "pip install torch tensordict verl megatron-core" in text
+    assert "pip install verl megatron-core torch tensordict" in text
     assert not re.search(r"^\s*(import|from)\s+spec\b", text, re.M)
     code, printed = run_reproducer(path)
     assert code == 3 and "ModuleNotFoundError" in printed, printed

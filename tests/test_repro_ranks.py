@@ -2,8 +2,8 @@
 A user's engine with a sequence-parallel bug that shows only on real ranks (tests/shard_roll_engine.py: labels
 rolled within each rank's shard) fails INV-RANK-002; its reproducer exits 1 with ``spec`` unimportable (in the
 parent; the ranks it starts import only torch, tensordict and the engine's module), and the impl twin of the same
-case exits 0. One subprocess runs both. The planted rank engines' files (their engine module and impl written out)
-reproduce INV-RANK-003/006/008 with neither the suite nor impl importable, in the file's process and its ranks."""
+case exits 0. One subprocess runs both. The planted rank engines' files (their engine module written out over impl
+imported) reproduce INV-RANK-003/006/008 with the suite unimportable, in the file's process and its ranks."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ HANDOFF = (
     ("rank_roll_after_slice", "INV-RANK-008", "rank_roll_exact", EngineCase((2,), (3,), vocab=16, seed=3, sp_size=2)),
 )
 
-#: on PYTHONPATH (first), in the file's process and in every rank it starts: neither the suite nor impl imports
-NEITHER = "import sys\nsys.modules['spec'] = None\nsys.modules['impl'] = None\n"
+#: on PYTHONPATH (first), in the file's process and in every rank it starts: the suite does not import
+NO_SPEC = "import sys\nsys.modules['spec'] = None\n"
 
 
 def _run(paths: list[Path], pythonpath: str) -> tuple[dict[str, int], str]:
@@ -67,19 +67,20 @@ def _run(paths: list[Path], pythonpath: str) -> tuple[dict[str, int], str]:
     return codes, done.stdout
 
 
-def test_planted_rank_engines_are_written_out_with_impl_and_need_neither() -> None:
-    """A planted engine's snippet writes its module and impl out: the engine it builds is that source, run under
-    private module names (the process's own impl and spec are neither used nor replaced)."""
-    before = {name: sys.modules.get(name) for name in ("impl", "impl.engines")}
+def test_planted_rank_engines_are_written_out_over_impl() -> None:
+    """A planted engine's snippet writes its module out over impl imported: the engine it builds is that source, run
+    under a private module name (the process's own spec is neither used nor replaced), subclassing impl's own."""
+    before = {name: sys.modules.get(name) for name in ("spec.planted.rank_bugs",)}
     snippet = planted_engine_snippet(load_engine("planted:rank_pad_when_divisible"))
-    assert snippet is not None and snippet.standalone and not snippet.requires
-    assert not re.search(r"^\s*(import|from)\s+(spec|impl)\b", snippet.code, re.M)
+    assert snippet is not None and snippet.standalone and snippet.requires == "rl-ioprep"
+    assert re.search(r"^import impl$", snippet.code, re.M)
+    assert not re.search(r"^\s*(import|from)\s+spec\b", snippet.code, re.M)
     space: dict = {}
     exec(compile(snippet.code, "snippet", "exec"), space)  # noqa: S102 - the written engine block
     eng = space["make_engine"]("lm", sp_size=1)
     assert type(eng).__name__ == "PadWhenDivisible" and type(eng).__module__ == "_written_spec_planted_rank_bugs"
-    assert not isinstance(eng, impl.LMHeadEngine)  # impl's own class, written out: not the process's impl
-    assert space["helper"]("no_padding_2_padding").__module__ == "_written_impl_padding"
+    assert isinstance(eng, impl.LMHeadEngine)  # over impl imported, not written out
+    assert space["helper"]("no_padding_2_padding") is impl.no_padding_2_padding
     assert {name: sys.modules.get(name) for name in before} == before
     # a planted padding helper is written out too, handed out by helper(), and an own companion; a bug in a
     # micro-batch layer keeps the engine's own snippet
@@ -92,14 +93,14 @@ def test_planted_rank_engines_are_written_out_with_impl_and_need_neither() -> No
     assert planted_engine_snippet(ImplEngine()) is None
 
 
-def test_rank_handoff_failures_reproduce_without_the_suite_or_impl(tmp_path) -> None:
+def test_rank_handoff_failures_reproduce_without_the_suite(tmp_path) -> None:
     """INV-RANK-003/006/008's reproducers check what each rank reports and hands over (its pad size, the shapes of
     its labels and temperature, every position of its labels) against values the file computes: the planted
-    engines' files exit 1 at the check with neither the suite nor impl importable (the engine written out), and
-    the impl twins of the same cases exit 0."""
-    site = tmp_path / "neither"
+    engines' files exit 1 at the check with the suite unimportable (the engine written out over impl), and the impl
+    twins of the same cases exit 0."""
+    site = tmp_path / "no-spec"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(NEITHER)
+    (site / "sitecustomize.py").write_text(NO_SPEC)
     planted, twins = [], []
     for bug, invariant, _, case in HANDOFF:
         path, why = write_reproducer(tmp_path / f"{bug}.py", invariant=invariant, mode="packed",
@@ -108,11 +109,11 @@ def test_rank_handoff_failures_reproduce_without_the_suite_or_impl(tmp_path) -> 
                                           engine=ImplEngine(), case=case)
         assert why is None and why_twin is None, (bug, why, why_twin)
         text = path.read_text()
-        assert "--rank" in text and "_written_impl" in text, bug
-        assert not re.search(r"^\s*(import|from)\s+(spec|impl)\b", text, re.M), bug
+        assert "--rank" in text and "_written_spec_planted" in text and re.search(r"^import impl$", text, re.M), bug
+        assert not re.search(r"^\s*(import|from)\s+spec\b", text, re.M), bug
         planted.append(path)
         twins.append(twin)
-    codes, out = _run(planted, str(site))
+    codes, out = _run(planted, os.pathsep.join((str(site), str(ROOT))))
     for (bug, invariant, check, _), path in zip(HANDOFF, planted):
         assert codes[str(path)] == 1 and f"FAIL {invariant} ({check}) on the case, sp=2 real ranks" in out, (bug, out)
     assert "pad_size: got 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
@@ -125,7 +126,7 @@ def test_rank_distillation_with_the_stand_in_processor_fails_on_the_values(tmp_p
     """INV-RANK-005 with the suite's stand-in top-K processor (impl gives none of its own): each rank of the file
     hands the processor it gets in the suite's rank worker, aligned with the rank's shard of the row (not the whole
     row's teacher tensors, which no shard aligns with). The planted even-share gather (7 tokens over sp = 2) fails
-    on a distillation value with neither the suite nor impl importable; the impl twin of the same case passes."""
+    on a distillation value with the suite unimportable; the impl twin of the same case passes."""
     case = EngineCase((4,), (3,), vocab=16, seed=1, sp_size=2, distillation_keys=("distillation_losses",))
     path, why = write_reproducer(tmp_path / "even_share.py", invariant="INV-RANK-005", mode="packed",
                                  engine=load_engine("planted:rank_gather_even_share"), case=case)
@@ -133,10 +134,10 @@ def test_rank_distillation_with_the_stand_in_processor_fails_on_the_values(tmp_p
                                       engine=ImplEngine(), case=case)
     assert why is None and why_twin is None, (why, why_twin)
     assert "class ShardedTopKProcessor" in twin.read_text()
-    site = tmp_path / "neither"
+    site = tmp_path / "no-spec"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(NEITHER)
-    codes, out = _run([path], str(site))
+    (site / "sitecustomize.py").write_text(NO_SPEC)
+    codes, out = _run([path], os.pathsep.join((str(site), str(ROOT))))
     assert codes[str(path)] == 1 and "FAIL INV-RANK-005 (values) on the case, sp=2 real ranks" in out, out
     assert "'distillation_losses' of sequence 0" in out and "do not align" not in out, out
     codes, out = _run([twin], str(ROOT))

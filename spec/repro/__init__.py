@@ -3,7 +3,7 @@ shrunk case's micro-batch with plain torch and tensordict, calls the engine as i
 stand-in model written out, and compares with a float64 reference written out too: exit 1 with got vs
 expected at the first wrong position, 0 when right (:mod:`.writer`). Which checks each invariant's reproducer
 runs, on which runs of the case: :mod:`.plans`; the micro-batch as data: :mod:`.micro_batch`; the code blocks:
-:mod:`.templates`. A face of the suite (it may import every layer below).
+:mod:`.templates`; the runtime every engine-case file loads from its folder (a copy of :mod:`.runtime`). A face of the suite (it may import every layer below).
 """
 
 from .plans import PLANS, Plan, plan_for

@@ -1,9 +1,9 @@
 """The standalone reproducer of INV-MB-015 (end to end: the micro-batch layer's cut, the engine on every
 micro-batch, the layer's ``postprocess_batch_func``, against the per-sequence float64 reference).
 
-The file is the engine-case reproducer's runtime (:mod:`.templates`: the engine built as its adapter does, the
-suite's stand-in model and hand-off written out, the float64 reference) joined with the micro-batch reproducer's
-(:mod:`.minibatch`: the shrunk mini-batch saved as a ``.pt`` beside it, the layer's own functions imported by module
+The file is the engine-case reproducer's runtime (:mod:`.runtime` and the suite's stand-in model and hand-off,
+written beside it by :func:`.templates.write_beside`; the engine built as its adapter does, the float64 reference)
+joined with the micro-batch reproducer's (:mod:`.minibatch`: the shrunk mini-batch saved as a ``.pt`` beside it, the layer's own functions imported by module
 and name, or a planted wrapper's factory written out). It cuts the mini-batch with the layer's
 ``prepare_micro_batches``, runs every micro-batch through one engine object (as a trainer keeps it) with the
 micro-batch's samples as its case, joins the outputs with ``postprocess_batch_func`` (or the layer's
@@ -27,7 +27,7 @@ from ..invariants.microbatch import refusable_case
 from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
 from .micro_batch import case_data
 from .minibatch import COMMON, case_dict, layer_imports, plain_minibatch
-from .templates import PREAMBLE, RUNTIME, suite_blocks
+from .templates import LOADER, PREAMBLE, SHARE, engine_block, write_beside
 
 __all__ = ["END_TO_END", "layer_bug_only", "write_end_to_end_reproducer"]
 
@@ -57,21 +57,19 @@ def write_end_to_end_reproducer(path: Path, header: str, engine: Any, snippet: R
     torch.save(plain_minibatch(materialize_minibatch(case, "cpu")), path.with_suffix(".pt"))
     layout = PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value
     span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
-    runtime = RUNTIME.rsplit('\nif __name__ == "__main__":', 1)[0]  # its own main is the engine-case file's
+    write_beside(path.parent)
     path.write_text("\n".join([
-        header, PREAMBLE, "import pickle", "",
-        "# ---- engine under test (begin) ----", snippet.code.strip(), "# ---- engine under test (end) ----", "",
+        header, PREAMBLE, "import pickle", LOADER, engine_block(snippet),
         "# ---- the engine's micro-batch layer ----", imports, "",
-        suite_blocks(),
-        f"INVARIANT = {END_TO_END!r}", "CHECK_NAMES = []", "POISON = 'nan'",
+        f"INVARIANT = {END_TO_END!r}", "CHECK_NAMES = []", "POISON = 'nan'", "KEYS = []",
         f"PADDED_LAYOUT = {layout!r}  # where the engine puts each sequence in its padded (B, L) model input",
         f"OUTPUT_SPAN = {span!r}  # which positions of each sequence its per-token outputs cover",
-        "RUNS = []", "",
+        "DATA = None", "RUNS = []", "",
         "# the mini-batch's settings (the cut) and its samples as one engine case (the reference)",
         "CASE = " + pprint.pformat(case_dict(case), width=120, sort_dicts=False),
         "WHOLE = " + pprint.pformat(case_data(case.engine_case()), width=120, sort_dicts=False),
-        "MINI = Path(__file__).with_suffix('.pt')", "",
-        runtime, inspect.getsource(micro_batch_rows), COMMON, _MAIN]))
+        "MINI = Path(__file__).with_suffix('.pt')", "", SHARE, "",
+        inspect.getsource(micro_batch_rows), COMMON, _MAIN]))
     return None
 
 

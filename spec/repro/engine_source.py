@@ -1,11 +1,11 @@
-"""A planted engine written out whole: its module's source and impl's, so a reproducer runs without the suite or impl.
+"""A planted engine written out: its module's source, over impl imported, so a reproducer runs without the suite.
 
 A planted engine (:class:`spec.planted.PlantedEngine`) is impl with one mistake, its ``lm`` / ``value`` classes
 subclasses of impl's defined in a module of ``spec/planted``. :func:`planted_engine_snippet` writes that module
-and every module it imports from the suite or from impl (impl's whole package: its ``__init__`` imports the rest)
-into the file, each as a module of its own under a private name (``_written_impl_flags``, ...; its imports rewritten
-to those names, so the process's own ``impl`` and ``spec``, where importable, are neither used nor replaced), and
-binds ``make_engine`` / ``helper`` to them as impl's snippet binds them to impl. A bug that is more than an engine
+and every module of the suite it imports into the file, each as a module of its own under a private name
+(``_written_spec_planted_engine_bugs``, ...; its imports of the suite rewritten to those names, so the process's own
+``spec``, where importable, is neither used nor replaced); impl itself is imported (``pip install rl-ioprep``), and
+``make_engine`` / ``helper`` are bound to them as impl's snippet binds them to impl. A bug that is more than an engine
 class, a padding helper or its own companion (a planted processor class's classmethod, the file's
 ``logits_processor``), behind a configuration switch or a declared precision or not (neither changes how the engine
 is built), say a micro-batch layer or packer, or a module that imports the suite otherwise, gets None: the engine
@@ -25,8 +25,8 @@ from .imports import alias, modules_code
 
 __all__ = ["planted_engine_snippet", "written_modules"]
 
-#: the top-level packages whose modules are written out (the suite's and the engine it plants bugs in)
-WRITTEN = ("spec", "impl")
+#: the top-level packages whose modules are written out (the suite's) and imported (the engine it plants bugs in)
+WRITTEN, IMPORTED = ("spec",), "impl"
 
 #: a relative import, one line or parenthesized over several
 _RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+(\([^)]*\)|[^\n]+)$", re.MULTILINE)
@@ -34,8 +34,8 @@ _RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+(\([^)]*\)|[^\n]+)$", re
 _FROM = re.compile(r"^from\s+((?:spec|impl)(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]+)$", re.MULTILINE)
 #: ``import impl`` / ``import impl.x`` (a bare name of a written package)
 _IMPORT = re.compile(r"^import\s+((?:spec|impl)(?:\.\w+)*)\s*$", re.MULTILINE)
-#: anything else importing a written package (``import impl as x``, a nested import): not written out
-_OTHER = re.compile(r"^\s*(from\s+\.|from\s+(spec|impl)\b|import\s+(spec|impl)\b)", re.MULTILINE)
+#: anything else importing the suite (``import spec as x``, a nested import): not written out
+_OTHER = re.compile(r"^\s*(from\s+\.|from\s+spec\b|import\s+spec\b)", re.MULTILINE)
 
 
 def _top(module: str) -> str:
@@ -62,15 +62,21 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
 
     def relative(match: re.Match) -> str:
         target = importlib.util.resolve_name(match.group(1), package)
+        if _top(target) == IMPORTED:
+            return f"from {target} import {match.group(2)}"
         targets.append(target)
         return f"from {alias(target)} import {match.group(2)}"
 
     def absolute(match: re.Match) -> str:
+        if _top(match.group(1)) == IMPORTED:
+            return match.group(0)
         targets.append(match.group(1))
         return f"from {alias(match.group(1))} import {match.group(2)}"
 
     def bare(match: re.Match) -> str:
         target = match.group(1)
+        if _top(target) == IMPORTED:
+            return match.group(0)
         if "." in target:  # ``import impl.x`` binds ``impl``: only the package itself is written this way
             targets.append("")
             return match.group(0)
@@ -82,6 +88,8 @@ def written_modules(name: str, done: dict[str, str] | None = None, visiting: fro
     source = _IMPORT.sub(bare, source)
     if "" in targets or _OTHER.search(source):
         return None, f"{name} imports {' or '.join(WRITTEN)} in a way not written out"
+    if _top(name) == IMPORTED:
+        return None, f"{name} is impl's, imported rather than written out"
     for target in targets:
         if target in (name, "") or _top(target) not in WRITTEN or target not in sys.modules:
             return None, f"{name} imports {target or '?'}, which is not written out"
@@ -102,11 +110,17 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
             or any((bug.microbatch, bug.packer)):  # a switch or a declared precision builds as it is
         return None
     modules: dict[str, str] = {}
+    imported: set[str] = {IMPORTED}
 
-    def ref(obj: object) -> str | None:  # the written-out name of a class or function of the suite or impl
+    def ref(obj: object) -> str | None:  # the written-out name of a class or function of the suite, impl's imported
         nonlocal modules
         module, qual = getattr(obj, "__module__", ""), getattr(obj, "__qualname__", "")
-        if _top(module) not in WRITTEN or "<" in qual or "." in qual:
+        if "<" in qual or "." in qual:
+            return None
+        if _top(module) == IMPORTED:
+            imported.add(module)
+            return f"{module}.{qual}"
+        if _top(module) not in WRITTEN:
             return None
         modules, why = written_modules(module, modules)
         return None if why else f"{alias(module)}.{qual}"
@@ -118,11 +132,9 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
     own = None if companion is None else (ref(owner) if isinstance(owner, type) else None)
     if None in classes.values() or None in helpers.values() or (companion is not None and own is None):
         return None
-    modules, why = written_modules("impl", modules)
-    if why:
-        return None
     code = "\n".join([
-        "# the planted engine's module and impl, written out (each its own module under a private name)",
+        *(f"import {module}" for module in sorted(imported)), "",
+        "# the planted engine's module, written out (its own module under a private name) over impl imported",
         *modules_code(modules), "",
         "_CLASSES = {" + ", ".join(f"{head!r}: {r}" for head, r in classes.items()) + "}",
         "_HELPERS = {" + ", ".join(f"{name!r}: {r}" for name, r in helpers.items()) + "}  # the planted ones", "", "",
@@ -130,7 +142,7 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
         "_PROCESSOR_SWITCHES = " + repr(tuple(sw.name for sw in bug.config) if companion is not None else ()), "", "",
         "def make_engine(head, **settings):",
         "    return _CLASSES[head](**{k: v for k, v in settings.items() if k not in _PROCESSOR_SWITCHES})", "", "",
-        "def helper(name):", f"    return _HELPERS.get(name) or getattr({alias('impl')}, name, None)", "",
+        "def helper(name):", f"    return _HELPERS.get(name) or getattr({IMPORTED}, name, None)", "",
         *([] if own is None else ["", "def logits_processor(case, sp_size, sp_rank):  # the engine's own companion",
                                   f"    return {own}.{companion.__name__}(case, sp_size, sp_rank)", ""])])
-    return ReproSnippet(code, requires="", standalone=True)
+    return ReproSnippet(code, requires="rl-ioprep", standalone=True)

@@ -45,12 +45,18 @@ class Run:
     verdict: str = ""
 
 
+#: the modules written beside the reproducers they serve (spec/repro/templates.py's RUNTIME_NAME, SUITE_NAME): not
+#: reproducers themselves
+BESIDE = ("repro_runtime.py", "repro_suite.py")
+
+
 def files_under(paths: list[Path]) -> list[Path]:
-    """Every ``.py`` file under ``paths`` (files given are kept), sorted, without ``__pycache__``."""
+    """Every ``.py`` file under ``paths`` (files given are kept), sorted, without ``__pycache__`` and the modules
+    written beside the reproducers (:data:`BESIDE`)."""
     found: list[Path] = []
     for p in paths:
         if p.is_dir():
-            found += [f for f in sorted(p.rglob("*.py")) if "__pycache__" not in f.parts]
+            found += [f for f in sorted(p.rglob("*.py")) if "__pycache__" not in f.parts and f.name not in BESIDE]
         elif p.suffix == ".py":
             found.append(p)
         else:

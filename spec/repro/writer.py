@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pprint
+import re
 import runpy
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from .packing import packer_requires, write_packing_reproducer
 from .carry import carried
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
-from .templates import PREAMBLE, RUNTIME, suite_blocks
+from .templates import DISTRIBUTION, LOADER, PREAMBLE, SHARE, engine_block, write_beside
 
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
 
@@ -74,12 +75,22 @@ def _settings_of(case: EngineCase) -> dict[str, Any]:
     return settings
 
 
+def needs(snippet: ReproSnippet | None) -> list[str]:
+    """What to ``pip install`` for a file whose engine block is ``snippet``: installable names (the suite's and
+    impl's packages named by their distribution, ``rl-ioprep``; a remark in parentheses dropped), then torch and
+    tensordict."""
+    requires = re.sub(r"\([^)]*\)", " ", snippet.requires if snippet else "").split()
+    names = [DISTRIBUTION if name in ("spec", "impl") else name for name in requires]
+    if snippet is not None and not snippet.standalone:
+        names.append(DISTRIBUTION)
+    return list(dict.fromkeys(names + ["torch", "tensordict"]))
+
+
 def _header(invariant: str, mode: str, engine: str, title: str, case: Any, error: str | None,
             snippet: ReproSnippet | None) -> str:
-    needs = "pip install torch tensordict" + (f" {snippet.requires}" if snippet and snippet.requires else "")
     lines = [f"Reproducer: {invariant} ({mode}) on engine {engine}.", "", title, "",
              f"Shrunk case: {case!r}", f"What the suite saw: {error or '?'}", "",
-             f"Needs: {needs}" + ("" if snippet is None or snippet.standalone else
+             f"Needs: pip install {' '.join(needs(snippet))}" + ("" if snippet is None or snippet.standalone else
                                   "  (and this suite: the engine has no standalone snippet, its adapter is imported)"),
              "Exit 1: the engine is wrong on this case (got vs expected printed); 0: it is right; 2: not reproducible "
              "standalone.", "Written by `python -m spec verify` (spec/repro/); edit freely."]
@@ -110,7 +121,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         if invariant == END_TO_END:  # and the engine on every micro-batch
             # a bug planted in the layer alone runs impl's own engine (written out as impl's snippet)
             built = ImplEngine() if layer_bug_only(engine) else engine
-            snippet = built.repro_snippet(_settings_of(case.engine_case()))
+            snippet = planted_engine_snippet(built) or _snippet(built, _settings_of(case.engine_case()))
             header = _header(invariant, mode, engine.name, title, case, error, snippet)
             why = write_end_to_end_reproducer(path, header, engine, snippet, functions, case, factory)
         else:
@@ -135,7 +146,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
     elif invariant in RANK_CHECKS or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
-        # needs a process group, verl's, has a snippet for them; a planted engine is written out with impl)
+        # needs a process group, verl's, has a snippet for them; a planted engine is written out over impl)
         ranked = planted_engine_snippet(engine) or _snippet(engine, {**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
@@ -182,15 +193,17 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
         torch.save(heavy, pt)
     elif pt.exists():
         pt.unlink()
+    write_beside(path.parent)
     return "\n".join([
-        header, PREAMBLE,
-        "# ---- engine under test (begin) ----", snippet.code.strip(), "# ---- engine under test (end) ----", "",
-        suite_blocks(),
+        header, PREAMBLE, LOADER, engine_block(snippet),
         f"INVARIANT = {invariant!r}", f"CHECK_NAMES = {list(plan.checks)!r}", f"POISON = {plan.poison!r}",
+        f"KEYS = {list(plan.keys)!r}  # the outputs the invariant asserts, the only ones compared (none: every one)",
         f"PADDED_LAYOUT = {layout!r}  # where the engine puts each sequence in its padded (B, L) model input",
         f"OUTPUT_SPAN = {span!r}  # which positions of each sequence its per-token outputs cover",
+        "DATA = Path(__file__).with_suffix('.pt')  # the runs' tensors above 4,096 elements",
         "RUNS = " + pprint.pformat(runs, width=120, sort_dicts=False), "",
-        RUNTIME])
+        SHARE, "", "",
+        'if __name__ == "__main__":', "    sys.exit(main())", ""])
 
 
 def run_reproducer(path: Path) -> tuple[int, str]:

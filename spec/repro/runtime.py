@@ -1,0 +1,1190 @@
+"""The runtime of a standalone reproducer: the micro-batch rebuilt with plain torch + tensordict, one run of the
+engine around the suite's stand-in model, the float64 reference (the oracle's tolerance rule), the checks and
+``main``. A real module, imported by nothing of the suite: the writer (:mod:`.writer`) copies this file beside every
+reproducer it writes, as ``repro_runtime.py``, and the reproducer loads it from its own folder.
+
+It imports only the standard library, numpy, torch and tensordict (``tests/test_repro_runtime.py`` runs it with
+``spec`` and ``impl`` unimportable). What differs per file it does not hold: the engine (the file's engine block:
+``make_engine``, ``helper``, and where the engine gives them ``view_inputs``, ``view_outputs``,
+``logits_processor``), the case (:data:`BOUND`'s constants) and the suite's own stand-in model, hand-off, flags and
+oracle rule (``repro_suite.py``, written beside the file from the suite's source by :func:`.templates.suite_module`)
+are bound into this module by :func:`share`, which the file calls once before ``main``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+import traceback
+from enum import Enum
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+#: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
+FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
+             "DATA", "KEYS")
+#: the engine block's names read only where it defines them
+OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
+#: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
+#: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
+FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
+              "execution_context", "FLAG_DEFAULTS", "BAD_FLAGS", "recode_flags", "bad_settings", "_equal", "_tensors",
+              "padded_length", "layout_width", "layout_columns", "layout_mask", "TopKProcessor", "topk_terms",
+              "Expected", "OVERLAP_KEYS", "topk_tie_slack")
+BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
+
+
+def share(suite, names):
+    """Bind the suite module ``suite``'s names and the file's ``names`` (its globals) here, and every name of this
+    module the file does not define into ``names`` (so that code the file adds, the real-rank or end-to-end main,
+    reads this module's functions as its own)."""
+    mine = globals()
+    for source in (vars(suite), names):  # never over a name of this module's own (a private name of the engine's)
+        mine.update({k: v for k, v in source.items() if k not in OWN and not (k.startswith("__") and k.endswith("__"))})
+    for key, value in list(mine.items()):
+        if not (key.startswith("__") and key.endswith("__")) and key not in names:
+            names[key] = value
+    missing = [name for name in FROM_FILE + FROM_SUITE if name not in mine]
+    if missing:
+        raise NameError(f"the reproducer binds no {', '.join(missing)} (see repro_runtime.BOUND)")
+
+
+# ---- the micro-batch, rebuilt with plain torch + tensordict ----
+class PadMode(str, Enum):  # verl's DatasetPadMode is a str Enum too
+    NO_PADDING = "no_padding"
+    RIGHT = "right"
+    LEFT_RIGHT = "left_right"
+
+
+def _tensor(values, dtype, shape):
+    if isinstance(values, torch.Tensor):
+        return values.to(getattr(torch, dtype)).reshape(shape)
+    return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def build_micro_batch(run):
+    data, c = run["data"], run["case"]
+    values = run["values"] if run["values"] is not None else torch.load(DATA)[run["label"]]
+    out = {}
+    for key, meta in data["nested"].items():
+        vals = _tensor(values[key], meta["dtype"], meta["shape"])
+        offsets = torch.tensor(meta["offsets"], dtype=torch.int64)
+        axis = meta["ragged_dim"] - 1
+        if c["split_view"]:  # a micro-batch split from a mini-batch: the values are a view into a bigger buffer
+            buffer = torch.cat([vals.flip(axis), vals], dim=axis)
+            vals = buffer.narrow(axis, vals.shape[axis], vals.shape[axis])
+        out[key] = torch.nested.nested_tensor_from_jagged(vals, offsets, jagged_dim=meta["ragged_dim"])
+    for key, meta in data["dense"].items():
+        out[key] = _tensor(values[key], meta["dtype"], meta["shape"])
+    td = TensorDict(out, batch_size=[c["batch_size"]])
+    for key, value in data["flags"].items():
+        td.set_non_tensor(key, PadMode(value) if key == "pad_mode" else value)
+    return td
+
+
+# ---- one run: engine inputs -> the stand-in model -> poisoned padding -> engine outputs ----
+#: what one rank hands the model and its own output step (the suite's InputsView fields); a key a snippet's
+#: view_inputs leaves out reads as None (pad_size as 0)
+VIEW_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seqlens", "cu_seqlens_host", "labels", "temperature",
+             "pad_size", "model_temperature", "model_labels", "return_dict")
+
+
+def _views_in(model_inputs, output_args):
+    if "view_inputs" in globals():
+        view = dict(view_inputs(model_inputs, output_args))
+    else:  # verl's FSDP convention
+        labels = output_args.get("input_ids_rmpad_rolled")
+        view = {"attention_mask": model_inputs.get("attention_mask"), "input_ids": model_inputs.get("input_ids"),
+                "position_ids": model_inputs.get("position_ids"), "cu_seqlens": model_inputs.get("cu_seqlens"),
+                "cu_seqlens_host": model_inputs.get("cu_seqlens_cpu"),
+                "labels": None if labels is None else labels.reshape(-1),
+                "temperature": output_args.get("temperature_rmpad", output_args.get("temperature")),
+                "pad_size": int(output_args.get("pad_size", 0) or 0),
+                "model_temperature": model_inputs.get("temperature"), "model_labels": model_inputs.get("shift_labels"),
+                "return_dict": model_inputs.get("return_dict")}
+    return {key: view.get(key, 0 if key == "pad_size" else None) for key in VIEW_KEYS}
+
+
+def _views_out(outputs):
+    return view_outputs(outputs) if "view_outputs" in globals() else dict(outputs)
+
+
+def _copy(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+#: who raised each exception seen leaving a call (by id): "engine" (the engine's own calls) or "suite" (the
+#: stand-in model, the processor handed to the engine); the innermost call's word stands
+ORIGINS = {}
+
+
+def _tag(exc, who):
+    ORIGINS.setdefault(id(exc), (exc, who))
+    return exc
+
+
+def origin(exc):
+    """Who raised ``exc``: a suite-side exception anywhere in its cause/context chain wins (an engine that re-raises
+    the processor's error under its own type has rejected nothing by itself)."""
+    seen, link = set(), exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if ORIGINS.get(id(link), (None, None))[1] == "suite":
+            return "suite"
+        link = link.__cause__ or link.__context__
+    return ORIGINS.get(id(exc), (None, None))[1]
+
+
+def _side(who, fn):
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise _tag(exc, who)
+    return call
+
+
+def _processor(c, r):
+    """The logits_processor_func rank r hands its engine: the engine's own (its snippet's logits_processor) where it
+    gives one, else the suite's top-K stand-in written out above; what either raises is the suite side's."""
+    if not c.distillation_use_topk:
+        return None
+    own = logits_processor(c, c.sp_size, r) if "logits_processor" in globals() else None
+    return _side("suite", own if own is not None else TopKProcessor(tuple(c.distillation_keys)))
+
+
+def execute(c, mb, poison, inputs_only=False, engines=None, device="cpu"):
+    """The engine's calls and the model in the case's autograd context (grad, no_grad or inference_mode), as a
+    trainer's policy update or log-prob pass runs them; the micro-batch and the model made outside it.
+    ``inputs_only``: prepare_model_inputs alone (what an input check reads); ``engines``: engine objects kept
+    across calls (an empty list is filled with the ones built here)."""
+    model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype,
+                        device=device)
+    with execution_context(c):
+        return _execute(c, mb, poison, model, inputs_only, engines)
+
+
+def _execute(c, mb, poison, model, inputs_only=False, kept=None):
+    gather = ThreadedAllGather(c.sp_size) if c.sp_size > 1 else None
+    engines = kept if kept else [_side("engine", make_engine)(c.head, **_settings(c, r, gather)) for r in range(c.sp_size)]
+    if kept is not None and not kept:
+        kept.extend(engines)
+    handed = [_side("engine", eng.prepare_model_inputs)(mb) for eng in engines]
+    inputs = [mi for mi, _ in handed]
+    output_args = [args for _, args in handed]
+    views = [_views_in(mi, args) for mi, args in handed]
+    if inputs_only:
+        return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
+    args_before = [_copy(args) for args in output_args]
+    model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
+    logits_before = [o.logits.detach().clone() for o in model_outputs]
+    processors = [_processor(c, r) for r in range(len(engines))]
+
+    def call(eng, r):
+        with execution_context(c):  # autograd's mode is per thread: each rank's thread enters it again
+            return _side("engine", eng.prepare_model_outputs)(model_outputs[r], output_args[r], mb, processors[r])
+
+    calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
+    raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, args_before=args_before,
+                           model_outputs=model_outputs, logits_before=logits_before,
+                           rank_outputs=[_views_out(o) for o in raw])
+
+
+# ---- the reference: float64, each sequence alone, with the suite's tolerance rule ----
+EPS = torch.finfo(torch.float32).eps
+SAFETY = 32.0
+
+
+def _bound(cond, value, vocab):
+    return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
+
+
+def reference(c, mb, model):
+    """key -> per sequence (expected float64 values, allowed absolute error per token), each key at the precision the
+    engine declares for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the
+    oracle's rule (Expected.at_precision, written out above), as the suite compares it."""
+    ids, positions = mb["input_ids"].unbind(), mb["position_ids"].unbind()
+    exp = Expected(distillation={key: [] for key in c.distillation_keys})
+    low = c.logits_dtype if c.logits_dtype != "float32" else None  # the tie slack of a top-K ranked in it
+
+    def add(key, value, cond, vocab):
+        (exp.distillation[key] if key in exp.distillation else getattr(exp, key)).append(value)
+        exp.tolerance.setdefault(key, []).append(_bound(cond, value, vocab))
+        exp.condition.setdefault(key, []).append(cond.expand_as(value))
+
+    for i in range(c.batch_size):
+        seq_pos = positions[i]
+        pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)
+        logits = model.logits(ids[i].unsqueeze(0), pos).squeeze(0)
+        if c.head == "value":
+            v = logits[:, 0].double()
+            add("values", v, v.abs(), 1)
+            continue
+        temp = torch.tensor(c.temperatures[i], dtype=torch.float32).clamp(min=1e-8)
+        z32 = logits.float() / temp
+        z = z32.double()
+        vocab = z.shape[-1]
+        lsm = torch.log_softmax(z, dim=-1)
+        p = lsm.exp()
+        absz = z.abs()
+        labels = ids[i][1:]
+        lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        cond = absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + (p * absz).sum(-1)[:-1]
+        if not c.distillation_only:
+            add("log_probs", lp, cond, vocab)
+        if c.calculate_entropy:
+            ent = -(p * lsm).sum(-1)
+            add("entropy", ent, (p * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
+        if c.calculate_sum_pi_squared:
+            spq = (p * p).sum(-1)
+            add("sum_pi_squared", spq, (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
+        if c.distillation_use_topk:
+            clamp = dict(getattr(c, "engine_config", None) or ()).get("log_prob_min_clamp")  # a drawn switch of the
+            # engine's own processor: both top-K log-probs clamped below, as the oracle computes it
+            teacher_ids, teacher_lp = mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i]
+            terms = topk_terms(z32, teacher_ids, teacher_lp, clamp)
+            cond = (absz.max(-1).values + 1.0) * (1 + c.topk)
+            for key in c.distillation_keys:
+                add(key, terms[key], cond, vocab)
+            if low is not None:
+                slack = topk_tie_slack(z, teacher_ids, teacher_lp, clamp, low)
+                for key in OVERLAP_KEYS:
+                    if key in c.distillation_keys:
+                        exp.ties.setdefault(low, {}).setdefault(key, []).append(slack[key])
+    declared = getattr(c, "precision", None) or {}
+    return {key: list(zip(*exp.at_precision(key, *declared.get(key, ("float32", "float32")))))
+            for key in exp.tolerance}
+
+
+# ---- the checks: each returns None when right, else what is wrong (got vs expected) ----
+def expected_keys(c):
+    if c.head == "value":
+        return {"values"}
+    keys = set() if c.distillation_only else {"log_probs"}
+    keys |= {"entropy"} if c.calculate_entropy else set()
+    keys |= {"sum_pi_squared"} if c.calculate_sum_pi_squared else set()
+    return keys | set(c.distillation_keys)
+
+
+def _first_bad(got, want, tol):
+    bad = ~((got == want) | ((got - want).abs() <= tol))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        return t, int(bad.sum())
+    return None
+
+
+def check_keys(c, mb, run):
+    """The output keys the flags ask for; with KEYS, those the invariant asserts among them."""
+    for r, outputs in enumerate(run.rank_outputs):
+        got, want = set(outputs), expected_keys(c)
+        if KEYS and set(KEYS) <= got:
+            continue
+        if got != want:
+            return f"rank {r}: got output keys {sorted(got)}, expected {sorted(want)} (what the flags ask for)"
+    return None
+
+
+def check_values(c, mb, run):
+    """Every output the invariant asserts (KEYS; none given: every key the reference has) against the reference."""
+    want = reference(c, mb, run.model)
+    for r, outputs in enumerate(run.rank_outputs):
+        for key in sorted(k for k in want if not KEYS or k in KEYS):
+            if key not in outputs:
+                continue  # check_keys reports it
+            value = outputs[key]
+            if not (isinstance(value, torch.Tensor) and value.is_nested):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                return f"rank {r}: {key!r}: got {shape}, expected a nested tensor of {c.batch_size} sequences"
+            seqs = value.unbind()
+            if len(seqs) != c.batch_size:
+                return f"rank {r}: {key!r}: got {len(seqs)} sequences, expected {c.batch_size}"
+            for i, (seq, (exp, tol)) in enumerate(zip(seqs, want[key])):
+                seq = seq.detach().to("cpu", torch.float64)
+                if seq.dim() != 1 or seq.shape[0] != c.seq_lens[i]:
+                    return f"rank {r}: {key!r} of sequence {i}: got shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
+                lo, hi = read_span(c, i)
+                bad = _first_bad(seq[lo:hi], exp[lo:hi], tol[lo:hi])
+                if bad is not None:
+                    t, count = lo + bad[0], bad[1]
+                    return (f"rank {r}: {key!r} of sequence {i} at token {t}: got {seq[t].item():.8g}, expected "
+                            f"{exp[t].item():.8g} (|diff| {abs(seq[t].item() - exp[t].item()):.3g} > allowed "
+                            f"{tol[t].item():.3g}; {count} of the {hi - lo} tokens a consumer reads differ)")
+    return None
+
+
+def read_span(c, i):
+    """The positions of sequence i's per-token outputs a consumer reads: 0 .. n_i - 2 (the last token scores no
+    token of its sequence), or p_i - 1 .. n_i - 2 for an engine whose outputs cover the scored response tokens only."""
+    lo = c.prompt_lens[i] - 1 if OUTPUT_SPAN == "response" else 0
+    return lo, c.seq_lens[i] - 1
+
+
+def check_float32(c, mb, run):
+    for r, outputs in enumerate(run.rank_outputs):
+        for key, value in sorted(outputs.items()):
+            if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+                return f"rank {r}: {key!r}: got dtype {value.dtype}, expected torch.float32"
+    return None
+
+
+def check_mask(c, mb, run):
+    if c.use_remove_padding:
+        return None
+    mask = run.views[0]["attention_mask"]
+    if mask is None:
+        return "padded mode: got attention_mask None, expected (B, max_seq_len) int32"
+    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: max n_i
+    if tuple(mask.shape) != (c.batch_size, width):
+        return f"attention_mask: got shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
+    want = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, width)
+    got = mask.detach().to("cpu", torch.int64)
+    for i in range(c.batch_size):
+        if not torch.equal(got[i], want[i]):
+            return (f"attention_mask row {i}: got {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
+                    f"{c.seq_lens[i]}, response length {c.response_lens[i]})")
+    return None
+
+
+def check_mask_dtype(c, mb, run):
+    """The padded mask as attention kernels take it: int32, on the ids' device."""
+    if c.use_remove_padding:
+        return None
+    mask, ids = run.views[0]["attention_mask"], run.views[0]["input_ids"]
+    if mask is None:
+        return "padded mode: got attention_mask None, expected (B, L) int32"
+    if mask.dtype != torch.int32:
+        return f"attention_mask: got dtype {mask.dtype}, expected torch.int32"
+    if ids is not None and mask.device != ids.device:
+        return f"attention_mask: got it on {mask.device}, expected the ids' device {ids.device}"
+    return None
+
+
+def check_labels(c, mb, run):
+    labels = [v["labels"] for v in run.views]
+    if any(lab is None for lab in labels):
+        return None if not c.use_remove_padding else "got no labels handed to the output step, expected the rolled ids"
+    labels = torch.cat([lab.reshape(-1).cpu() for lab in labels])
+    ids = mb["input_ids"].values().cpu()
+    ends = torch.tensor(c.seq_lens).cumsum(0) - 1
+    for k in range(ids.shape[0] - 1):
+        if k in ends.tolist():
+            continue
+        if int(labels[k]) != int(ids[k + 1]):
+            return (f"label at packed position {k}: got {int(labels[k])}, expected {int(ids[k + 1])} (the next "
+                    f"token of its sequence; ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
+    return None
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.is_nested or b.is_nested:
+            return a.is_nested and b.is_nested and torch.equal(a.offsets(), b.offsets()) and _same(a.values(), b.values())
+        return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all()
+                                                                    if a.is_floating_point() else torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and (a == b if not isinstance(a, torch.Tensor) else False)
+
+
+def check_unchanged(c, mb, run, fresh):
+    for key in fresh.keys():
+        if key not in mb.keys():
+            return f"micro-batch key {key!r}: got it removed, expected it unchanged"
+        a, b = mb.get(key), fresh.get(key)
+        a, b = getattr(a, "data", a), getattr(b, "data", b)
+        if not _same(a, b):
+            return f"micro-batch key {key!r}: got it changed by the engine, expected it unchanged"
+    if set(mb.keys()) != set(fresh.keys()):
+        return f"micro-batch keys: got {sorted(mb.keys())}, expected {sorted(fresh.keys())}"
+    for r, (out, before) in enumerate(zip(run.model_outputs, run.logits_before)):
+        if not _same(out.logits, before):
+            return f"rank {r}: model output 'logits': got them modified in place by prepare_model_outputs, expected them unchanged"
+    for r, (args, before) in enumerate(zip(run.output_args, run.args_before)):
+        for key in before:
+            if key not in args or not _same(args[key], before[key]):
+                return f"rank {r}: output_args[{key!r}]: got it changed or removed by prepare_model_outputs, expected it unchanged"
+    return None
+
+
+def check_slice(c, mb, run):
+    fn = helper("no_padding_2_padding")
+    if fn is None:
+        return None
+    lp = run.rank_outputs[0].get("log_probs")
+    if lp is None:
+        return None
+    got = fn(lp, mb).detach().to("cpu", torch.float64)
+    if tuple(got.shape) != (c.batch_size, c.response_width):
+        return f"no_padding_2_padding(log_probs): got shape {tuple(got.shape)}, expected {(c.batch_size, c.response_width)}"
+    want = reference(c, mb, run.model)["log_probs"]
+    for i, (exp, tol) in enumerate(want):
+        p, r = c.prompt_lens[i], c.response_lens[i]
+        exp_row, tol_row = exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r]  # response token j is scored at p - 1 + j
+        bad = _first_bad(got[i, :r], exp_row, tol_row)
+        if bad is not None:
+            t, count = bad
+            return (f"no_padding_2_padding(log_probs)[{i}, {t}]: got {got[i, t].item():.8g}, expected "
+                    f"{exp_row[t].item():.8g} (the log-prob of response token {t}; {count} of {r} differ)")
+        if bool((got[i, r:] != 0).any()):
+            return f"no_padding_2_padding(log_probs)[{i}, {r}:]: got {got[i, r:].tolist()}, expected zeros past the response"
+    return None
+
+
+def _first_row_diff(got, want):
+    bad = (got != want).nonzero()
+    return tuple(int(i) for i in bad[0]) if bad.numel() else None
+
+
+def check_inputs(c, mb, run):
+    """The ids and positions the model is handed: packed (1, n) / (1, n) or (4, 1, n), the ranks' slices joined;
+    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions at the columns the declared layout
+    puts them (verl's right padding: from column 0)."""
+    views = run.views
+    if any(v.get("input_ids") is None for v in views):
+        return None
+    seq_ids, seq_pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
+    mrope = seq_pos[0].dim() == 2
+    if c.use_remove_padding:
+        ids = torch.cat([v["input_ids"].cpu() for v in views], dim=-1)
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            return f"packed input_ids: got shape {tuple(ids.shape)}, expected (1, n)"
+        want = mb["input_ids"].values().cpu()
+        at = _first_row_diff(ids[0, : want.shape[0]], want)
+        if at is not None or ids.shape[1] < want.shape[0]:
+            return f"packed input_ids: got {ids[0].tolist()}, expected {want.tolist()} first (then any tail padding)"
+        if any(v.get("position_ids") is None for v in views):
+            return "packed position_ids: got None, expected the packed positions"
+        pos = torch.cat([v["position_ids"].cpu() for v in views], dim=-1)
+        want_shape = (4, 1) if mrope else (1,)
+        if tuple(pos.shape[:-1]) != want_shape:
+            return f"packed position_ids: got shape {tuple(pos.shape)}, expected {(*want_shape, 'n')}"
+        want_pos = torch.cat(list(seq_pos), dim=-1).cpu()
+        got_pos = pos[:, 0, : want_pos.shape[-1]] if mrope else pos[0, : want_pos.shape[-1]]
+        at = _first_row_diff(got_pos, want_pos)
+        if at is not None:
+            return f"packed position_ids at {at}: got {got_pos[at].item()}, expected {want_pos[at].item()}"
+        return None
+    ids, pos = views[0]["input_ids"].cpu(), views[0].get("position_ids")
+    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)
+    columns = layout_columns(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: 0 .. n_i - 1
+    if tuple(ids.shape) != (c.batch_size, width):
+        return f"padded input_ids: got shape {tuple(ids.shape)}, expected {(c.batch_size, width)}"
+    for i, seq in enumerate(seq_ids):
+        if not torch.equal(ids[i, columns[i]], seq.cpu()):
+            return (f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} at columns "
+                    f"{columns[i].tolist()} ({PADDED_LAYOUT} padding)")
+    if pos is None:
+        return "padded position_ids: got None, expected (B, L) or (4, B, L)"
+    pos = pos.cpu()
+    want_shape = (4, c.batch_size, width) if mrope else (c.batch_size, width)
+    if tuple(pos.shape) != want_shape:
+        return f"padded position_ids: got shape {tuple(pos.shape)}, expected {want_shape}"
+    for i, sp in enumerate(seq_pos):
+        got = pos[:, i, columns[i]] if mrope else pos[i, columns[i]]
+        if not torch.equal(got, sp.cpu()):
+            return f"padded position_ids of sample {i}: got {got.tolist()}, expected {sp.tolist()}"
+    return None
+
+
+def check_grad(c, mb, run):
+    # the policy update (grad enabled, the model's logits require grad): what a loss differentiates carries grad
+    if c.context != "grad":
+        return None
+    for r, outputs in enumerate(run.rank_outputs):
+        for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
+            if key in outputs and not outputs[key].requires_grad:
+                return (f"rank {r}: {key!r}: got requires_grad=False, expected True (the model's logits require "
+                        "grad; detached, the loss gets no gradient through it)")
+    return None
+
+
+# ---- the hand-off checks (what prepare_model_inputs hands the model and its own output step) ----
+def _flag_value(mb, key, default=None):
+    if key not in mb.keys():
+        return default
+    value = mb.get(key)
+    value = getattr(value, "data", value)
+    return getattr(value, "value", value)
+
+
+def _joined(run, key):
+    parts = [v[key] for v in run.views]
+    if any(p is None for p in parts):
+        return None
+    return torch.cat([p.detach().cpu() for p in parts], dim=-1)
+
+
+def _padding_fill(c, got, fill, key):
+    """Every padding column of a padded (B, L) or (C, B, L) model input holds ``fill`` (the columns the engine's
+    declared layout leaves to padding: verl's right padding unless it says otherwise)."""
+    if got is None:
+        return f"padded {key}: got None, expected (B, L)"
+    got = got.detach().cpu()
+    if got.dim() < 2 or got.shape[-2] != c.batch_size:
+        return f"padded {key}: got shape {tuple(got.shape)}, expected {c.batch_size} rows"
+    pad = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, got.shape[-1]) == 0
+    bad = (got != fill) & pad
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        i, j = at[-2], at[-1]
+        return (f"padded {key}{list(at)} (column {j}, a padding column of row {i} in the {PADDED_LAYOUT} layout; sequence "
+                f"{i} has {c.prompt_lens[i]} + {c.response_lens[i]} tokens): got {got[at].item()}, "
+                f"expected {fill} (the padding fill); the padding holds {sorted(set(got[..., pad].reshape(-1).tolist()))[:8]}")
+    return None
+
+
+def check_ids_fill(c, mb, run):
+    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["input_ids"], int(_flag_value(mb, "pad_token_id", 0)),
+                                                           "input_ids")
+
+
+def check_positions_fill(c, mb, run):
+    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["position_ids"], 0, "position_ids")
+
+
+def _tail_length(c, run):
+    ids = _joined(run, "input_ids")
+    if ids is None:
+        return None, "packed input_ids: got None"
+    ids = ids.reshape(-1)
+    padded = padded_length(c.total_nnz, c.pad_to_length, c.sp_size)
+    if ids.shape[0] != padded:
+        return None, (f"packed row: got {ids.shape[0]} tokens, expected {padded} (total_nnz {c.total_nnz} rounded up to "
+                      f"the bucket {c.pad_to_length}, then to a multiple of sp={c.sp_size})")
+    return ids, None
+
+
+def check_tail(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    ids, problem = _tail_length(c, run)
+    if problem:
+        return problem
+    total, pad = c.total_nnz, ids.shape[0] - c.total_nnz
+    reported = run.views[0]["pad_size"]
+    if int(reported or 0) != pad:
+        return f"pad_size: got {reported!r}, expected {pad} (tokens of tail padding appended to the packed row)"
+    if pad:
+        pos = _joined(run, "position_ids")
+        tail = (pos[0, 0] if pos.dim() == 3 else pos.reshape(-1))[total:]
+        if int(tail[0]) != 0:
+            return (f"tail positions: got {tail.tolist()[:8]}, expected them to restart at 0 (continuing, the pad "
+                    f"joins the last sequence of {c.seq_lens[-1]} tokens)")
+    return None
+
+
+def _token_temperatures(run):
+    temps = [v["temperature"] for v in run.views]
+    if any(not isinstance(t, torch.Tensor) for t in temps):
+        return None, f"the packed hand-off carries temperature {temps[0]!r}, expected one per token (a tensor)"
+    return torch.cat([t.detach().reshape(-1).cpu() for t in temps]), None
+
+
+def check_tail_fill(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    ids, problem = _tail_length(c, run)
+    if problem:
+        return problem
+    temps, problem = _token_temperatures(run)
+    if problem:
+        return problem
+    total = c.total_nnz
+    if bool((ids[total:] != 0).any()):
+        return f"tail ids (packed positions {total}..{ids.shape[0] - 1}): got {ids[total:].tolist()[:8]}, expected zeros"
+    tail = temps[total:]
+    if not torch.equal(tail.float(), torch.ones_like(tail, dtype=torch.float32)):
+        return f"tail temperature (packed positions {total}..): got {tail.tolist()[:8]}, expected ones"
+    return None
+
+
+def _labels(run):
+    parts = [v["labels"] for v in run.views]
+    if any(p is None for p in parts):
+        return None
+    return torch.cat([p.detach().reshape(-1).cpu() for p in parts])
+
+
+def check_rolled_row(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    labels = _labels(run)
+    if labels is None:
+        return "got no labels handed to the output step, expected the rolled ids"
+    ids = mb["input_ids"].values().cpu()
+    want, total = torch.roll(ids, -1), ids.shape[0]
+    if labels.shape[0] < total:
+        return f"rolled labels: got {labels.shape[0]} for {total} tokens"
+    bad = (labels[:total] != want).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        return (f"rolled label at packed position {k}: got {int(labels[k])}, expected {int(want[k])} (the packed row "
+                f"{ids.tolist()} rolled left by one, before any tail padding: {want.tolist()}; got {labels[:total].tolist()})")
+    if bool((labels[total:] != 0).any()):
+        return f"labels of the tail padding: got {labels[total:].tolist()[:8]}, expected zeros"
+    return None
+
+
+def check_token_temperature(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    temps, problem = _token_temperatures(run)
+    if problem:
+        return problem
+    want = torch.repeat_interleave(torch.tensor(c.temperatures, dtype=torch.float32), torch.tensor(c.seq_lens))
+    got = temps[: want.shape[0]].float()
+    if got.shape != want.shape:
+        return f"per-token temperature: got {temps.shape[0]} values, expected {want.shape[0]} (one per packed token)"
+    bad = (~torch.isclose(got, want)).nonzero()
+    if bad.numel():
+        k = int(bad[0, 0])
+        i = int((offsets(c.seq_lens)[1:] <= k).sum())
+        return (f"per-token temperature at packed position {k} (sequence {i}): got {got[k].item():.8g}, expected "
+                f"{want[k].item():.8g} (sequence {i}'s temperature; got {got.tolist()})")
+    return None
+
+
+def check_padded_temperature(c, mb, run):
+    if c.use_remove_padding:
+        return None
+    got = run.views[0]["temperature"]
+    per_sample = torch.tensor(c.temperatures, dtype=torch.float32)
+    per_token = torch.repeat_interleave(per_sample, torch.tensor(c.seq_lens))
+    if isinstance(got, torch.Tensor):
+        flat = got.detach().cpu().float()
+        for want in (per_sample, per_token):
+            if tuple(flat.shape) == tuple(want.shape) and torch.allclose(flat, want, rtol=1e-6, atol=0):
+                return None
+    return (f"the padded hand-off carries temperature {got!r}, expected each sample's {per_sample.tolist()} (B,) "
+            "(or that per token)")
+
+
+def check_fused_inputs(c, mb, run):
+    for r, v in enumerate(run.views):
+        temp = v["model_temperature"]
+        if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) or abs(float(temp) - c.temperatures[0]) > 1e-6:
+            return f"rank {r}: the fused model is handed temperature {temp!r}, expected the float {c.temperatures[0]}"
+        if c.use_remove_padding:
+            if v["labels"] is None:
+                return f"rank {r}: got no labels handed to the output step, expected the rolled ids"
+            labels, rolled = v["model_labels"], v["labels"].reshape(-1)
+            if labels is None or tuple(labels.shape) != (1, rolled.shape[0]) or not torch.equal(labels[0].cpu(), rolled.cpu()):
+                return (f"rank {r}: the fused model's labels (shift_labels): got "
+                        f"{None if labels is None else labels.tolist()}, expected the rolled ids {rolled.tolist()} as (1, n)")
+    return None
+
+
+def check_return_dict(c, mb, run):
+    for r, v in enumerate(run.views):
+        if v["return_dict"] is not True:
+            return f"rank {r}: the fused model is handed return_dict={v['return_dict']!r}, expected True"
+    return None
+
+
+def _cu_want(c, run):
+    ids = _joined(run, "input_ids")
+    padded = ids.shape[-1]
+    want = offsets(c.seq_lens)
+    return (want if padded == c.total_nnz else torch.cat([want, torch.tensor([padded])])), padded
+
+
+def check_cu_seqlens(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    want, padded = _cu_want(c, run)
+    for r, v in enumerate(run.views):
+        cu, ids = v["cu_seqlens"], v["input_ids"]
+        if cu is None:
+            return f"rank {r}: got no cu_seqlens handed to the model, expected {want.tolist()}"
+        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != ids.device.type:
+            return f"rank {r}: cu_seqlens: got {cu.dtype} on {cu.device}, expected integers on {ids.device}"
+        if not torch.equal(cu.cpu().long(), want):
+            return (f"rank {r}: cu_seqlens: got {cu.tolist()}, expected {want.tolist()} (the sequences' offsets, plus a "
+                    f"final boundary at {padded} when tail padding was appended)")
+    return None
+
+
+def check_cu_seqlens_cpu(c, mb, run):
+    if not c.use_remove_padding:
+        return None
+    want, _ = _cu_want(c, run)
+    for r, v in enumerate(run.views):
+        host = v["cu_seqlens_host"]
+        if host is None or host.device.type != "cpu" or not torch.equal(host.long(), want):
+            return (f"rank {r}: cu_seqlens_cpu: got {None if host is None else host.tolist()}"
+                    f"{'' if host is None else ' on ' + str(host.device)}, expected a CPU copy {want.tolist()}")
+    return None
+
+
+# ---- the response-slice helpers, on per-token tensors built here ----
+def _need(name):
+    fn = helper(name)
+    if fn is None:
+        raise RuntimeError(f"the engine snippet's helper({name!r}) is None: this reproducer needs it")
+    return _side("engine", fn)
+
+
+def _response_ranges(c):
+    """Per sample, the packed-row range whose outputs score its response tokens (e_i - r_i - 1 .. e_i - 2)."""
+    ends = offsets(c.seq_lens)[1:].tolist()
+    return [(e - r - 1, e - 1) for e, r in zip(ends, c.response_lens)]
+
+
+def _poisoned(c, trailing=()):
+    """A nested per-token tensor: random where a response token is scored, NaN everywhere else; and the
+    (B, R, ...) slice a consumer expects of it (zeros past each response)."""
+    gen = torch.Generator().manual_seed(c.seed)
+    values = torch.full((c.total_nnz, *trailing), float("nan"))
+    want = torch.zeros(c.batch_size, c.response_width, *trailing)
+    for i, (start, stop) in enumerate(_response_ranges(c)):
+        chunk = torch.randn(stop - start, *trailing, generator=gen)
+        values[start:stop] = chunk
+        want[i, : stop - start] = chunk
+    return torch.nested.nested_tensor_from_jagged(values, offsets(c.seq_lens)), want
+
+
+def _first_diff(got, want):
+    bad = ~((got == want) | (got.isnan() & want.isnan())) if got.is_floating_point() else got != want
+    return tuple(int(i) for i in bad.nonzero()[0]) if bool(bad.any()) else None
+
+
+def check_slice_reads(c, mb, run):
+    fn = _need("no_padding_2_padding")
+    for trailing in ((), (3,)):
+        nested, want = _poisoned(c, trailing)
+        got = fn(nested, mb).detach().cpu()
+        what = f"no_padding_2_padding of a per-token tensor {(c.total_nnz, *trailing)} (NaN off the response positions)"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        at = _first_diff(got.float(), want)
+        if at is not None:
+            return (f"{what} at {list(at)}: got {got[at].item():.8g}, expected {want[at].item():.8g} ("
+                    f"{'a non-response position read' if got[at].isnan() else 'response token ' + str(at[1]) + ' of sample ' + str(at[0]) if at[1] < c.response_lens[at[0]] else 'an exact zero past the response'})")
+    return None
+
+
+def check_from_nested(c, mb, run):
+    fn = _need("response_from_nested")
+    nested, want = _poisoned(c)
+    rows = [t.detach().cpu() for t in fn(nested, mb["response_mask"]).unbind()]
+    if len(rows) != c.batch_size:
+        return f"response_from_nested: got {len(rows)} rows, expected {c.batch_size}"
+    for i, r in enumerate(c.response_lens):
+        if rows[i].shape != (r,) or not torch.equal(rows[i], want[i, :r]):
+            return (f"response_from_nested row {i}: got {rows[i].tolist()}, expected {want[i, :r].tolist()} (the "
+                    f"values at packed positions {_response_ranges(c)[i][0]}..{_response_ranges(c)[i][1] - 1}: its "
+                    "response tokens' scores)")
+    return None
+
+
+def check_round_trip(c, mb, run):
+    nested, want = _poisoned(c)
+    mask = mb["response_mask"]
+    padded = _need("no_padding_2_padding")(nested, mb)
+    back = _need("response_to_nested")(padded, mask)
+    direct = _need("response_from_nested")(nested, mask)
+    if not (isinstance(back, torch.Tensor) and back.is_nested and torch.equal(back.offsets().cpu(), mask.offsets().cpu())):
+        return (f"response_to_nested(no_padding_2_padding(x)): got {type(back).__name__} of shape "
+                f"{tuple(getattr(back, 'shape', ()))}, expected nested over the responses {list(c.response_lens)}")
+    got, exp = back.values().detach().cpu(), direct.values().detach().cpu()
+    if got.shape != exp.shape or not torch.equal(got, exp):
+        at = _first_diff(got, exp) if got.shape == exp.shape else None
+        return (f"response_to_nested(no_padding_2_padding(x)): got {got.tolist()}, expected response_from_nested(x) "
+                f"{exp.tolist()}" + (f" (first difference at flat position {at[0]})" if at else ""))
+    return None
+
+
+SLICE_DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
+
+
+def check_slice_dtypes(c, mb, run):
+    gen = torch.Generator().manual_seed(c.seed)
+    starts = offsets(c.seq_lens)
+    mask = mb["response_mask"]
+    np2p, to_nested, from_nested = (_need(n) for n in ("no_padding_2_padding", "response_to_nested", "response_from_nested"))
+    for dtype in SLICE_DTYPES:
+        for trailing in ((), (3,)):
+            base = torch.randint(0, 4, (c.total_nnz, *trailing), generator=gen)
+            values = (base > 1) if dtype == torch.bool else base.to(dtype)
+            want = torch.zeros(c.batch_size, c.response_width, *trailing, dtype=dtype)
+            for i, (p, r) in enumerate(zip(c.prompt_lens, c.response_lens)):
+                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
+            nested = torch.nested.nested_tensor_from_jagged(values, starts)
+            got = np2p(nested, mb)
+            what = f"a {dtype} per-token tensor {tuple(values.shape)}"
+            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
+                return f"no_padding_2_padding of {what}: got {got.dtype} {got.tolist()}, expected {dtype} {want.tolist()}"
+            for name, value in (("response_to_nested", to_nested(got, mask)), ("response_from_nested", from_nested(nested, mask))):
+                rows = [t.cpu() for t in value.unbind()]
+                for i, r in enumerate(c.response_lens):
+                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) or not torch.equal(rows[i], want[i, :r]):
+                        return (f"{name} of {what}: row {i} got {rows[i].dtype} {rows[i].tolist()}, expected {dtype} "
+                                f"{want[i, :r].tolist()}")
+    return None
+
+
+def check_mask_helper(c, mb, run):
+    build = _need("build_attention_mask_from_nested")
+    ids = mb["input_ids"]
+    for width in (None, max(c.seq_lens) + 2):
+        mask = build(ids) if width is None else build(ids, max_seq_len=width)
+        w = width or max(c.seq_lens)
+        want = (torch.arange(w).unsqueeze(0) < torch.tensor(c.seq_lens).unsqueeze(1)).to(torch.int32)
+        if mask.dtype != torch.int32 or tuple(mask.shape) != (c.batch_size, w) or not torch.equal(mask.cpu(), want):
+            return (f"build_attention_mask_from_nested(input_ids, max_seq_len={width}): got {mask.dtype} {mask.tolist()}, "
+                    f"expected torch.int32 {want.tolist()} (each row the full sequence length {list(c.seq_lens)})")
+    return None
+
+
+def check_response_values(c, mb, run):
+    """The (B, R) log-probs a PPO/GRPO loss reads: each response token's log-prob, against the reference."""
+    want = reference(c, mb, run.model)["log_probs"]
+    lp = run.rank_outputs[0].get("log_probs")
+    if lp is None:
+        return "got no 'log_probs', expected them (the flags ask for them)"
+    if lp.is_nested:
+        seqs = [t.detach().to("cpu", torch.float64) for t in lp.unbind()]
+    elif lp.dim() >= 1 and lp.shape[0] == c.total_nnz:
+        seqs = list(lp.detach().to("cpu", torch.float64).split(list(c.seq_lens)))
+    else:
+        return f"'log_probs' of shape {tuple(lp.shape)}: neither nested over the sequences nor a packed ({c.total_nnz},) row"
+    for i, (exp, tol) in enumerate(want):
+        p, r = c.prompt_lens[i], c.response_lens[i]
+        got = seqs[i].reshape(-1)[p - 1: p - 1 + r]
+        if got.shape[0] != r:
+            return f"'log_probs' of sequence {i}: got {seqs[i].shape[0]} values, expected {c.seq_lens[i]}"
+        bad = _first_bad(got, exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r])
+        if bad is not None:
+            t, count = bad
+            return (f"response log-prob [{i}, {t}] (the log-prob of response token {t} of sample {i}): got "
+                    f"{got[t].item():.8g}, expected {exp[p - 1 + t].item():.8g} ({count} of {r} differ)")
+    return None
+
+
+# ---- flags and settings: defaults, other spellings, bad values ----
+def _show(value):
+    """A value as printed in a message: a tensor by its dtype, shape and elements (flattened), at most 200 characters."""
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
+        return f"nested (values {_show(value[0])}, offsets {value[1].tolist()})"
+    if isinstance(value, torch.Tensor):
+        text = f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)} {value.detach().reshape(-1).tolist()}"
+        return text if len(text) <= 200 else text[:197] + "..."
+    return f"{value!r:.200}"
+
+
+def _same_run(got, want, what):
+    """``got`` handed the model and its output step what ``want`` did and returned the same outputs."""
+    pairs = [(f"model_inputs of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.inputs, want.inputs))]
+    pairs += [(f"output_args of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.output_args, want.output_args))]
+    pairs.append(("outputs", got.rank_outputs[0], want.rank_outputs[0]))
+    for where, g, w in pairs:
+        a, b = _tensors(g, where), _tensors(w, where)
+        if set(a) != set(b):
+            return f"{what}: {where}: got keys {sorted(a)}, expected {sorted(b)} (as with the flags given)"
+        for key in a:
+            if not _equal(a[key], b[key]):
+                return f"{what}: {key}: got {_show(a[key])}, expected {_show(b[key])} (as with the flags given)"
+    return None
+
+
+def _sliced_width(mb, run):
+    fn = helper("no_padding_2_padding")
+    lp = run.rank_outputs[0].get("log_probs")
+    return None if fn is None or lp is None else fn(lp, mb)
+
+
+def check_flags_default(c, mb, run):
+    dropped = [key for key, default in FLAG_DEFAULTS.items() if key in mb.keys() and _flag_value(mb, key) == default]
+    if "max_response_len" in mb.keys() and _flag_value(mb, "max_response_len") == max(c.response_lens):
+        dropped.append("max_response_len")  # its default is max(r_i)
+    if not dropped:
+        return None
+    bare = mb.copy()
+    for key in dropped:
+        del bare[key]
+    other = execute(c, bare, POISON)
+    what = f"without the flags {dropped} (each at its default)"
+    problem = _same_run(other, run, what) or check_keys(c, bare, other) or check_values(c, bare, other)
+    if problem or "max_response_len" not in dropped:
+        return problem
+    got, want = _sliced_width(bare, run), _sliced_width(mb, run)
+    if got is not None and not _same(got, want):
+        return (f"no_padding_2_padding(log_probs) without max_response_len: got shape {tuple(got.shape)}, expected "
+                f"{tuple(want.shape)} as with it (the flag equalled max(r_i))")
+    return None
+
+
+def check_flags_recoded(c, mb, run):
+    recoded = mb.copy()
+    written = recode_flags(recoded, c.seed % 2)
+    other = execute(c, recoded, POISON)
+    problem = _same_run(other, run, "flags spelled as " + ", ".join(f"{k}={v!r}" for k, v in written.items()))
+    if problem:
+        return problem
+    width = _flag_value(mb, "max_response_len")
+    if width is not None:
+        got = _sliced_width(recoded, run)
+        if got is not None and tuple(got.shape) != (c.batch_size, int(width)):
+            return (f"no_padding_2_padding with max_response_len={written['max_response_len']!r}: got shape "
+                    f"{tuple(got.shape)}, expected {(c.batch_size, int(width))}")
+    return None
+
+
+def _rejected(c, mb, what):
+    """None when the engine's own call raised on ``mb``, else what it did instead (returned outputs, or only the
+    stand-in model or processor choked on what it accepted)."""
+    try:
+        result = execute(c, mb, POISON)
+    except Exception as exc:  # noqa: BLE001 - classified
+        if origin(exc) == "engine":
+            print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            return None
+        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); expected the engine to raise")
+    keys = sorted(result.rank_outputs[0]) if result.rank_outputs else []
+    return f"{what}: got outputs {keys} (no exception), expected the engine to raise a clear exception"
+
+
+def check_bad_flags(c, mb, run):
+    for key, bad in BAD_FLAGS:
+        copy = mb.copy()
+        copy.set_non_tensor(key, bad)
+        problem = _rejected(c, copy, f"flag {key}={bad!r}")
+        if problem:
+            return problem
+    return None
+
+
+def check_rejects_pad_mode(c, mb, run):
+    copy = mb.copy()
+    copy.set_non_tensor("pad_mode", PadMode.RIGHT if c.seed % 2 else PadMode.LEFT_RIGHT)
+    return _rejected(c, copy, f"pad_mode={copy['pad_mode']!r}")
+
+
+def check_rejects(c, mb, run):
+    what = ("use_fused_kernels with a per-sample temperature tensor" if c.use_fused_kernels
+            else f"bucket={c.pad_to_length} with top-K distillation" if c.distillation_use_topk and c.pad_to_length
+            else "this micro-batch")
+    return _rejected(c, mb, what)
+
+
+def check_bad_settings(c, mb, run):
+    for bad in bad_settings(c):
+        try:
+            make_engine(c.head, **bad).prepare_model_inputs(mb)
+        except Exception as exc:  # noqa: BLE001 - a rejection, by the constructor or the first call
+            print(f"  ok: engine settings {bad}: raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            continue
+        return (f"engine settings {bad}: got an engine that prepared the micro-batch (no exception), expected it "
+                "rejected by the constructor or the first call")
+    return None
+
+
+# ---- on a GPU ----
+def check_on_cuda(c, mb, run):
+    """The same micro-batch on a CUDA device: what the CPU run gives, each output against the reference (the
+    stand-in model's weights are drawn on the CPU, so both devices run the same model)."""
+    if not torch.cuda.is_available():
+        raise NotStandalone("INV-DEV-002 compares a CUDA run with the CPU's: this machine has no CUDA device")
+    try:
+        on_device = mb.to("cuda")
+    except Exception as exc:  # noqa: BLE001 - the file's own copy failed, not the engine
+        raise NotStandalone(f"could not copy the micro-batch to cuda ({type(exc).__name__}: {exc})") from exc
+    on_cuda = execute(c, on_device, POISON, device="cuda")
+    for r, outputs in enumerate(on_cuda.rank_outputs):
+        for key, value in outputs.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cuda":
+                return f"rank {r}: {key!r} of the CUDA run: got it on {value.device}, expected it on the batch's device"
+    on_cuda.rank_outputs = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()}
+                            for o in on_cuda.rank_outputs]
+    on_cuda.model = run.model  # the reference reads the CPU copy of the same weights
+    problem = check_keys(c, mb, on_cuda) or check_values(c, mb, on_cuda)
+    return None if problem is None else f"on cuda: {problem}"
+
+
+# ---- an engine object kept across micro-batches, as a trainer keeps it ----
+def _held(value):
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return ("nested", value.values().detach().clone(), value.offsets().clone())
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _held(v) for k, v in value.items()}
+    return value
+
+
+def _kept_same(a, b):
+    if isinstance(a, torch.Tensor) and a.is_nested:
+        a = ("nested", a.values(), a.offsets())
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_kept_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_kept_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return _same(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else False
+    return a == b
+
+
+def run_reused(before, case_run):
+    """The micro-batch ``before`` then the case through one engine object; what the first returned, held as it was
+    then; the case's run through a fresh engine object."""
+    c0, c = SimpleNamespace(**before["case"]), SimpleNamespace(**case_run["case"])
+    engines = []
+    first = execute(c0, build_micro_batch(before), POISON, engines=engines)
+    kept = {"outputs": _held(first.rank_outputs[0]), "inputs": _held(first.views[0])}
+    second = execute(c, build_micro_batch(case_run), POISON, engines=engines)
+    fresh = execute(c, build_micro_batch(case_run), POISON)
+    return c, first, kept, second, fresh
+
+
+def check_reused(c, mb, runs):
+    first, kept, second, fresh = runs
+    for key in VIEW_KEYS:
+        if not _kept_same(second.views[0][key], fresh.views[0][key]):
+            return (f"the model hand-off {key!r} after another micro-batch through the same engine object: got "
+                    f"{_show(second.views[0][key])}, expected a fresh engine's {_show(fresh.views[0][key])}")
+    return check_keys(c, mb, second) or check_values(c, mb, second)
+
+
+def check_earlier_kept(c, mb, runs):
+    first, kept, second, fresh = runs
+    for key in sorted(set(first.rank_outputs[0]) | set(kept["outputs"])):
+        if key not in first.rank_outputs[0] or key not in kept["outputs"] or \
+                not _kept_same(first.rank_outputs[0][key], kept["outputs"][key]):
+            return (f"output {key!r} of the earlier micro-batch: got it changed when the same engine object prepared "
+                    "the next one, expected it as returned (an output buffer reused across calls?)")
+    for key, was in kept["inputs"].items():
+        if not _kept_same(first.views[0][key], was):
+            return (f"model hand-off {key!r} of the earlier micro-batch: got it changed when the same engine object "
+                    "prepared the next one, expected it as handed")
+    return None
+
+
+CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
+          "mask_dtype": check_mask_dtype,
+          "labels": check_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
+          "positions_fill": check_positions_fill, "tail": check_tail, "tail_fill": check_tail_fill,
+          "rolled_row": check_rolled_row, "token_temperature": check_token_temperature,
+          "padded_temperature": check_padded_temperature, "fused_inputs": check_fused_inputs,
+          "return_dict": check_return_dict, "cu_seqlens": check_cu_seqlens, "cu_seqlens_cpu": check_cu_seqlens_cpu,
+          "slice_reads": check_slice_reads, "from_nested": check_from_nested, "round_trip": check_round_trip,
+          "slice_dtypes": check_slice_dtypes, "mask_helper": check_mask_helper, "response_values": check_response_values,
+          "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
+          "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings,
+          "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda}
+#: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
+NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
+          "rejects", "bad_settings"}
+#: checks that read what prepare_model_inputs handed over, and nothing after it
+INPUTS_ONLY = {"inputs", "mask", "mask_dtype", "labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
+               "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu"}
+#: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
+REUSED = {"reused", "earlier_kept"}
+
+
+class NotStandalone(Exception):
+    """This reproducer cannot check the property standalone (exit 2)."""
+
+
+def _fail(name, label, problem):
+    print(f"FAIL {INVARIANT} ({name}) on {label}: {problem}")
+    return 1
+
+
+def _own_error(exc):
+    """The file's own mistake (a name it lacks), not the engine's: exit 3, never a reproduction."""
+    print(f"REPRODUCER ERROR: {type(exc).__name__}: {exc} (in this file's own code, not the engine's)")
+    traceback.print_exc()
+    return 3
+
+
+def _raised(label, exc, what):
+    if isinstance(exc, ImportError):  # this environment lacks a module the engine needs: never a reproduction
+        print(f"{INVARIANT} on {label}: not run: {type(exc).__name__}: {exc} (install what Needs above says)",
+              file=sys.stderr)
+        raise exc
+    print(f"FAIL {INVARIANT} on {label}: got {type(exc).__name__}: {exc} ({what}: traceback below), expected outputs "
+          "(the micro-batch is valid)")
+    traceback.print_exc()
+    return 1
+
+
+def _run_checks(c, mb, result, fresh, label):
+    """Each check on the run; 0 when all hold, 1 at the first that fails, 3 on the file's own error."""
+    for name in CHECK_NAMES:
+        try:
+            problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
+        except NotStandalone:
+            raise
+        except (NameError, UnboundLocalError) as exc:
+            if origin(exc) is None:
+                return _own_error(exc)
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
+        except RuntimeError as exc:
+            if "this reproducer needs it" in str(exc):
+                raise NotStandalone(str(exc)) from exc
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
+        except Exception as exc:  # noqa: BLE001 - the engine (or its helper) failed on a valid input
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
+        if problem:
+            return _fail(name, label, problem)
+    print(f"ok: {label}: {', '.join(CHECK_NAMES)}")
+    return 0
+
+
+def _main():
+    names = set(CHECK_NAMES)
+    if names & REUSED:
+        before, case_run = RUNS
+        label = f"{case_run['label']} after {before['label']} through the same engine object"
+        try:
+            c, *runs = run_reused(before, case_run)
+        except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
+            if isinstance(exc, NameError) and origin(exc) is None:
+                return _own_error(exc)
+            return _raised(label, exc, "raised by the engine, or by the stand-in model fed what the engine handed it")
+        code = _run_checks(c, build_micro_batch(case_run), runs, None, label)
+        if code:
+            return code
+    else:
+        for run in RUNS:
+            c = SimpleNamespace(**run["case"])
+            mb, fresh = build_micro_batch(run), build_micro_batch(run)
+            result = None
+            if not names <= NO_RUN:
+                try:
+                    result = execute(c, mb, POISON, inputs_only=names <= NO_RUN | INPUTS_ONLY)
+                except Exception as exc:  # noqa: BLE001 - the engine rejected a valid micro-batch
+                    if isinstance(exc, NameError) and origin(exc) is None:
+                        return _own_error(exc)
+                    return _raised(run["label"], exc, "raised by the engine, or by the stand-in model fed what the "
+                                   "engine handed it")
+            code = _run_checks(c, mb, result, fresh, run["label"])
+            if code:
+                return code
+    print(f"PASS: {INVARIANT} holds on this case")
+    return 0
+
+
+def main():
+    try:
+        return _main()
+    except NotStandalone as exc:
+        print(f"NOT STANDALONE: {exc}")
+        return 2
+
+
+#: this module's own names: :func:`share` binds none of the file's over them
+OWN = frozenset(globals())
