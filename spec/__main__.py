@@ -113,12 +113,12 @@ def _load_profile(name: str | None) -> str:
         raise _usage(exc) from None
 
 
-def _prefixes(only: str | None) -> tuple[str, ...]:
-    """``--only``'s comma-separated prefixes, each checked to match some invariant ID."""
+def _prefixes(only: str | None, *, split: bool = True) -> tuple[str, ...]:
+    """``--only``'s prefixes (comma-separated where ``split``), each checked to match some invariant ID."""
     from .run.registry import UnknownName, check_prefixes
     from .run.runner import instances
 
-    prefixes = tuple(p.strip() for p in only.split(",") if p.strip()) if only else ()
+    prefixes = (tuple(p.strip() for p in only.split(",") if p.strip()) if split else (only,)) if only else ()
     try:
         check_prefixes(prefixes, [info.id for info, _ in instances()])
     except UnknownName as exc:
@@ -230,7 +230,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
 
     _load_engine(args.engine)  # an unknown name is a usage error before any worker starts
-    _prefixes(args.only)
+    _prefixes(args.only, split=False)  # fuzz takes one prefix
     try:
         database = example_database()
         check_reachable(database)
