@@ -56,7 +56,8 @@ def _workers(text: str) -> int | str:
 def _add_fuzz(sub) -> None:
     fuzzing = sub.add_parser("fuzz", help="fuzz the catalogue on N worker processes, sharing the example database")
     fuzzing.add_argument("--engine", default="impl", help="as for verify (default: impl)")
-    fuzzing.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    fuzzing.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                         help="worker processes (default: all cores)")
     fuzzing.add_argument("--seconds", type=float, default=300.0, help="time limit (default: 300)")
     fuzzing.add_argument("--only", default=None, help="fuzz only invariant IDs starting with this prefix")
     fuzzing.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -21,7 +21,8 @@ from pathlib import Path
 from .invariants import CATALOGUE
 from .run.runner import Outcome
 
-__all__ = ["summary_line", "summary", "slowest", "safe_name", "report_paths", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
+__all__ = ["summary_line", "summary", "slowest", "mechanism", "safe_name", "report_paths", "markdown", "write_reports",
+           "failed", "verdict_outcomes", "layout_outcomes",
            "FAILING", "by_counterexample", "coverage", "coverage_table", "unseen_without_reason"]
 
 _MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
@@ -295,8 +296,6 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
                               "layout_summary": summary_line(layout),
                               "shared_counterexamples": [{"counterexample": case, "failures": [o.test_id for o in m]}
                                                          for case, m in by_counterexample(outcomes)],
-                              "slowest": [{"target": f"{o.invariant}/{o.mode}", "seconds": round(o.seconds, 3)}
-                                          for o in slowest(outcomes)],
                               "coverage": coverage(outcomes),
                               "companions": dict(companions or {}),
                               "outcomes": [o.as_dict() for o in outcomes],
