@@ -95,12 +95,9 @@ def mechanism(o: Outcome) -> str:
     lines = [line.strip() for line in (o.error or o.reason or "").splitlines() if line.strip()]
     if not lines:
         return ""
-    line = lines[-1] if lines[0].startswith("Traceback") or (o.status == "error" and len(lines) > 1
-                                                             and lines[0].endswith(":")) else lines[0]
-    if o.status == "error" and lines[0].startswith("suite error") and line is not lines[0]:
-        line = f"{lines[0].rstrip(':')}: {line}"
-    for prefix in ("AssertionError: ",):
-        line = line.removeprefix(prefix)
+    line = lines[0].removeprefix("AssertionError: ")
+    if o.status == "error" and len(lines) > 1:  # a suite error: its first line says where, its last what
+        line = lines[-1] if lines[0].startswith("Traceback") else f"{lines[0].rstrip(':')}: {lines[-1]}"
     return _shorten(line)
 
 

@@ -151,3 +151,31 @@ def test_what_workers_write_to_stderr_stays_off_the_progress_line(tmp_path: Path
     # printed once each, after the progress line, however many processes built the engine how many times
     for said in ("noisy engine writes to fd 2", "noisy engine logs a warning"):
         assert after.count(said) == 1, after
+
+
+def test_the_summary_names_each_failure_in_a_line_and_the_next_commands() -> None:
+    from spec.report import summary
+    from spec.run.runner import Outcome
+
+    outcomes = [Outcome("INV-MASK-001", "e", "padded", "cpu", "pass", seconds=0.5),
+                Outcome("INV-VAL-001", "e", "packed", "cpu", "fail", seconds=3.0, counterexample="EngineCase(a)",
+                        error="AssertionError: log_probs[0] is 1.0, expected 2.0\nthe rest of a long message"),
+                Outcome("INV-RANK-002", "e", "packed", "cpu", "error", seconds=9.0,
+                        error="suite error: the worker raised\nTraceback (most recent call last):\n  File \"x\"\n"
+                              "RuntimeError: rank 1 is gone"),
+                Outcome("INV-TEMP-001", "e", "padded", "cpu", "xpass", seconds=1.0, reason="verl clamps nothing"),
+                Outcome("INV-SP-001", "e", "packed", "cpu", "skip", reason="no sp")]
+    lines = summary(outcomes, engine="e", profile="ci", device="cpu", seconds=12.0, paths=[Path("r/verify-e.md")],
+                    rerun=["python", "-m", "spec", "verify", "--engine", "e", "--profile", "ci"])
+    assert lines[0] == ("verify: engine e, profile ci, device cpu: verdict FAIL: 1 passed, 1 failed, 1 suite errors, "
+                        "1 skipped, 1 stale known failures in 12.0s")
+    assert lines[1:4] == ["  FAIL INV-VAL-001/packed: log_probs[0] is 1.0, expected 2.0",
+                          "  ERROR (suite) INV-RANK-002/packed: suite error: the worker raised: RuntimeError: rank 1 "
+                          "is gone",
+                          "  STALE known failure INV-TEMP-001/padded: known-failure record never fired: verl clamps "
+                          "nothing"]
+    assert lines[4] == "slowest: INV-RANK-002/packed 9.0s, INV-VAL-001/packed 3.0s, INV-TEMP-001/padded 1.0s, " \
+                       "INV-MASK-001/padded 0.5s"
+    assert lines[5] == "report (every table): r/verify-e.md"
+    assert lines[6:] == ["next:", "  python -m spec verify --engine e --profile ci --only "
+                                  "INV-VAL-001,INV-RANK-002,INV-TEMP-001  # rerun the failures"]
