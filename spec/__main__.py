@@ -1,7 +1,13 @@
-"""``python -m spec verify``: run the invariant catalogue against one engine and print the table.
+"""``python -m spec verify``: run the invariant catalogue against one engine, write the reports and print a
+short summary (the counts, one line per failure, the slowest targets, the report paths, the next command).
 
 Also ``fuzz`` (a campaign over the shared example database), ``list`` (the catalogue) and
 ``engines`` (the built-in engines and their capabilities).
+
+The arguments are parsed before anything heavy is imported: ``--help`` and a bad option answer without
+torch, hypothesis or the suite, which each command imports when it runs (its function-local imports, all
+of lower layers). A usage error (an unknown engine, planted bug, profile or ``--only`` prefix) is one line
+on stderr with the closest names and exit code 2; a failed verdict exits 1, a pass 0.
 """
 
 from __future__ import annotations
@@ -11,19 +17,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-import torch
-from hypothesis import Verbosity
-
-from . import fuzz, report
-from .cases.coverage import domains as coverage_domains
-from .invariants import CATALOGUE
-from .repro import write_reproducers
-from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
-from .run.parallel import default_workers, recorded_seconds, run_targets
-from .run.profiles import load_profile
-from .run.registry import PLANTED, describe_engines, load_engine
-from .run.runner import instances
 
 __all__ = ["main"]
 
@@ -61,13 +54,14 @@ def _workers(text: str) -> int | str:
 
 
 def _add_fuzz(sub) -> None:
-    fuzz = sub.add_parser("fuzz", help="fuzz the catalogue on N worker processes, sharing the example database")
-    fuzz.add_argument("--engine", default="impl", help="as for verify (default: impl)")
-    fuzz.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
-    fuzz.add_argument("--seconds", type=float, default=300.0, help="time limit (default: 300)")
-    fuzz.add_argument("--only", default=None, help="fuzz only invariant IDs starting with this prefix")
-    fuzz.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    fuzz.add_argument("--out", default="reports", help="folder for fuzz-<engine>.md/.json (default: reports/)")
+    fuzzing = sub.add_parser("fuzz", help="fuzz the catalogue on N worker processes, sharing the example database")
+    fuzzing.add_argument("--engine", default="impl", help="as for verify (default: impl)")
+    fuzzing.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                         help="worker processes (default: all cores)")
+    fuzzing.add_argument("--seconds", type=float, default=300.0, help="time limit (default: 300)")
+    fuzzing.add_argument("--only", default=None, help="fuzz only invariant IDs starting with this prefix")
+    fuzzing.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    fuzzing.add_argument("--out", default="reports", help="folder for fuzz-<engine>.md/.json (default: reports/)")
 
 
 def _add_list(sub) -> None:
@@ -94,52 +88,150 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Usage(Exception):
+    """A usage error: printed as one line on stderr, exit code 2."""
+
+
+def _usage(error: ValueError) -> _Usage:
+    return _Usage(str(error))
+
+
+def _load_engine(name: str):
+    from .run.registry import UnknownName, load_engine
+
+    try:
+        return load_engine(name)
+    except UnknownName as exc:
+        raise _usage(exc) from None
+
+
+def _load_profile(name: str | None) -> str:
+    from .run.registry import UnknownName, checked_profile
+
+    try:
+        return checked_profile(name)
+    except UnknownName as exc:
+        raise _usage(exc) from None
+
+
+def _prefixes(only: str | None, *, split: bool = True) -> tuple[str, ...]:
+    """``--only``'s prefixes (comma-separated where ``split``), each checked to match some invariant ID."""
+    from .run.registry import UnknownName, check_prefixes
+    from .run.runner import instances
+
+    prefixes = (tuple(p.strip() for p in only.split(",") if p.strip()) if split else (only,)) if only else ()
+    try:
+        check_prefixes(prefixes, [info.id for info, _ in instances()])
+    except UnknownName as exc:
+        raise _usage(exc) from None
+    return prefixes
+
+
+class _Captured:
+    """The process's stderr (file descriptor 2, inherited by the worker processes and their ranks) sent to a
+    temporary file while the targets run, so that what torch, the engine or a worker writes there (a
+    ``logging`` warning, a C++ warning, a Python warning) never breaks the progress line; the progress line
+    goes to the real stderr. :meth:`restore` prints what was written, each line once, after the line."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.real = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+
+    def write(self, text: str) -> None:
+        os.write(self.real, text.encode())
+        self.open_line = not text.endswith("\n")
+
+    def restore(self) -> None:
+        """The real stderr back (the progress line ended), then what was written meanwhile, each line once."""
+        if getattr(self, "open_line", False):
+            self.write("\n")
+        sys.stderr.flush()
+        os.dup2(self.real, 2)
+        os.close(self.real)
+        said = self.distinct()
+        if said:
+            print(f"written to stderr by torch, the engine or a worker ({len(said)} distinct line(s), each once):",
+                  file=sys.stderr)
+            print("\n".join(f"  {line[:300]}" for line in said[:20]), file=sys.stderr)
+            if len(said) > 20:
+                print(f"  (+{len(said) - 20} more)", file=sys.stderr)
+
+    def distinct(self) -> list[str]:
+        import re
+
+        self.file.seek(0)
+        lines: dict[str, str] = {}
+        for line in self.file.read().decode(errors="replace").splitlines():
+            # glog/torch.logging prefix ("W1203 22:18:57.625000 10764 path:56] ..."): time and pid differ per process
+            key = re.sub(r"^[IWEF]\d{4} [\d:.]+ +\d+ ", "", line.strip())
+            if key:
+                lines.setdefault(key, line.rstrip())
+        self.file.close()
+        return list(lines.values())
+
+
 def _verify(args: argparse.Namespace) -> int:
-    profile = load_profile(args.profile)
+    import torch
+    from hypothesis import Verbosity
+
+    from . import report
+    from .cases.coverage import domains as coverage_domains
+    from .invariants import CATALOGUE
+    from .repro import write_reproducers
+    from .run.parallel import default_workers, recorded_seconds, run_targets
+    from .run.runner import instances
+
+    profile = _load_profile(args.profile)
     torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
-    engine = load_engine(args.engine)
-    only = tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only else ()
+    only = _prefixes(args.only)
+    engine = _load_engine(args.engine)
     todo = [(i, m) for i, m in instances() if (not only or i.id.startswith(only))
             and not (args.no_layout and i.layout)]
     quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
     workers = default_workers() if args.workers == "auto" else args.workers
-    safe = engine.name.replace(":", "-").replace("/", "-")
+    safe = report.safe_name(engine.name)
     stem = Path(args.out) / f"verify-{safe}"
     start = time.perf_counter()
+    captured = _Captured()
 
     def progress(done: int, total: int, running: list[str]) -> None:
-        sys.stderr.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
-        sys.stderr.flush()
+        captured.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
 
-    outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
-                           threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
-                           recorded=recorded_seconds(stem.with_suffix(".json")), progress=progress)
-    sys.stderr.write("\n")
-    reproducers = None
-    if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
-        reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
-                                        titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
-                                                if o.invariant in CATALOGUE}, known=args.repro_known)
-    domains = coverage_domains(engine)
-    companions = engine.companions()
-    print(report.markdown(outcomes, engine=engine.name, profile=profile, device=device, reproducers=reproducers,
-                   base=Path(args.out), domains=domains, companions=companions))
-    paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
-                          reproducers=reproducers, domains=domains, companions=companions)
-    for rep in reproducers or ():
-        print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
-    layout = [o for o in outcomes if o.layout]
-    verdict = [o for o in outcomes if not o.layout]
-    print(f"verify: {report.summary_line(verdict)}"
-          + (f" (layout profile: {report.summary_line(layout)})" if layout else "")
-          + f"; verdict {'FAIL' if report.failed(outcomes) else 'pass'} in {time.perf_counter() - start:.1f}s; wrote "
-          + ", ".join(str(p) for p in paths))
+    try:
+        outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
+                               threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
+                               recorded=recorded_seconds(report.report_paths(stem)[1]), progress=progress)
+        seconds = time.perf_counter() - start
+        reproducers = None
+        if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
+            reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
+                                            titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
+                                                    if o.invariant in CATALOGUE}, known=args.repro_known)
+        paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
+                                     reproducers=reproducers, domains=coverage_domains(engine),
+                                     companions=engine.companions())
+    finally:
+        captured.restore()
+    rerun = ["python", "-m", "spec", "verify", "--engine", args.engine, "--profile", profile]
+    rerun += ["--device", device] if device != "cpu" else []
+    rerun += ["--out", args.out] if args.out != "reports" else []
+    print("\n".join(report.summary(outcomes, engine=engine.name, profile=profile, device=device, seconds=seconds,
+                                   paths=paths, reproducers=reproducers, rerun=rerun)))
     return 1 if report.failed(outcomes) else 0
 
 
 def _fuzz(args: argparse.Namespace) -> int:
     """A fuzz campaign (spec/fuzz.py) on the database named by $SPEC_EXAMPLE_DB; exit 1 if it found a failure."""
+    from . import fuzz
+    from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
+
+    _load_engine(args.engine)  # an unknown name is a usage error before any worker starts
+    _prefixes(args.only, split=False)  # fuzz takes one prefix
     try:
         database = example_database()
         check_reachable(database)
@@ -159,6 +251,8 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from .invariants import CATALOGUE
+
     if args.markdown:
         print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
     for key in sorted(CATALOGUE):
@@ -172,8 +266,10 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
+    from .run.registry import PLANTED, describe_engines
+
     if args.capabilities:
-        caps = load_engine(args.capabilities).capabilities()
+        caps = _load_engine(args.capabilities).capabilities()
         print(f"engine {caps.engine}; CP layouts: {', '.join(layout.value for layout in caps.layouts)}")
         for feature, state in caps.table():
             print(f"  {feature:<34} {state}")
@@ -188,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines}
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except _Usage as exc:
+        print(f"python -m spec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

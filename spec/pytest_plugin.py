@@ -7,7 +7,9 @@ for its known failures, failed with the minimal counterexample. A layout-profile
 (``InvariantInfo.layout``) that does not pass is xfailed, never failed: as in ``spec verify``, it is
 reported and kept out of the verdict (the session fails exactly when ``spec verify`` would). ``--ioprep-profile`` picks the
 hypothesis profile, ``--ioprep-only`` an ID prefix, ``--ioprep-device`` the devices,
-``--ioprep-report DIR`` writes the Markdown and JSON report.
+``--ioprep-report DIR`` writes the Markdown and JSON report, one per engine (``--ioprep-engine`` repeated: each
+report titled with its own engine and holding only its results). An unknown engine, planted bug, profile or
+``--ioprep-only`` prefix is a pytest usage error (one line with "did you mean", exit code 4), not an internal error.
 
 Under pytest-xdist (``-n auto``) each invariant x mode x device is one test, distributed per test like any
 other; every outcome travels to the controller on its test report (``user_properties``), which writes the
@@ -106,10 +108,19 @@ class _Outcomes:
                 self.config.stash.setdefault(_OUTCOMES, []).append((value["order"], value["outcome"]))
 
 
+def _usage_errors(suite: Any, call: Any, *args: Any) -> Any:
+    """``call(*args)``, a name that names nothing (``spec.run.registry.UnknownName``) as a pytest usage error."""
+    try:
+        return call(*args)
+    except suite.run.registry.UnknownName as exc:
+        raise pytest.UsageError(f"ioprep: {exc}") from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("ioprep_engine"):
         config.pluginmanager.register(_Outcomes(config), "ioprep-outcomes")
-        _suite().run.profiles.load_profile(config.getoption("ioprep_profile"))
+        suite = _suite()
+        _usage_errors(suite, suite.run.registry.checked_profile, config.getoption("ioprep_profile"))
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
@@ -118,10 +129,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return
     suite = _suite()
     prefixes = tuple((config.getoption("ioprep_only") or "").split(","))
+    _usage_errors(suite, suite.run.registry.check_prefixes, [p for p in prefixes if p],
+                  [info.id for info, _ in suite.run.runner.instances()])
     devices = config.getoption("ioprep_device") or ["cpu"]
     order = 0
     for name in names:
-        engine = suite.run.registry.load_engine(name)
+        engine = _usage_errors(suite, suite.run.registry.load_engine, name)
         for info, mode in suite.run.runner.instances():
             if not info.id.startswith(prefixes):
                 continue
@@ -138,12 +151,15 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     suite = _suite()
     report = suite.report
     outcomes = [suite.run.parallel.outcome_from_dict(o) for _, o in sorted(collected, key=lambda item: item[0])]
-    terminalreporter.write_line(f"ioprep: {report.summary_line(outcomes)}")
     folder = config.getoption("ioprep_report")
-    if folder:
-        engine = outcomes[0].engine
-        safe = engine.replace(":", "-").replace("/", "-").replace(".", "-")
-        profile = config.getoption("ioprep_profile") or "default"
-        paths = report.write_reports(outcomes, Path(folder) / f"verify-{safe}", engine=engine, profile=profile,
-                                     device=",".join(sorted({o.device for o in outcomes})))
-        terminalreporter.write_line("ioprep report: " + ", ".join(str(p) for p in paths))
+    by_engine: dict[str, list] = {}
+    for o in outcomes:  # each engine's own outcomes, in catalogue order
+        by_engine.setdefault(o.engine, []).append(o)
+    for engine, mine in by_engine.items():
+        terminalreporter.write_line(f"ioprep: {engine}: {report.summary_line(mine)}" if len(by_engine) > 1
+                                    else f"ioprep: {report.summary_line(mine)}")
+        if folder:
+            profile = config.getoption("ioprep_profile") or "default"
+            paths = report.write_reports(mine, Path(folder) / f"verify-{report.safe_name(engine)}", engine=engine,
+                                         profile=profile, device=",".join(sorted({o.device for o in mine})))
+            terminalreporter.write_line("ioprep report: " + ", ".join(str(p) for p in paths))

@@ -4,19 +4,25 @@ The *verdict* is made of the non-layout invariants only: any real failure, suite
 stale known failure among them fails it. Layout-profile invariants (``InvariantInfo.layout``:
 verl's private layout conventions the contract leaves open) are reported in their own section
 and never fail the verdict. Per invariant the report shows the examples run, those that
-exercised the property, the distinct cases drawn and the known-failure hits.
+exercised the property, the distinct cases drawn and the known-failure hits, and the slowest targets.
+
+The files (``verify-<engine>.md`` / ``.json``) hold every table; :func:`summary` is what ``python -m spec
+verify`` prints: the counts, one line per failure, the slowest targets, the report paths and the next command.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 from collections import Counter
 from pathlib import Path
 
 from .invariants import CATALOGUE
 from .run.runner import Outcome
 
-__all__ = ["summary_line", "markdown", "write_reports", "failed", "verdict_outcomes", "layout_outcomes",
+__all__ = ["summary_line", "summary", "slowest", "mechanism", "safe_name", "report_paths", "markdown", "write_reports",
+           "failed", "verdict_outcomes", "layout_outcomes",
            "FAILING", "by_counterexample", "coverage", "coverage_table", "unseen_without_reason"]
 
 _MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
@@ -50,6 +56,86 @@ def summary_line(outcomes: list[Outcome]) -> str:
                                                       ("xfail", "known failures"),
                                                       ("xpass", "stale known failures")) if counts.get(k)]
     return ", ".join(parts)
+
+
+#: how many of the slowest targets the summary and the report name
+SLOWEST = 5
+
+
+def safe_name(engine: str) -> str:
+    """``engine`` as one file-name part: ``:`` and path separators become ``-`` (``planted:x`` ->
+    ``planted-x``); the reports are ``verify-<safe name>.md/.json``, the reproducers ``<safe name>/repro/``."""
+    return engine.replace(":", "-").replace("/", "-").replace(os.sep, "-")
+
+
+def report_paths(stem: Path) -> tuple[Path, Path]:
+    """The Markdown and JSON report of ``stem`` (``stem`` + ``.md`` / ``.json``, a dot in an engine's name kept)."""
+    return stem.with_name(stem.name + ".md"), stem.with_name(stem.name + ".json")
+
+
+def slowest(outcomes: list[Outcome], n: int = SLOWEST) -> list[Outcome]:
+    """The ``n`` targets that took longest (skipped ones never ran), slowest first."""
+    ran = [o for o in outcomes if o.status != "skip"]
+    return sorted(ran, key=lambda o: -o.seconds)[:n]
+
+
+def _slowest_text(outcomes: list[Outcome]) -> str:
+    return ", ".join(f"{o.invariant}/{o.mode} {o.seconds:.1f}s" for o in slowest(outcomes))
+
+
+def _shorten(text: str, width: int = 110) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def mechanism(o: Outcome) -> str:
+    """What went wrong, in a few words: the assertion or the engine's exception (its first line), a suite
+    error's last line, a stale record's reason."""
+    if o.status == "xpass":
+        return _shorten(f"known-failure record never fired: {o.reason or ''}")
+    lines = [line.strip() for line in (o.error or o.reason or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[0].removeprefix("AssertionError: ")
+    if o.status == "error" and len(lines) > 1:  # a suite error: its first line says where, its last what
+        line = lines[-1] if lines[0].startswith("Traceback") else f"{lines[0].rstrip(':')}: {lines[-1]}"
+    return _shorten(line)
+
+
+def summary(outcomes: list[Outcome], *, engine: str, profile: str, device: str, seconds: float, paths: list[Path],
+            reproducers=None, rerun: list[str] | None = None) -> list[str]:
+    """What ``python -m spec verify`` prints: the verdict and counts, one line per failure (ID, mode, what went
+    wrong), the slowest targets, the report paths and the commands to run next. The tables are in the files."""
+    verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)
+    word = "FAIL" if failed(outcomes) else "pass"
+    lines = [f"verify: engine {engine}, profile {profile}, device {device}: verdict {word}: {summary_line(verdict)}"
+             + (f" (layout profile, not in the verdict: {summary_line(layout)})" if layout else "")
+             + f" in {seconds:.1f}s"]
+    bad = [o for o in verdict if o.status in FAILING]
+    for o in bad:
+        lines.append(f"  {_MARK[o.status]} {o.invariant}/{o.mode}: {mechanism(o)}")
+    for case, members in by_counterexample(outcomes):
+        lines.append(f"  ({len(members)} failures share the minimal counterexample {_shorten(case, 70)}: likely one "
+                     "root cause)")
+    if outcomes:
+        lines.append(f"slowest: {_slowest_text(outcomes)}")
+    lines.append("report (every table): " + ", ".join(str(p) for p in paths))
+    nexts = []
+    shown = [r for r in reproducers or () if r.status == "reproduces"]
+    for rep in shown[:5]:
+        nexts.append(f"python {shlex.quote(str(rep.path))}  # {rep.invariant}/{rep.mode} standalone")
+    if len(shown) > 5:
+        nexts.append(f"# +{len(shown) - 5} more reproducers in {Path(shown[0].path).parent}")
+    others = [r for r in reproducers or () if r.status != "reproduces"]
+    if others:
+        nexts.append("# reproducers that do not fail standalone: "
+                     + ", ".join(f"{Path(r.path).name} ({r.status})" for r in others[:5]))
+    if bad and rerun:
+        ids = list(dict.fromkeys(o.invariant for o in bad))
+        nexts.append(shlex.join([*rerun, "--only", ",".join(ids)]) + "  # rerun the failures")
+    if nexts:
+        lines.append("next:")
+        lines += [f"  {n}" for n in nexts]
+    return lines
 
 
 def _detail(o: Outcome) -> str:
@@ -178,6 +264,9 @@ def markdown(outcomes: list[Outcome], *, engine: str, profile: str, device: str,
                   f"**{summary_line(layout)}**", ""]
         lines += _table(layout)
     lines += _reproducers(reproducers, base)
+    if outcomes:
+        lines += ["", "## Slowest targets", "", f"The targets (invariant/mode) that took longest, at most {SLOWEST}: "
+                  f"{_slowest_text(outcomes)}."]
     if companions:
         lines += companions_table(companions)
     if domains:
@@ -194,7 +283,7 @@ def write_reports(outcomes: list[Outcome], stem: Path, *, engine: str, profile: 
                   reproducers=None, domains: dict[str, dict[str, str | None]] | None = None,
                   companions: dict[str, str] | None = None) -> list[Path]:
     stem.parent.mkdir(parents=True, exist_ok=True)
-    md, js = stem.with_suffix(".md"), stem.with_suffix(".json")
+    md, js = report_paths(stem)
     md.write_text(markdown(outcomes, engine=engine, profile=profile, device=device, reproducers=reproducers,
                            base=stem.parent, domains=domains, companions=companions))
     verdict, layout = verdict_outcomes(outcomes), layout_outcomes(outcomes)

@@ -6,6 +6,9 @@
   clause there; no doc, invariant or module points to a contract outside the repository or to a build
   machine's absolute path.
 * No hand-written test-suite pass/skip counts in the docs.
+* Every Markdown link, repository path and ``spec.xxx``/``impl.xxx`` name in README.md, spec/README.md and docs/
+  exists (a link's ``#anchor`` is a heading of the linked page); no bare "issue N" pointing at a tracker the
+  repository does not hold (an upstream project's "issue #N" is named with its number sign).
 * docs/findings/: the README (linked from README.md) has one table row per finding page, each linking a page that
   exists; every page links a reproducer under docs/findings/repro/ that exists and states the affected versions,
   severity and upstream status; every reproducer is named by a page and imports nothing of this suite.
@@ -13,7 +16,10 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
+from pathlib import Path
 
 import pytest
 
@@ -139,4 +145,121 @@ def test_every_finding_page_names_a_reproducer_that_exists() -> None:
 def test_the_reproducers_import_nothing_of_this_suite() -> None:
     imports = re.compile(r"^\s*(from|import)\s+(spec|impl)(\.|\s|$)", re.M)
     hits = [p.name for p in (FINDINGS / "repro").rglob("*.py") if imports.search(p.read_text())]
+    assert not hits, hits
+
+
+# -- every path, link and module name in the docs exists ----------------------------------------------------------
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+#: a path inside the repository: one of its top-level folders, then a path (a placeholder such as <engine> is none)
+_PATH = re.compile(r"(?<![\w./<>-])((?:spec|impl|tests|docs|bench|mutation|\.ci|\.github)/[\w./*-]*)")
+_MODULE = re.compile(r"(?<![\w./-])((?:spec|impl)(?:\.[A-Za-z_]\w*)+)")
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@functools.cache
+def _anchors(path: Path) -> frozenset[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+?)\s*#*$", text, re.M):
+        slug = _slug(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return frozenset(anchors)
+
+
+@functools.cache
+def _top_level_names(source: Path) -> frozenset[str]:
+    """Every name a module binds at its top level (definitions, assignments, imports, also under if/try)."""
+    names = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.col_offset == 0:
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.col_offset == 0:
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+    for node in ast.parse(source.read_text()).body:  # top-level statements indented by nothing but if/try
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                    names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+            elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+    return frozenset(names)
+
+
+def _module_missing(dotted: str, root: Path) -> bool:
+    """Whether ``spec.a.b[.attr]`` names nothing: its longest module prefix is a file or package of the tree and the
+    next part (if any) a submodule or a name bound at the module's top level. A mutant's name (mutmut's
+    ``x_name__mutmut_N``, docs/mutation.md) is no attribute."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        base = root.joinpath(*parts[:k])
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if source.is_file():
+            break
+    else:
+        return True
+    if k == len(parts) or "__mutmut_" in parts[k]:
+        return False
+    return parts[k] not in _top_level_names(source)
+
+
+def dangling(doc: str, text: str, root: Path = docs.ROOT) -> list[str]:
+    """``doc:line: what`` for every link, repository path and module name in ``text`` (the Markdown file ``doc``,
+    relative to ``root``) that names nothing in the repository."""
+    base = (root / doc).parent
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for target in _LINK.findall(line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            where = (base / path) if path else root / doc
+            if not where.exists():
+                found.append(f"{doc}:{n}: link {target} (no such file)")
+            elif anchor and where.suffix == ".md" and anchor not in _anchors(where.resolve()):
+                found.append(f"{doc}:{n}: link {target} (no such heading)")
+        bare = re.sub(r"\]\([^)\s]+\)", "]", _URL.sub("", line))  # link targets checked above
+        for path in _PATH.findall(bare):
+            path = path.rstrip(".")
+            exists = any(root.glob(path)) if "*" in path else (root / path).exists() or (base / path).exists()
+            if not exists:
+                found.append(f"{doc}:{n}: path {path}")
+        found += [f"{doc}:{n}: module {name}" for name in _MODULE.findall(bare) if _module_missing(name, root)]
+    return found
+
+
+def test_every_path_link_and_module_name_in_the_docs_exists() -> None:
+    hits = [hit for f in docs.FILES for hit in dangling(f, _read(f))]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_path_check_sees_what_is_missing() -> None:
+    text = ("See [the contract](docs/contract.md), [gone](docs/contract-microbatch.md), "
+            "[a heading](docs/contract.md#no-such-heading), `spec/microbatch_layer.py`, `spec/run/registry.py`,\n"
+            "`spec.run.registry.load_engine`, `spec.run.registry.no_such_name`, spec.nothing_here and "
+            "https://github.com/x/spec/nothing.py")
+    hits = dangling("README.md", text)
+    assert hits == ["README.md:1: link docs/contract-microbatch.md (no such file)",
+                    "README.md:1: link docs/contract.md#no-such-heading (no such heading)",
+                    "README.md:1: path spec/microbatch_layer.py",
+                    "README.md:2: module spec.run.registry.no_such_name",
+                    "README.md:2: module spec.nothing_here"], hits
+
+
+def test_no_bare_issue_numbers() -> None:
+    """"issue 23" points to a tracker the repository does not hold: say what it was about instead. An upstream
+    project's issue is written with its number sign (verl issue #6278)."""
+    bare = re.compile(r"\b[Ii]ssues? \d+")
+    hits = [f"{f}:{i}: {line.strip()[:80]}" for f in docs.FILES
+            for i, line in enumerate(_read(f).splitlines(), 1) if bare.search(line)]
     assert not hits, hits

@@ -1,4 +1,4 @@
-"""impl's padding helpers as a drop-in for verl's (issue 15): input class by input class.
+"""impl's padding helpers as a drop-in for verl's: input class by input class.
 
 Each class is a batch shape verl's own CPU tests of ``verl.workers.utils.padding`` or verl's
 trainer feed the helpers, built here from its description (nothing is copied from verl). For

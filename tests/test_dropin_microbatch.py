@@ -1,4 +1,4 @@
-"""impl's micro-batch layer as a drop-in for verl 0.9.1's (issue 23), compared in the same process.
+"""impl's micro-batch layer as a drop-in for verl 0.9.1's, compared in the same process.
 
 Where verl is right, impl returns verl's result bit for bit (values, offsets, ragged dim, dense
 tensors, non-tensor items); the balanced partition may differ (impl does not run

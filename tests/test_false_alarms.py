@@ -1,4 +1,4 @@
-"""No false alarms on correct engines laid out differently (issue 22's ten suite defects), and the bugs still caught.
+"""No false alarms on correct engines laid out differently (ten defects of the suite's own), and the bugs still caught.
 
 The engines are tests/false_alarm_engines.py: impl changed where no consumer can tell, or in a layout it declares
 through the protocol. Each test checks pinned cases directly (``check``: the invariant's adjust, what the runner

@@ -1,4 +1,4 @@
-"""The audit's findings on checks weaker than they look (issue 26), each pinned by a test that failed before.
+"""The audit's findings on checks weaker than they look, each pinned by a test that failed before.
 
 * INV-FLAG-003 tries every one of its bad flag values, not one picked by ``seed % 24`` (under ``ci`` four were
   never drawn): an engine that silently accepts any single one of them is rejected.

@@ -1,5 +1,5 @@
 """Measurements are independent: every test, and every ``spec.detection`` run, has its own empty example
-database (issue 21, item 4), never the working directory's ``.hypothesis`` nor one a user configured.
+database, never the working directory's ``.hypothesis`` nor one a user configured.
 
 With a shared database a ``ci`` run replays what an earlier run saved, and a bug "found" in one example
 was found by another run (measured: a planted bug needing 69 examples under ``ci`` alone took 2).

@@ -169,3 +169,35 @@ def test_plugin_under_xdist_writes_the_one_process_report(user_repo: Path) -> No
     assert "ioprep: " in two.stdout and "bringing up nodes" in two.stdout  # xdist ran it
     a, b = (_without_timings(user_repo / out / "verify-tiny.json") for out in ("out-one", "out-two"))
     assert len(a["outcomes"]) >= 6 and a == b
+
+
+def test_two_engines_write_one_report_each(user_repo: Path) -> None:
+    """``--ioprep-engine`` twice: each engine's report is titled with it and holds its own results only (the
+    planted bug's failure in its report, impl's report passing)."""
+    run = run_pytest(user_repo, "--ioprep-engine", "impl", "--ioprep-engine", "planted:loss_mask_attention",
+                     "--ioprep-profile", "dev", "--ioprep-only", "INV-MASK-001", "--ioprep-report", "two")
+    assert run.returncode == 1, run.stdout[-3000:]
+    impl = json.loads((user_repo / "two" / "verify-impl.json").read_text())
+    planted = json.loads((user_repo / "two" / "verify-planted-loss_mask_attention.json").read_text())
+    assert {o["engine"] for o in impl["outcomes"]} == {"impl"} and impl["verdict"] == "pass"
+    assert {o["engine"] for o in planted["outcomes"]} == {"planted:loss_mask_attention"}
+    assert planted["verdict"] == "fail" and [o["status"] for o in planted["outcomes"]] == ["fail"]
+    assert (user_repo / "two" / "verify-impl.md").read_text().startswith("# Conformance report: engine `impl`")
+    assert (user_repo / "two" / "verify-planted-loss_mask_attention.md").read_text().startswith(
+        "# Conformance report: engine `planted:loss_mask_attention`")
+    assert "ioprep: impl: 1 passed, 0 failed" in run.stdout
+    assert "ioprep: planted:loss_mask_attention: 0 passed, 1 failed" in run.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ioprep-engine", "planted:loss_mask_atention"],
+     "unknown planted bug 'loss_mask_atention'; did you mean 'loss_mask_attention'?"),
+    (["--ioprep-engine", "nope"], "unknown engine 'nope'"),
+    (["--ioprep-engine", "impl", "--ioprep-profile", "cii"], "unknown hypothesis profile 'cii'; did you mean 'ci'?"),
+    (["--ioprep-engine", "impl", "--ioprep-only", "INV-MSK"], "--only 'INV-MSK' matches no invariant ID"),
+])
+def test_a_bad_name_is_a_pytest_usage_error(user_repo: Path, args: list[str], says: str) -> None:
+    run = run_pytest(user_repo, *args, "test_own.py")
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]  # pytest's ExitCode.USAGE_ERROR
+    assert f"ERROR: ioprep: {says}" in run.stderr, run.stderr[-2000:]
+    assert "INTERNALERROR" not in run.stdout + run.stderr and "Traceback" not in run.stderr

@@ -1,4 +1,4 @@
-"""An honest verdict (issue 9): each test fails on the suite's earlier behaviour.
+"""An honest verdict: each test fails on the suite's earlier behaviour.
 
 1. a known failure excuses only the cases and the failure it names (a second bug is still found);
 2. only the engine's own calls can reject; the suite's own exceptions are suite errors;

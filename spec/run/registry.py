@@ -7,13 +7,20 @@ rebuilds its engine from the engine's own recipe (:meth:`spec.protocol.EngineUnd
 here. ``EngineUnderTest``, ``HELPERS`` and ``FactoryEngine`` are re-exported for code written against the
 old single module.
 
+A name a user types that names nothing (an engine, a planted bug, a hypothesis profile, an ``--only`` prefix
+matching no invariant ID) raises :class:`UnknownName`, one line with the closest names ("did you mean"): the
+command line turns it into a usage error (exit 2), the pytest plugin into a pytest usage error.
+
 The verl adapters import verl (and, where verl imports them at module level, stub heavy
 modules) only when one is built, so listing engines needs no verl.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import difflib
+import importlib
+import os
+from typing import Callable, Iterable
 
 from ..engines.automodel import AutomodelEngine
 from ..engines.factory import FactoryEngine, engine_from_path
@@ -25,10 +32,12 @@ from ..engines.trl import TrlEngine, TrlFusedEngine
 from ..engines.veomni import VeOmniEngine
 from ..engines.verl import VerlEngine
 from ..planted import PLANTED, planted_engine
-from ..planted.harmless import harmless_engine
+from ..planted.harmless import HARMLESS, harmless_engine
 from ..protocol.engine import HELPERS, EngineUnderTest
+from .profiles import PROFILES, load_profile
 
-__all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names"]
+__all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names",
+           "UnknownName", "did_you_mean", "check_prefixes", "checked_profile"]
 
 #: name -> (constructor, one line: what it is)
 ENGINES: dict[str, tuple[Callable[[], EngineUnderTest], str]] = {
@@ -57,15 +66,79 @@ def describe_engines() -> list[str]:
         [f"planted:<bug>    impl with one planted bug ({len(PLANTED)}: python -m spec engines --planted)"]
 
 
+class UnknownName(ValueError):
+    """A name the user typed that names nothing; the message is one line, with the closest names."""
+
+
+def did_you_mean(word: str, choices: Iterable[str], *, n: int = 3) -> str:
+    """``"; did you mean 'a' or 'b'?"`` with the choices closest to ``word`` (case ignored), or ``""``."""
+    by_upper: dict[str, str] = {}
+    for choice in choices:
+        by_upper.setdefault(choice.upper(), choice)
+    close = difflib.get_close_matches(word.upper(), list(by_upper), n=n, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(by_upper[c]) for c in close)}?" if close else ""
+
+
+def _unknown_engine(spec: str) -> UnknownName:
+    hint = did_you_mean(spec, builtin_engine_names()) or (
+        ": a registered name (python -m spec engines), planted:<bug> (python -m spec engines --planted) "
+        "or module:attr")
+    return UnknownName(f"unknown engine {spec!r}{hint}")
+
+
+def _check_module_attr(spec: str) -> None:
+    """``module:attr`` whose module does not exist or lacks ``attr``: an :class:`UnknownName` (an error raised
+    while the module itself is imported is the module's own and propagates as it is)."""
+    module_name, attr = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UnknownName(f"unknown engine {spec!r}: no module named {exc.name!r} on the path "
+                              f"(a registered name: python -m spec engines)") from None
+        raise
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise UnknownName(f"unknown engine {spec!r}: module {module_name!r} has no attribute {attr!r}"
+                          + did_you_mean(attr, names))
+
+
 def load_engine(spec: str) -> EngineUnderTest:
     """A registered name, ``planted:<bug>``, or ``module:attr`` (a factory, an engine class or object,
-    or an EngineUnderTest)."""
+    or an EngineUnderTest). A name that names nothing raises :class:`UnknownName`."""
     if spec in ENGINES:
         return ENGINES[spec][0]()
-    if spec.startswith("harmless:"):  # impl with a harmless difference (spec/planted/harmless.py)
-        return harmless_engine(spec.split(":", 1)[1])
-    if spec.startswith("planted:"):
-        return planted_engine(spec.split(":", 1)[1])
+    family, _, name = spec.partition(":")
+    if family in ("harmless", "planted"):  # impl with a harmless difference (spec/planted/harmless.py) or a bug
+        known = HARMLESS if family == "harmless" else PLANTED
+        if name not in known:
+            raise UnknownName(f"unknown {'harmless engine' if family == 'harmless' else 'planted bug'} {name!r}"
+                              + (did_you_mean(name, known) or f" ({len(known)} known: python -m spec engines"
+                                                                  f"{' --planted' if family == 'planted' else ''})"))
+        return harmless_engine(name) if family == "harmless" else planted_engine(name)
     if ":" not in spec:
-        raise ValueError(f"unknown engine {spec!r}: use one of {builtin_engine_names()} or module:attr")
+        raise _unknown_engine(spec)
+    _check_module_attr(spec)
     return engine_from_path(spec)
+
+
+def check_prefixes(prefixes: Iterable[str], ids: Iterable[str]) -> None:
+    """Every ``--only`` prefix matches some invariant ID, else :class:`UnknownName` naming the first that does
+    not, with the closest IDs and families."""
+    ids = sorted(set(ids))
+    for prefix in prefixes:
+        if not any(i.startswith(prefix) for i in ids):
+            families = sorted({i.rsplit("-", 1)[0] for i in ids})
+            raise UnknownName(f"--only {prefix!r} matches no invariant ID"
+                              + (did_you_mean(prefix, families + ids) or " (python -m spec list lists them)"))
+
+
+def checked_profile(name: str | None) -> str:
+    """:func:`spec.run.profiles.load_profile`, an unknown profile (named or from ``$HYPOTHESIS_PROFILE``) as
+    :class:`UnknownName`."""
+    chosen = name or os.environ.get("HYPOTHESIS_PROFILE")
+    if chosen and chosen not in PROFILES:
+        source = "" if name else " ($HYPOTHESIS_PROFILE)"
+        raise UnknownName(f"unknown hypothesis profile {chosen!r}{source}"
+                          + (did_you_mean(chosen, PROFILES) or f"; choose from {', '.join(PROFILES)}"))
+    return load_profile(name)
