@@ -33,6 +33,7 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
+from .attribution import ENGINE, EngineFault, check_outputs, tag
 from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execution_context, model_for,
                       rank_outputs)
 from ..cases.materialize import materialize, move
@@ -154,7 +155,7 @@ class _Worker:
             model_inputs, output_args = eng.prepare_model_inputs(mb)
             status = ("ok", (_nested_safe(model_inputs), _output_rows(output_args, model_inputs)))
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised below
-            status = ("error", _describe(exc))
+            status = ("error", _describe(tag(exc, ENGINE)))  # the engine's constructor or prepare_model_inputs
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, status, group=group)
         failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
@@ -180,13 +181,24 @@ class _Worker:
         try:
             outputs = eng.prepare_model_outputs(model_output, output_args, mb, processor)
         except Exception as exc:  # noqa: BLE001 - re-raised by the caller
+            reply["error"] = (self.rank, *_describe(tag(exc, ENGINE)))
+            return reply
+        try:  # what the engine returned, validated before it is copied out (a malformed nested tensor cannot be)
+            if isinstance(outputs, dict):
+                check_outputs(outputs, rank)
+            shipped = _nested_safe(dict(outputs))
+        except EngineFault as exc:
             reply["error"] = (self.rank, *_describe(exc))
+            return reply
+        except Exception as exc:  # noqa: BLE001 - reading the engine's own object failed: the engine's
+            fault = EngineFault(f"rank {rank}: reading the engine's outputs raised {type(exc).__name__}: {exc}")
+            reply["error"] = (self.rank, *_describe(fault))
             return reply
         reply.update(model_output=_nested_safe(_namespace_dict(model_output)),
                      model_output_snapshot=_nested_safe(output_snapshot),
                      output_args_after=_nested_safe(dict(output_args)),
                      output_args_snapshot=_nested_safe(args_snapshot),
-                     outputs=_nested_safe(dict(outputs)))
+                     outputs=shipped)
         if rank == 0:
             reply["micro_batch"] = on_device(mb, "cpu")
         return reply
