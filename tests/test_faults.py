@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from spec.cases.structure import EngineCase
 from spec.engines.impl import ImplEngine
 from spec.engines.verl import LOW_PRECISION_RECORDS, STUDENT_MASS_LOW_PRECISION, verl_precision
 from spec.execute import ranks
-from spec.execute.attribution import EngineFault, check_outputs
+from spec.execute.attribution import EngineFault, check_outputs, recording
 from spec.execute.harness import execute
 from spec.invariants import CATALOGUE
 from spec.planted import PLANTED, planted_engine
@@ -59,8 +60,10 @@ class _Engine(ImplEngine):
 
 def test_a_malformed_output_is_a_failed_check_not_a_suite_error() -> None:
     engine = _Engine("short-values", value=_ShortValues)
-    with pytest.raises(EngineFault, match=r"rank 0: output 'values': values hold \d+ entries, offsets claim \d+"):
+    with recording() as log:  # found where the suite first touches the outputs, kept for the example
         execute(engine, CASE.with_(head="value"))
+    assert len(log.faults) == 1 and re.search(r"rank 0: output 'values': values hold \d+ entries, offsets claim \d+",
+                                              str(log.faults[0])), log.faults
     outcome = run_invariant(CATALOGUE["INV-VAL-005"], engine, "packed", profile="dev", shrink=False)
     assert outcome.status == "fail" and outcome.blame == "engine fault" and outcome.rejected_by_check, outcome
     assert "values hold" in outcome.error and "offsets claim" in outcome.error, outcome.error

@@ -13,11 +13,13 @@ exception that a check swallowed (``except Exception``) is still seen by the run
 exception never counts as a rejection. Error invariants use :func:`expect_engine_error`.
 No spec module is imported here (no cycles): it works on any engine-like object.
 
-What the engine *returned* is validated where the suite first touches it (:func:`check_outputs`, :func:`read_engine`):
-a malformed structure (a nested output whose values hold fewer entries than its offsets claim), an exception raised
-while reading one of the engine's objects, a rank that died or hung, is an :class:`EngineFault`: a failed check that
-names the key, the rank and the shape, never a suite error. A suite error is a fault in the suite's own code on an
-engine output that was well formed.
+What the engine *returned* is validated where the suite first touches it (:func:`check_outputs`): a malformed
+structure (a nested output whose values hold fewer entries than its offsets claim) is kept for the example
+(:func:`note_fault`; the checks still judge the output as they read it, so a record of how a check fails on it still
+matches), and an exception the suite then raises reading it is that :class:`EngineFault`: a failed check naming the
+key, the rank and the shape, never a suite error. So is an exception raised while reading one of the engine's objects
+through its adapter's views (:func:`read_engine`), and a rank that died or hung. A suite error is a fault in the
+suite's own code on engine output that was well formed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
            "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
-           "read_engine", "is_engine_fault"]
+           "read_engine", "is_engine_fault", "note_fault"]
 
 ENGINE = "engine"
 SUITE = "suite"
@@ -134,6 +136,9 @@ class Log:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, BaseException]] = []  # (origin, where, exception)
         self.handled: set[int] = set()  # ids of exceptions a check consumed on purpose
+        #: malformed engine outputs seen while the example ran (:func:`note_fault`): an exception the suite then
+        #: raises reading them is the engine's failed check, not a suite error
+        self.faults: list[EngineFault] = []
         self._lock = threading.Lock()
 
     def add(self, who: str, where: str, exc: BaseException) -> None:
@@ -163,6 +168,12 @@ def _note(who: str, where: str, exc: BaseException) -> None:
     tag(exc, who)
     if _CURRENT:
         _CURRENT[-1].add(getattr(exc, _ATTR, who), where, exc)
+
+
+def note_fault(fault: EngineFault) -> None:
+    """Keep ``fault`` (a malformed output, found where the suite first touched it) for the running example."""
+    if _CURRENT and all(f is not fault for f in _CURRENT[-1].faults):
+        _CURRENT[-1].faults.append(fault)
 
 
 def suite_side(fn: Callable, where: str) -> Callable:

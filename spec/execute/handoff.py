@@ -18,7 +18,7 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
-from .attribution import check_outputs, read_engine
+from .attribution import EngineFault, check_outputs, note_fault, read_engine
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
            "execution_context", "rank_outputs", "view_outputs"]
@@ -135,13 +135,15 @@ def attach_views(run: Run, engine: EngineUnderTest) -> None:
 
 def view_outputs(engine: EngineUnderTest, outputs: Any, rank: int) -> dict[str, Any]:
     """One rank's outputs through the engine's own view, validated where the suite first touches them
-    (:func:`.attribution.check_outputs`): the raw result and the view both well formed, or an
-    :class:`.attribution.EngineFault` naming the key, the rank and the shape."""
-    if isinstance(outputs, dict):
-        check_outputs(outputs, rank)
+    (:func:`.attribution.check_outputs`): a malformed one is noted for the running example
+    (:func:`.attribution.note_fault`), so that an exception the suite raises reading it is the engine's failed check
+    naming the key, the rank and the shape."""
     viewed = read_engine(lambda: engine.view_outputs(outputs).per_sequence,
                          "the engine's outputs (view_outputs)", rank)
-    check_outputs(viewed, rank)
+    try:
+        check_outputs(viewed, rank)
+    except EngineFault as fault:  # kept for the runner: a check that then crashes reading it failed the engine
+        note_fault(fault)
     return viewed
 
 

@@ -183,15 +183,16 @@ class _Worker:
         except Exception as exc:  # noqa: BLE001 - re-raised by the caller
             reply["error"] = (self.rank, *_describe(tag(exc, ENGINE)))
             return reply
-        try:  # what the engine returned, validated before it is copied out (a malformed nested tensor cannot be)
-            if isinstance(outputs, dict):
-                check_outputs(outputs, rank)
+        try:  # copied out as they are (the parent validates them where it reads them: spec.execute.handoff)
             shipped = _nested_safe(dict(outputs))
-        except EngineFault as exc:
-            reply["error"] = (self.rank, *_describe(exc))
-            return reply
         except Exception as exc:  # noqa: BLE001 - reading the engine's own object failed: the engine's
             fault = EngineFault(f"rank {rank}: reading the engine's outputs raised {type(exc).__name__}: {exc}")
+            try:
+                check_outputs(outputs, rank)  # the precise reason where it is a malformed nested tensor
+            except EngineFault as precise:
+                fault = precise
+            except Exception:  # noqa: BLE001 - not even a mapping: the reading error says it
+                pass
             reply["error"] = (self.rank, *_describe(fault))
             return reply
         reply.update(model_output=_nested_safe(_namespace_dict(model_output)),

@@ -336,10 +336,20 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
                 if record is not None:  # excused: count it and go on, so other bugs are still found
                     hits[records.index(record)] += 1
                     return
-                _mark(exc, case, _kind(exc))
+                kind = _kind(exc)
+                if kind == "error" and log.faults:  # the suite crashed reading a malformed output: the engine's
+                    fault = log.faults[0]
+                    _mark(fault, case, "fail")
+                    spent(fault)
+                    raise fault from exc
+                _mark(exc, case, kind)
                 spent(exc)
                 raise
             swallowed = log.unhandled_suite()
+        if swallowed and log.faults:  # what the suite raised (and a check caught) came of a malformed output
+            _mark(log.faults[0], case, "fail")
+            spent(log.faults[0])
+            raise log.faults[0] from swallowed[0][1]
         if swallowed:  # the check passed only because it caught what the suite itself raised
             where, cause = swallowed[0]
             err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
