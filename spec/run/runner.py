@@ -361,8 +361,8 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     body._hypothesis_internal_add_digest = stream_key(info, mode)  # type: ignore[attr-defined]
 
     faults_allowed, deadline_s, restarts_before = fault_budget(), shrink_deadline(), ranks.restarts()
-    bounds = {"faults": 0, "faults_allowed": faults_allowed, "shrink_deadline_s": deadline_s, "first_failure_s": None,
-              "stopped": None}
+    bounds = {"faults": 0, "faults_allowed": faults_allowed, "shrink_deadline_s": deadline_s, "stopped": None}
+    first_failure: list[float] = []  # seconds into the target of its first failing example (not reported: a timing)
     failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks towards it)
 
     def spent(exc: BaseException | None) -> None:
@@ -371,14 +371,14 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
         now = time.perf_counter()
         if exc is not None:
             failures[:] = [exc]
-            if bounds["first_failure_s"] is None:
-                bounds["first_failure_s"] = round(now - start, 3)
+            if not first_failure:
+                first_failure.append(now - start)
             if isinstance(exc, ranks.RankFault):
                 bounds["faults"] += 1
                 if bounds["faults"] >= faults_allowed:
                     raise _BudgetSpent(f"fault budget spent: {bounds['faults']} examples ended in a rank fault "
                                        f"(SPEC_FAULT_BUDGET={faults_allowed}); shrinking stopped", exc) from exc
-        if failures and bounds["first_failure_s"] is not None and now - start - bounds["first_failure_s"] > deadline_s:
+        if failures and first_failure and now - start - first_failure[0] > deadline_s:
             raise _BudgetSpent(f"shrink deadline spent: {deadline_s:g} s after the first failure "
                                f"(SPEC_SHRINK_DEADLINE); shrinking stopped", failures[0])
 
@@ -401,6 +401,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
         except _BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
             bounds["stopped"] = stop.why
             _record_failure(outcome, stop.failure)
+            outcome.error = f"{outcome.error} [{stop.why}]"  # the report says the run was bounded, and by what
             break
         except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
             _record_failure(outcome, exc)
