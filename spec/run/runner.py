@@ -224,12 +224,13 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _fault(exc: BaseException) -> EngineFault | None:
-    """The :class:`EngineFault` behind ``exc`` (itself, or a check's assertion that re-raised it with context)."""
+def _fault(exc: BaseException, kind: type = EngineFault) -> BaseException | None:
+    """The ``kind`` (an :class:`EngineFault`) behind ``exc``: itself, or one a check's assertion re-raised with
+    context (a real-rank check names the SP group: ``raise AssertionError(...) from fault``)."""
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
-        if isinstance(link, EngineFault):
+        if isinstance(link, kind):
             return link
         seen.add(id(link))
         link = link.__cause__ or link.__context__
@@ -366,18 +367,23 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks towards it)
 
     def spent(exc: BaseException | None) -> None:
-        """Stop the target once its rank faults exceed the budget or its shrink deadline passed since the first
-        failure (a crashing example is slow to replay: each replaces the rank pool), with the latest failure."""
+        """Stop the target once its rank faults reach the budget, or after a failure its rank pool was restarted more
+        often than that, or its shrink deadline passed since the first failure (a crashing example is slow to replay:
+        each replaces the rank pool), with the latest failure."""
         now = time.perf_counter()
         if exc is not None:
             failures[:] = [exc]
             if not first_failure:
                 first_failure.append(now - start)
-            if isinstance(exc, ranks.RankFault):
+            if _fault(exc, ranks.RankFault) is not None:
                 bounds["faults"] += 1
                 if bounds["faults"] >= faults_allowed:
                     raise _BudgetSpent(f"fault budget spent: {bounds['faults']} examples ended in a rank fault "
                                        f"(SPEC_FAULT_BUDGET={faults_allowed}); shrinking stopped", exc) from exc
+        restarted = ranks.restarts() - restarts_before
+        if failures and restarted > faults_allowed:  # ranks left hanging in a collective by a failure: each restarts
+            raise _BudgetSpent(f"the rank pool was restarted {restarted} times (more than SPEC_FAULT_BUDGET="
+                               f"{faults_allowed}); shrinking stopped", failures[0])
         if failures and first_failure and now - start - first_failure[0] > deadline_s:
             raise _BudgetSpent(f"shrink deadline spent: {deadline_s:g} s after the first failure "
                                f"(SPEC_SHRINK_DEADLINE); shrinking stopped", failures[0])
