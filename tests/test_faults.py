@@ -111,6 +111,26 @@ def test_a_dying_rank_is_a_failed_check_within_the_fault_budget(monkeypatch) -> 
     assert outcome.budget["faults"] < 2 or "fault budget spent" in outcome.budget["stopped"], outcome.budget
 
 
+FAULT_BUGS = ("critic_values_short_on_ranks", "rank_dies_on_uneven_shard", "entropy_rounded_on_chunked_path")
+
+
+@pytest.mark.parametrize("name", FAULT_BUGS)
+def test_each_planted_fault_is_a_failed_check_within_the_run_bounds(monkeypatch, name) -> None:
+    """Under ci with shrinking, each fault bug ends in a failed check (never a suite error) and within the bounds
+    the run enforces: at most SPEC_FAULT_BUDGET rank faults and pool restarts, shrinking stopped SPEC_SHRINK_DEADLINE
+    seconds after the first failure (the outcome says when it stopped it)."""
+    if PLANTED[name].caught_by[0].startswith("INV-RANK") and ranks.unavailable("cpu", 2) is not None:
+        pytest.skip("no real ranks here")
+    monkeypatch.setenv("SPEC_SHRINK_DEADLINE", "20")
+    info = CATALOGUE[PLANTED[name].caught_by[0]]
+    outcome = run_invariant(info, planted_engine(name), "packed", profile="ci", shrink=True)
+    assert outcome.rejected_by_check and outcome.blame in ("check", "engine fault"), outcome
+    budget = outcome.budget
+    assert budget["shrink_deadline_s"] == 20 and budget["faults"] <= budget["faults_allowed"], budget
+    assert budget["pool_restarts"] <= budget["faults_allowed"], budget
+    assert budget["stopped"] is None or "spent" in budget["stopped"], budget
+
+
 def test_the_shrink_deadline_is_enforced_and_reported(monkeypatch) -> None:
     monkeypatch.setenv("SPEC_SHRINK_DEADLINE", "0")
     outcome = run_invariant(CATALOGUE["INV-MASK-001"], planted_engine("mask_off_by_one"), "padded", profile="dev")
