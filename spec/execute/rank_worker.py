@@ -18,6 +18,7 @@ import queue
 import shutil
 import signal
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import combinations
 from types import SimpleNamespace
@@ -90,14 +91,29 @@ class ShardedTopKProcessor(TopKProcessor):
 # the worker side
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Opaque:
+    """What crosses the process boundary in place of an engine's own object that does not pickle (a handle in its
+    ``output_args``): its type's name. The suite reads no such object (docs/verdict.md), so nothing is lost."""
+
+    type_name: str
+
+
 def _nested_safe(obj: Any) -> Any:
-    """Detach and move to CPU whatever crosses the process boundary."""
+    """Detach and move to CPU whatever crosses the process boundary; an object that does not pickle travels as its
+    type's name (:class:`Opaque`), not as an error of the suite's."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: _nested_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_nested_safe(v) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return obj
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - the engine's own object: only its type crosses
+        return Opaque(f"{type(obj).__module__}.{type(obj).__qualname__}")
     return obj
 
 
