@@ -229,3 +229,13 @@ def test_the_record_check_would_catch_an_overreaching_record() -> None:
     exc = _dtype_failure("entropy", "float16")
     assert matching([loose], chunked, exc) is loose and matching([loose], chunked, exc, engine) is None
     assert isinstance(record, KnownFailure)
+
+
+def test_an_engine_object_that_does_not_pickle_crosses_from_a_rank_as_its_type() -> None:
+    """On real ranks an engine's own handle in output_args (a lock, a lambda) is no suite error: only its type's name
+    crosses the process boundary, and the suite reads nothing of it."""
+    from spec.execute.rank_worker import Opaque, _nested_safe
+
+    shipped = _nested_safe({"ids": torch.ones(2), "handle": (lambda: 0), "n": 3, "nested": [None, "x"]})
+    assert isinstance(shipped["handle"], Opaque) and shipped["handle"].type_name == "builtins.function"
+    assert shipped["n"] == 3 and shipped["nested"] == [None, "x"] and torch.equal(shipped["ids"], torch.ones(2))
