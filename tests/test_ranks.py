@@ -82,6 +82,8 @@ def test_a_crashed_rank_fails_in_bounded_time_with_its_traceback(own_pool) -> No
         ranks.execute(CRASH, SEED.with_(sp_size=2), timeout=60, workers=own_pool)
     message = str(info.value)
     assert "exit code -11" in message and "in misbehave" in message  # SIGSEGV, and faulthandler's stack
+    # the engine's failure on that example (a failed check), not the suite's
+    assert isinstance(info.value, ranks.RankFault) and isinstance(info.value, AssertionError)
     assert not own_pool.alive()
 
 
@@ -90,6 +92,7 @@ def test_a_hung_rank_fails_in_bounded_time_with_its_traceback(own_pool) -> None:
         ranks.execute(HANG, SEED.with_(sp_size=2), timeout=8, workers=own_pool)
     message = str(info.value)
     assert "--- rank 1" in message and "misbehave" in message  # rank 1's stack: asleep in the engine
+    assert isinstance(info.value, ranks.RankFault)
 
 
 def test_sharded_processor_matches_the_whole_row_processor() -> None:

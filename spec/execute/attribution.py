@@ -12,16 +12,27 @@ Every tagged exception is also logged for the example being run (:func:`recordin
 exception that a check swallowed (``except Exception``) is still seen by the runner: a suite
 exception never counts as a rejection. Error invariants use :func:`expect_engine_error`.
 No spec module is imported here (no cycles): it works on any engine-like object.
+
+What the engine *returned* is validated where the suite first touches it (:func:`check_outputs`): a malformed
+structure (a nested output whose values hold fewer entries than its offsets claim) is kept for the example
+(:func:`note_fault`; the checks still judge the output as they read it, so a record of how a check fails on it still
+matches), and an exception the suite then raises reading it is that :class:`EngineFault`: a failed check naming the
+key, the rank and the shape, never a suite error. So is an exception raised while reading one of the engine's objects
+through its adapter's views (:func:`read_engine`), and a rank that died or hung. A suite error is a fault in the
+suite's own code on engine output that was well formed.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
-           "expect_engine_error", "SuiteError", "describe", "engine_side"]
+           "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
+           "read_engine", "is_engine_fault", "note_fault"]
 
 ENGINE = "engine"
 SUITE = "suite"
@@ -30,6 +41,62 @@ _ATTR = "_spec_origin"
 
 class SuiteError(RuntimeError):
     """The suite itself failed on an example (its model, processor, oracle or a check crashed)."""
+
+
+class EngineFault(AssertionError):
+    """A failed check on what the engine handed back or how its ranks behaved: a malformed output (values fewer
+    than the offsets claim), an exception raised while the suite read one of the engine's objects, a rank that
+    died, hung or disconnected. An :class:`AssertionError`: the verdict on the engine, never a suite error."""
+
+
+def is_engine_fault(exc: BaseException) -> bool:
+    return isinstance(exc, EngineFault)
+
+
+def check_nested(key: str, value: torch.Tensor, rank: int) -> None:
+    """A jagged nested tensor is well formed: its offsets are 1-D integers from 0, non-decreasing, and its values
+    hold exactly the entries the last offset claims (reading one that does not raises deep inside torch)."""
+    if value.layout != torch.jagged:
+        return
+    try:
+        values, offs = value.values(), value.offsets()
+    except Exception as exc:  # noqa: BLE001 - the engine's tensor cannot be read
+        raise EngineFault(f"rank {rank}: output {key!r} is a nested tensor whose values and offsets cannot be read "
+                          f"({describe(exc)})") from exc
+    if offs is None or offs.dim() != 1 or offs.numel() < 1 or offs.is_floating_point():
+        raise EngineFault(f"rank {rank}: output {key!r}: offsets {None if offs is None else tuple(offs.shape)} "
+                          "are no 1-D integer tensor")
+    offs = offs.detach().cpu().long()
+    claimed = int(offs[-1])
+    if int(offs[0]) != 0 or bool((offs.diff() < 0).any()):
+        raise EngineFault(f"rank {rank}: output {key!r}: offsets {offs.tolist()[:16]} do not rise from 0")
+    if values.dim() < 1 or values.shape[0] != claimed:
+        raise EngineFault(f"rank {rank}: output {key!r}: values hold {values.shape[0] if values.dim() else 0} "
+                          f"entries, offsets claim {claimed} (values {tuple(values.shape)}, offsets "
+                          f"{offs.tolist()[:16]})")
+
+
+def check_outputs(outputs: Any, rank: int) -> None:
+    """``outputs`` (one rank's outputs, as a view maps them) are a mapping, each nested tensor in it well formed;
+    else an :class:`EngineFault` naming the key, the rank and the shape (what else an output holds is the
+    invariants' to judge: INV-LAYOUT-001)."""
+    if not isinstance(outputs, Mapping):
+        raise EngineFault(f"rank {rank}: the outputs are a {type(outputs).__name__}, not a mapping")
+    for key, value in outputs.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            check_nested(key, value, rank)
+
+
+def read_engine(fn: Callable[[], Any], what: str, rank: int) -> Any:
+    """``fn()`` reads one of the engine's objects (its outputs through the adapter's view, its model inputs): what
+    it raises is an :class:`EngineFault` (the object was not what the engine's own view promises), not a suite
+    error."""
+    try:
+        return fn()
+    except EngineFault:
+        raise
+    except Exception as exc:  # noqa: BLE001 - raised reading the engine's object
+        raise EngineFault(f"rank {rank}: reading {what} raised {describe(exc)}") from exc
 
 
 def origin(exc: BaseException) -> str | None:
@@ -69,6 +136,9 @@ class Log:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, BaseException]] = []  # (origin, where, exception)
         self.handled: set[int] = set()  # ids of exceptions a check consumed on purpose
+        #: malformed engine outputs seen while the example ran (:func:`note_fault`): an exception the suite then
+        #: raises reading them is the engine's failed check, not a suite error
+        self.faults: list[EngineFault] = []
         self._lock = threading.Lock()
 
     def add(self, who: str, where: str, exc: BaseException) -> None:
@@ -98,6 +168,12 @@ def _note(who: str, where: str, exc: BaseException) -> None:
     tag(exc, who)
     if _CURRENT:
         _CURRENT[-1].add(getattr(exc, _ATTR, who), where, exc)
+
+
+def note_fault(fault: EngineFault) -> None:
+    """Keep ``fault`` (a malformed output, found where the suite first touched it) for the running example."""
+    if _CURRENT and all(f is not fault for f in _CURRENT[-1].faults):
+        _CURRENT[-1].faults.append(fault)
 
 
 def suite_side(fn: Callable, where: str) -> Callable:

@@ -18,9 +18,10 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
+from .attribution import EngineFault, check_outputs, note_fault, read_engine
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
-           "execution_context", "rank_outputs"]
+           "execution_context", "rank_outputs", "view_outputs"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -127,7 +128,23 @@ class Run:
 def attach_views(run: Run, engine: EngineUnderTest) -> None:
     """Fill ``run.views`` from the hand-off as ``prepare_model_inputs`` returned it (before the output step
     could touch ``output_args``)."""
-    run.views = [engine.view_inputs(mi, args) for mi, args in zip(run.inputs, run.output_args)]
+    run.views = [read_engine(lambda mi=mi, args=args: engine.view_inputs(mi, args),
+                             "the engine's model inputs and output_args (view_inputs)", r)
+                 for r, (mi, args) in enumerate(zip(run.inputs, run.output_args))]
+
+
+def view_outputs(engine: EngineUnderTest, outputs: Any, rank: int) -> dict[str, Any]:
+    """One rank's outputs through the engine's own view, validated where the suite first touches them
+    (:func:`.attribution.check_outputs`): a malformed one is noted for the running example
+    (:func:`.attribution.note_fault`), so that an exception the suite raises reading it is the engine's failed check
+    naming the key, the rank and the shape."""
+    viewed = read_engine(lambda: engine.view_outputs(outputs).per_sequence,
+                         "the engine's outputs (view_outputs)", rank)
+    try:
+        check_outputs(viewed, rank)
+    except EngineFault as fault:  # kept for the runner: a check that then crashes reading it failed the engine
+        note_fault(fault)
+    return viewed
 
 
 def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> dict[str, Any]:

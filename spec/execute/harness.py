@@ -30,6 +30,7 @@ from .handoff import (
     execution_context,
     model_for,
     snapshot,
+    view_outputs,
 )
 
 __all__ = ["Run", "execute", "processor_for", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
@@ -120,6 +121,6 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
 
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
-    run.rank_outputs = [engine.view_outputs(outputs).per_sequence for outputs in raw]
+    run.rank_outputs = [view_outputs(engine, outputs, r) for r, outputs in enumerate(raw)]
     run.outputs = run.rank_outputs[0]
     return run

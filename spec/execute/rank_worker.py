@@ -19,6 +19,7 @@ import queue
 import shutil
 import signal
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from itertools import combinations
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
+from .attribution import ENGINE, EngineFault, check_outputs, tag
 from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execution_context, model_for,
                       rank_outputs)
 from ..cases.materialize import materialize, move
@@ -95,8 +97,17 @@ class ShardedTopKProcessor(TopKProcessor):
 # the worker side
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Opaque:
+    """What crosses the process boundary in place of an engine's own object that does not pickle (a handle in its
+    ``output_args``): its type's name. The suite reads no such object (docs/verdict.md), so nothing is lost."""
+
+    type_name: str
+
+
 def _nested_safe(obj: Any) -> Any:
-    """Detach and move to CPU whatever crosses the process boundary."""
+    """Detach and move to CPU whatever crosses the process boundary; an object that does not pickle travels as its
+    type's name (:class:`Opaque`), not as an error of the suite's."""
     if isinstance(obj, torch.Tensor):
         obj = obj.detach()
         # .cpu() of a CPU tensor is the tensor itself; torch 2.4 has no such op for a jagged one in inference mode
@@ -105,6 +116,12 @@ def _nested_safe(obj: Any) -> Any:
         return {k: _nested_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_nested_safe(v) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return obj
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - the engine's own object: only its type crosses
+        return Opaque(f"{type(obj).__module__}.{type(obj).__qualname__}")
     return obj
 
 
@@ -199,7 +216,7 @@ class _Worker:
             model_inputs, output_args = eng.prepare_model_inputs(mb)
             status = ("ok", (_nested_safe(model_inputs), _output_rows(output_args, model_inputs)))
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks, re-raised below
-            status = ("error", _describe(exc))
+            status = ("error", _describe(tag(exc, ENGINE)))  # the engine's constructor or prepare_model_inputs
         everyone: list[Any] = [None] * world
         _exchange(everyone, status, group)
         failed = [(r, s[1]) for r, s in enumerate(everyone) if s[0] == "error"]
@@ -225,13 +242,25 @@ class _Worker:
         try:
             outputs = eng.prepare_model_outputs(model_output, output_args, mb, processor)
         except Exception as exc:  # noqa: BLE001 - re-raised by the caller
-            reply["error"] = (self.rank, *_describe(exc))
+            reply["error"] = (self.rank, *_describe(tag(exc, ENGINE)))
+            return reply
+        try:  # copied out as they are (the parent validates them where it reads them: spec.execute.handoff)
+            shipped = _nested_safe(dict(outputs))
+        except Exception as exc:  # noqa: BLE001 - reading the engine's own object failed: the engine's
+            fault = EngineFault(f"rank {rank}: reading the engine's outputs raised {type(exc).__name__}: {exc}")
+            try:
+                check_outputs(outputs, rank)  # the precise reason where it is a malformed nested tensor
+            except EngineFault as precise:
+                fault = precise
+            except Exception:  # noqa: BLE001 - not even a mapping: the reading error says it
+                pass
+            reply["error"] = (self.rank, *_describe(fault))
             return reply
         reply.update(model_output=_nested_safe(_namespace_dict(model_output)),
                      model_output_snapshot=_nested_safe(output_snapshot),
                      output_args_after=_nested_safe(dict(output_args)),
                      output_args_snapshot=_nested_safe(args_snapshot),
-                     outputs=_nested_safe(dict(outputs)))
+                     outputs=shipped)
         if rank == 0:
             reply["micro_batch"] = on_device(mb, "cpu")
         return reply

@@ -53,11 +53,12 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
-from .handoff import Run, attach_views, model_for, snapshot
+from .attribution import EngineFault
+from .handoff import Run, attach_views, model_for, snapshot, view_outputs
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, dumps, on_device, task_timeout, worker_main
 
-__all__ = ["MAX_WORLD", "PRELOAD", "WORLDS", "start_method", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
+__all__ = ["RankFault", "restarts", "MAX_WORLD", "PRELOAD", "WORLDS", "start_method", "RankFailure", "RankPool", "ShardedTopKProcessor", "execute", "pool", "raise_rank_error",
            "shutdown", "backend_for", "unavailable", "task_timeout"]
 
 MAX_WORLD = 4
@@ -71,6 +72,11 @@ _ERROR_GRACE = 3.0
 
 class RankFailure(RuntimeError):
     """A worker died or hung; the message holds each rank's traceback."""
+
+
+class RankFault(RankFailure, EngineFault):
+    """A rank died, hung or disconnected while it ran an example (the engine's calls): a failed check on that example
+    (an :class:`~spec.execute.attribution.EngineFault`), with each rank's traceback; the pool is replaced."""
 
 
 def start_method() -> str:
@@ -166,7 +172,7 @@ class RankPool:
             parts.append(f"--- rank {r} (exit code {self.processes[r].exitcode}) ---\n{text.strip() or '(no traceback)'}")
         return "\n".join(parts)
 
-    def _fail(self, what: str, ranks) -> RankFailure:
+    def _fail(self, what: str, ranks, fault: bool = False) -> RankFailure:
         for p in self.processes:  # ask every live rank for its stack, then give them a moment to write
             if p.is_alive() and hasattr(signal, "SIGUSR1"):
                 try:
@@ -176,16 +182,26 @@ class RankPool:
         time.sleep(0.5)
         message = f"{what}\n{self._logs(ranks)}"
         self.close(force=True)
-        return RankFailure(message)
+        return (RankFault if fault else RankFailure)(message)
 
-    def _collect(self, task_id: Any, ranks, timeout: float, what: str) -> dict[int, dict[str, Any]]:
+    def _collect(self, task_id: Any, ranks, timeout: float, what: str, fault: bool = False
+                 ) -> dict[int, dict[str, Any]]:
         """Every rank's reply; once one rank reported an error, the others get :data:`_ERROR_GRACE`
         seconds (they may be waiting in a collective the failed rank never joined): the pool is then
-        replaced and the replies so far are returned."""
+        replaced and the replies so far are returned. A rank that died (checked on every poll, so a death is seen
+        within a poll, and before the error its peers then report: "Connection closed by peer" is a symptom) or
+        did not answer within ``timeout`` raises :class:`RankFault` for an example (``fault``), else
+        :class:`RankFailure`."""
         want = set(ranks)
         got: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
         while want - set(got):
+            dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
+            if dead:
+                time.sleep(0.2)  # its last words (a fatal signal's traceback) reach its log
+                codes = ", ".join(f"rank {r}: exit code {self.processes[r].exitcode}" for r in dead)
+                raise self._fail(f"real ranks: rank(s) {dead} died ({codes}) during {what}",
+                                 [*dead, *sorted(want - set(dead))], fault)
             if any("error" in body for body in got.values()):
                 if time.monotonic() > min(deadline, self._error_seen + _ERROR_GRACE):
                     self.close(force=True)
@@ -193,13 +209,10 @@ class RankPool:
             try:
                 blob = self.results.get(timeout=0.05)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
-                if dead:
-                    raise self._fail(f"real ranks: rank(s) {dead} died during {what}", sorted(set(dead) | want))
                 if time.monotonic() > deadline:
                     late = sorted(want - set(got))
                     raise self._fail(f"real ranks: rank(s) {late} did not answer within {timeout:.0f} s during "
-                                     f"{what} (hung, e.g. waiting in a collective)", late)
+                                     f"{what} (hung, e.g. waiting in a collective)", late, fault)
                 continue
             tid, rank, body = pickle.loads(blob)
             if tid == task_id:
@@ -222,16 +235,17 @@ class RankPool:
                             _STARTUP_TIMEOUT,
                             f"loading engine {name!r}")
             self.loaded.add(name)
-        return self._broadcast(task, ranks, timeout, f"case {task['case']!r} on engine {name!r}")
+        return self._broadcast(task, ranks, timeout, f"case {task['case']!r} on engine {name!r}", fault=True)
 
-    def _broadcast(self, task: dict[str, Any], ranks, timeout: float, what: str) -> dict[int, dict[str, Any]]:
+    def _broadcast(self, task: dict[str, Any], ranks, timeout: float, what: str, fault: bool = False
+                   ) -> dict[int, dict[str, Any]]:
         if not self.alive():
             raise RankFailure("real ranks: the pool is closed or a rank is dead")
         self.next_id += 1
         blob = dumps(task)
         for r in ranks:
             self.tasks[r].put((self.next_id, blob))
-        return self._collect(self.next_id, ranks, timeout, what)
+        return self._collect(self.next_id, ranks, timeout, what, fault)
 
     def close(self, force: bool = False) -> None:
         if self.closed:
@@ -257,6 +271,13 @@ class RankPool:
 
 
 _POOLS: dict[str, RankPool] = {}
+_RESTARTS = [0]  # pools replaced after a rank died, hung or errored (a run's bound on them: spec.run.runner)
+
+
+def restarts() -> int:
+    """How many times a pool was replaced in this process (a dead, hung or failed rank closes its pool; the next
+    example starts a fresh one). The runner bounds the restarts one target may cause (``SPEC_FAULT_BUDGET``)."""
+    return _RESTARTS[0]
 
 
 def pool(device: str = "cpu") -> RankPool:
@@ -266,6 +287,7 @@ def pool(device: str = "cpu") -> RankPool:
     if current is None or not current.alive():
         if current is not None:
             current.close(force=True)
+            _RESTARTS[0] += 1
         _POOLS[backend] = RankPool(backend)
     return _POOLS[backend]
 
@@ -347,7 +369,7 @@ def _group_run(engine: EngineUnderTest, case: EngineCase, device: str, ordered: 
     run.model_outputs = [SimpleNamespace(**to_dev(b["model_output"])) for b in ordered]
     run.model_output_snapshots = [to_dev(b["model_output_snapshot"]) for b in ordered]
     run.output_args_snapshots = [to_dev(b["output_args_snapshot"]) for b in ordered]
-    run.rank_outputs = [engine.view_outputs(to_dev(b["outputs"])).per_sequence for b in ordered]
+    run.rank_outputs = [view_outputs(engine, to_dev(b["outputs"]), r) for r, b in enumerate(ordered)]
     run.outputs = run.rank_outputs[0]
     run.micro_batch = on_device(ordered[0]["micro_batch"], device)
     return run

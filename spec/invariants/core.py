@@ -201,6 +201,8 @@ def same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if a is b:  # one object held twice (an engine's own object in output_args): no method of it is called
+        return True
     return a == b
 
 

@@ -121,8 +121,10 @@ def device_dtype(ctx: Ctx) -> None:
         values = value.values() if value.is_nested else value
         if values.device.type != want:
             fail(f"output {key!r} is on {values.device}, the batch is on {ctx.device}")
-        if values.dtype != torch.float32:
-            fail(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
+        if values.dtype != torch.float32:  # the key and dtype travel with it: a record excuses only the declared
+            wrong = AssertionError(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
+            wrong.output_dtype = (key, str(values.dtype))  # type: ignore[attr-defined]
+            raise wrong
 
 
 def _has_padding(ctx: Ctx) -> bool:

@@ -16,13 +16,14 @@ import impl
 
 from ..engines.impl import ImplEngine
 from ..engines.verl import KNOWN_BUGS as VERL_KNOWN
-from ..engines.verl import SUM_PI_SQUARED_CANCELLATION
+from ..engines.verl import LOW_PRECISION_RECORDS, SUM_PI_SQUARED_CANCELLATION, verl_precision
 from ..protocol.engine import ShardLayout
 from ..protocol.known import KnownFailure
 from . import companion_bugs as CB
 from . import config_bugs as G
 from . import context_bugs as C
 from . import dropin_bugs as D
+from . import fault_bugs as F
 from . import helper_bugs as H
 from . import inputs_bugs as I
 from . import megatron_bugs as M
@@ -210,6 +211,14 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("critic_gather_reversed", ("INV-RANK-009", "INV-VAL-005"), value=R.CriticGatherReversed,
                quiet="the value head under sequence parallelism (sp > 1): a PPO critic under Ulysses SP"),
     PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
+    # faults (issue 37): each rejected by a failed check, never a suite error, within the run's fault budget
+    PlantedBug("critic_values_short_on_ranks", ("INV-RANK-009",), value=F.CriticValuesShortOnRanks,
+               quiet="real ranks, rank 1's values"),
+    PlantedBug("rank_dies_on_uneven_shard", ("INV-RANK-002",), lm=F.RankDiesOnUnevenShard,
+               quiet="real ranks, a packed row that does not divide sp"),
+    PlantedBug("entropy_rounded_on_chunked_path", ("INV-DEV-001",), lm=F.EntropyRoundedOnChunkedPath,
+               precision=verl_precision, known=tuple(r for r in LOW_PRECISION_RECORDS if r.invariant == "INV-DEV-001"),
+               quiet="bf16/fp16 logits, packed, entropy chunked"),
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
     PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),

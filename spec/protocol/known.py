@@ -8,6 +8,11 @@ example then counts as a *known-failure hit* and the run goes on, so a second, d
 bug in the same invariant is still found and shrunk. Outside its condition, or with another
 failure, the example fails as usual. A record that never fires over a run is *stale*: the
 run reports it (as "unexpectedly passed") and fails, so a fixed bug cannot keep its excuse.
+
+A record excuses only what the engine declares: a failure that names an output's dtype (``exc.output_dtype =
+(key, dtype)``, INV-DEV-001's) is excused only where the engine's declared precision for that key on that case's
+path (``EngineUnderTest.precision(key, case).returns``) is that dtype (:func:`declared`), whatever the record's
+condition and pattern say: an entropy rounded to bf16 on a path declared float32 is no known failure.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 __all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
-           "within_bound"]
+           "within_bound", "declared", "FLOAT_DTYPES"]
+
+#: the floating dtypes an engine's precision declaration speaks of (``Precision.returns``); a failure naming another
+#: dtype (an integer count) is no precision matter and is left to the record alone
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -84,12 +93,15 @@ class KnownFailure:
     def applies_to(self, invariant: str, mode: str) -> bool:
         return self.invariant == invariant and (not self.modes or mode in self.modes)
 
-    def excuses(self, case: Any, exc: BaseException) -> bool:
-        """Whether this record explains ``exc`` raised on ``case``."""
+    def excuses(self, case: Any, exc: BaseException, engine: Any = None) -> bool:
+        """Whether this record explains ``exc`` raised on ``case`` (and, given ``engine``, whether the engine's
+        declarations allow what it excuses: :func:`declared`)."""
         if not isinstance(exc, self.raises) or not self.when(case):
             return False
         text = f"{type(exc).__name__}: {exc}"
         if re.search(self.matches, text) is None:
+            return False
+        if engine is not None and not declared(engine, case, exc):
             return False
         return self.bound is None or within_bound(exc, *self.bound)
 
@@ -107,12 +119,29 @@ def within_bound(exc: BaseException, mechanism: str, limit: float) -> bool:
     return ratio is not None and ratio <= limit
 
 
+def declared(engine: Any, case: Any, exc: BaseException) -> bool:
+    """Whether ``engine``'s own declarations allow the deviation ``exc`` reports on ``case``: a failure naming an
+    output's floating dtype (``exc.output_dtype = (key, dtype)``) only where ``engine.precision(key, case)``
+    returns that dtype; any other failure, or an engine that declares no precision, is left to the record."""
+    named = getattr(exc, "output_dtype", None)
+    declare = getattr(engine, "precision", None)
+    if named is None or declare is None:
+        return True
+    key, dtype = named
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in FLOAT_DTYPES:
+        return True
+    return str(declare(key, case).returns).removeprefix("torch.") == dtype
+
+
 def applicable(records: Iterable[KnownFailure], invariant: str, mode: str) -> list[KnownFailure]:
     return [r for r in records if r.applies_to(invariant, mode)]
 
 
-def matching(records: Iterable[KnownFailure], case: Any, exc: BaseException) -> KnownFailure | None:
-    return next((r for r in records if r.excuses(case, exc)), None)
+def matching(records: Iterable[KnownFailure], case: Any, exc: BaseException, engine: Any = None
+             ) -> KnownFailure | None:
+    """The first record that excuses ``exc`` on ``case`` (given ``engine``: only within its declarations)."""
+    return next((r for r in records if r.excuses(case, exc, engine)), None)
 
 
 def describe_records(records: Iterable[KnownFailure]) -> str:

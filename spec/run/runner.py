@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import Counter
@@ -13,7 +14,7 @@ from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import HypothesisException
 
 from ..execute import ranks
-from ..execute.attribution import ENGINE, AttributedEngine, SuiteError, describe, origin, recording
+from ..execute.attribution import ENGINE, AttributedEngine, EngineFault, SuiteError, describe, origin, recording
 
 from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase
@@ -23,9 +24,32 @@ from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import honour_engine
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
-__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES"]
+__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES",
+           "fault_budget", "shrink_deadline"]
 
 DEVICES = ("cpu", "cuda")
+
+
+def fault_budget() -> int:
+    """Examples per target that may end in a rank fault (a rank that died, hung or disconnected: each replaces the
+    rank pool) before the run stops with the smallest such example so far (``SPEC_FAULT_BUDGET``, default 3): the
+    bound on pool restarts per target."""
+    return int(os.environ.get("SPEC_FAULT_BUDGET", "3"))
+
+
+def shrink_deadline() -> float:
+    """Seconds a target may go on after its first failing example (shrinking, replays) before the run stops with the
+    smallest failure so far (``SPEC_SHRINK_DEADLINE``, default 120)."""
+    return float(os.environ.get("SPEC_SHRINK_DEADLINE", "120"))
+
+
+class _BudgetSpent(BaseException):
+    """Ends a target's hypothesis run (a BaseException: hypothesis does not catch it) once its fault budget or its
+    shrink deadline is spent; carries the smallest failing example's exception so far."""
+
+    def __init__(self, why: str, failure: BaseException):
+        super().__init__(why)
+        self.why, self.failure = why, failure
 
 #: The seeds' worked examples (verl PRs #6345, #6386), pinned on every invariant.
 SEED_CASES = (
@@ -83,12 +107,19 @@ class Outcome:
     known_cases: dict = field(default_factory=dict, repr=False, compare=False)
     #: dimension -> value -> examples that had it (``spec.cases.coverage.dimensions``)
     coverage: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: who the failure is on: "check" (an invariant's assertion), "engine fault" (a malformed output, a rank that
+    #: died or hung: spec.execute.attribution.EngineFault), "engine raised", "suite" (the suite's own code, on well
+    #: formed engine output); None when nothing failed
+    blame: str | None = None
+    #: the run's bounds under faults: rank faults seen and allowed, rank-pool restarts, the shrink deadline, and why
+    #: the run stopped early (None: it did not)
+    budget: dict = field(default_factory=dict)
 
     @property
     def rejected_by_check(self) -> bool:
         """A failed check (an assertion an invariant makes) with its counterexample: not the engine raising
         (``engine raised ...``, its own ``assert`` included), a suite error, or a known failure."""
-        return self.status == "fail" and bool(self.counterexample) and (self.error or "").startswith("AssertionError")
+        return self.status == "fail" and bool(self.counterexample) and self.blame in ("check", "engine fault")
 
     @property
     def test_id(self) -> str:
@@ -193,12 +224,36 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
+def _fault(exc: BaseException, kind: type = EngineFault) -> BaseException | None:
+    """The ``kind`` (an :class:`EngineFault`) behind ``exc``: itself, or one a check's assertion re-raised with
+    context (a real-rank check names the SP group: ``raise AssertionError(...) from fault``)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _blame(exc: BaseException, kind: str) -> str:
+    if kind == "error":
+        return "suite"
+    if origin(exc) == ENGINE:
+        return "engine raised"
+    return "engine fault" if isinstance(exc, AssertionError) and _fault(exc) is not None else "check"
+
+
 def _message(exc: BaseException, kind: str) -> str:
     if kind == "error":
         cause = exc.__cause__ if isinstance(exc, SuiteError) and exc.__cause__ is not None else exc
-        return f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)}"
+        return (f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)} "
+                "(in the suite's own code; the engine's outputs were well formed)")
     if origin(exc) == ENGINE:  # an engine's own ``assert`` included: never read as a check's failed assertion
         return f"engine raised {describe(exc)}"
+    if isinstance(exc, AssertionError) and _fault(exc) is not None:  # a malformed output, a dead or hung rank
+        return f"engine fault (failed check): {describe(exc)}"
     return describe(exc)
 
 
@@ -260,12 +315,13 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
 
     def matching(candidates, case, exc):
         current[-1][1] = True  # every exception of a check passes through here
-        record = match_record(candidates, case, exc)
+        record = match_record(candidates, case, exc, engine)  # only what the engine's declarations allow
         if record is not None and record.key not in outcome.known_cases:  # its first case, for a reproducer
             outcome.known_cases[record.key] = (case, _one_line(exc))
         return record
 
     def body(case):
+        spent(None)
         state["n"] += 1
         state["cases"].add(repr(case))
         ctx = Ctx(attributed, case, device, mode)
@@ -281,9 +337,20 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
                 if record is not None:  # excused: count it and go on, so other bugs are still found
                     hits[records.index(record)] += 1
                     return
-                _mark(exc, case, _kind(exc))
+                kind = _kind(exc)
+                if kind == "error" and log.faults:  # the suite crashed reading a malformed output: the engine's
+                    fault = log.faults[0]
+                    _mark(fault, case, "fail")
+                    spent(fault)
+                    raise fault from exc
+                _mark(exc, case, kind)
+                spent(exc)
                 raise
             swallowed = log.unhandled_suite()
+        if swallowed and log.faults:  # what the suite raised (and a check caught) came of a malformed output
+            _mark(log.faults[0], case, "fail")
+            spent(log.faults[0])
+            raise log.faults[0] from swallowed[0][1]
         if swallowed:  # the check passed only because it caught what the suite itself raised
             where, cause = swallowed[0]
             err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
@@ -293,6 +360,33 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             state["exercised"] += 1
 
     body._hypothesis_internal_add_digest = stream_key(info, mode)  # type: ignore[attr-defined]
+
+    faults_allowed, deadline_s, restarts_before = fault_budget(), shrink_deadline(), ranks.restarts()
+    bounds = {"faults": 0, "faults_allowed": faults_allowed, "shrink_deadline_s": deadline_s, "stopped": None}
+    first_failure: list[float] = []  # seconds into the target of its first failing example (not reported: a timing)
+    failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks towards it)
+
+    def spent(exc: BaseException | None) -> None:
+        """Stop the target once its rank faults reach the budget, or after a failure its rank pool was restarted more
+        often than that, or its shrink deadline passed since the first failure (a crashing example is slow to replay:
+        each replaces the rank pool), with the latest failure."""
+        now = time.perf_counter()
+        if exc is not None:
+            failures[:] = [exc]
+            if not first_failure:
+                first_failure.append(now - start)
+            if _fault(exc, ranks.RankFault) is not None:
+                bounds["faults"] += 1
+                if bounds["faults"] >= faults_allowed:
+                    raise _BudgetSpent(f"fault budget spent: {bounds['faults']} examples ended in a rank fault "
+                                       f"(SPEC_FAULT_BUDGET={faults_allowed}); shrinking stopped", exc) from exc
+        restarted = ranks.restarts() - restarts_before
+        if failures and restarted > faults_allowed:  # ranks left hanging in a collective by a failure: each restarts
+            raise _BudgetSpent(f"the rank pool was restarted {restarted} times (more than SPEC_FAULT_BUDGET="
+                               f"{faults_allowed}); shrinking stopped", failures[0])
+        if failures and first_failure and now - start - first_failure[0] > deadline_s:
+            raise _BudgetSpent(f"shrink deadline spent: {deadline_s:g} s after the first failure "
+                               f"(SPEC_SHRINK_DEADLINE); shrinking stopped", failures[0])
 
     def prop(phases):
         test = given(case=info.cases(mode, engine))(body)
@@ -310,10 +404,16 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     for phases in (generated, (Phase.explicit,)) if explicit else (generated,):
         try:
             prop(phases)()
+        except _BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
+            bounds["stopped"] = stop.why
+            _record_failure(outcome, stop.failure)
+            outcome.error = f"{outcome.error} [{stop.why}]"  # the report says the run was bounded, and by what
+            break
         except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
             _record_failure(outcome, exc)
             break
     outcome.seconds = time.perf_counter() - start
+    outcome.budget = {**bounds, "pool_restarts": ranks.restarts() - restarts_before}
     outcome.examples = state["n"]
     outcome.exercised = state["exercised"]
     outcome.distinct_cases = len(state["cases"])
@@ -342,11 +442,12 @@ def _record_failure(outcome: Outcome, exc: BaseException) -> None:
     """The status, minimal counterexample and message of a failed run (a real failure beats a suite error)."""
     marked = [e for e in _leaves(exc) if hasattr(e, "_spec_case")]
     if not marked:  # hypothesis itself gave up (health check, flakiness): the suite failed
-        outcome.status, outcome.error = "error", f"suite error: {describe(exc)}"
+        outcome.status, outcome.error, outcome.blame = "error", f"suite error: {describe(exc)}", "suite"
         return
     marked.sort(key=lambda e: e._spec_kind != "fail")  # type: ignore[attr-defined]
     first, *rest = marked
     outcome.status = first._spec_kind  # type: ignore[attr-defined]
+    outcome.blame = _blame(first, outcome.status)
     outcome.counterexample = first._spec_case  # type: ignore[attr-defined]
     outcome.case = getattr(first, "_spec_case_obj", None)
     outcome.error = _message(first, outcome.status)
