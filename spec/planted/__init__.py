@@ -211,7 +211,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("critic_gather_reversed", ("INV-RANK-009", "INV-VAL-005"), value=R.CriticGatherReversed,
                quiet="the value head under sequence parallelism (sp > 1): a PPO critic under Ulysses SP"),
     PlantedBug("rank_pad_when_divisible", ("INV-RANK-003",), lm=R.PadWhenDivisible),
-    # faults (issue 37): each rejected by a failed check, never a suite error, within the run's fault budget
+    # faults: each rejected by a failed check, never a suite error, within the run's fault budget
     PlantedBug("critic_values_short_on_ranks", ("INV-RANK-009",), value=F.CriticValuesShortOnRanks,
                quiet="real ranks, rank 1's values"),
     PlantedBug("rank_dies_on_uneven_shard", ("INV-RANK-002",), lm=F.RankDiesOnUnevenShard,
