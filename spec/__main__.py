@@ -19,6 +19,7 @@ from . import fuzz, report
 from .cases.coverage import domains as coverage_domains
 from .invariants import CATALOGUE
 from .repro import write_reproducers
+from .run import engine_coverage
 from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
 from .run.parallel import default_workers, recorded_seconds, run_targets
 from .run.profiles import load_profile
@@ -112,10 +113,12 @@ def _verify(args: argparse.Namespace) -> int:
         sys.stderr.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
         sys.stderr.flush()
 
+    measuring = engine_coverage.begin(engine)  # the engine's own code reached, in every process (issue 36)
     outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
                            threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
                            recorded=recorded_seconds(stem.with_suffix(".json")), progress=progress)
     sys.stderr.write("\n")
+    reached = measuring.finish()
     reproducers = None
     if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
         reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
@@ -127,6 +130,7 @@ def _verify(args: argparse.Namespace) -> int:
                    base=Path(args.out), domains=domains, companions=companions))
     paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
                           reproducers=reproducers, domains=domains, companions=companions)
+    print(engine_coverage.write_section(reached, paths))
     for rep in reproducers or ():
         print(f"reproducer {rep.path}: {rep.status}" + (f" ({rep.detail})" if rep.detail else ""))
     layout = [o for o in outcomes if o.layout]

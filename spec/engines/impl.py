@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import impl
@@ -15,6 +16,11 @@ __all__ = ["ImplEngine"]
 
 class ImplEngine(EngineUnderTest):
     name = "impl"
+    #: the preparation code spec verify measures (spec.run.engine_coverage): every function of impl/ and impl.microbatch
+    profile = replace(EngineUnderTest.profile, surface=tuple(
+        f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "outputs", "padding",
+                              "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
+                              "microbatch.partition", "microbatch.tensordicts")), unreachable={})
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
