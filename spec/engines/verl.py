@@ -583,10 +583,40 @@ def _with_dense_attention_mask(fn: Callable) -> Callable:
     return no_padding_2_padding
 
 
+_FSDP = "verl.workers.engine.fsdp.transformer_impl"
+VERL_SURFACE = (
+    f"{_FSDP}:FSDPEngine._get_packed_pad_size", f"{_FSDP}:FSDPEngine._gather_and_unpad_packed",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs", f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs",
+    f"{_FSDP}:FSDPEngineWithValueHead.prepare_model_outputs",
+    "verl.workers.utils.padding",
+    *(f"verl.utils.torch_functional:{f}" for f in ("logprobs_from_logits", "logprobs_from_logits_v2",
+                                                   "entropy_from_logits", "entropy_from_logits_with_chunking",
+                                                   "calculate_sum_pi_squared_from_logits", "expand_as_nested")),
+    *(f"verl.utils.ulysses:{f}" for f in ("slice_input_tensor", "gather_outputs_and_unpad", "ulysses_pad",
+                                          "ulysses_pad_and_slice_inputs", "_pad_tensor", "_unpad_tensor")),
+    *(f"verl.workers.engine.utils:{f}" for f in ("pad_packed_inputs", "prepare_micro_batches",
+                                                 "postprocess_batch_func")),
+    *(f"verl.utils.seqlen_balancing:{f}" for f in ("calculate_workload", "karmarkar_karp", "greedy_partition",
+                                                   "get_seqlen_balanced_partitions", "ceildiv", "roundup_divisible",
+                                                   "rearrange_micro_batches", "get_reverse_idx",
+                                                   "restore_dynamic_batch")),
+    *(f"verl.utils.tensordict_utils:{f}" for f in ("get_non_tensor_data", "unwrap_non_tensor_data",
+                                                   "chunk_tensordict", "concat_tensordict",
+                                                   "concat_tensordict_with_none_bsz", "index_select_tensor_dict",
+                                                   "concat_nested_tensors", "nested_tensor_from_tensor_list",
+                                                   "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids")),
+)
+#: branches of VERL_SURFACE no CPU run of the suite can reach (verl 0.9.1's lines), each with its reason
+VERL_UNREACHABLE: dict[str, str] = {}
+
+
 class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
     name = "verl"
+    #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
+    #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
+    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

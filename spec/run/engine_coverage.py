@@ -68,31 +68,34 @@ def _body_lines(node: ast.AST) -> range:
     return range(node.body[0].lineno, node.end_lineno + 1)
 
 
-def regions(surface: tuple[str, ...]) -> list[Region]:
-    """The surface's entries resolved to files and lines; an entry whose module or function is not found raises
-    ValueError naming it (a surface that rotted is an error, never an empty measurement)."""
-    out = []
+def regions(surface: tuple[str, ...]) -> tuple[list[Region], dict[str, str]]:
+    """The surface's entries resolved to files and lines, and each entry that names no module or function of the
+    installed engine with why (reported, never an empty measurement in silence: a surface that rotted shows)."""
+    out, missing = [], {}
     for entry in surface:
         module, _, qualname = entry.partition(":")
         try:
             spec = importlib.util.find_spec(module)
         except (ImportError, ValueError) as exc:
-            raise ValueError(f"engine surface {entry!r}: module {module!r} cannot be found ({exc})") from exc
+            missing[entry] = f"module {module!r} cannot be found ({type(exc).__name__}: {exc})"
+            continue
         if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            raise ValueError(f"engine surface {entry!r}: module {module!r} has no Python source")
+            missing[entry] = f"module {module!r} has no Python source"
+            continue
         tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
         functions = list(_functions(tree))
         if qualname:
             chosen = [(q, n) for q, n in functions if q == qualname or q.startswith(qualname + ".<locals>.")]
             if not chosen:
-                raise ValueError(f"engine surface {entry!r}: no function {qualname!r} in {spec.origin}")
+                missing[entry] = f"no function {qualname!r} in {spec.origin}"
+                continue
         else:
             chosen = functions
         lines: dict[int, str] = {}
         for name, node in chosen:  # outer first: an inner function's lines get its own name
             lines.update(dict.fromkeys(_body_lines(node), name))
         out.append(Region(entry, module, spec.origin, lines))
-    return out
+    return out, missing
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class CoverageResult:
     statements: int = 0
     executed: int = 0
     stale: list[str] = field(default_factory=list)  # declared keys that name no unreached branch
+    missing: dict[str, str] = field(default_factory=dict)  # surface entries not found, with why
 
     @property
     def reached(self) -> int:
@@ -150,14 +154,16 @@ class CoverageResult:
         declared = len(self.unreached) - len(self.without_reason)
         return (f"engine coverage: {self.share:.1%} of {len(self.branches)} branches reached "
                 f"({self.reached}; {declared} unreached declared with a reason, {len(self.without_reason)} without); "
-                f"lines {self.executed}/{self.statements}")
+                f"lines {self.executed}/{self.statements}"
+                + (f"; {len(self.missing)} surface entries not found" if self.missing else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return {"surface": list(self.surface), "measured": self.measured, "note": self.note,
                 "branches": len(self.branches), "reached": self.reached, "share": round(self.share, 4),
                 "statements": self.statements, "executed": self.executed,
                 "unreached_without_reason": len(self.without_reason),
-                "unreached": [b.as_dict() for b in self.unreached], "stale_declarations": self.stale}
+                "unreached": [b.as_dict() for b in self.unreached], "stale_declarations": self.stale,
+                "surface_not_found": self.missing}
 
     def markdown(self) -> list[str]:
         lines = ["", TITLE, ""]
@@ -172,6 +178,9 @@ class CoverageResult:
                 lines.append(f"| `{b.key}` | `{b.function}` | `{b.source.replace('|', '/')}` | {why} |")
         else:
             lines.append("Every branch of the surface was reached.")
+        if self.missing:
+            lines += ["", "**Surface entries not found** (the profile names code the installed engine lacks): "
+                      + "; ".join(f"`{k}`: {v}" for k, v in self.missing.items()) + "."]
         if self.stale:
             lines += ["", "Declared unreachable but reached (or no such branch): "
                       + ", ".join(f"`{k}`" for k in self.stale) + "."]
@@ -223,7 +232,7 @@ class Measurement:
 
     def __init__(self, surface: tuple[str, ...], unreachable: Mapping[str, str]):
         self.surface, self.unreachable = tuple(surface), dict(unreachable)
-        self.found = regions(self.surface)
+        self.found, self.missing = regions(self.surface)
         self.folder = Path(tempfile.mkdtemp(prefix="spec-engine-coverage-"))
         (self.folder / coverage_hook.CONFIG).write_text(json.dumps({"include": sorted({r.file for r in self.found})}))
         self._previous = os.environ.get(coverage_hook.ENV)
@@ -246,9 +255,12 @@ class Measurement:
             os.environ[coverage_hook.ENV] = self._previous
         try:
             cov = coverage_hook.new(self.folder, sorted({r.file for r in self.found}))
-            cov.combine([str(self.folder)], keep=False)
+            if any(self.folder.glob(coverage_hook.DATA + ".*")):
+                cov.combine([str(self.folder)], keep=False)
             cov.load()
-            return analyse(cov, self.surface, self.unreachable, self.found)
+            result = analyse(cov, self.surface, self.unreachable, self.found)
+            result.missing = self.missing
+            return result
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 
