@@ -584,16 +584,17 @@ def _with_dense_attention_mask(fn: Callable) -> Callable:
 
 
 _FSDP = "verl.workers.engine.fsdp.transformer_impl"
-VERL_SURFACE = (
-    f"{_FSDP}:FSDPEngine._get_packed_pad_size", f"{_FSDP}:FSDPEngine._gather_and_unpad_packed",
-    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs", f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs",
-    f"{_FSDP}:FSDPEngineWithValueHead.prepare_model_outputs",
+#: what verl's engines call of verl's helpers around prepare_model_inputs / prepare_model_outputs
+VERL_HELPERS = (
     "verl.workers.utils.padding",
     *(f"verl.utils.torch_functional:{f}" for f in ("logprobs_from_logits", "logprobs_from_logits_v2",
                                                    "entropy_from_logits", "entropy_from_logits_with_chunking",
                                                    "calculate_sum_pi_squared_from_logits", "expand_as_nested")),
     *(f"verl.utils.ulysses:{f}" for f in ("slice_input_tensor", "gather_outputs_and_unpad", "ulysses_pad",
                                           "ulysses_pad_and_slice_inputs", "_pad_tensor", "_unpad_tensor")),
+)
+#: verl's micro-batch layer (every verl engine's forward_backward_batch) and the TensorDict helpers it calls
+VERL_LAYER = (
     *(f"verl.workers.engine.utils:{f}" for f in ("pad_packed_inputs", "prepare_micro_batches",
                                                  "postprocess_batch_func")),
     *(f"verl.utils.seqlen_balancing:{f}" for f in ("calculate_workload", "karmarkar_karp", "greedy_partition",
@@ -605,6 +606,12 @@ VERL_SURFACE = (
                                                    "concat_tensordict_with_none_bsz", "index_select_tensor_dict",
                                                    "concat_nested_tensors", "nested_tensor_from_tensor_list",
                                                    "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids")),
+)
+#: verl's FSDP engine: its preparation, the helpers it calls, the micro-batch layer
+VERL_SURFACE = (
+    f"{_FSDP}:FSDPEngine._get_packed_pad_size", f"{_FSDP}:FSDPEngine._gather_and_unpad_packed",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs", f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs",
+    f"{_FSDP}:FSDPEngineWithValueHead.prepare_model_outputs", *VERL_HELPERS, *VERL_LAYER,
 )
 #: branches of VERL_SURFACE no CPU run of the suite can reach (verl 0.9.1's lines), each with its reason
 VERL_UNREACHABLE: dict[str, str] = {}

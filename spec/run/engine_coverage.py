@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -68,33 +69,50 @@ def _body_lines(node: ast.AST) -> range:
     return range(node.body[0].lineno, node.end_lineno + 1)
 
 
+def source_file(module: str) -> str | None:
+    """The source file of ``module`` (a dotted name), found without importing it or its packages (an engine's
+    package may import only under the adapter's stubs); the loaded module's own file where it is imported."""
+    loaded = sys.modules.get(module)
+    if getattr(loaded, "__file__", None) and str(loaded.__file__).endswith(".py"):
+        return str(loaded.__file__)
+    path, spec = None, None
+    for part in module.split("."):
+        spec = PathFinder.find_spec(part, path)
+        if spec is None:
+            break
+        path = spec.submodule_search_locations
+    if spec is None:  # not on sys.path (an editable install's own finder): ask the import system
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
+
+
 def regions(surface: tuple[str, ...]) -> tuple[list[Region], dict[str, str]]:
     """The surface's entries resolved to files and lines, and each entry that names no module or function of the
     installed engine with why (reported, never an empty measurement in silence: a surface that rotted shows)."""
     out, missing = [], {}
     for entry in surface:
         module, _, qualname = entry.partition(":")
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError) as exc:
-            missing[entry] = f"module {module!r} cannot be found ({type(exc).__name__}: {exc})"
+        origin = source_file(module)
+        if origin is None:
+            missing[entry] = f"module {module!r} not found (or has no Python source)"
             continue
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            missing[entry] = f"module {module!r} has no Python source"
-            continue
-        tree = ast.parse(Path(spec.origin).read_text(), spec.origin)
+        tree = ast.parse(Path(origin).read_text(), origin)
         functions = list(_functions(tree))
         if qualname:
             chosen = [(q, n) for q, n in functions if q == qualname or q.startswith(qualname + ".<locals>.")]
             if not chosen:
-                missing[entry] = f"no function {qualname!r} in {spec.origin}"
+                missing[entry] = f"no function {qualname!r} in {origin}"
                 continue
         else:
             chosen = functions
         lines: dict[int, str] = {}
         for name, node in chosen:  # outer first: an inner function's lines get its own name
             lines.update(dict.fromkeys(_body_lines(node), name))
-        out.append(Region(entry, module, spec.origin, lines))
+        out.append(Region(entry, module, origin, lines))
     return out, missing
 
 
