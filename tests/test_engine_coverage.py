@@ -48,6 +48,12 @@ class Cutter:
         if x.is_cuda:
             return x
         return x
+
+
+def check(x):
+    if x is None:
+        raise ValueError("x is None")
+    return x
 '''
 
 
@@ -70,23 +76,26 @@ def test_surface_is_function_bodies_and_names_what_is_missing(toy):
 
 
 def test_unreached_branches_listed_with_their_reason(toy):
-    measurement = Measurement((toy,), {f"{toy}:Cutter.needs_cuda": "needs CUDA", f"{toy}:7->8": "zero never drawn",
-                                       f"{toy}:99": "a stale declaration"}).start()
+    measurement = Measurement((toy,), {f"{toy}:Cutter.needs_cuda": "needs CUDA", f"{toy}:7->8": "gap: zero",
+                                       "*:raise": "an error path", f"{toy}:99": "a stale declaration"}).start()
     try:
         import toy_engine_mod
         toy_engine_mod.choose(1)
         toy_engine_mod.choose(-1)
         toy_engine_mod.Cutter().cut([1, 2, 3], 2)
+        toy_engine_mod.check(1)
     finally:
         result = measurement.finish()
     unreached = {b.key: b for b in result.unreached}
-    assert set(unreached) == {f"{toy}:7->8", f"{toy}:20->21", f"{toy}:20->22"}
-    assert unreached[f"{toy}:7->8"].reason == "zero never drawn"
+    assert set(unreached) == {f"{toy}:7->8", f"{toy}:20->21", f"{toy}:20->22", f"{toy}:26->27"}
+    assert unreached[f"{toy}:7->8"].reason == "gap: zero" and result.gaps == [unreached[f"{toy}:7->8"]]
     assert unreached[f"{toy}:7->8"].source == "if x == 0:"
     assert unreached[f"{toy}:20->21"].reason == "needs CUDA"
+    assert unreached[f"{toy}:26->27"].reason == "an error path"
     assert not result.without_reason and result.stale == [f"{toy}:99"]
-    # choose: 2 + 2 exits, cut's for: 2, needs_cuda: 2 (the for loop's exit to the return is one of them)
-    assert len(result.branches) == 8 and result.reached == 5
+    assert "1 open gaps, 0 without a reason" in result.summary()
+    # choose: 2 + 2 exits, cut's for: 2 (its exit to the return is one), needs_cuda: 2, check: 2
+    assert len(result.branches) == 10 and result.reached == 6
     bare = Measurement((toy,), {}).start()
     try:
         toy_engine_mod.choose(1)

@@ -14,7 +14,12 @@ profile (:attr:`~spec.protocol.profile.EngineProfile.unreachable`) with its reas
 
 * ``module:LINE->DEST`` (one exit; ``DEST`` a line or ``exit``),
 * ``module:LINE`` (every exit of that line),
-* ``module:qualname`` (every branch of that function: e.g. a CUDA-only function).
+* ``module:qualname`` (every branch of that function: e.g. a CUDA-only function),
+* ``*:raise`` (every exit into a ``raise`` statement: the error paths of inputs the contract rejects).
+
+A reason starting ``gap:`` is no reason at all but an open gap of the case space: it names the input a real trainer
+sends that would reach the branch, so that the next case-space change can draw it; the report counts such branches
+apart from those declared unreachable.
 
 The report (:func:`write_section`) gives the share of branches reached and lists each unreached one with its
 source line and its reason or ``**no reason declared**``; tests/test_engine_coverage.py fails on the latter.
@@ -38,6 +43,11 @@ from ..execute import coverage_hook
 
 __all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "SECTION"]
 
+#: the key declaring every exit into a ``raise`` statement (an error path: the input the contract rejects)
+RAISE = "*:raise"
+#: a declared reason starting so is no reason the branch cannot be reached: an open gap of the case space, naming
+#: the input that would reach it (listed and counted apart; the test lets it pass, the report does not hide it)
+GAP = "gap:"
 #: the JSON report's key and the Markdown section's title
 SECTION = "engine_coverage"
 TITLE = "## Engine-code coverage (the engine's own preparation code, coverage.py)"
@@ -52,6 +62,7 @@ class Region:
     module: str
     file: str
     lines: Mapping[int, str]
+    raises: frozenset[int] = frozenset()  # the lines that start a raise statement
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
@@ -112,7 +123,8 @@ def regions(surface: tuple[str, ...]) -> tuple[list[Region], dict[str, str]]:
         lines: dict[int, str] = {}
         for name, node in chosen:  # outer first: an inner function's lines get its own name
             lines.update(dict.fromkeys(_body_lines(node), name))
-        out.append(Region(entry, module, origin, lines))
+        raises = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Raise))
+        out.append(Region(entry, module, origin, lines, raises))
     return out, missing
 
 
@@ -163,15 +175,20 @@ class CoverageResult:
         return [b for b in self.unreached if b.reason is None]
 
     @property
+    def gaps(self) -> list[Branch]:
+        return [b for b in self.unreached if b.reason is not None and b.reason.startswith(GAP)]
+
+    @property
     def share(self) -> float:
         return self.reached / len(self.branches) if self.branches else 1.0
 
     def summary(self) -> str:
         if not self.measured:
             return f"engine coverage: not measured ({self.note})"
-        declared = len(self.unreached) - len(self.without_reason)
+        declared = len(self.unreached) - len(self.without_reason) - len(self.gaps)
         return (f"engine coverage: {self.share:.1%} of {len(self.branches)} branches reached "
-                f"({self.reached}; {declared} unreached declared with a reason, {len(self.without_reason)} without); "
+                f"({self.reached}; unreached: {declared} declared unreachable, {len(self.gaps)} open gaps, "
+                f"{len(self.without_reason)} without a reason); "
                 f"lines {self.executed}/{self.statements}"
                 + (f"; {len(self.missing)} surface entries not found" if self.missing else ""))
 
@@ -179,7 +196,7 @@ class CoverageResult:
         return {"surface": list(self.surface), "measured": self.measured, "note": self.note,
                 "branches": len(self.branches), "reached": self.reached, "share": round(self.share, 4),
                 "statements": self.statements, "executed": self.executed,
-                "unreached_without_reason": len(self.without_reason),
+                "unreached_without_reason": len(self.without_reason), "open_gaps": len(self.gaps),
                 "unreached": [b.as_dict() for b in self.unreached], "stale_declarations": self.stale,
                 "surface_not_found": self.missing}
 
@@ -193,6 +210,7 @@ class CoverageResult:
             lines += ["| branch | function | source line | why unreached |", "|---|---|---|---|"]
             for b in self.unreached:
                 why = (b.reason or "**no reason declared**").replace("|", "/")
+                why = f"**open gap**: {why.removeprefix(GAP).strip()}" if why.startswith(GAP) else why
                 lines.append(f"| `{b.key}` | `{b.function}` | `{b.source.replace('|', '/')}` | {why} |")
         else:
             lines.append("Every branch of the surface was reached.")
@@ -205,11 +223,13 @@ class CoverageResult:
         return lines
 
 
-def _reason(unreachable: Mapping[str, str], module: str, function: str, line: int, dest: int) -> tuple[str | None, str | None]:
-    """The declared reason of one unreached exit and the key it was declared under."""
+def _reason(unreachable: Mapping[str, str], module: str, function: str, line: int, dest: int,
+            raises: bool = False) -> tuple[str | None, str | None]:
+    """The declared reason of one unreached exit and the key it was declared under (the most precise first)."""
     keys = [f"{module}:{line}->{dest if dest > 0 else 'exit'}", f"{module}:{line}"]
     parts = function.split(".<locals>.")
     keys += [f"{module}:{'.<locals>.'.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+    keys += [RAISE] if raises else []
     for key in keys:
         if key in unreachable:
             return unreachable[key], key
@@ -234,7 +254,8 @@ def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], 
             seen.add((region.module, start, end))
             function = lines[start]
             reached = (start, end) in analysis.arcs_executed_set
-            reason, key = (None, None) if reached else _reason(unreachable, region.module, function, start, end)
+            reason, key = (None, None) if reached else _reason(unreachable, region.module, function, start, end,
+                                                                 end in region.raises)
             if key:
                 used.add(key)
             result.branches.append(Branch(region.module, function, start, end, source[start - 1].strip(), reached,
