@@ -14,8 +14,10 @@ profile (:attr:`~spec.protocol.profile.EngineProfile.unreachable`) with its reas
 
 * ``module:LINE->DEST`` (one exit; ``DEST`` a line or ``exit``),
 * ``module:LINE`` (every exit of that line),
+* ``*:raise`` (every exit into a ``raise`` statement: the error paths of inputs the contract rejects),
 * ``module:qualname`` (every branch of that function: e.g. a CUDA-only function),
-* ``*:raise`` (every exit into a ``raise`` statement: the error paths of inputs the contract rejects).
+
+the first that is declared giving the reason.
 
 A reason starting ``gap:`` is no reason at all but an open gap of the case space: it names the input a real trainer
 sends that would reach the branch, so that the next case-space change can draw it; the report counts such branches
@@ -226,10 +228,9 @@ class CoverageResult:
 def _reason(unreachable: Mapping[str, str], module: str, function: str, line: int, dest: int,
             raises: bool = False) -> tuple[str | None, str | None]:
     """The declared reason of one unreached exit and the key it was declared under (the most precise first)."""
-    keys = [f"{module}:{line}->{dest if dest > 0 else 'exit'}", f"{module}:{line}"]
+    keys = [f"{module}:{line}->{dest if dest > 0 else 'exit'}", f"{module}:{line}", *([RAISE] if raises else [])]
     parts = function.split(".<locals>.")
     keys += [f"{module}:{'.<locals>.'.join(parts[:n])}" for n in range(len(parts), 0, -1)]
-    keys += [RAISE] if raises else []
     for key in keys:
         if key in unreachable:
             return unreachable[key], key
