@@ -43,7 +43,8 @@ from typing import Any, Mapping
 
 from ..execute import coverage_hook
 
-__all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "SECTION"]
+__all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "from_dict", "main",
+           "SECTION", "RAISE", "GAP"]
 
 #: the key declaring every exit into a ``raise`` statement (an error path: the input the contract rejects)
 RAISE = "*:raise"
@@ -338,3 +339,37 @@ def write_section(result: CoverageResult, paths: list[Path]) -> str:
             data[SECTION] = result.as_dict()
             path.write_text(json.dumps(data, indent=2))
     return result.summary()
+
+
+def from_dict(data: Mapping[str, Any]) -> CoverageResult:
+    """A report's ``engine_coverage`` section back as a result (its unreached branches; the reached ones by count)."""
+    result = CoverageResult(tuple(data["surface"]), bool(data["measured"]), data.get("note", ""),
+                            statements=data.get("statements", 0), executed=data.get("executed", 0),
+                            stale=list(data.get("stale_declarations", [])),
+                            missing=dict(data.get("surface_not_found", {})))
+    for b in data.get("unreached", []):
+        module, _, arc = b["key"].rpartition(":")
+        line, _, dest = arc.partition("->")
+        result.branches.append(Branch(module, b["function"], int(line), -1 if dest == "exit" else int(dest),
+                                      b["source"], False, b["reason"]))
+    result.branches += [Branch("", "", 0, 0, "", True)] * int(data.get("reached", 0))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m spec.run.engine_coverage REPORT.json``: the coverage section of a report ``spec verify`` wrote
+    (Markdown, as in the report; for the docs)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m spec.run.engine_coverage reports/verify-<engine>.json", file=sys.stderr)
+        return 2
+    data = json.loads(Path(args[0]).read_text())
+    if SECTION not in data:
+        print(f"{args[0]}: no {SECTION} section", file=sys.stderr)
+        return 1
+    print("\n".join(from_dict(data[SECTION]).markdown()).strip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
