@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from hypothesis import Verbosity
 
-from . import fuzz, report
+from . import fuzz, mutate, report
 from .cases.coverage import domains as coverage_domains
 from .invariants import CATALOGUE
 from .repro import write_reproducers
@@ -83,8 +83,21 @@ def _add_engines(sub) -> None:
                          help="probe one engine and print what it offers, with the reason for each lacking feature")
 
 
+def _add_mutate(sub) -> None:
+    mutate_parser = sub.add_parser("mutate", help="mutation analysis of the engine's preparation code (by hand, "
+                                   "nightly; spec/mutate.py)")
+    mutate_parser.add_argument("--engine", default="impl", help="as for verify (default: impl)")
+    mutate_parser.add_argument("--sample", type=int, default=200, help="mutants sampled (default: 200)")
+    mutate_parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default: 0)")
+    mutate_parser.add_argument("--profile", default="dev", help="the cheap profile every mutant runs first (dev)")
+    mutate_parser.add_argument("--confirm", default="ci", help="the profile a survivor runs again (ci; none: no rerun)")
+    mutate_parser.add_argument("--only", default=None, help="only invariant IDs starting with these prefixes")
+    mutate_parser.add_argument("--timeout", type=int, default=300, help="seconds one target may take per mutant")
+    mutate_parser.add_argument("--out", default="reports", help="folder for mutate-<engine>.md/.json")
+
+
 #: one function per subcommand: adding one is a line here and a branch in main()
-SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines]
+SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines, _add_mutate]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,7 +204,8 @@ def _engines(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines}
+    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines,
+                "mutate": lambda a: mutate.main_mutate(a, load_engine(a.engine))}
     return commands[args.command](args)
 
 

@@ -148,3 +148,30 @@ def test_report_leaves_no_branch_unreached_without_reason(path):
     if path is None:
         pytest.skip("ENGINE_COVERAGE_REPORTS names no report (the CI step that ran the engine's verify sets it)")
     _assert_declared(json.loads(Path(path).read_text()), path)
+
+
+def test_mutants_of_the_surface_install_and_undo(toy):
+    """spec mutate's mutants: ast edits of the surface's functions, swapped into the live function and undone."""
+    from spec.mutate import install, mutants_of
+
+    import toy_engine_mod
+    mutants = mutants_of((toy,))
+    by_op = {(m.function, m.operator, m.description) for m in mutants}
+    assert ("choose", "compare", "Gt -> GtE") in by_op and ("choose", "branch", "condition negated") in by_op
+    assert ("Cutter.cut", "slice", "slice upper + 1") in by_op
+    flip = next(m for m in mutants if m.function == "choose" and m.description == "Gt -> GtE")
+    assert "x >= 0" in flip.mutated and "x >= 0" in flip.diff()
+    assert toy_engine_mod.choose(0) == "zero"
+    undo = install(flip)
+    try:
+        assert toy_engine_mod.choose(0) == "positive"  # the mutant runs in place of the function
+    finally:
+        undo()
+    assert toy_engine_mod.choose(0) == "zero"
+    cut = next(m for m in mutants if m.function == "Cutter.cut" and m.description == "slice upper + 1")
+    undo = install(cut)
+    try:
+        assert toy_engine_mod.Cutter().cut([1, 2, 3], 2) == [[1, 2, 3], [3]]
+    finally:
+        undo()
+    assert toy_engine_mod.Cutter().cut([1, 2, 3], 2) == [[1, 2], [3]]

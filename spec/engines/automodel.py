@@ -63,7 +63,8 @@ class AutomodelEngine(NativeVerlEngine):
     lm_class = "AutomodelEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
     profile = replace(NativeVerlEngine.profile, surface=(
-        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_inputs", "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs",
+        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_inputs",
+        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs",
         *VERL_HELPERS, *VERL_LAYER), unreachable={})
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each

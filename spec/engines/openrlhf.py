@@ -127,7 +127,8 @@ class OpenRLHFEngine(EngineUnderTest):
     profile = replace(EngineUnderTest.profile, surface=(
         "openrlhf.models.actor:Actor.forward", "openrlhf.models.utils:log_probs_from_logits",
         "openrlhf.models.utils:_logsumexp_by_chunk", "openrlhf.models.utils:compute_entropy",
-        "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor", "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
+        "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor",
+        "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
         "openrlhf.utils.utils:zero_pad_sequences"), unreachable={})
     known_failures = RECORDS
 

@@ -132,7 +132,8 @@ class TorchTitanEngine(NativeVerlEngine):
     lm_class = "TorchTitanEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
     profile = replace(NativeVerlEngine.profile, surface=(
-        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_inputs", "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_outputs",
+        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_inputs",
+        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_outputs",
         *VERL_HELPERS, *VERL_LAYER), unreachable={})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class

@@ -43,8 +43,8 @@ from typing import Any, Mapping
 
 from ..execute import coverage_hook
 
-__all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "from_dict", "main",
-           "SECTION", "RAISE", "GAP"]
+__all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "from_dict",
+           "main", "SECTION", "RAISE", "GAP"]
 
 #: the key declaring every exit into a ``raise`` statement (an error path: the input the contract rejects)
 RAISE = "*:raise"
