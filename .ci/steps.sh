@@ -27,7 +27,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}
 # name            the bash it runs (one line each; order matters for .ci/run only where a note says so)
 STEPS=(
 "tests            venv ci && with_redis && pip install torch==2.13.0 -e '.[test]' && pytest -n auto"
-"verl091          venv verl verl==0.9.1 -e '.[test]' && python -m spec verify --engine verl --profile ci --out reports/verl && VERL_EXPECT_VERSION=0.9.1 VERL_EXPECT_MASK_BUG=0 VERL_CONFORMANCE_REPORT=reports/verl/verify-verl.json pytest -p no:cacheprovider tests/test_verl_conformance.py && pytest -p no:cacheprovider tests/test_dropin.py tests/test_dropin_microbatch.py"
+"verl091          venv verl verl==0.9.1 -e '.[test]' && python -m spec verify --engine verl --profile ci --out reports/verl && VERL_EXPECT_VERSION=0.9.1 VERL_EXPECT_MASK_BUG=0 VERL_CONFORMANCE_REPORT=reports/verl/verify-verl.json pytest -p no:cacheprovider tests/test_verl_conformance.py && ENGINE_COVERAGE_REPORTS=reports/verl/verify-verl.json pytest -p no:cacheprovider tests/test_engine_coverage.py -k report && pytest -p no:cacheprovider tests/test_dropin.py tests/test_dropin_microbatch.py"
 "verl-engines     venv verl-engines verl==0.9.1 -e '.[test]' && pip install -q --no-deps veomni==0.1.12 megatron-core==0.16.1 && pytest -p no:cacheprovider tests/test_adapters.py && for e in verl-veomni verl-megatron verl-torchtitan verl-automodel; do python -m spec verify --engine \$e --profile ci --out reports/\$e || exit 1; done"
 "verl071          venv verl071 verl==0.7.1 'numpy<2' 'pyarrow>=19,<20' 'datasets<4' -e '.[test]' && VERL_EXPECT_VERSION=0.7.1 VERL_EXPECT_MASK_BUG=1 pytest -p no:cacheprovider tests/test_verl_conformance.py"
 "trl-openrlhf     bash .ci/steps/engines-trl-openrlhf.sh"

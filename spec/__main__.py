@@ -76,8 +76,21 @@ def _add_engines(sub) -> None:
                          help="probe one engine and print what it offers, with the reason for each lacking feature")
 
 
+def _add_mutate(sub) -> None:
+    mutate_parser = sub.add_parser("mutate", help="mutation analysis of the engine's preparation code (by hand, "
+                                   "nightly; spec/mutate.py)")
+    mutate_parser.add_argument("--engine", default="impl", help="as for verify (default: impl)")
+    mutate_parser.add_argument("--sample", type=int, default=200, help="mutants sampled (default: 200)")
+    mutate_parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default: 0)")
+    mutate_parser.add_argument("--profile", default="dev", help="the cheap profile every mutant runs first (dev)")
+    mutate_parser.add_argument("--confirm", default="ci", help="the profile a survivor runs again (ci; none: no rerun)")
+    mutate_parser.add_argument("--only", default=None, help="only invariant IDs starting with these prefixes")
+    mutate_parser.add_argument("--timeout", type=int, default=300, help="seconds one target may take per mutant")
+    mutate_parser.add_argument("--out", default="reports", help="folder for mutate-<engine>.md/.json")
+
+
 #: one function per subcommand: adding one is a line here and a branch in main()
-SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines]
+SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines, _add_mutate]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -182,6 +195,7 @@ def _verify(args: argparse.Namespace) -> int:
     from .cases.coverage import domains as coverage_domains
     from .invariants import CATALOGUE
     from .repro import write_reproducers
+    from .run import engine_coverage
     from .run.parallel import default_workers, recorded_seconds, run_targets
     from .run.runner import instances
 
@@ -202,6 +216,7 @@ def _verify(args: argparse.Namespace) -> int:
     def progress(done: int, total: int, running: list[str]) -> None:
         captured.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
 
+    measuring = engine_coverage.begin(engine)  # the engine's own code reached, in every process
     try:
         outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
                                threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
@@ -215,6 +230,7 @@ def _verify(args: argparse.Namespace) -> int:
         paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
                                      reproducers=reproducers, domains=coverage_domains(engine),
                                      companions=engine.companions())
+        covered = engine_coverage.write_section(measuring.finish(), paths)
     finally:
         captured.restore()
     rerun = ["python", "-m", "spec", "verify", "--engine", args.engine, "--profile", profile]
@@ -222,6 +238,7 @@ def _verify(args: argparse.Namespace) -> int:
     rerun += ["--out", args.out] if args.out != "reports" else []
     print("\n".join(report.summary(outcomes, engine=engine.name, profile=profile, device=device, seconds=seconds,
                                    paths=paths, reproducers=reproducers, rerun=rerun)))
+    print(covered)
     return 1 if report.failed(outcomes) else 0
 
 
@@ -280,10 +297,16 @@ def _engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mutate(args: argparse.Namespace) -> int:
+    from . import mutate
+
+    return mutate.main_mutate(args, _load_engine(args.engine))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines}
+    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines, "mutate": _mutate}
     try:
         return commands[args.command](args)
     except _Usage as exc:

@@ -11,11 +11,13 @@ The suite's ``pass_cu_seqlens`` setting maps onto its TransformerEngine attentio
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..protocol.known import KnownFailure
 from ..protocol.engine import InputsView, verl_fsdp_view
-from .verl import LOW_PRECISION_RECORDS, fp16_clamp_cast_records, fused_padded_dense_slices
+from .verl import (VERL_HELPERS, VERL_LAYER, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
+                   fused_padded_dense_slices)
 from .native import NativeVerlEngine
 from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 
@@ -59,6 +61,11 @@ class AutomodelEngine(NativeVerlEngine):
     module = "verl.workers.engine.automodel.transformer_impl"
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
+    #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
+    profile = replace(NativeVerlEngine.profile, surface=(
+        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_inputs",
+        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs",
+        *VERL_HELPERS, *VERL_LAYER), unreachable={})
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}

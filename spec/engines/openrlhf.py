@@ -21,6 +21,7 @@ the packed path runs it. A vision model (mRoPE positions) computes its own posit
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from functools import lru_cache
 from unittest import mock
 
@@ -122,6 +123,13 @@ class OpenRLHFObject:
 
 class OpenRLHFEngine(EngineUnderTest):
     name = "openrlhf"
+    #: Actor.forward and what it calls of OpenRLHF (log-probs, entropy, ring-attention slicing), the batch padder
+    profile = replace(EngineUnderTest.profile, surface=(
+        "openrlhf.models.actor:Actor.forward", "openrlhf.models.utils:log_probs_from_logits",
+        "openrlhf.models.utils:_logsumexp_by_chunk", "openrlhf.models.utils:compute_entropy",
+        "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor",
+        "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
+        "openrlhf.utils.utils:zero_pad_sequences"), unreachable={})
     known_failures = RECORDS
 
     def make(self, head: str = "lm", **settings):

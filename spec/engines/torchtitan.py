@@ -31,6 +31,8 @@ import torch
 from ..protocol.known import KnownFailure, When
 from ..protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
 from .verl import (
+    VERL_HELPERS,
+    VERL_LAYER,
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
     LOW_PRECISION_RECORDS,
@@ -128,6 +130,11 @@ class TorchTitanEngine(NativeVerlEngine):
     module = "verl.workers.engine.torchtitan.transformer_impl"
     packages = ("torchtitan",)
     lm_class = "TorchTitanEngineWithLMHead"
+    #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
+    profile = replace(NativeVerlEngine.profile, surface=(
+        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_inputs",
+        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_outputs",
+        *VERL_HELPERS, *VERL_LAYER), unreachable={})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
                "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {

@@ -18,6 +18,7 @@ so the adapter hands it each sample's own positions in the same layout. The fuse
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -128,6 +129,14 @@ class TrlObject:
 class TrlEngine(EngineUnderTest):
     name = "trl"
     fused = False
+    #: TRL's preparation the adapter runs: the batch builders, the logits API and GRPO's fused LM head
+    profile = replace(EngineUnderTest.profile, surface=(
+        *(f"trl.trainer.utils:{f}" for f in ("pad", "selective_log_softmax", "entropy_from_logits",
+                                             "selective_log_softmax_and_entropy", "add_fused_lm_head")),
+        "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.torch_call",
+        "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths",
+        "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
+        "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits"), unreachable={})
     padded_layout = PaddedLayout.LEFT_RIGHT  # GRPO's batch: left-padded prompts, right-padded completions
     output_span = OutputSpan.RESPONSE  # padded: completion-only log-probs (logits_to_keep = completion width)
     known_failures = LOGITS_RECORDS

@@ -20,7 +20,9 @@ from typing import Any
 
 from ..protocol.engine import Feature
 from ..protocol.known import as_records
-from .verl import VerlEngine, VerlEngineObject
+from dataclasses import replace
+
+from .verl import VERL_SURFACE, VERL_UNREACHABLE, VerlEngine, VerlEngineObject
 from .stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
@@ -41,6 +43,12 @@ class VeOmniEngine(VerlEngine):
     """The installed verl's VeOmni engines, through the FSDP adapter's construction."""
 
     name = "verl-veomni"
+    #: FSDP's surface (VeOmni's engines inherit its preparation) and VeOmni's own input transforms
+    profile = replace(VerlEngine.profile, surface=(*VERL_SURFACE, *(
+        f"verl.workers.engine.veomni.transformer_impl:{f}" for f in (
+            "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
+            "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
+            "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=VERL_UNREACHABLE)
 
     def __init__(self) -> None:
         super().__init__()

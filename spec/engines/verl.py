@@ -583,10 +583,90 @@ def _with_dense_attention_mask(fn: Callable) -> Callable:
     return no_padding_2_padding
 
 
+_FSDP = "verl.workers.engine.fsdp.transformer_impl"
+#: what verl's engines call of verl's helpers around prepare_model_inputs / prepare_model_outputs
+VERL_HELPERS = (
+    "verl.workers.utils.padding",
+    *(f"verl.utils.torch_functional:{f}" for f in ("logprobs_from_logits", "logprobs_from_logits_v2",
+                                                   "entropy_from_logits", "entropy_from_logits_with_chunking",
+                                                   "calculate_sum_pi_squared_from_logits", "expand_as_nested")),
+    *(f"verl.utils.ulysses:{f}" for f in ("slice_input_tensor", "gather_outputs_and_unpad", "ulysses_pad",
+                                          "ulysses_pad_and_slice_inputs", "_pad_tensor", "_unpad_tensor")),
+)
+#: verl's micro-batch layer (every verl engine's forward_backward_batch) and the TensorDict helpers it calls
+VERL_LAYER = (
+    *(f"verl.workers.engine.utils:{f}" for f in ("pad_packed_inputs", "prepare_micro_batches",
+                                                 "postprocess_batch_func")),
+    *(f"verl.utils.seqlen_balancing:{f}" for f in ("calculate_workload", "karmarkar_karp",
+                                                   "get_seqlen_balanced_partitions", "ceildiv", "roundup_divisible",
+                                                   "rearrange_micro_batches", "get_reverse_idx",
+                                                   "restore_dynamic_batch")),
+    *(f"verl.utils.tensordict_utils:{f}" for f in ("get_non_tensor_data", "unwrap_non_tensor_data",
+                                                   "chunk_tensordict", "concat_tensordict",
+                                                   "concat_tensordict_with_none_bsz", "index_select_tensor_dict",
+                                                   "concat_nested_tensors", "nested_tensor_from_tensor_list",
+                                                   "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids")),
+)
+#: verl's FSDP engine: its preparation, the helpers it calls, the micro-batch layer
+VERL_SURFACE = (
+    f"{_FSDP}:FSDPEngine._get_packed_pad_size", f"{_FSDP}:FSDPEngine._gather_and_unpad_packed",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs", f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs",
+    f"{_FSDP}:FSDPEngineWithValueHead.prepare_model_outputs", *VERL_HELPERS, *VERL_LAYER,
+)
+#: branches of VERL_SURFACE no CPU run of the suite can reach (verl 0.9.1's lines), each with its reason
+#: (a ``gap:`` reason is no such reason: an input a real trainer sends that the case space does not draw yet)
+_SB, _TU, _EU = "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils", "verl.workers.engine.utils"
+_NO_DTENSOR = "needs a tensor-parallel device mesh: DTensor logits sharded on the vocabulary (full_tensor() first)"
+_FUSED_ONLY_DISTILL = ("gap: use_fused_kernels with distillation_only (a fused-kernel distillation run that keeps no "
+                       "policy log-probs)")
+_FUSED_TOPK = ("gap: use_fused_kernels with top-K distillation and a model output carrying fused_linear_aux "
+               "(VeOmni's chunk_topk_distill); the suite's fused stand-in returns no aux outputs")
+VERL_UNREACHABLE: dict[str, str] = {
+    "*:raise": "an error path: verl raises for an input or setting it rejects (pad_mode other than NO_PADDING, "
+               "sum_pi_squared with fused kernels, ...); the suite's valid cases never take it",
+    f"{_FSDP}:1365->1367": _FUSED_ONLY_DISTILL, f"{_FSDP}:1466->1470": _FUSED_ONLY_DISTILL,
+    f"{_FSDP}:1373": _FUSED_TOPK, f"{_FSDP}:1375": _FUSED_TOPK, f"{_FSDP}:1377": _FUSED_TOPK,
+    f"{_FSDP}:1384->1385": _NO_DTENSOR, f"{_FSDP}:1481->1482": _NO_DTENSOR,
+    "verl.utils.torch_functional:96->97": "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn)",
+    "verl.utils.torch_functional:103->104": "needs an Ascend NPU (torch_npu's cross-entropy)",
+    "verl.utils.ulysses:271->272": "the engine gathers only under sequence parallelism, where the Ulysses group is set",
+    "verl.utils.ulysses:274->279": "every caller in the engine passes unpad_dim",
+    "verl.utils.ulysses:288->289": "the engine pads for Ulysses only with sp_size > 1 (ulysses_pad_and_slice_inputs)",
+    f"{_EU}:78->79": "the engine calls pad_packed_inputs only when _get_packed_pad_size returned a positive pad",
+    f"{_EU}:184->183": "gap: a micro-batch output without model_output (a training step's loss-only output)",
+    f"{_EU}:204->205": "gap: micro-batch outputs carrying a loss (the training step's {'loss', 'metrics'}); the suite "
+                       "hands postprocess_batch_func model_output only",
+    f"{_EU}:209->210": "gap: micro-batch outputs carrying metrics (the training step's); the suite hands model_output only",
+    "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines (the "
+                                                              "embedding-input models' helper)",
+    f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation prints a State",
+    f"{_SB}:90->91": "gap: two partial sets with equal sums and different item counts met in the Karmarkar-Karp heap "
+                     "(sequence lengths with many equal subset sums)",
+    f"{_SB}:146->147": "gap: equal_size=True (the trainer's balance_batch over data-parallel ranks); the micro-batch "
+                       "path calls get_seqlen_balanced_partitions with equal_size=False",
+    f"{_SB}:167->168": "gap: equal_size=True (as 146)",
+    f"{_SB}:148": "gap: equal_size=True (as 146)", f"{_SB}:150": "gap: equal_size=True (as 146)",
+    f"{_SB}:168": "gap: equal_size=True (as 146)",
+    f"{_SB}:377->381": "gap: a padded (dense input_ids + attention_mask) mini-batch cut by rearrange_micro_batches",
+    f"{_TU}:165->166": "every caller in the layer passes ragged_idx (the dataset collator, outside the surface, does not)",
+    f"{_TU}:concat_tensordict_with_none_bsz": "gap: concatenating metadata-only TensorDicts (batch_size [])",
+    f"{_TU}:275->276": "gap: concatenating micro-batch TensorDicts that hold no nested tensor (padded outputs)",
+    f"{_TU}:276": "gap: concatenating metadata-only TensorDicts (batch_size [])",
+    f"{_TU}:360": "gap: chunk_tensordict of a nested tensor whose unbind raises (a jagged tensor with holes: offsets "
+                  "and lengths, e.g. after narrow)",
+    f"{_TU}:482->485": "gap: index_select_tensor_dict with a tensor of indices (the layer hands lists)",
+    f"{_TU}:490->508": "gap: index_select_tensor_dict of a TensorDict that is None",
+    f"{_TU}:502->505": "gap: index_select_tensor_dict over a NonTensorData entry (scalar metadata kept whole)",
+}
+
+
 class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
     name = "verl"
+    #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
+    #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
+    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

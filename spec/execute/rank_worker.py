@@ -31,6 +31,7 @@ from tensordict import TensorDict
 
 from impl.sequence_parallel import TorchDistributedAllGather
 
+from . import coverage_hook
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
@@ -353,6 +354,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: s
     """One rank: join the group, then serve tasks until told to stop (or the parent is gone: torch's
     launcher also sends a rank SIGINT when its parent dies)."""
     torch.set_num_threads(1)
+    coverage_hook.start()  # the engine-code coverage of spec verify (spec.run.engine_coverage), if measured
     if os.path.isdir("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
@@ -370,6 +372,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: s
             finally:
                 faulthandler.disable()
     finally:
+        coverage_hook.stop()
         if rank == 0 and orphaned(parent):  # the parent exited without closing the pool: tidy up
             shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..execute import coverage_hook
 from ..invariants import CATALOGUE, InvariantInfo
 from .profiles import load_profile
 from .registry import load_engine
@@ -139,6 +140,7 @@ def next_for(waiting: list[int], on_ranks: frozenset[int], owner: int | None, wo
 def _worker(index: int, engine_name: str, profile: str, device: str, threads: int, overrides: dict,
             tasks, results, crash_log: str) -> None:
     """Take targets from ``tasks`` until the ``None`` sentinel; answer each with its outcome."""
+    coverage_hook.start()  # the engine-code coverage of spec verify (spec.run.engine_coverage), if measured
     with open(crash_log, "w") as log:
         faulthandler.enable(log)  # a fatal signal leaves the Python stack here for the parent
         try:
@@ -149,6 +151,7 @@ def _worker(index: int, engine_name: str, profile: str, device: str, threads: in
             raise
         finally:
             _stop_rank_pools()
+            coverage_hook.stop()
 
 
 def _serve(index: int, engine_name: str, profile: str, device: str, threads: int, overrides: dict,
