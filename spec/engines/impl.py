@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import impl
@@ -9,12 +10,14 @@ import impl.microbatch
 
 from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
+from ..protocol.profile import VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
 
 
 class ImplEngine(EngineUnderTest):
     name = "impl"
+    profile = replace(EngineUnderTest.profile, conventions=VERL_CONVENTIONS)  # a drop-in keeps verl's conventions
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
