@@ -9,6 +9,8 @@
   the code under test unnoticed.
 * :class:`ThirdPartyEngine`: the engine class of a library that offers one LM head and no engine settings:
   ``lacks`` from one table of reasons, ``strategy_limits`` derived from it, ``make`` refusing any setting.
+* :class:`HiddenStatesModel`: for a library that patches a Hugging Face model's LM head (a fused head), a model
+  whose backbone returns the hidden states the harness's model computed and whose LM head holds its weight.
 * :func:`refuse_flags`: the micro-batch flags a library has no option for, refused with a clear error;
   :func:`require`: a library imported, or an ImportError saying how to install it.
 
@@ -19,13 +21,16 @@ message regexes are :class:`spec.protocol.known.KnownFailure`'s own.
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping
+
+import torch
 
 from ..protocol import EngineUnderTest, Feature
 from .stubs import StubReport, import_with_stubs
 
 __all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
-           "ModelNotCalled", "require"]
+           "ModelNotCalled", "require", "HiddenStatesModel"]
 
 
 def require(module_name: str, how: str) -> Any:
@@ -102,8 +107,7 @@ def stub_imports(module_name: str, packages: tuple[str, ...],
 #: strategy limits of :meth:`ThirdPartyEngine.strategy_limits`: the feature each key of the case strategy draws
 _LIMITS = {"allow_sp": Feature.SP, "allow_bucket": Feature.BUCKET, "allow_fused": Feature.FUSED,
            "allow_distillation": Feature.DISTILLATION, "allow_cu_seqlens": Feature.CU_SEQLENS,
-           "allow_chunking": Feature.CHUNKING, "allow_sum_pi_squared": Feature.SUM_PI_SQUARED,
-           "per_sample_temperature": Feature.PER_SAMPLE_TEMPERATURE}
+           "allow_chunking": Feature.CHUNKING, "allow_sum_pi_squared": Feature.SUM_PI_SQUARED}
 
 
 class ThirdPartyEngine(EngineUnderTest):
@@ -130,14 +134,37 @@ class ThirdPartyEngine(EngineUnderTest):
         return self.reasons.get(feature, f"{self.library} has no {feature.value}")
 
     def strategy_limits(self) -> dict[str, Any]:
-        return {key: self.lacks(feature) is None for key, feature in _LIMITS.items()}
+        """Draw only what it offers (per-sample temperatures: both kinds where offered, else one float)."""
+        per_sample = None if self.lacks(Feature.PER_SAMPLE_TEMPERATURE) is None else False
+        return {**{key: self.lacks(feature) is None for key, feature in _LIMITS.items()},
+                "per_sample_temperature": per_sample}
 
 
 def refuse_flags(flags: Any, library: str,
                  names: tuple[str, ...] = ("use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared")
-                 ) -> None:
+                 ) -> Any:
     """Raise NotImplementedError for each of ``names`` set in ``flags`` (``impl.flags.BatchFlags``): options
-    ``library`` does not have."""
+    ``library`` does not have. Returns ``flags``."""
     for name in names:
         if getattr(flags, name):
             raise NotImplementedError(f"{name}: {library} has no such option")
+    return flags
+
+
+class HiddenStatesModel(torch.nn.Module):
+    """What a library's fused LM head patches (TRL's ``add_fused_lm_head``), in the shape of a Hugging Face causal
+    LM: ``base_model(...)`` returns ``last_hidden_state=hidden``, ``get_output_embeddings()`` the LM head holding
+    ``weight`` (the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head protocol). Its own
+    ``forward`` is never the one run."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        super().__init__()
+        self.config = SimpleNamespace(get_text_config=lambda: self.config, model_type="stand-in")
+        self.base_model = lambda *args, **kwargs: SimpleNamespace(last_hidden_state=hidden)
+        self.lm_head = SimpleNamespace(weight=weight, bias=None)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("only the library's patched (fused) forward is run")

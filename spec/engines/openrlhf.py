@@ -13,8 +13,8 @@ The model runs between the suite's two steps, so ``forward`` runs twice (the kit
 ``prepare_model_inputs`` runs it with a model that records what it is handed and stops
 (:func:`~spec.engines.kit.inputs_seen_by_model`); ``prepare_model_outputs`` runs it again with a model that returns
 the harness's output (:func:`~spec.engines.kit.replaying`). Module-level imports that do not import here
-(transformers, peft, deepspeed, flash-attn's CUDA package) are stubbed strictly
-(:func:`~spec.engines.kit.stub_imports`: a name nobody declared raises when used); flash-attn's pure-torch ``bert_padding`` is the real file
+(transformers, peft, deepspeed, flash-attn's CUDA package) are stubbed strictly (:func:`~spec.engines.kit.stub_imports`:
+a name nobody declared raises when used); flash-attn's pure-torch ``bert_padding`` is the real file
 from the flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding``, the `trl-openrlhf` CI step), since
 the packed path runs it. A vision model (mRoPE positions) computes its own positions in the padded path
 (``is_vlm``): the adapter hands the stand-in model the sample's own. docs/engines/openrlhf.md.
@@ -44,8 +44,8 @@ EAGER = torch._dynamo.config.patch(disable=True)
 @lru_cache(maxsize=1)
 def _openrlhf():
     strict_module("flash_attn")
-    sys.modules["flash_attn.bert_padding"] = require("flash_attn_bert_padding", "flash-attn 2.8.3's bert_padding.py "
-                                                     "as this module (the trl-openrlhf CI step, .ci/steps/bert_padding.py)")
+    sys.modules["flash_attn.bert_padding"] = require(
+        "flash_attn_bert_padding", "flash-attn 2.8.3's bert_padding.py as this module (.ci/steps/bert_padding.py)")
     strict_module("pylatexenc.latex2text")  # openrlhf.utils' math grader, never run here
     return stub_imports("openrlhf.models.actor", PACKAGES).Actor, stub_imports("openrlhf.utils.utils", PACKAGES)
 
@@ -61,8 +61,7 @@ class OpenRLHFObject:
             return actor(a["sequences"], attention_mask=a["attention_mask"], return_output=True, **kwargs)
 
     def prepare_model_inputs(self, mb):
-        f, pad = BatchFlags.from_batch(mb), self.utils.zero_pad_sequences
-        refuse_flags(f, "OpenRLHF's Actor.forward")
+        f, pad = refuse_flags(BatchFlags.from_batch(mb), "OpenRLHF's Actor.forward"), self.utils.zero_pad_sequences
         seqs, pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding,
              "vlm": pos[0].dim() == 2 and not f.use_remove_padding,  # packed: 1-D positions for any model
