@@ -103,7 +103,7 @@ def test_strict_module_keeps_a_real_module() -> None:
 
 class _Lib(ThirdPartyEngine):
     name, library = "lib", "Lib's API"
-    offers = frozenset({Feature.CU_SEQLENS})
+    offers = frozenset({Feature.CU_SEQLENS, Feature.PER_SAMPLE_TEMPERATURE})
     reasons = {Feature.SP: "no process group"}
 
     def engine_object(self):
@@ -116,6 +116,8 @@ def test_third_party_engine_states_its_features_once() -> None:
     assert lib.lacks(Feature.CU_SEQLENS) is None and lib.lacks(Feature.ENGINE) is None
     limits = lib.strategy_limits()
     assert limits["allow_cu_seqlens"] is True and limits["allow_sp"] is False
+    assert limits["per_sample_temperature"] is None and lib.lacks(Feature.PER_SAMPLE_TEMPERATURE) is None  # both kinds
+    limits = type("One", (_Lib,), {"offers": frozenset()})().strategy_limits()
     assert limits["per_sample_temperature"] is False
     assert lib.make() == "object"
     with pytest.raises(NotImplementedError, match="no engine settings"):
