@@ -27,13 +27,11 @@ MASK = ("the padded attention mask is built from the response-only loss_mask (r_
         "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
 NO_SHIFT_LABELS = ("fused kernels get no shift_labels: the model rolls its own ids (the same labels without sequence "
                    "parallelism, which this engine does not offer); contract difference")
-NO_HOST_CU = ("no cu_seqlens_cpu beside cu_seqlens (TransformerEngine takes max_seqlen instead); layout difference")
 
 KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *fused_padded_dense_slices("engine bug (FSDP's engine re-packs them by the full lengths)"),
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-FUSED-001", NO_SHIFT_LABELS, matches=r"the model's labels \(shift_labels\) None", modes=("packed",)),
-    KnownFailure("INV-CU-002", NO_HOST_CU, matches=r"cu_seqlens_cpu is None", modes=("packed",)),
     entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the same scaling and functions in the logits' dtype as verl's FSDP engine: its low-precision records

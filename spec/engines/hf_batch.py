@@ -1,18 +1,24 @@
-"""The calling convention TRL and OpenRLHF share: per-sample tensors in, dense ``(B, L)`` outputs back out.
+"""The calling convention TRL and OpenRLHF share: per-sample tensors in, dense ``(B, L)`` outputs back out (part of
+the adapter kit, docs/writing-an-adapter.md).
 
 Both libraries take lists of per-sample token tensors (what ``generate`` or vLLM returns) and pad them with
-their own functions. These helpers only split the suite's nested micro-batch into such lists (:func:`samples`)
-and read the single float temperature both libraries take (:func:`one_temperature`); flags are read with the
-contract's typed reader (``impl.flags.BatchFlags``).
+their own functions. These helpers split the suite's nested micro-batch into such lists (:func:`samples`), lay
+them out as ``generate`` returns them with the library's own pad function (:func:`left_right_rows`), put a
+shifted packed row's values back on the sequences (:func:`from_shifted_row`) and read the single float
+temperature both libraries take (:func:`one_temperature`); flags are read with the contract's typed reader
+(``impl.flags.BatchFlags``).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 
 from impl.flags import BatchFlags, read_flag
 
-__all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError"]
+__all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
+           "LeftRightRows"]
 
 
 class OneTemperatureError(NotImplementedError):
@@ -34,3 +40,38 @@ def one_temperature(mb) -> float:
                                       "takes one temperature per trainer (a float)")
         value = value.reshape(-1)[0].item() if value.numel() else 1.0
     return float(value)
+
+
+class LeftRightRows(NamedTuple):
+    """A padded batch as Hugging Face ``generate`` returns it (``PaddedLayout.LEFT_RIGHT``)."""
+
+    input_ids: torch.Tensor  # (B, P + R): prompts left-padded, responses right-padded
+    attention_mask: torch.Tensor  # (B, P + R), the library's mask dtype
+    position_ids: torch.Tensor  # each sample's own positions in that layout, (B, P + R) or mRoPE (4, B, P + R)
+    response_width: int  # R: the completion columns (``logits_to_keep``)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments (HF names)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+
+def left_right_rows(mb, pad: Callable[..., torch.Tensor], pad_id: int) -> LeftRightRows:
+    """The micro-batch's prompts and responses padded by the library's ``pad(tensors, value, side)`` (TRL's
+    ``trl.trainer.utils.pad``) and concatenated: GRPO's batch. The positions are the micro-batch's own, laid out
+    the same way (a library that hands the model none leaves the model to compute them)."""
+    prompts, responses, pos = samples(mb, "prompts"), samples(mb, "responses"), samples(mb, "position_ids")
+    completion = pad(responses, pad_id, "right")
+    ids = torch.cat([pad(prompts, pad_id, "left"), completion], 1)
+    mask = torch.cat([pad([torch.ones_like(p) for p in prompts], 0, "left"),
+                      pad([torch.ones_like(r) for r in responses], 0, "right")], 1)
+    positions = torch.cat([pad([q[:len(p)] for q, p in zip(pos, prompts)], 0, "left"),
+                           pad([q[len(p):] for q, p in zip(pos, prompts)], 0, "right")], 1)
+    return LeftRightRows(ids, mask, positions.permute(2, 0, 1) if positions.dim() == 3 else positions,
+                         completion.shape[1])
+
+
+def from_shifted_row(values: torch.Tensor, mb) -> torch.Tensor:
+    """Per-token values of a packed row shifted by one (``(1, n - 1)``: each token scores the next, the row's last
+    token nothing) as a nested tensor over the sequences, with 0 at the last token (which no consumer reads)."""
+    return torch.nested.nested_tensor_from_jagged(torch.cat([values[0], values.new_zeros(1)]).float(),
+                                                  mb["input_ids"].offsets())

@@ -10,6 +10,7 @@ import impl.microbatch
 
 from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
+from ..protocol.profile import VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
 
@@ -99,7 +100,8 @@ class ImplEngine(EngineUnderTest):
     profile = replace(EngineUnderTest.profile, surface=tuple(
         f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "outputs", "padding",
                               "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
-                              "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE)
+                              "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE,
+        conventions=VERL_CONVENTIONS)  # a drop-in keeps verl's conventions
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
 
     def make(self, head: str = "lm", **settings: Any) -> Any:

@@ -1,10 +1,18 @@
 """Stubs for heavy modules an engine imports at module level, as verl's own CPU tests do.
 
 :func:`import_with_stubs` reads the target module's *module-level* imports (its AST), imports each
-one it names under the given packages for real where that works, and puts a ``MagicMock`` module in
+one it names under the given packages for real where that works, and puts a stub module in
 ``sys.modules`` only for those that do not import here. Record types the preparation code builds
 (e.g. TorchTitan's ``VarlenMetadata``) can be given as plain stand-ins in ``records``, so their
 fields stay readable. Nothing of the target module is changed.
+
+Two kinds of stub. ``strict=True`` (:class:`StrictModule`, what a new adapter should use, docs/writing-an-adapter.md):
+reading any name of the stub works (an import binds it; a class may subclass it), but *using* a name nobody declared
+(calling it, testing its truth, iterating it, turning it into a number) raises :class:`StubError` naming it and how
+to declare it (``records={"pkg.mod": {"name": value}}``). So a stub cannot change the code under test unnoticed:
+a ``MagicMock`` stub's ``is_npu_available()`` is truthy, and one library then silently turned its
+``torch.compile`` off. The default (``strict=False``) keeps the ``MagicMock`` stubs the verl adapters were written
+against.
 """
 
 from __future__ import annotations
@@ -19,7 +27,83 @@ import warnings
 from dataclasses import dataclass, field
 from unittest import mock
 
-__all__ = ["StubReport", "import_with_stubs", "import_verl_module", "module_level_imports"]
+__all__ = ["StubReport", "StubError", "StrictModule", "Undeclared", "import_with_stubs", "import_verl_module",
+           "module_level_imports", "strict_module"]
+
+
+class StubError(RuntimeError):
+    """The code under test used a name of a stubbed module that nobody declared a value for."""
+
+
+class Undeclared:
+    """A name of a :class:`StrictModule` nobody declared. Reading it (and its attributes) is allowed; using it
+    raises :class:`StubError`. It may be a base class (the subclass is a plain class of that name)."""
+
+    def __init__(self, path: str):
+        object.__setattr__(self, "_path", path)
+
+    def __getattr__(self, name: str) -> "Undeclared":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Undeclared(f"{self._path}.{name}")
+
+    def _refuse(self, how: str):
+        module, _, attr = self._path.rpartition(".")
+        raise StubError(f"{self._path} is a stub nobody declared, and the code under test {how} it: declare its "
+                        f"value, import_with_stubs(..., records={{{module!r}: {{{attr!r}: ...}}}}, strict=True)")
+
+    def __call__(self, *args, **kwargs):
+        self._refuse("called")
+
+    def __bool__(self):
+        self._refuse("tested the truth of")
+
+    def __iter__(self):
+        self._refuse("iterated")
+
+    def __len__(self):
+        self._refuse("took the len() of")
+
+    def __int__(self):
+        self._refuse("read as a number")
+
+    __float__ = __index__ = __int__
+
+    def __mro_entries__(self, bases):
+        return (type(self._path.rsplit(".", 1)[-1], (), {"__module__": self._path.rsplit(".", 1)[0]}),)
+
+    def __repr__(self) -> str:
+        return f"<undeclared stub {self._path}>"
+
+
+class StrictModule(types.ModuleType):
+    """A stub module: declared names hold their values; any other name is :class:`Undeclared`."""
+
+    def __init__(self, name: str, values: dict[str, object] | None = None):
+        super().__init__(name)
+        self.__path__: list[str] = []  # a package, so submodules resolve
+        self.__spec__ = None
+        for attr, value in (values or {}).items():
+            setattr(self, attr, value)
+
+    def __getattr__(self, name: str) -> Undeclared:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Undeclared(f"{self.__name__}.{name}")
+
+
+def strict_module(name: str, values: dict[str, object] | None = None) -> StrictModule:
+    """Put a :class:`StrictModule` (and its parent packages) in ``sys.modules`` under ``name``, unless a module
+    is already there; return what is there."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        sys.modules.setdefault(".".join(parts[:i]), StrictModule(".".join(parts[:i])))
+    module = sys.modules.setdefault(name, StrictModule(name, values))
+    return module
+
+
+def _is_stub(module: object) -> bool:
+    return isinstance(module, (mock.MagicMock, StrictModule))
 
 
 @dataclass
@@ -81,14 +165,15 @@ def _install_mock(name: str, records: dict[str, object]) -> None:
 
 
 def import_with_stubs(module_name: str, packages: tuple[str, ...],
-                      records: dict[str, dict[str, object]] | None = None) -> StubReport:
+                      records: dict[str, dict[str, object]] | None = None, *, strict: bool = False) -> StubReport:
     """Import ``module_name``; the modules of ``packages`` it imports at module level are real where they
-    import, else mocks (``records[module] = {name: stand-in}`` fills names the code under test reads)."""
+    import, else stubs (``records[module] = {name: stand-in}`` fills names the code under test reads). ``strict``:
+    :class:`StrictModule` stubs, whose undeclared names raise :class:`StubError` when used; else ``MagicMock``."""
     records = records or {}
     report_real, report_stub = [], []
     if module_name not in sys.modules:
         for name in module_level_imports(module_name, packages):
-            if name in sys.modules and not isinstance(sys.modules[name], mock.MagicMock):
+            if name in sys.modules and not _is_stub(sys.modules[name]):
                 report_real.append(name)
                 continue
             try:
@@ -96,13 +181,15 @@ def import_with_stubs(module_name: str, packages: tuple[str, ...],
                 report_real.append(name)
             except Exception:  # noqa: BLE001 - anything that does not import here is stubbed
                 for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-                    if not isinstance(sys.modules[key], mock.MagicMock):
+                    if not _is_stub(sys.modules[key]):
                         sys.modules.pop(key)
-                _install_mock(name, records.get(name, {}))
+                if strict:
+                    strict_module(name, records.get(name, {}))
+                else:
+                    _install_mock(name, records.get(name, {}))
                 report_stub.append(name)
     else:
-        report_stub = [n for n in module_level_imports(module_name, packages)
-                       if isinstance(sys.modules.get(n), mock.MagicMock)]
+        report_stub = [n for n in module_level_imports(module_name, packages) if _is_stub(sys.modules.get(n))]
         report_real = [n for n in module_level_imports(module_name, packages) if n not in report_stub]
     return StubReport(importlib.import_module(module_name), report_real, report_stub)
 

@@ -36,7 +36,6 @@ from .verl import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
     LOW_PRECISION_RECORDS,
-    SCALED_TEMPERATURE,
     fp16_records,
 )
 from .native import NativeVerlEngine
@@ -58,8 +57,6 @@ NO_CLAMP = ("prepare_model_outputs divides by the temperature without the 1e-8 c
             "at T = 5e-9 log-probs are twice the clamped ones; engine bug")
 MASK = ("the padded attention mask is built from the response-only loss_mask (r_i ones per row, not n_i): the model "
         "sees only the first r_i tokens of each sequence; engine bug, verl issue #6278, fixed for FSDP by PR #6345")
-IN_PLACE = ("the padded branch divides the model's logits by temperature in place (logits.div_); engine bug (verl "
-            "0.7.1's FSDP had it, later FSDP scales out of place)")
 #: the invariants whose cases force per-sample temperatures (the strategy limit keeps them out of the others)
 PER_SAMPLE_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-TEMP-001", "INV-TEMP-006")
 #: INV-TEMP-002 runs every case's temperature also as a (B,) tensor: B != V raises (equal values on B = V are right)
@@ -86,8 +83,6 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
       for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()), ("INV-SLICE-006", ()))),
     # every padded case fails for the mask (records above excuse the cases they cover first)
     *loss_mask_attention(reason=MASK),
-    KnownFailure("INV-MUT-002", IN_PLACE, matches=r"model output 'logits' was modified in place", modes=("padded",),
-                 when=SCALED_TEMPERATURE),
     entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the FSDP engine's low-precision records (the same functions in the logits' dtype), INV-DEV-001 but where a

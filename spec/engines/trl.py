@@ -12,174 +12,84 @@ are completion-only (``OutputSpan.RESPONSE``) in GRPO's layout (``PaddedLayout.L
 
 TRL hands the model no ``position_ids`` (a RoPE model is shift-invariant); the stand-in model has absolute positions,
 so the adapter hands it each sample's own positions in the same layout. The fused head gets the stand-in's
-``hidden_states`` and ``lm_head_weight`` (the fused-head protocol, ``HeadInput.HIDDEN``). docs/engines/trl.md.
+``hidden_states`` and ``lm_head_weight`` (the fused-head protocol, ``HeadInput.HIDDEN``). Built on the adapter kit
+(:mod:`spec.engines.kit`, :mod:`spec.engines.hf_batch`). docs/engines/trl.md.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
-from ..protocol import (EngineUnderTest, Feature, HeadInput, InputsView, OutputSpan, PaddedLayout,
-                        sequences_from_responses, sequences_from_rows)
-from .hf_batch import BatchFlags, one_temperature, samples
-from .trl_records import FUSED_RECORDS, LOGITS_RECORDS
+from ..protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
+from .hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
+from .kit import ThirdPartyEngine, refuse_flags, require
+from .trl_records import LOGITS_RECORDS, SURFACE
 
-__all__ = ["TrlEngine", "TrlFusedEngine"]
-
-OFFERED = {Feature.ENGINE, Feature.CUDA}
-
-
-def _trl():
-    try:
-        from trl.experimental.sdft.sdft_trainer import SDFTTrainer
-        from trl.trainer import grpo_trainer, sft_trainer, utils
-    except ImportError as exc:
-        raise ImportError(f"--engine trl needs trl installed (pip install trl==1.16.0): {exc}") from exc
-    return SimpleNamespace(utils=utils, SDFT=SDFTTrainer, GRPO=grpo_trainer.GRPOTrainer,
-                           Collator=sft_trainer.DataCollatorForLanguageModeling)
-
-
-class _FusedStandIn(torch.nn.Module):
-    """What ``add_fused_lm_head`` patches: a backbone returning the hidden states the harness's model computed,
-    and an LM head holding its weight."""
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
-        super().__init__()
-        self.config = SimpleNamespace(get_text_config=lambda: self.config, model_type="stand-in")
-        self.base_model = lambda *a, **k: SimpleNamespace(last_hidden_state=hidden)
-        self.lm_head = SimpleNamespace(weight=weight, bias=None)
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("only the fused forward (fused_lm_head=True) is used")
+__all__ = ["TrlEngine", "TrlObject"]
 
 
 class TrlObject:
-    def __init__(self, fused: bool):
-        self.fused, self.trl = fused, _trl()
+    def __init__(self):
+        self.utils, self.sft, sdft = (require(f"trl.{m}", "pip install trl==1.16.0") for m in (
+            "trainer.utils", "trainer.sft_trainer", "experimental.sdft.sdft_trainer"))
+        self.sdft = sdft.SDFTTrainer
 
     def prepare_model_inputs(self, mb):
-        f, pad = BatchFlags.from_batch(mb), self.trl.utils.pad
-        for name in ("use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared"):
-            if getattr(f, name):
-                raise NotImplementedError(f"{name}: TRL's log-prob API has no such option")
-        args = {"temperature": one_temperature(mb), "packed": f.use_remove_padding}
-        ids, pos = samples(mb, "input_ids"), samples(mb, "position_ids")
-        if f.use_remove_padding:
-            batch = self.trl.Collator(pad_token_id=f.pad_token_id, padding_free=True)(
-                [{"input_ids": t.tolist()} for t in ids])
+        f = refuse_flags(BatchFlags.from_batch(mb), "TRL's log-prob API")
+        a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding}
+        if a["packed"]:  # SFT's padding-free collator: one row, labels -100 at each sequence start
+            batch = self.sft.DataCollatorForLanguageModeling(pad_token_id=f.pad_token_id, padding_free=True)(
+                [{"input_ids": t.tolist()} for t in samples(mb, "input_ids")])
+            pos = samples(mb, "position_ids")
             positions = torch.cat(pos).T.unsqueeze(1) if pos[0].dim() == 2 else batch["position_ids"]
-            args.update(labels=batch["labels"], rolled=torch.roll(batch["input_ids"], -1, 1).reshape(-1))
-            return {"input_ids": batch["input_ids"], "position_ids": positions, "attention_mask": None}, args
-        prompts, responses = samples(mb, "prompts"), samples(mb, "responses")
-        completion_ids = pad(responses, f.pad_token_id, "right")
-        input_ids = torch.cat([pad(prompts, f.pad_token_id, "left"), completion_ids], 1)
-        mask = torch.cat([pad([torch.ones_like(p) for p in prompts], 0, "left"),
-                          pad([torch.ones_like(r) for r in responses], 0, "right")], 1)
-        positions = torch.cat([pad([q[:len(p)] for q, p in zip(pos, prompts)], 0, "left"),
-                               pad([q[len(p):] for q, p in zip(pos, prompts)], 0, "right")], 1)
-        args.update(input_ids=input_ids, attention_mask=mask, logits_to_keep=completion_ids.shape[1],
-                    rolled=sequences_from_rows(torch.roll(input_ids, -1, 1), mb, PaddedLayout.LEFT_RIGHT).values())
-        return {"input_ids": input_ids, "attention_mask": mask,
-                "position_ids": positions.permute(2, 0, 1) if positions.dim() == 3 else positions}, args
+            a.update(labels=batch["labels"], rolled=torch.roll(batch["input_ids"], -1, 1).reshape(-1))
+            return {"input_ids": batch["input_ids"], "position_ids": positions, "attention_mask": None}, a
+        rows = left_right_rows(mb, self.utils.pad, f.pad_token_id)  # GRPO's batch
+        rolled = sequences_from_rows(torch.roll(rows.input_ids, -1, 1), mb, PaddedLayout.LEFT_RIGHT).values()
+        a.update(input_ids=rows.input_ids, attention_mask=rows.attention_mask, keep=rows.response_width, rolled=rolled)
+        return rows.model_inputs(), a
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         a, entropy = output_args, BatchFlags.from_batch(mb).calculate_entropy
-        out = dict(zip(("log_probs", "entropy"), (self._fused if self.fused else self._logits)(output, a, entropy)))
-        if a["packed"]:  # the shifted row lacks the last token: one zero there
-            offsets = mb["input_ids"].offsets()
-            return {k: torch.nested.nested_tensor_from_jagged(torch.cat([v[0], v.new_zeros(1)]).float(), offsets)
-                    for k, v in out.items() if v is not None}
-        return {k: sequences_from_responses(v.float(), mb) for k, v in out.items() if v is not None}
+        out = dict(zip(("log_probs", "entropy"), self.scores(output, a, entropy)))
+        back = from_shifted_row if a["packed"] else sequences_from_responses
+        return {k: back(v.float(), mb) for k, v in out.items() if v is not None}
 
-    def _logits(self, output, a, entropy):
-        utils = self.trl.utils
-        if a["packed"]:
-            labels = a["labels"]
-            ids = torch.where(labels == -100, 0, labels)[:, 1:]  # the collator's labels hold the ids elsewhere
-            row_mask = (labels[:, 1:] != -100).long()
+    def scores(self, output, a, entropy):  # log-probs and entropy (or None), dense
+        if a["packed"]:  # as TPO scores the shifted row; the collator's labels hold the ids but at sequence starts
+            ids, row_mask = torch.where(a["labels"] == -100, 0, a["labels"])[:, 1:], (a["labels"][:, 1:] != -100).long()
             if entropy:
-                return utils.selective_log_softmax_and_entropy(output.logits[:, :-1], ids, temperature=a["temperature"],
-                                                               row_mask=row_mask)
-            return utils.selective_log_softmax(output.logits[:, :-1], ids, a["temperature"], row_mask), None
-        keep = a["logits_to_keep"]
+                return self.utils.selective_log_softmax_and_entropy(output.logits[:, :-1], ids,
+                                                                    temperature=a["temperature"], row_mask=row_mask)
+            return self.utils.selective_log_softmax(output.logits[:, :-1], ids, a["temperature"], row_mask), None
         trainer = SimpleNamespace(model_kwarg_keys=(), temperature=a["temperature"])
-        logits = self.trl.SDFT._forward_logits(trainer, lambda **_: output, a["input_ids"], a["attention_mask"], keep)
-        logps = utils.selective_log_softmax(logits, a["input_ids"][:, -keep:])
-        return logps, utils.entropy_from_logits(logits) if entropy else None
-
-    def _fused(self, output, a, entropy):
-        model = _FusedStandIn(output.hidden_states, output.lm_head_weight)
-        self.trl.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"))
-        if a["packed"]:
-            out = model(input_ids=None, labels=a["labels"], fused_lm_head=True)
-            return out.log_probs, out.entropy if entropy else None
-        trainer = SimpleNamespace(accelerator=SimpleNamespace(autocast=nullcontext))
-        logps, ent, _ = self.trl.GRPO._get_per_token_logps_and_entropies.__wrapped__(
-            trainer, model, a["input_ids"], a["attention_mask"], a["logits_to_keep"], compute_entropy=entropy)
-        return logps, ent
+        logits = self.sdft._forward_logits(trainer, lambda **_: output, a["input_ids"], a["attention_mask"], a["keep"])
+        return (self.utils.selective_log_softmax(logits, a["input_ids"][:, -a["keep"]:]),
+                self.utils.entropy_from_logits(logits) if entropy else None)
 
 
-class TrlEngine(EngineUnderTest):
-    name = "trl"
-    fused = False
-    #: TRL's preparation the adapter runs: the batch builders, the logits API and GRPO's fused LM head
-    profile = replace(EngineUnderTest.profile, surface=(
-        *(f"trl.trainer.utils:{f}" for f in ("pad", "selective_log_softmax", "entropy_from_logits",
-                                             "selective_log_softmax_and_entropy", "add_fused_lm_head")),
-        "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.torch_call",
-        "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths",
-        "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
-        "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits"), unreachable={})
-    padded_layout = PaddedLayout.LEFT_RIGHT  # GRPO's batch: left-padded prompts, right-padded completions
-    output_span = OutputSpan.RESPONSE  # padded: completion-only log-probs (logits_to_keep = completion width)
-    known_failures = LOGITS_RECORDS
+class TrlEngine(ThirdPartyEngine):
+    name, library, known_failures = "trl", "TRL's logits API", LOGITS_RECORDS
+    profile = replace(ThirdPartyEngine.profile, surface=SURFACE)  # the code coverage measures (trl_records.py)
+    # GRPO's batch (left-padded prompts, right-padded completions); padded, completion-only log-probs (logits_to_keep
+    # is the completion width)
+    padded_layout, output_span = PaddedLayout.LEFT_RIGHT, OutputSpan.RESPONSE
+    reasons = {
+        Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
+        Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
+        Feature.FUSED: "TRL hands the model no temperature or shift_labels: its fused head is engine trl-fused",
+        Feature.TEMPERATURE_HANDOFF: "one float temperature per trainer (self.temperature); nothing is handed over",
+        Feature.CU_SEQLENS: "the padding-free collator always hands flash-attention cu_seq_lens_q/k; no setting",
+        Feature.CHUNKING: "entropy_from_logits' chunk_size bounds memory only; TRL exposes no setting for it here",
+        Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per trainer (GRPOConfig.temperature)",
+    }
 
-    def make(self, head: str = "lm", **settings):
-        if head != "lm" or any(v not in (None, False, 0, 1) for k, v in settings.items() if k != "sp_rank"):
-            raise NotImplementedError(f"{self.name}: LM head, no engine settings (asked {head}, {settings})")
-        return TrlObject(self.fused)
+    def engine_object(self):
+        return TrlObject()
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
                           labels=output_args["rolled"])
-
-    def lacks(self, feature):
-        feature = Feature.parse(feature)
-        if feature in OFFERED:
-            return super().lacks(feature)
-        return REASONS.get(feature, f"TRL's {'fused head' if self.fused else 'logits API'} has no "
-                                    f"{feature.value}")
-
-    def strategy_limits(self):
-        return {"allow_sp": False, "allow_bucket": False, "allow_fused": False, "allow_distillation": False,
-                "allow_cu_seqlens": False, "allow_chunking": False, "allow_sum_pi_squared": False,
-                "per_sample_temperature": False}
-
-
-REASONS = {
-    Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
-    Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
-    Feature.FUSED: "TRL hands the model no temperature or shift_labels: its fused head is engine trl-fused",
-    Feature.DISTILLATION: "no top-K logits processor",
-    Feature.SUM_PI_SQUARED: "no sum of squared probabilities",
-    Feature.TEMPERATURE_HANDOFF: "one float temperature per trainer (self.temperature); nothing is handed over",
-    Feature.BUCKET: "no static bucket on this path",
-    Feature.CU_SEQLENS: "the padding-free collator always hands flash-attention cu_seq_lens_q/k; no setting",
-    Feature.CHUNKING: "entropy_from_logits' chunk_size bounds memory only; TRL exposes no setting for it here",
-    Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per trainer (GRPOConfig.temperature)",
-}
-
-
-class TrlFusedEngine(TrlEngine):
-    name = "trl-fused"
-    fused = True
-    head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
-    known_failures = FUSED_RECORDS
-

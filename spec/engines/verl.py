@@ -61,6 +61,7 @@ from ..protocol.known import KnownFailure, When
 
 from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
+from ..protocol.profile import VERL_CONVENTIONS, Convention
 from .microbatch_records import MICROBATCH_RECORDS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
@@ -260,11 +261,6 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
     ),
     "0.7.1": (
         KnownFailure(
-            "INV-MUT-002", "prepare_model_outputs divides the model's logits by temperature in place "
-            "(logits.div_) in both modes; verl bug, fixed by the out-of-place _scale_logits_by_temperature "
-            "of later verl", when=SCALED_TEMPERATURE, raises=AssertionError,
-            matches=r"model output 'logits' was modified in place"),
-        KnownFailure(
             "INV-VAL-005", "the value head's padded branch keeps the trailing 1: values are (B, j, 1), packed gives "
             "(B, j); verl bug, fixed in later verl", modes=("padded",), when=~V_HEAD, raises=AssertionError,
             matches=r"values'? of sequence \d+(:| has) shape \(\d+, 1\), expected \(\d+,\)"),
@@ -383,6 +379,9 @@ class VerlCapabilities:
     #: why verl's own top-K distillation processor (verl.trainer.distillation: distillation_ppo_loss and its
     #: fsdp compute_forward_kl_topk) cannot be the companion here (None: it can; verl 0.7.1 ships no such module)
     own_processor_error: str | None = "not probed"
+    #: prepare_model_outputs scales the logits out of place (_scale_logits_by_temperature, after verl 0.7.1,
+    #: which divides them in place): the LOGITS_UNTOUCHED convention holds
+    logits_untouched: bool = True
 
 
 def _attention_utils_error() -> str | None:
@@ -417,6 +416,7 @@ def probe_verl() -> VerlCapabilities:
         helpers=tuple(name for name in HELPERS if callable(getattr(padding, name, None))),
         attention_utils_error=_attention_utils_error(),
         own_processor_error=_own_processor_error(),
+        logits_untouched=hasattr(transformer_impl, "_scale_logits_by_temperature"),
     )
 
 
@@ -666,7 +666,8 @@ class VerlEngine(EngineUnderTest):
     name = "verl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
-    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE)
+    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
+                      conventions=VERL_CONVENTIONS)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 
@@ -687,6 +688,8 @@ class VerlEngine(EngineUnderTest):
         self._classes = {"lm": transformer_impl.FSDPEngineWithLMHead,
                          "value": transformer_impl.FSDPEngineWithValueHead}
         self._padding = padding
+        if not self.caps.logits_untouched:  # verl 0.7.1 divides the logits in place: not its convention yet
+            self.profile = replace(self.profile, conventions=self.profile.conventions - {Convention.LOGITS_UNTOUCHED})
         self.known_failures = self._known_failures()
 
     # -- what this verl lacks, supports, and is known to get wrong ---------------------------

@@ -9,6 +9,7 @@ from tensordict import TensorDict
 from ..execute.attribution import expect_engine_error
 from ..execute.harness import execute
 from ..cases.materialize import PadMode, materialize, select_rows
+from ..protocol.profile import Convention
 from ..truth.rules import distinct_temperatures
 from .core import Ctx, fail, invariant, match_runs, same
 from .inputs import _bucketed
@@ -97,9 +98,10 @@ def batch_not_mutated(ctx: Ctx) -> None:
             fail(f"micro-batch {key!r} was modified in place")
 
 
-@invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged",
-           contract=10,
-           protects="the model's output (logits) is the same after prepare_model_outputs (other consumers read it)")
+@invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged (verl's "
+           "LOGITS_UNTOUCHED convention)", contract=10, convention=Convention.LOGITS_UNTOUCHED,
+           protects="the model's output (logits) is the same after prepare_model_outputs, for a reader the engine's "
+           "caller keeps (a convention: the contract's caller reads the model output no more, docs/contract.md)")
 def logits_not_mutated(ctx: Ctx) -> None:
     for r, (out, snap) in enumerate(zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)):
         for key, before in snap.items():

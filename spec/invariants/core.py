@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest, OutputSpan
+from ..protocol.profile import Convention
 from ..execute.harness import Run, execute, model_for
 from ..execute.handoff import nested_parts
 from ..cases.materialize import draws, materialize
@@ -20,7 +21,7 @@ from ..cases.strategies import dense_cases, engine_cases
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
            "match_oracle", "match_runs", "held", "same", "measure_bounds", "honour_engine",
-           "shares_one_temperature", "read"]
+           "shares_one_temperature", "read", "convention_promised", "convention_skip", "add_facts"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -39,6 +40,10 @@ class InvariantInfo:
     trainer reading the outputs would get wrong if it failed). ``layout``: True for a check
     of a layout convention the contract leaves open (verl's private choices): it runs in the
     separately reported *layout profile* and never counts towards the conformance verdict.
+    ``convention``: the :class:`~spec.protocol.profile.Convention` the whole check asserts (one engine's promise
+    beyond the contract, docs/contract.md "Conventions"): it runs only for an engine whose profile declares it
+    and is skipped, with that reason, for any other. A check whose contract part holds for every engine and
+    whose stricter part is a convention reads :meth:`Ctx.promises` instead.
     """
 
     id: str
@@ -55,6 +60,7 @@ class InvariantInfo:
     draw_after: Callable[[EngineCase], st.SearchStrategy] | None = None
     protects: str = ""
     layout: bool = False
+    convention: Convention | None = None
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         if self.kind == "dense":
@@ -73,6 +79,20 @@ class InvariantInfo:
 
 
 CATALOGUE: dict[str, InvariantInfo] = {}
+
+
+def convention_promised(engine: EngineUnderTest, convention: Convention) -> bool:
+    """Whether ``engine``'s profile declares ``convention`` (an engine without a profile declares none)."""
+    profile = getattr(engine, "profile", None)
+    return profile is not None and profile.promises(convention)
+
+
+def convention_skip(info: InvariantInfo, engine: EngineUnderTest) -> str | None:
+    """Why ``info`` does not run on ``engine``: it asserts a convention the engine's profile does not declare."""
+    if info.convention is None or convention_promised(engine, info.convention):
+        return None
+    return (f"convention {info.convention.value} (docs/contract.md, Conventions): {engine.name}'s profile does not "
+            "declare it, and the contract does not ask it")
 
 
 def shares_one_temperature(engine: EngineUnderTest) -> bool:
@@ -112,6 +132,10 @@ class Ctx:
         self.engine, self.case, self.device, self.mode = engine, case, device, mode
         #: set by :meth:`not_exercised`: this example did not exercise the property (the runner counts it)
         self.vacuous: str | None = None
+
+    def promises(self, convention: Convention) -> bool:
+        """Whether the engine's profile declares ``convention`` (its stricter part is then asserted too)."""
+        return convention_promised(self.engine, convention)
 
     def not_exercised(self, reason: str) -> None:
         """Record that this example could not exercise the property (e.g. nothing to poison).
@@ -169,8 +193,18 @@ class Ctx:
         return fn
 
 
-def fail(message: str) -> None:
-    raise AssertionError(message)
+def fail(message: str, **facts: Any) -> None:
+    """Raise the check's AssertionError; ``facts`` (``exc.facts``) say structurally what failed, for known-failure
+    records that match on them rather than on the message (:class:`spec.protocol.known.KnownFailure`): ``key``
+    (the output or model-input key), ``sequence``, ``position`` (a token of that sequence)."""
+    exc = AssertionError(message)
+    exc.facts = facts
+    raise exc
+
+
+def add_facts(exc: BaseException, **facts: Any) -> None:
+    """Add ``facts`` to a check's failure, keeping those it already carries (the innermost says most)."""
+    exc.facts = {**facts, **getattr(exc, "facts", {})}
 
 
 def held(value: Any) -> Any:
@@ -257,8 +291,17 @@ def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
             close(actual[at], want[at], f"{key!r} of sequence {i}{what and ' ' + what}"
                   + ("" if _dense_from_zero(at) else f" (positions {at.tolist()})"), atol=tol[at])
         except AssertionError as exc:
+            _locate(exc, key, i, at)
             measure_bounds(exc, actual[at], want[at], {m: b[i][at] for m, b in bounds.items()})
             raise
+
+
+def _locate(exc: BaseException, key: str, sequence: int, at: torch.Tensor) -> None:
+    """The output key, sequence and token position of a value check's failure (``exc.facts``), the position
+    read back from the index :func:`close` found in the positions ``at`` it compared."""
+    index = getattr(exc, "facts", {}).get("index")
+    position = int(at[index[0]]) if index and at.numel() > index[0] else None
+    add_facts(exc, key=key, sequence=sequence, **({"position": position} if position is not None else {}))
 
 
 def _dense_from_zero(positions: torch.Tensor) -> bool:
@@ -309,6 +352,7 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
                 close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
                                nan_equal=True)
             except AssertionError as exc:
+                _locate(exc, key, rows[j], at)
                 # the two runs' difference against each mechanism's bound (each run within it of the oracle: a
                 # record for a run-vs-run difference allows twice it)
                 reach = int(at.max()) + 1 if at.numel() else 0
@@ -345,4 +389,4 @@ def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: "float |
         allowed = float(atol[idx]) if isinstance(atol, torch.Tensor) else atol + rtol * abs(want[idx].item())
         fail(f"{what}: at {idx} got {actual[idx].item():.8g}, expected {want[idx].item():.8g} "
              f"(|diff| {abs(actual[idx].item() - want[idx].item()):.3g} > allowed {allowed:.3g}; "
-             f"{int(bad.sum())} of {bad.numel()} values differ)")
+             f"{int(bad.sum())} of {bad.numel()} values differ)", index=idx)

@@ -6,6 +6,7 @@ import torch
 
 from ..cases.structure import TEMPERATURE_FLOOR
 from ..protocol.engine import PaddedLayout
+from ..protocol.profile import Convention
 from ..truth.rules import (distinct_temperatures, full_length_mask, layout_columns, layout_mask, layout_width, offsets,
                            padded_length, token_temperatures)
 from .core import Ctx, fail, invariant, match_oracle
@@ -46,18 +47,36 @@ def mask_values(ctx: Ctx) -> None:
         rows = [r for r in range(min(got.shape[0], want.shape[0])) if not torch.equal(got[r], want[r])]
         row = rows[0] if rows else 0
         fail(f"attention_mask row {row} is {got[row].tolist()}, expected {want[row].tolist()}{_layout_words(ctx)} "
-             f"(sequence length {int(lens[row])}, response length {ctx.case.response_lens[row]})")
+             f"(sequence length {int(lens[row])}, response length {ctx.case.response_lens[row]})",
+             key="attention_mask", sequence=row)
 
 
-@invariant("INV-MASK-002", "padded attention mask is int32 on the ids' device", contract=1,
-           protects="the model gets its mask as int32 on the ids' device (what attention kernels accept without a host copy)", modes=PADDED)
+#: the dtypes a padded attention mask may have: 0/1 in an integer or bool dtype (a float mask reads as an additive
+#: bias in Hugging Face models, so 0.0/1.0 is not a 0/1 mask there)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _mask_dtype(ctx: Ctx, mask: torch.Tensor, what: str) -> None:
+    """The contract: an integer or bool dtype; int32 only where the engine promises verl's convention."""
+    if ctx.promises(Convention.INT32_ATTENTION_MASK):
+        if mask.dtype != torch.int32:
+            fail(f"{what} dtype is {mask.dtype}, expected torch.int32 (the engine's profile declares "
+                 f"{Convention.INT32_ATTENTION_MASK.value})", key="attention_mask")
+    elif mask.dtype not in MASK_DTYPES:
+        fail(f"{what} dtype is {mask.dtype}, expected 0/1 in an integer or bool dtype "
+             f"({', '.join(str(d) for d in MASK_DTYPES)})", key="attention_mask")
+
+
+@invariant("INV-MASK-002", "padded attention mask is 0/1 in an integer or bool dtype on the ids' device (int32 "
+           "where the engine declares verl's INT32_ATTENTION_MASK convention)", contract=1,
+           protects="the model reads the mask as 0/1 keep-flags on the ids' device (a float mask is an additive bias "
+           "to a Hugging Face model)", modes=PADDED)
 def mask_dtype_device(ctx: Ctx) -> None:
     view = ctx.inputs_run.views[0]
     mask, ids = view.attention_mask, view.input_ids
     if mask is None:
         fail("padded mode returned attention_mask=None")
-    if mask.dtype != torch.int32:
-        fail(f"attention_mask dtype is {mask.dtype}, expected torch.int32")
+    _mask_dtype(ctx, mask, "attention_mask")
     if mask.device != ids.device or mask.device.type != torch.device(ctx.device).type:
         fail(f"attention_mask on {mask.device}, input_ids on {ids.device}, batch on {ctx.device}")
 
@@ -77,7 +96,8 @@ def mask_shape_sum(ctx: Ctx) -> None:
         fail(f"attention_mask sums to {int(mask.sum())}, total_nnz is {ctx.case.total_nnz}")
 
 
-@invariant("INV-MASK-004", "build_attention_mask_from_nested gives the full lengths, int32, any width",
+@invariant("INV-MASK-004", "build_attention_mask_from_nested gives the full lengths at any width, 0/1 in an "
+           "integer or bool dtype (int32 under INT32_ATTENTION_MASK)",
            contract=1,
            protects="a trainer building a mask with the helper attends to the full sequences at any width", modes=("any",), needs=("build_attention_mask_from_nested",))
 def mask_helper(ctx: Ctx) -> None:
@@ -87,8 +107,8 @@ def mask_helper(ctx: Ctx) -> None:
     for width in (None, max(ctx.case.seq_lens) + 2):
         mask = build(ids) if width is None else build(ids, max_seq_len=width)
         want = full_length_mask(ctx.case.seq_lens, width or max(lens), torch.int32)  # at the width asked for
-        if mask.dtype != torch.int32 or tuple(mask.shape) != (len(lens), width or max(lens)) \
-                or not torch.equal(mask.cpu(), want):
+        _mask_dtype(ctx, mask, f"build_attention_mask_from_nested(max_seq_len={width})")
+        if tuple(mask.shape) != (len(lens), width or max(lens)) or not torch.equal(mask.cpu().to(torch.int32), want):
             fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "
                  f"({mask.dtype}), expected {want.tolist()}")
 
@@ -108,7 +128,7 @@ def _padded_rows(ctx: Ctx, got: torch.Tensor, key: str, what: str) -> None:
         have = got[..., i, cols]
         if not torch.equal(have, row.to(have.dtype)):
             fail(f"padded {key} row {i} holds {have.tolist()} at columns {cols.tolist()}, expected the {what} "
-                 f"{row.tolist()}{_layout_words(ctx)}")
+                 f"{row.tolist()}{_layout_words(ctx)}", key=key, sequence=i)
 
 
 def _padding_values(ctx: Ctx, got: torch.Tensor, fill: int, key: str) -> None:
@@ -152,7 +172,7 @@ def padded_positions(ctx: Ctx) -> None:
 
 @invariant("INV-POS-003", "padded position_ids hold 0 after each sequence", contract=1,
            protects="verl fills padded position columns with 0; the mask hides them", modes=PADDED,
-           layout=True, adjust=_with_padding)
+           layout=True, convention=Convention.PADDING_POSITION_ZERO, adjust=_with_padding)
 def padded_positions_fill(ctx: Ctx) -> None:
     _padding_values(ctx, ctx.inputs_run.views[0].position_ids.cpu(), 0, "position_ids")
 
@@ -401,7 +421,8 @@ def cu_seqlens(ctx: Ctx) -> None:
 
 @invariant("INV-CU-002", "with cu_seqlens passed: a CPU copy cu_seqlens_cpu equal to cu_seqlens", contract=1,
            protects="verl also passes a CPU copy of cu_seqlens",
-           modes=PACKED, needs=("cu_seqlens",), layout=True, adjust=_with_tail, strategy_kwargs={"padding": True})
+           modes=PACKED, needs=("cu_seqlens",), layout=True, convention=Convention.CU_SEQLENS_HOST_COPY,
+           adjust=_with_tail, strategy_kwargs={"padding": True})
 def cu_seqlens_cpu(ctx: Ctx) -> None:
     want, _ = _cu_want(ctx)
     for r, view in enumerate(ctx.inputs_run.views):

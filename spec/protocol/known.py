@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 __all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
-           "within_bound", "declared", "FLOAT_DTYPES"]
+           "within_bound", "declared", "FLOAT_DTYPES", "Where"]
 
 #: the floating dtypes an engine's precision declaration speaks of (``Precision.returns``); a failure naming another
 #: dtype (an integer count) is no precision matter and is left to the record alone
@@ -56,6 +56,21 @@ ALWAYS = When("every case", lambda case: True)
 
 
 @dataclass(frozen=True)
+class Where:
+    """A condition on where a check failed: ``predicate(case, sequence, position)`` on the facts the failure
+    carries (``exc.facts``: the sequence and the token position in it), with what it means in words."""
+
+    text: str
+    predicate: Callable[[Any, int, int], bool] = field(compare=False)
+
+    def __call__(self, case: Any, sequence: int, position: int) -> bool:
+        return bool(self.predicate(case, sequence, position))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
 class KnownFailure:
     """One documented failure of an engine on one invariant.
 
@@ -82,9 +97,23 @@ class KnownFailure:
     #: |error| / bound over the tokens) and it is at most ``limit``. A wrong value beyond what the mechanism
     #: can produce, or a NaN, is not excused.
     bound: tuple[str, float] | None = None
+    #: structured matching, on the facts a check's failure carries (``exc.facts``, set by
+    #: ``spec.invariants.core.fail`` and the value checks) instead of a regex of its message. ``output``: the
+    #: output or model-input key the failure names (``"log_probs"``, ``"attention_mask"``); ``position``: where
+    #: in the batch (:class:`Where`, on the failing sequence and token); ``mechanism``: the precision mechanism
+    #: (spec/truth/oracle.py's bound names: ``"bfloat16_rounding"``, ``"float32_cancellation"``, ...) whose bound the
+    #: error is within, the same as ``bound=(mechanism, 1.0)``. A failure that carries no such fact is not excused.
+    output: str = ""
+    position: "Where | None" = None
+    mechanism: str = ""
 
     def __post_init__(self) -> None:
         re.compile(self.matches)  # fail at definition, not mid-run
+        if self.mechanism and self.bound is None:
+            object.__setattr__(self, "bound", (self.mechanism, 1.0))
+        elif self.mechanism and self.bound[0] != self.mechanism:
+            raise ValueError(f"known failure {self.invariant}: mechanism {self.mechanism!r} and bound {self.bound!r} "
+                             "name different mechanisms")
 
     @property
     def key(self) -> str:
@@ -101,6 +130,12 @@ class KnownFailure:
         text = f"{type(exc).__name__}: {exc}"
         if re.search(self.matches, text) is None:
             return False
+        facts = getattr(exc, "facts", {})
+        if self.output and facts.get("key") != self.output:
+            return False
+        if self.position is not None and not ("sequence" in facts and "position" in facts
+                                              and self.position(case, facts["sequence"], facts["position"])):
+            return False
         if engine is not None and not declared(engine, case, exc):
             return False
         return self.bound is None or within_bound(exc, *self.bound)
@@ -108,8 +143,10 @@ class KnownFailure:
     def describe(self) -> str:
         types = self.raises if isinstance(self.raises, tuple) else (self.raises,)
         bounded = f", within {self.bound[1]:g}x the {self.bound[0]} bound" if self.bound else ""
-        return (f"{self.key} when {self.when.text}: {'/'.join(t.__name__ for t in types)} "
-                f"matching {self.matches!r}{bounded} ({self.reason})")
+        where = (f" on {self.output!r}" if self.output else "") + (f" at {self.position.text}" if self.position else "")
+        matching = f" matching {self.matches!r}" if self.matches else ""
+        return (f"{self.key} when {self.when.text}: {'/'.join(t.__name__ for t in types)}"
+                f"{matching}{where}{bounded} ({self.reason})")
 
 
 def within_bound(exc: BaseException, mechanism: str, limit: float) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Mapping
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS"]
+__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "VERL_CONVENTIONS"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -46,6 +46,10 @@ class Convention(str, Enum):
     #: the model's logits are left as they were, even where no caller reads them again (verl); the contract only
     #: forbids changing what a caller still reads (its micro-batch, its own tensors)
     LOGITS_UNTOUCHED = "logits_untouched"
+
+
+#: what verl's FSDP engine (and impl, its drop-in) promises beyond the contract: all four conventions
+VERL_CONVENTIONS: frozenset[Convention] = frozenset(Convention)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from ..engines.impl import ImplEngine
 from ..engines.megatron import MegatronEngine
 from ..engines.openrlhf import OpenRLHFEngine
 from ..engines.torchtitan import TorchTitanEngine
-from ..engines.trl import TrlEngine, TrlFusedEngine
+from ..engines.trl import TrlEngine
+from ..engines.trl_fused import TrlFusedEngine
 from ..engines.veomni import VeOmniEngine
 from ..engines.verl import VerlEngine
 from ..planted import PLANTED, planted_engine

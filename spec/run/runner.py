@@ -21,7 +21,7 @@ from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
-from ..invariants.core import honour_engine
+from ..invariants.core import convention_skip, honour_engine
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES",
@@ -141,6 +141,9 @@ def instances(infos=None) -> list[tuple[InvariantInfo, str]]:
 def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> str | None:
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
+    convention = convention_skip(info, engine)  # one engine's convention, not the contract
+    if convention:
+        return convention
     for need in info.needs:
         reason = engine.lacks(need) or _real_ranks_unavailable(engine, need)
         if reason:

@@ -1,0 +1,170 @@
+"""The adapter kit: what adapting a real trainer takes beyond the protocol (docs/writing-an-adapter.md, "The kit").
+
+* :func:`inputs_seen_by_model` and :func:`replaying`: for an engine that calls the model inside its own
+  ``forward`` (OpenRLHF's ``Actor.forward``). The suite runs the model between its two steps, so such a forward
+  runs twice: once with a model that records what it is handed and stops the forward (the input step), once
+  with a model that returns the harness's output (the output step).
+* :func:`stub_imports`: heavy module-level imports stubbed strictly (:mod:`spec.engines.stubs`): a stub's name
+  that nobody declared raises when the code under test calls it or tests its truth, so a stub cannot change
+  the code under test unnoticed.
+* :class:`ThirdPartyEngine`: the engine class of a library that offers one LM head and no engine settings:
+  ``lacks`` from one table of reasons, ``strategy_limits`` derived from it, ``make`` refusing any setting.
+* :class:`HiddenStatesModel`: for a library that patches a Hugging Face model's LM head (a fused head), a model
+  whose backbone returns the hidden states the harness's model computed and whose LM head holds its weight.
+* :func:`refuse_flags`: the micro-batch flags a library has no option for, refused with a clear error;
+  :func:`require`: a library imported, or an ImportError saying how to install it.
+
+Known-failure records that match on structured fields (``output``, ``position``, ``mechanism``) rather than
+message regexes are :class:`spec.protocol.known.KnownFailure`'s own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..protocol import EngineUnderTest, Feature
+from .stubs import StubReport, import_with_stubs
+
+__all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
+           "ModelNotCalled", "require", "HiddenStatesModel"]
+
+
+def require(module_name: str, how: str) -> Any:
+    """``module_name`` imported, or an ImportError that says what the adapter needs and ``how`` to install it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"this adapter needs {module_name}: {how} ({exc})") from exc
+
+
+class ModelNotCalled(RuntimeError):
+    """The engine's forward returned without calling the model (so it handed the model nothing)."""
+
+
+class _Stop(BaseException):
+    """Stops the engine's forward at the model call (a BaseException: an engine's ``except Exception`` cannot
+    swallow it)."""
+
+
+class _Recorder:
+    def __init__(self, positional: tuple[str, ...]):
+        self.positional, self.inputs = positional, None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > len(self.positional):
+            raise TypeError(f"the model was called with {len(args)} positional arguments; name them: "
+                            f"inputs_seen_by_model(..., positional=(...))")
+        self.inputs = {**dict(zip(self.positional, args)), **kwargs}
+        raise _Stop
+
+
+def inputs_seen_by_model(forward: Callable[[Callable[..., Any]], Any],
+                         positional: tuple[str, ...] = ("input_ids",)) -> dict[str, Any]:
+    """Run ``forward(model)`` (the engine's own forward, given a model) with a model that records the keyword
+    arguments it is handed (positional ones under the names ``positional``) and stops the forward there: the
+    model inputs exactly as the engine builds them. Nothing of the forward after the model call runs."""
+    recorder = _Recorder(positional)
+    try:
+        forward(recorder)
+    except _Stop:
+        return recorder.inputs
+    raise ModelNotCalled("the engine's forward returned without calling the model")
+
+
+class ModelOutput(dict):
+    """A ``transformers.ModelOutput``-like result: ``output["logits"]`` and ``output.logits`` both work, and an
+    engine may set fields either way."""
+
+    def __getattr__(self, key: str) -> Any:
+        return self.get(key)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+def replaying(output: Any) -> Callable[..., ModelOutput]:
+    """A model for the second run of the engine's forward: whatever it is handed, it returns the harness's
+    ``output`` (the toy model's, run on the recorded inputs) as a :class:`ModelOutput`."""
+    result = ModelOutput(vars(output))
+    return lambda *args, **kwargs: result
+
+
+def stub_imports(module_name: str, packages: tuple[str, ...],
+                 values: Mapping[str, Mapping[str, object]] | None = None) -> Any:
+    """``module_name`` imported with the modules of ``packages`` it imports at module level stubbed where they do
+    not import here, strictly (:class:`spec.engines.stubs.StrictModule`): ``values[module][name]`` declares what
+    the code under test may use (``{"transformers": {"is_npu_available": lambda: False}}``); any other name raises
+    :class:`spec.engines.stubs.StubError` when used. Returns the module."""
+    report: StubReport = import_with_stubs(module_name, packages, {k: dict(v) for k, v in (values or {}).items()},
+                                           strict=True)
+    return report.module
+
+
+#: strategy limits of :meth:`ThirdPartyEngine.strategy_limits`: the feature each key of the case strategy draws
+_LIMITS = {"allow_sp": Feature.SP, "allow_bucket": Feature.BUCKET, "allow_fused": Feature.FUSED,
+           "allow_distillation": Feature.DISTILLATION, "allow_cu_seqlens": Feature.CU_SEQLENS,
+           "allow_chunking": Feature.CHUNKING, "allow_sum_pi_squared": Feature.SUM_PI_SQUARED}
+
+
+class ThirdPartyEngine(EngineUnderTest):
+    """A library's LM-head preparation with no engine settings. Set ``library`` (for messages), ``offers`` (the
+    features it has beyond running at all and on CUDA), ``reasons`` (why not, for features it lacks; the rest get
+    "<library> has no <feature>"), and implement :meth:`engine_object`."""
+
+    library = "this library"
+    offers: frozenset[Feature] = frozenset()
+    reasons: Mapping[Feature, str] = {}
+
+    def engine_object(self) -> Any:
+        raise NotImplementedError
+
+    def make(self, head: str = "lm", **settings: Any) -> Any:
+        if head != "lm" or any(v not in (None, False, 0, 1) for k, v in settings.items() if k != "sp_rank"):
+            raise NotImplementedError(f"{self.name}: an LM head, no engine settings (asked {head}, {settings})")
+        return self.engine_object()
+
+    def lacks(self, feature: "str | Feature") -> str | None:
+        feature = Feature.parse(feature)
+        if feature in {Feature.ENGINE, Feature.CUDA} | set(self.offers):
+            return super().lacks(feature)
+        return self.reasons.get(feature, f"{self.library} has no {feature.value}")
+
+    def strategy_limits(self) -> dict[str, Any]:
+        """Draw only what it offers (per-sample temperatures: both kinds where offered, else one float)."""
+        per_sample = None if Feature.PER_SAMPLE_TEMPERATURE in self.offers else False  # (the base lacks() reads this)
+        return {**{key: self.lacks(feature) is None for key, feature in _LIMITS.items()},
+                "per_sample_temperature": per_sample}
+
+
+def refuse_flags(flags: Any, library: str,
+                 names: tuple[str, ...] = ("use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared")
+                 ) -> Any:
+    """Raise NotImplementedError for each of ``names`` set in ``flags`` (``impl.flags.BatchFlags``): options
+    ``library`` does not have. Returns ``flags``."""
+    for name in names:
+        if getattr(flags, name):
+            raise NotImplementedError(f"{name}: {library} has no such option")
+    return flags
+
+
+class HiddenStatesModel(torch.nn.Module):
+    """What a library's fused LM head patches (TRL's ``add_fused_lm_head``), in the shape of a Hugging Face causal
+    LM: ``base_model(...)`` returns ``last_hidden_state=hidden``, ``get_output_embeddings()`` the LM head holding
+    ``weight`` (the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head protocol). Its own
+    ``forward`` is never the one run."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        super().__init__()
+        self.config = SimpleNamespace(get_text_config=lambda: self.config, model_type="stand-in")
+        self.base_model = lambda *args, **kwargs: SimpleNamespace(last_hidden_state=hidden)
+        self.lm_head = SimpleNamespace(weight=weight, bias=None)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("only the library's patched (fused) forward is run")

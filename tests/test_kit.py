@@ -1,0 +1,163 @@
+"""The adapter kit (spec/engines/kit.py, issue 35): an engine that calls the model inside its forward, strict stubs
+for heavy imports, a third party's engine class, and known-failure records that match on structured fields."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from spec.cases import EngineCase
+from spec.engines.kit import (ModelNotCalled, ModelOutput, ThirdPartyEngine, inputs_seen_by_model, refuse_flags,
+                              replaying)
+from spec.engines.stubs import StrictModule, StubError, import_with_stubs, strict_module
+from spec.execute.attribution import AttributedEngine
+from spec.invariants import CATALOGUE, Ctx
+from spec.protocol import Feature
+from spec.protocol.known import KnownFailure, Where
+from spec.run.registry import load_engine
+
+
+# -- an engine that calls the model inside its own forward ----------------------------------------------------------
+
+def _forward(model, ids, after: list):
+    """A library's forward: builds the model inputs, calls the model, then goes on (and swallows exceptions)."""
+    try:
+        out = model(ids, attention_mask=ids > 0, position_ids=torch.arange(ids.shape[1]))
+    except Exception:  # noqa: BLE001 - a library that catches everything must not swallow the stop
+        return None
+    after.append(out)
+    return out["logits"] * 2
+
+
+def test_inputs_seen_by_model_records_and_stops() -> None:
+    ids, after = torch.tensor([[3, 0]]), []
+    inputs = inputs_seen_by_model(lambda model: _forward(model, ids, after))
+    assert set(inputs) == {"input_ids", "attention_mask", "position_ids"} and inputs["input_ids"] is ids
+    assert after == []  # nothing after the model call ran
+
+
+def test_replaying_returns_the_harness_output() -> None:
+    output, after = SimpleNamespace(logits=torch.ones(1, 2, 3)), []
+    assert torch.equal(_forward(replaying(output), torch.tensor([[3, 0]]), after), 2 * output.logits)
+    result = replaying(output)()
+    assert isinstance(result, ModelOutput) and result.logits is result["logits"] is output.logits
+    result.entropy = 1
+    assert result["entropy"] == 1
+
+
+def test_a_forward_that_never_calls_the_model_is_an_error() -> None:
+    with pytest.raises(ModelNotCalled):
+        inputs_seen_by_model(lambda model: None)
+
+
+# -- strict stubs ---------------------------------------------------------------------------------------------------
+
+def test_an_undeclared_stub_name_raises_when_used() -> None:
+    module = StrictModule("heavy_lib", {"is_npu_available": lambda: False})
+    assert module.is_npu_available() is False  # declared: its value
+    undeclared = module.is_xpu_available
+    for use in (bool, lambda f: f(), iter, len, int):
+        with pytest.raises(StubError, match=r"heavy_lib\.is_xpu_available .*records=\{'heavy_lib': "
+                                            r"\{'is_xpu_available': \.\.\.\}\}"):
+            use(undeclared)
+
+    class Model(module.PreTrainedModel):  # a base class may be a stub
+        pass
+
+    assert Model.__mro__[1].__name__ == "PreTrainedModel"
+
+
+def test_strict_stubs_cannot_change_the_code_under_test_unnoticed(tmp_path, monkeypatch) -> None:
+    """The MagicMock stub's is_npu_available() is truthy: the library silently turns its compile off. A strict stub
+    raises instead, naming the name to declare; declared, the library runs as it would."""
+    package = tmp_path / "kit_lib"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "core.py").write_text(textwrap.dedent("""
+        from kit_missing_dep import is_npu_available
+        COMPILE = not is_npu_available()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for strict, values, want in ((False, None, False), (True, {"kit_missing_dep": {"is_npu_available": lambda: False}},
+                                                          True)):
+        for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
+            sys.modules.pop(name, None)
+        assert import_with_stubs("kit_lib.core", ("kit_missing_dep",), values, strict=strict).module.COMPILE is want
+    for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
+        sys.modules.pop(name, None)
+    with pytest.raises(StubError, match="kit_missing_dep.is_npu_available"):
+        import_with_stubs("kit_lib.core", ("kit_missing_dep",), strict=True)
+    for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
+        sys.modules.pop(name, None)
+
+
+def test_strict_module_keeps_a_real_module() -> None:
+    assert strict_module("torch") is torch
+
+
+# -- a third party's engine class -----------------------------------------------------------------------------------
+
+class _Lib(ThirdPartyEngine):
+    name, library = "lib", "Lib's API"
+    offers = frozenset({Feature.CU_SEQLENS, Feature.PER_SAMPLE_TEMPERATURE})
+    reasons = {Feature.SP: "no process group"}
+
+    def engine_object(self):
+        return "object"
+
+
+def test_third_party_engine_states_its_features_once() -> None:
+    lib = _Lib()
+    assert lib.lacks("sp") == "no process group" and lib.lacks(Feature.BUCKET) == "Lib's API has no bucket"
+    assert lib.lacks(Feature.CU_SEQLENS) is None and lib.lacks(Feature.ENGINE) is None
+    limits = lib.strategy_limits()
+    assert limits["allow_cu_seqlens"] is True and limits["allow_sp"] is False
+    assert limits["per_sample_temperature"] is None and lib.lacks(Feature.PER_SAMPLE_TEMPERATURE) is None  # both kinds
+    limits = type("One", (_Lib,), {"offers": frozenset()})().strategy_limits()
+    assert limits["per_sample_temperature"] is False
+    assert lib.make() == "object"
+    with pytest.raises(NotImplementedError, match="no engine settings"):
+        lib.make(pad_to_length=8)
+    with pytest.raises(NotImplementedError, match="use_fused_kernels: Lib's API"):
+        refuse_flags(SimpleNamespace(use_fused_kernels=True, distillation_use_topk=False,
+                                     calculate_sum_pi_squared=False), "Lib's API")
+
+
+# -- records that match on structured fields ------------------------------------------------------------------------
+
+def _value_failure() -> AssertionError:
+    """A real failure of INV-VAL-001 (log-probs at T instead of the oracle's), as the runner sees it."""
+    case = EngineCase(prompt_lens=(2, 3), response_lens=(2, 2), vocab=5, temperature=0.5, seed=1)
+    engine = AttributedEngine(load_engine("planted:double_temperature"))
+    with pytest.raises(AssertionError) as caught:
+        CATALOGUE["INV-VAL-001"].check(Ctx(engine, case, "cpu", case.mode))
+    return caught.value
+
+
+def test_a_value_failure_carries_its_key_and_place() -> None:
+    facts = _value_failure().facts
+    assert facts["key"] == "log_probs" and isinstance(facts["sequence"], int) and isinstance(facts["position"], int)
+
+
+def test_records_match_on_structured_fields() -> None:
+    exc = _value_failure()
+    case = EngineCase(prompt_lens=(2, 3), response_lens=(2, 2), vocab=5, temperature=0.5, seed=1)
+    seq, pos = exc.facts["sequence"], exc.facts["position"]
+    assert KnownFailure("INV-VAL-001", "r", output="log_probs").excuses(case, exc)
+    assert not KnownFailure("INV-VAL-001", "r", output="entropy").excuses(case, exc)
+    at = Where("that token", lambda c, s, p: (s, p) == (seq, pos))
+    elsewhere = Where("another token", lambda c, s, p: (s, p) != (seq, pos))
+    assert KnownFailure("INV-VAL-001", "r", output="log_probs", position=at).excuses(case, exc)
+    assert not KnownFailure("INV-VAL-001", "r", output="log_probs", position=elsewhere).excuses(case, exc)
+    # a mechanism is the bound it names at 1x: a failure that measured no such bound is not excused
+    record = KnownFailure("INV-VAL-001", "r", output="log_probs", mechanism="bfloat16_rounding")
+    assert record.bound == ("bfloat16_rounding", 1.0) and not record.excuses(case, exc)
+    exc.bounds = {"bfloat16_rounding": 0.5}
+    assert record.excuses(case, exc)
+    assert "on 'log_probs'" in record.describe()
+    plain = AssertionError("no facts")  # a failure without facts matches no structured record
+    assert not KnownFailure("INV-VAL-001", "r", output="log_probs").excuses(case, plain)
