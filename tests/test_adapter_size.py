@@ -1,4 +1,4 @@
-"""The 60-line bound (issue 35; docs/writing-an-adapter.md, "The 60-line bound"): the guide's worked adapter and
+"""The 60-line bound(docs/writing-an-adapter.md, "The 60-line bound"): the guide's worked adapter and
 every registered third-party adapter module count at most 60 lines.
 
 The count (:func:`adapter_lines`): the lines that hold Python code, at least one token other than a comment. A

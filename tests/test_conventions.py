@@ -1,4 +1,4 @@
-"""The contract and the conventions, apart (issue 35; docs/contract.md, "Conventions").
+"""The contract and the conventions, apart(docs/contract.md, "Conventions").
 
 A correct engine that keeps none of verl's conventions (a bool attention mask, non-zero positions on padding, no
 ``cu_seqlens_cpu`` copy, the model's logits scaled in place after it has read them) passes the contract: the

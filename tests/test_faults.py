@@ -186,7 +186,7 @@ def test_verl_records_excuse_only_what_verl_declares() -> None:
 
 
 def test_a_record_wider_than_the_declaration_is_held_to_it() -> None:
-    """The record of issue 37: every low-precision output excused whenever the logits are bf16/fp16; verl declares
+    """The INV-DEV-001 record as it was: every low-precision output excused whenever the logits are bf16/fp16; verl declares
     the packed chunked entropy float32, so that entropy in bf16 is no known failure."""
     record = next(r for r in LOW_PRECISION_RECORDS if r.invariant == "INV-DEV-001")
     chunked = CASE.with_(logits_dtype="bfloat16", use_remove_padding=True, entropy_chunk_size=2,

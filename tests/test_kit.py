@@ -1,4 +1,4 @@
-"""The adapter kit (spec/engines/kit.py, issue 35): an engine that calls the model inside its forward, strict stubs
+"""The adapter kit (spec/engines/kit.py): an engine that calls the model inside its forward, strict stubs
 for heavy imports, a third party's engine class, and known-failure records that match on structured fields."""
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ the packed path runs it. A vision model (mRoPE positions) computes its own posit
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from functools import lru_cache
 
 import torch
@@ -31,7 +30,7 @@ import torch
 from ..protocol import Feature, InputsView, sequences_from_rows
 from .hf_batch import BatchFlags, one_temperature
 from .kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, stub_imports
-from .openrlhf_records import RECORDS, SURFACE
+from .openrlhf_records import PROFILE, RECORDS
 from .stubs import strict_module
 
 __all__ = ["OpenRLHFEngine"]
@@ -83,8 +82,7 @@ class OpenRLHFObject:
 
 
 class OpenRLHFEngine(ThirdPartyEngine):
-    name, library, known_failures = "openrlhf", "OpenRLHF's Actor.forward", RECORDS
-    profile = replace(ThirdPartyEngine.profile, surface=SURFACE)  # the code coverage measures (openrlhf_records.py)
+    name, library, known_failures, profile = "openrlhf", "OpenRLHF's Actor.forward", RECORDS, PROFILE
     reasons = {
         Feature.SP: "ring attention needs ring_flash_attn and a process group (not run here)",
         Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not Actor.forward",

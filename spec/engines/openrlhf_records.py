@@ -3,6 +3,9 @@ torch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ..protocol.engine import EngineUnderTest
 from ..protocol.known import KnownFailure, When
 from .trl_records import MISMATCH
 from .verl_records import CANCELLATION, UNCLAMPED
@@ -40,3 +43,6 @@ SURFACE = (
     "openrlhf.models.utils:_logsumexp_by_chunk", "openrlhf.models.utils:compute_entropy",
     "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor", "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
     "openrlhf.utils.utils:zero_pad_sequences")
+
+#: the adapter's profile: the default one with this surface (the engine declares no conventions)
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE)

@@ -18,7 +18,6 @@ so the adapter hands it each sample's own positions in the same layout. The fuse
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from ..protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
 from .hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from .kit import ThirdPartyEngine, refuse_flags, require
-from .trl_records import LOGITS_RECORDS, SURFACE
+from .trl_records import PROFILE, LOGITS_RECORDS
 
 __all__ = ["TrlEngine", "TrlObject"]
 
@@ -72,8 +71,7 @@ class TrlObject:
 
 
 class TrlEngine(ThirdPartyEngine):
-    name, library, known_failures = "trl", "TRL's logits API", LOGITS_RECORDS
-    profile = replace(ThirdPartyEngine.profile, surface=SURFACE)  # the code coverage measures (trl_records.py)
+    name, library, known_failures, profile = "trl", "TRL's logits API", LOGITS_RECORDS, PROFILE
     # GRPO's batch (left-padded prompts, right-padded completions); padded, completion-only log-probs (logits_to_keep
     # is the completion width)
     padded_layout, output_span = PaddedLayout.LEFT_RIGHT, OutputSpan.RESPONSE

@@ -3,6 +3,9 @@ plain torch. Each names the invariants whose check compares an output with the p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from ..protocol.engine import EngineUnderTest
 from ..protocol.known import KnownFailure, When
 from .verl_records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
 
@@ -52,3 +55,6 @@ SURFACE = (
     "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths",
     "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
     "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits")
+
+#: the adapter's profile: the default one with this surface (the engine declares no conventions)
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE)
