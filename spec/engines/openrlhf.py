@@ -141,10 +141,8 @@ class OpenRLHFEngine(EngineUnderTest):
             return super().lacks(feature)
         return REASONS.get(feature, f"OpenRLHF's Actor.forward has no {feature.value}")
 
-    def strategy_limits(self):
-        return {"allow_sp": False, "allow_bucket": False, "allow_fused": False, "allow_distillation": False,
-                "allow_cu_seqlens": False, "allow_chunking": False, "allow_sum_pi_squared": False,
-                "per_sample_temperature": False}
+    def strategy_limits(self):  # the features it lacks (REASONS) are not drawn: the base class reads lacks()
+        return {**super().strategy_limits(), "per_sample_temperature": False}
 
 
 REASONS = {

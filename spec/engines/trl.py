@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..protocol import (EngineUnderTest, Feature, HeadInput, InputsView, OutputSpan, PaddedLayout,
+from ..protocol import (EngineProfile, EngineUnderTest, Feature, HeadInput, InputsView, OutputSpan, PaddedLayout,
                         sequences_from_responses, sequences_from_rows)
 from .hf_batch import BatchFlags, one_temperature, samples
 from .trl_records import FUSED_RECORDS, LOGITS_RECORDS
@@ -128,7 +128,8 @@ class TrlObject:
 class TrlEngine(EngineUnderTest):
     name = "trl"
     fused = False
-    padded_layout = PaddedLayout.LEFT_RIGHT  # GRPO's batch: left-padded prompts, right-padded completions
+    #: GRPO's batch: left-padded prompts, right-padded completions; both modes, both position kinds, autograd contexts
+    profile = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,))
     output_span = OutputSpan.RESPONSE  # padded: completion-only log-probs (logits_to_keep = completion width)
     known_failures = LOGITS_RECORDS
 
@@ -148,10 +149,8 @@ class TrlEngine(EngineUnderTest):
         return REASONS.get(feature, f"TRL's {'fused head' if self.fused else 'logits API'} has no "
                                     f"{feature.value}")
 
-    def strategy_limits(self):
-        return {"allow_sp": False, "allow_bucket": False, "allow_fused": False, "allow_distillation": False,
-                "allow_cu_seqlens": False, "allow_chunking": False, "allow_sum_pi_squared": False,
-                "per_sample_temperature": False}
+    def strategy_limits(self):  # the features it lacks (REASONS) are not drawn: the base class reads lacks()
+        return {**super().strategy_limits(), "per_sample_temperature": False}
 
 
 REASONS = {
