@@ -180,8 +180,8 @@ def test_left_layout_passes_when_declared(invariant, mrope) -> None:
 
 @pytest.mark.parametrize("invariant", ["INV-MASK-001", "INV-INPUT-001", "INV-VAL-001"])
 def test_left_layout_declared_right_fails(invariant) -> None:
-    with pytest.raises(AssertionError):
-        check(engine("WrongLeftDeclaredRight"), invariant, UNEQUAL)
+    with pytest.raises(AssertionError):  # lengths 4, 2, 4: the right layout's padding is a read token in the left
+        check(engine("WrongLeftDeclaredRight"), invariant, UNEQUAL.with_(response_lens=(1, 1, 2)))
 
 
 def test_left_layout_verdict() -> None:
@@ -253,7 +253,8 @@ def test_autocast_judges_the_scaled_logits_in_bfloat16() -> None:
         want, tol = ctx.oracle(key)
         ref, ref_tol = ctx.expected.at_precision(key, "float32", "bfloat16")
         assert all(torch.equal(a, b) for a, b in zip(tol, ref_tol))
-        assert all(bool((a > b).all()) for a, b in zip(tol, ctx.oracle(key, case.with_(context="grad"))[1]))
+        plain = ctx.oracle(key, case.with_(context="grad"))[1]
+        assert all(bool((a >= b).all()) for a, b in zip(tol, plain)) and any(bool((a > b).any()) for a, b in zip(tol, plain))
     assert in_context(None, "values", "autocast_bf16", ctx.expected) is None  # no arithmetic on the logits
 
 

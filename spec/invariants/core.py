@@ -212,7 +212,7 @@ def in_context(precision: Precision | None, key: str, context: str, exp: Expecte
     (the coarser of it and the declared ``scaled_in``); the dtype an output is returned in stays the declared one
     (INV-DEV-001 holds outputs to float32 under autocast too). Outside an autocast: ``precision`` as it is."""
     dtype = AUTOCAST_DTYPES.get(context)
-    if dtype is None or key not in exp.condition:
+    if dtype is None or key == "values" or key not in exp.condition:  # a value head's values: no logits
         return precision
     precision = precision or CONTRACT_PRECISION
     coarser = max((precision.scaled_in, dtype), key=unit_roundoff)
