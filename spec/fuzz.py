@@ -57,7 +57,7 @@ class TargetStats:
 def targets(engine, only: str | None = None, device: str = "cpu") -> list[tuple]:
     """The (invariant, mode) pairs to fuzz: the catalogue filtered by ``only``, less those the engine skips."""
     return [(info, mode) for info, mode in instances()
-            if (not only or info.id.startswith(only)) and skip_reason(info, engine, device) is None]
+            if (not only or info.id.startswith(only)) and skip_reason(info, engine, device, mode) is None]
 
 
 def _worker(index: int, workers: int, engine_name: str, only: str | None, device: str, seconds: float,

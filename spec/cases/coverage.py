@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..protocol.engine import Feature
+from ..protocol.profile import profile_of
 from .microbatch import MiniBatchCase
-from .structure import CONTEXTS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
+from .structure import CONTEXTS, EXECUTION_CONTEXTS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
 __all__ = ["dimensions", "domains", "DIMENSIONS", "MB_DIMENSIONS", "FEATURES", "EXCLUDED_PAIRS", "PAIRS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
 
@@ -35,7 +36,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "layout": ("packed", "padded"),
     "positions": ("2-D", "mRoPE"),
     "split view": ("no", "yes"),
-    "execution context": CONTEXTS,
+    "execution context": EXECUTION_CONTEXTS,
     "sp size": ("1", "2", "3", "4"),
     "sp groups": ("no sp", "single", "shifted", "contiguous", "interleaved"),
     "static bucket": ("no", "yes"),
@@ -193,12 +194,22 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     """dimension -> value -> why ``engine`` is not expected to see it (None: expected). A lacking feature gives
     the engine's reason; a configuration value it declares as not drawn gives the declared reason."""
     lacks = getattr(engine, "lacks", lambda feature: None)
+    profile = profile_of(engine)
+    # what the engine's profile says it is: the modes, position kinds and execution contexts drawn for it
+    is_not = {("layout", m): profile.mode_reason(m) for m in ("packed", "padded")} | {
+        ("positions", "2-D"): profile.position_reason("rope"), ("positions", "mRoPE"): profile.position_reason("mrope"),
+    } | {("execution context", c): profile.context_reason(c) for c in EXECUTION_CONTEXTS}
+    feature_is_not = {"packed": is_not[("layout", "packed")], "padded": is_not[("layout", "padded")],
+                      "mRoPE": is_not[("positions", "mRoPE")],
+                      "no grad": None if set(profile.contexts) - {"grad"} else profile.context_reason("no_grad")}
     out: dict[str, dict[str, str | None]] = {}
     for dim, values in DIMENSIONS.items():
-        out[dim] = {v: (lacks(_NEEDS[(dim, v)]) if (dim, v) in _NEEDS else None) for v in values}
+        out[dim] = {v: is_not.get((dim, v)) or (lacks(_NEEDS[(dim, v)]) if (dim, v) in _NEEDS else None)
+                    for v in values}
+
     def pair_reason(pair: str) -> str | None:
-        return next((lacks(FEATURES[f][1]) for f in pair.split(" x ") if FEATURES[f][1] is not None
-                     and lacks(FEATURES[f][1])), None)
+        return next((feature_is_not.get(f) or lacks(FEATURES[f][1]) for f in pair.split(" x ")
+                     if feature_is_not.get(f) or (FEATURES[f][1] is not None and lacks(FEATURES[f][1]))), None)
 
     out["feature pair"] = {pair: pair_reason(pair) for pair in PAIRS}
     no_layer = lacks(Feature.MICROBATCH)

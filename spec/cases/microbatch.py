@@ -26,6 +26,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
+from ..protocol.profile import POSITIONS
 from .materialize import jagged, materialize
 from .strategies import router_replay, seq_lengths
 from .structure import CONTEXTS, EngineCase, SampleLengths
@@ -323,10 +324,11 @@ def _budget(draw, seq_lens: tuple[int, ...], group: int, sp: int, allow_over: bo
 def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = False, allow_large: bool = False,
                     max_groups: int = 8, extras: bool = True, world: int = 1, max_group_size: int = 4,
                     fixed_divides: bool | None = True, count_rules: bool = True, refusals: bool = False,
-                    min_group_size: int = 1, allow_topk: bool = True, allow_temperature: bool = True
-                    ) -> MiniBatchCase:
+                    min_group_size: int = 1, allow_topk: bool = True, allow_temperature: bool = True,
+                    positions: tuple[str, ...] = POSITIONS) -> MiniBatchCase:
     """A :class:`MiniBatchCase`.
 
+    ``positions``: the position kinds the engine's profile accepts (mRoPE drawn only where both are).
     ``dynamic``: pin the dynamic (token budget) or fixed-size path (None draws it). ``allow_over``: budgets below
     the longest sample/group too. ``extras``: mRoPE, teacher top-K, routed experts, a per-sample temperature, uids.
     ``world`` > 1: the other data-parallel ranks' mini-batches as well (same settings, their own lengths).
@@ -370,9 +372,11 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
         if draw(st.booleans()):
             min_num = draw(st.integers(1, 4))
     mrope = topk = routed = temps = uid = False
+    mrope = positions == ("mrope",)  # an mRoPE-only engine: every mini-batch carries mRoPE positions
     routed_shape, routed_dtype = (8, 2, 2), "int64"
     if extras and tier != "large":  # a large mini-batch carries the trainer's keys only (cost)
-        mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4))
+        mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4)) if len(set(positions)) > 1 else \
+            ("mrope" in positions, *(draw(st.booleans()) for _ in range(3)))
         if routed:
             routed_shape, routed_dtype = draw(router_replay())
         topk = draw(st.sampled_from((0, 0, 1, 3))) if allow_topk else 0

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from ..protocol.profile import POSITIONS, EngineProfile
 from .structure import CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
-           "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay"]
+           "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
+           "draw_mrope"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -138,12 +140,30 @@ _LIMIT_EXCLUDES = {
 }
 
 
+def profile_draws(profile: EngineProfile) -> dict:
+    """The ``engine_cases`` keyword arguments an engine's profile sets: the modes, position kinds and execution
+    contexts drawn are exactly those it declares."""
+    return {"modes": tuple(profile.modes), "positions": tuple(profile.positions), "contexts": tuple(profile.contexts)}
+
+
+def draw_mrope(draw, positions: tuple[str, ...] = POSITIONS) -> bool:
+    """Whether a case hands mRoPE ``(4, ...)`` positions: drawn where both kinds are accepted (shrinking to 2-D),
+    else the one kind ``positions`` names (no draw)."""
+    if "mrope" in positions and "rope" in positions:
+        return draw(st.booleans())
+    return "mrope" in positions
+
+
 def within_limits(case: EngineCase, **limits) -> bool:
     """Whether ``engine_cases(**limits)`` could draw ``case`` as far as the engine-facing limits go (features,
-    per-sample temperature, logits dtypes); size bounds are not checked."""
+    per-sample temperature, logits dtypes, the profile's modes, positions and contexts); size bounds are not
+    checked."""
     for key, excludes in _LIMIT_EXCLUDES.items():
         if limits.get(key, True) is False and excludes(case):
             return False
+    if case.mode not in limits.get("modes", MODES) or \
+            ("mrope" if case.mrope else "rope") not in limits.get("positions", POSITIONS):
+        return False
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
         return False
@@ -159,10 +179,13 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  padding: bool = False,
                  per_sample_temperature: bool | None = None, tier: str | None = None,
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
-                 contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = ()) -> EngineCase:
+                 contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
+                 modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
-    ``mode`` pins packed/padded (``None`` draws it). Sequence parallelism and the
+    ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
+    ``mrope``: ``(4, ...)``) and ``contexts`` are what the engine's profile accepts (:func:`profile_draws`): a
+    single one is not drawn at all, so an engine never sees what it does not take. Sequence parallelism and the
     static bucket only apply to the packed mode; the bucket is never combined with
     top-K distillation (the contract makes that an error), fused kernels need one
     float temperature, and sequence parallelism is not drawn with distillation (the
@@ -180,6 +203,10 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     _check_bounds(max_batch=max_batch, max_len=max_len)
     if mode not in (None, *MODES):
         raise ValueError(f"mode must be None or one of {MODES}, got {mode!r}")
+    if not modes or not set(modes) <= set(MODES) or not positions or not set(positions) <= set(POSITIONS):
+        raise ValueError(f"modes {modes!r} / positions {positions!r}: non-empty subsets of {MODES} / {POSITIONS}")
+    if mode is None and len(modes) == 1:
+        mode = modes[0]
     tier = tier or (draw(_tier()) if allow_large else "small")
     if tier == "batch":
         batch = draw(st.integers(8, 64))
@@ -240,7 +267,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         prompt_lens=prompts, response_lens=responses,
         vocab=vocab,
         temperature=temperature,
-        mrope=draw(st.booleans()),
+        mrope=draw_mrope(draw, positions),
         use_remove_padding=packed,
         calculate_entropy=head == "lm" and draw(st.booleans()),
         calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),
@@ -281,7 +308,8 @@ def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], .
 
 @st.composite
 def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool = True,
-                topk: bool | None = None, routed_experts: bool | None = None) -> DenseCase:
+                topk: bool | None = None, routed_experts: bool | None = None,
+                positions: tuple[str, ...] = POSITIONS) -> DenseCase:
     """A left-padded-prompt, right-padded-response dense batch (with slack columns).
 
     Token ids are uniform over [0, V) (so real tokens equal the pad id), some cases end every
@@ -302,7 +330,7 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
         prompt_lens=prompts, response_lens=responses,
         prompt_width=max(prompts) + draw(st.integers(0, 2)),
         response_width=max(responses) + draw(st.integers(0, 2)),
-        mrope=draw(st.booleans()),
+        mrope=draw_mrope(draw, positions),
         topk=draw(st.sampled_from((1, 3))) if with_topk else 0,
         mask_holes=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..protocol.profile import CONTEXTS as EXECUTION_CONTEXTS
 from ..truth.rules import TEMPERATURE_FLOOR
 from .topology import Topology
 
 __all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES",
-           "TEMPERATURE_FLOOR", "CONTEXTS"]
+           "TEMPERATURE_FLOOR", "CONTEXTS", "EXECUTION_CONTEXTS"]
 
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
@@ -21,7 +22,9 @@ ROUTED_DTYPES = ("int64", "int32", "int16", "uint8")
 
 #: The autograd contexts a trainer calls the preparation in: the policy update (``grad``: grad enabled, the
 #: model's logits require grad), the old-policy and reference log-prob passes (``no_grad``:
-#: ``torch.no_grad()``; ``inference_mode``: ``torch.inference_mode()``). Cases shrink to ``grad``.
+#: ``torch.no_grad()``; ``inference_mode``: ``torch.inference_mode()``). Cases shrink to ``grad``. The contexts
+#: drawn for an engine are its profile's (default these); :data:`EXECUTION_CONTEXTS` adds a caller's autocast
+#: (``autocast_bf16``), drawn only for an engine whose profile lists it.
 CONTEXTS = ("grad", "no_grad", "inference_mode")
 
 #: Keys the suite's top-K distillation processor can produce (verl's names).
@@ -103,7 +106,7 @@ class EngineCase(SampleLengths):
     #: share of response tokens with loss_mask 0 (holes inside responses: multi-turn tool output)
     mask_hole_rate: float = 0.2
     seed: int = 0
-    #: the autograd context the engine's calls and the model run in (:data:`CONTEXTS`)
+    #: the execution context the engine's calls and the model run in (:data:`EXECUTION_CONTEXTS`)
     context: str = "grad"
     #: the engine's own configuration switches drawn off their defaults, ``((name, value), ...)`` (the adapter's
     #: ``config_space``); they reach the engine as ``make(head, **settings, name=value)``
@@ -115,8 +118,8 @@ class EngineCase(SampleLengths):
         object.__setattr__(self, "seed", ModelSeed(self.seed, self.logits_dtype))
         if self.logits_dtype not in LOGITS_DTYPES:
             raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {self.logits_dtype!r}")
-        if self.context not in CONTEXTS:
-            raise ValueError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if self.context not in EXECUTION_CONTEXTS:
+            raise ValueError(f"context must be one of {EXECUTION_CONTEXTS}, got {self.context!r}")
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab:

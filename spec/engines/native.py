@@ -81,12 +81,7 @@ class NativeVerlEngine(EngineUnderTest):
         return super().lacks(feature)
 
     def strategy_limits(self) -> dict[str, Any]:
-        return {"allow_sp": self.lacks(Feature.SP) is None, "allow_bucket": self.lacks(Feature.BUCKET) is None,
-                "allow_distillation": self.lacks(Feature.DISTILLATION) is None,
-                "allow_cu_seqlens": self.lacks(Feature.CU_SEQLENS) is None,
-                "allow_fused": self.lacks(Feature.FUSED) is None,
-                "allow_chunking": self.lacks(Feature.CHUNKING) is None,
-                "allow_sum_pi_squared": self.lacks(Feature.SUM_PI_SQUARED) is None, **self.LIMITS}
+        return {**super().strategy_limits(), **self.LIMITS}  # the features it lacks, then LIMITS
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
         """The FSDP engine's rule (:func:`spec.engines.verl.verl_precision`): log_probs and entropy in the logits'

@@ -68,10 +68,13 @@ def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
     return held
 
 
-def execution_context(case: EngineCase) -> contextlib.AbstractContextManager:
-    """The autograd context a case's engine calls and model run in (``EngineCase.context``): ``grad`` (grad
+def execution_context(case: EngineCase, device: str = "cpu") -> contextlib.AbstractContextManager:
+    """The execution context a case's engine calls and model run in (``EngineCase.context``): ``grad`` (grad
     enabled, as a policy update runs; the model's outputs then require grad), ``no_grad`` (``torch.no_grad()``)
-    or ``inference_mode`` (``torch.inference_mode()``), as the old-policy and reference log-prob passes run."""
+    or ``inference_mode`` (``torch.inference_mode()``), as the old-policy and reference log-prob passes run; or a
+    caller's autocast, ``autocast_bf16`` (grad enabled inside ``torch.autocast(<device type>,
+    dtype=torch.bfloat16)``: the engine's lower-precision ops compute in bfloat16; the stand-in model computes
+    as without it, :func:`_call_model`)."""
     context = getattr(case, "context", "grad")
     if context == "no_grad":
         return torch.no_grad()
@@ -79,6 +82,11 @@ def execution_context(case: EngineCase) -> contextlib.AbstractContextManager:
         return torch.inference_mode()
     if context == "grad":
         return torch.enable_grad()
+    if context == "autocast_bf16":
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast(torch.device(device).type, dtype=torch.bfloat16))
+        return stack
     raise ValueError(f"unknown execution context {context!r}")
 
 
@@ -212,16 +220,22 @@ def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCa
     the engine's declared ``layout``)."""
     for rank, mi in enumerate(inputs):
         check_model_inputs(mi, rank)
+    # the stand-in model's logits are the suite's truth: computed as without a caller's autocast (a model under
+    # autocast hands lower-precision logits, which the logits dtype draws cover)
+    plain = torch.autocast(inputs[0]["input_ids"].device.type, enabled=False)
     if not case.use_remove_padding:
         (mi,) = inputs
-        out = _tracked(model(**mi))
+        with plain:
+            out = _tracked(model(**mi))
         return [SimpleNamespace(**{k: _poison_padded(v, case, poison, layout) for k, v in _per_token(out).items()},
                                 **_shared(out))]
     joined = dict(inputs[0])
     for key in ("input_ids", "position_ids", "shift_labels"):
         if key in joined:
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
-    return rank_outputs(_tracked(model(**joined)), case, poison, [mi["input_ids"].shape[-1] for mi in inputs])
+    with plain:
+        out = _tracked(model(**joined))
+    return rank_outputs(out, case, poison, [mi["input_ids"].shape[-1] for mi in inputs])
 
 
 def rank_outputs(out: Any, case: EngineCase, poison: float, widths: list[int]) -> list[SimpleNamespace]:

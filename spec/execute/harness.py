@@ -16,7 +16,8 @@ from tensordict import TensorDict
 
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
-from ..protocol.engine import EngineUnderTest, PaddedLayout
+from ..protocol.engine import EngineUnderTest
+from ..protocol.profile import profile_of
 from ..truth.oracle import TopKProcessor
 from . import ranks
 from .handoff import (
@@ -69,7 +70,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     ``reuse``: engine objects kept across calls, as a trainer keeps its engine. An empty list is
     filled with the engine objects this call builds (one per rank); a filled one is used as is.
 
-    The engine's calls and the model run in the case's autograd context (:func:`.handoff.execution_context`);
+    The engine's calls and the model run in the case's execution context (autograd mode or autocast) (:func:`.handoff.execution_context`);
     the micro-batch, the model's weights and the snapshots the invariants compare with are made outside it."""
     sp_runner = getattr(engine, "sp_runner", None) or (ranks.execute if engine.sp_on_real_ranks else None)
     if reuse is not None and (case.sp_size > 1 or len(reuse) not in (0, case.sp_size)):
@@ -81,7 +82,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     mb = materialize(case, device) if micro_batch is None else micro_batch
     run = Run(case, device, mb, snapshot(mb), model_for(case, device, engine))
     gather = ThreadedAllGather(case.sp_size) if case.sp_size > 1 else None
-    with execution_context(case):
+    with execution_context(case, device):
         return _execute(engine, case, run, mb, gather, poison, stop_after_inputs, reuse)
 
 
@@ -107,8 +108,7 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     attach_views(run, engine)
     if stop_after_inputs:
         return run
-    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison],
-                                    getattr(engine, "padded_layout", PaddedLayout.RIGHT))
+    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison], profile_of(engine).padded_layout)
     run.model_output_snapshots = [{k: v.detach().clone() for k, v in _fields(o).items()} for o in run.model_outputs]
     run.output_args_snapshots = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in args.items()}
@@ -116,7 +116,7 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     processors = [processor_for(engine, case, case.sp_size, r) for r in range(len(engines))]
 
     def call(eng: Any, r: int) -> Any:
-        with execution_context(case):  # autograd's mode is per thread: each rank's thread enters it again
+        with execution_context(case, run.device):  # autograd's and autocast's modes are per thread: each rank's thread enters it again
             return eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processors[r])
 
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable
 
@@ -10,18 +10,19 @@ import torch
 from hypothesis import strategies as st
 
 from ..cases.structure import DenseCase, EngineCase
-from ..protocol.engine import EngineUnderTest, OutputSpan
-from ..protocol.profile import Convention
+from ..protocol.engine import CONTRACT_PRECISION, EngineUnderTest, OutputSpan, Precision
+from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profile_of
 from ..execute.harness import Run, execute, model_for
 from ..execute.handoff import nested_parts
 from ..cases.materialize import draws, materialize
-from ..truth.oracle import Expected, expected
+from ..truth.oracle import Expected, expected, unit_roundoff
 from ..truth.rules import read_positions, shared_temperature
-from ..cases.strategies import dense_cases, engine_cases
+from ..cases.strategies import dense_cases, engine_cases, profile_draws
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
            "match_oracle", "match_runs", "held", "same", "measure_bounds", "honour_engine",
-           "shares_one_temperature", "read", "convention_promised", "convention_skip", "add_facts"]
+           "shares_one_temperature", "read", "convention_promised", "convention_skip", "add_facts", "mode_reason",
+           "within_profile", "in_context"]
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -63,11 +64,16 @@ class InvariantInfo:
     convention: Convention | None = None
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
+        """The cases drawn for ``engine``: what its profile accepts (modes, position kinds, execution contexts:
+        :func:`~spec.cases.strategies.profile_draws`), within its strategy limits (features it lacks) and its
+        configuration space, adjusted for the invariant and then to the engine (:func:`honour_engine`)."""
+        profile = profile_of(engine)
         if self.kind == "dense":
-            strategy = dense_cases(**self.strategy_kwargs)
-            return strategy.map(self.adjust) if self.adjust else strategy
-        kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **engine.strategy_limits(),
-                  **self.strategy_kwargs}
+            strategy = dense_cases(**{"positions": tuple(profile.positions), **self.strategy_kwargs})
+            strategy = strategy.map(self.adjust) if self.adjust else strategy
+            return strategy.map(lambda case: honour_engine(case, engine))
+        kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **profile_draws(profile),
+                  **engine.strategy_limits(), **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
         strategy = strategy.map(self.adjust) if self.adjust else strategy
         strategy = strategy.flatmap(self.draw_after) if self.draw_after else strategy
@@ -95,6 +101,13 @@ def convention_skip(info: InvariantInfo, engine: EngineUnderTest) -> str | None:
             "declare it, and the contract does not ask it")
 
 
+def mode_reason(info: InvariantInfo, engine: EngineUnderTest, mode: str) -> str | None:
+    """Why ``info``'s target in ``mode`` does not apply to ``engine``: a mode its profile does not run (a
+    ``both`` target compares the two modes; an ``any`` target runs in a mode the engine has). A skip with the
+    profile's reason, never the engine's failure."""
+    return profile_of(engine).mode_reason(mode) if mode in ("packed", "padded", "both") else None
+
+
 def shares_one_temperature(engine: EngineUnderTest) -> bool:
     """Whether the engine takes one temperature per trainer (it lacks per-sample temperatures)."""
     return engine.lacks("per_sample_temperature") is not None
@@ -106,12 +119,32 @@ def honour_engine(case: EngineCase, engine: EngineUnderTest) -> EngineCase:
     or the temperature's application hold just as well with one; the invariants that need per-sample values
     declare ``needs=("per_sample_temperature",)`` and are skipped instead); a distillation case of an engine whose
     own processor returns a fixed set of keys (:meth:`~spec.protocol.EngineUnderTest.processor_keys`) asks those."""
+    case = within_profile(case, profile_of(engine))
     if isinstance(case, EngineCase) and case.per_sample_temperature and shares_one_temperature(engine):
         case = shared_temperature(case)
     if isinstance(case, EngineCase) and case.distillation_keys:
         keys = engine.processor_keys(case)  # the engine's own processor returns these whatever the case asks
         if keys is not None and tuple(keys) != case.distillation_keys:
             case = case.with_(distillation_keys=tuple(keys))
+    return case
+
+
+def within_profile(case: Any, profile: EngineProfile) -> Any:
+    """``case`` moved into what ``profile`` accepts where an invariant's ``adjust`` or a pinned example asks what
+    the engine does not take: its mode (packed-only settings dropped for the padded mode), its position kind, its
+    execution context (the profile's first). The strategies draw nothing else (:func:`profile_draws`); a case
+    already inside the profile is returned as it is."""
+    mrope = getattr(case, "mrope", None)
+    if mrope is not None and ("mrope" if mrope else "rope") not in profile.positions:
+        case = case.with_(mrope=not mrope) if isinstance(case, EngineCase) else replace(case, mrope=not mrope)
+    if not isinstance(case, EngineCase):
+        return case
+    if case.mode not in profile.modes:
+        packed = not case.use_remove_padding
+        case = case.with_(use_remove_padding=packed) if packed else case.with_(
+            use_remove_padding=False, sp_size=1, topology=None, pad_to_length=None, pass_cu_seqlens=False)
+    if case.context not in profile.contexts:
+        case = case.with_(context=profile.contexts[0])
     return case
 
 
@@ -178,7 +211,9 @@ class Ctx:
         """Output ``key``'s per-sequence expectation and tolerance at the precision the engine declares for it on
         ``case``'s path (default: this case): the oracle's rule (:meth:`spec.truth.oracle.Expected.at_precision`)."""
         declared = getattr(self.engine, "precision", None)
-        precision = declared(key, case or self.case) if declared is not None else None
+        case = case or self.case
+        precision = declared(key, case) if declared is not None else None
+        precision = in_context(precision, key, getattr(case, "context", "grad"), self.expected)
         if precision is None:
             return self.expected.of(key), self.expected.tolerance[key]
         return self.expected.at_precision(key, precision.returns, precision.scaled_in)
@@ -191,6 +226,21 @@ class Ctx:
         if fn is None:  # guarded by `needs`; reaching here is a suite bug
             raise RuntimeError(f"engine {self.engine.name} has no helper {name}")
         return fn
+
+
+def in_context(precision: Precision | None, key: str, context: str, exp: Expected) -> Precision | None:
+    """The precision output ``key`` is judged at in execution ``context``: under a caller's autocast
+    (:data:`~spec.protocol.profile.AUTOCAST_DTYPES`) the engine's lower-precision ops (a matmul: a fused head's
+    logits) compute in the autocast's dtype, so every key computed from the scaled logits (those the oracle gives a
+    condition: log_probs, entropy, sum_pi_squared, the distillation terms) is judged with the scaled logits in it
+    (the coarser of it and the declared ``scaled_in``); the dtype an output is returned in stays the declared one
+    (INV-DEV-001 holds outputs to float32 under autocast too). Outside an autocast: ``precision`` as it is."""
+    dtype = AUTOCAST_DTYPES.get(context)
+    if dtype is None or key == "values" or key not in exp.condition:  # a value head's values: no logits
+        return precision
+    precision = precision or CONTRACT_PRECISION
+    coarser = max((precision.scaled_in, dtype), key=unit_roundoff)
+    return Precision(returns=precision.returns, scaled_in=coarser)
 
 
 def fail(message: str, **facts: Any) -> None:

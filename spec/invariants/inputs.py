@@ -6,7 +6,7 @@ import torch
 
 from ..cases.structure import TEMPERATURE_FLOOR
 from ..protocol.engine import PaddedLayout
-from ..protocol.profile import Convention
+from ..protocol.profile import Convention, profile_of
 from ..truth.rules import (distinct_temperatures, full_length_mask, layout_columns, layout_mask, layout_width, offsets,
                            padded_length, token_temperatures)
 from .core import Ctx, fail, invariant, match_oracle
@@ -24,8 +24,8 @@ def _lens(ctx: Ctx) -> torch.Tensor:
 
 
 def _layout(ctx: Ctx) -> PaddedLayout:
-    """The padded layout the engine declares (verl's right-padded full rows unless it says otherwise)."""
-    return PaddedLayout(getattr(ctx.engine, "padded_layout", PaddedLayout.RIGHT))
+    """The padded layout the engine's profile declares (verl's right-padded full rows unless it says otherwise)."""
+    return profile_of(ctx.engine).padded_layout
 
 
 def _layout_words(ctx: Ctx) -> str:
@@ -217,7 +217,7 @@ def _bucketed(case):
 def _tail(ctx: Ctx):
     case = ctx.case
     total = case.total_nnz
-    padded = padded_length(total, case.pad_to_length, case.sp_size)
+    padded = padded_length(total, case.pad_to_length, case.sp_size, profile_of(ctx.engine).tail_multiple)
     ids = _joined(ctx, "input_ids")[0]
     if ids.shape[0] != padded:
         fail(f"packed row has {ids.shape[0]} tokens, expected {padded} (total_nnz={total}, "

@@ -25,6 +25,7 @@ from ..cases.materialize import draws
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows, minibatch_cases
 from ..execute.attribution import engine_side
 from ..execute.handoff import execution_context
+from ..protocol.profile import profile_of
 from ..execute.harness import execute, model_for
 from ..execute.microbatch import dp_micro_batch_counts
 from ..protocol.microbatch import MicroBatchLayer
@@ -58,7 +59,7 @@ class MicroBatchInfo(InvariantInfo):
     example_share: float = 0.4
 
     def cases(self, mode, engine):  # noqa: ARG002 - the mode (end to end) is set by ``adjust``
-        kwargs = dict(self.strategy_kwargs)
+        kwargs = {"positions": tuple(profile_of(engine).positions), **self.strategy_kwargs}  # what it accepts
         if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
             kwargs.update(engine_extras(engine))
         return minibatch_cases(**kwargs)

@@ -7,7 +7,7 @@ import torch
 from ..cases.structure import EngineCase
 from ..cases.materialize import select_rows
 from ..execute.harness import POISONS, execute
-from ..protocol.engine import PaddedLayout
+from ..protocol.profile import profile_of
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
 from .core import Ctx, fail, invariant, match_oracle, match_runs, per_seq, same
 
@@ -134,7 +134,7 @@ def _has_padding(ctx: Ctx) -> bool:
         widths = sum(view.input_ids.shape[-1] for view in ctx.run.views)
         has = widths > case.total_nnz
     else:
-        layout = getattr(ctx.engine, "padded_layout", PaddedLayout.RIGHT)
+        layout = profile_of(ctx.engine).padded_layout
         has = bool((layout_mask(case.prompt_lens, case.response_lens, layout) == 0).any())
     if not has:
         ctx.not_exercised("no padding to poison")
@@ -147,9 +147,11 @@ def alone_nonfinite(ctx: Ctx, i: int) -> dict[str, torch.Tensor]:
     example."""
     cache = ctx.__dict__.setdefault("_alone_nonfinite", {})
     if i not in cache:
+        packed = profile_of(ctx.engine).runs("packed")  # a padded-only engine: one row, no padding either
         mb = select_rows(ctx.run.micro_batch, [i])
-        mb.set_non_tensor("use_remove_padding", True)
-        alone = ctx.case.subset([i]).with_(use_remove_padding=True, sp_size=1, pad_to_length=None)
+        mb.set_non_tensor("use_remove_padding", packed)
+        alone = ctx.case.subset([i]).with_(use_remove_padding=packed, sp_size=1, pad_to_length=None,
+                                           pass_cu_seqlens=packed and ctx.case.pass_cu_seqlens)
         outputs = execute(ctx.engine, alone, ctx.device, micro_batch=mb).outputs
         cache[i] = {key: ~torch.isfinite(value.values() if value.is_nested else value).cpu()
                     for key, value in outputs.items() if isinstance(value, torch.Tensor)}

@@ -27,6 +27,7 @@ from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
 from ..execute.ranks import execute as execute_on_ranks
+from ..protocol.profile import profile_of
 from ..truth.rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
 from .outputs import leaked
@@ -99,8 +100,9 @@ def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
     return ctx.__dict__[key]
 
 
-def _padded_len(case: EngineCase) -> int:
-    return padded_length(case.total_nnz, case.pad_to_length, case.sp_size)
+def _padded_len(case: EngineCase, engine) -> int:
+    """The packed row's length: the bucket, the engine's tail rule (its profile's ``tail_multiple``), sp."""
+    return padded_length(case.total_nnz, case.pad_to_length, case.sp_size, profile_of(engine).tail_multiple)
 
 
 def _replicated(run: Run) -> bool:
@@ -206,7 +208,7 @@ def _rank_labels(ctx: Ctx, *, exact: bool) -> None:
     run = _real(ctx, inputs_only=True)
     case = ctx.case
     ids = run.micro_batch["input_ids"].values().cpu()
-    padded = _padded_len(case)
+    padded = _padded_len(case, ctx.engine)
     want = torch.cat([torch.roll(ids, -1), ids.new_zeros(padded - ids.shape[0])])
     check = torch.ones(padded, dtype=torch.bool) if exact else _scored(case, padded)
     local = padded // case.sp_size
@@ -257,7 +259,7 @@ def ranks_global_roll_exact(ctx: Ctx) -> None:
 def ranks_pad_and_tail(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
-    total, padded = case.total_nnz, _padded_len(case)
+    total, padded = case.total_nnz, _padded_len(case, ctx.engine)
     pad, local = padded - total, padded // case.sp_size
     for r, view in enumerate(run.views):
         if view.pad_size != pad:
@@ -304,7 +306,7 @@ def _mrope_temperatures(case: EngineCase) -> EngineCase:
 def ranks_mrope_temperature(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
-    total, padded = case.total_nnz, _padded_len(case)
+    total, padded = case.total_nnz, _padded_len(case, ctx.engine)
     local = padded // case.sp_size
     pos = run.micro_batch["position_ids"].values().cpu()  # (4, total)
     row = _rows(run, "position_ids")  # (4, 1, padded): the slices joined, or the row every rank got

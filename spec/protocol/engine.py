@@ -18,14 +18,14 @@ registry, the runner and the invariants all depend on it, never the other way ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 import inspect
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import DEFAULT_PROFILE, EngineProfile
+from .profile import DEFAULT_PROFILE, EngineProfile, PaddedLayout, token_columns
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
@@ -77,6 +77,10 @@ class Feature(str, Enum):
 
 
 ENGINE_FEATURE = Feature.ENGINE
+#: each ``engine_cases`` limit and the feature whose lack sets it (:meth:`EngineUnderTest.strategy_limits`)
+LIMIT_FEATURES = {"allow_sp": Feature.SP, "allow_bucket": Feature.BUCKET, "allow_distillation": Feature.DISTILLATION,
+                  "allow_cu_seqlens": Feature.CU_SEQLENS, "allow_fused": Feature.FUSED,
+                  "allow_chunking": Feature.CHUNKING, "allow_sum_pi_squared": Feature.SUM_PI_SQUARED}
 HELPER_FEATURES = (Feature.BUILD_ATTENTION_MASK, Feature.NO_PADDING_2_PADDING, Feature.LEFT_RIGHT_2_NO_PADDING,
                    Feature.RESPONSE_FROM_NESTED, Feature.RESPONSE_TO_NESTED)
 #: the padding helpers an engine may ship (names as in verl.workers.utils.padding)
@@ -86,18 +90,6 @@ HELPERS = tuple(f.value for f in HELPER_FEATURES)
 class ShardLayout(str, Enum):
     CONTIGUOUS = "contiguous"  # rank r holds rows [r*n/w, (r+1)*n/w) of the padded packed row
     ZIGZAG = "zigzag"  # each sequence in 2w chunks; rank r holds chunks r and 2w-1-r
-
-
-class PaddedLayout(str, Enum):
-    """Where a padded engine (``use_remove_padding=False``) puts each sequence in its ``(B, L)`` model input.
-    The harness poisons the model's output by the declared layout's padding, and every mask/row invariant
-    reads the layout's meaning (which columns hold sample i's tokens); :func:`spec.truth.rules.layout_columns`."""
-
-    #: verl: the whole sequence from column 0, right-padded to ``L = max n_i``
-    RIGHT = "right"
-    #: what Hugging Face ``generate`` returns (TRL, OpenRLHF): each prompt left-padded to ``P = max p_i`` (it ends
-    #: at column ``P - 1``), each response from column ``P``, right-padded to ``L = P + max r_i``
-    LEFT_RIGHT = "left_right"
 
 
 class OutputSpan(str, Enum):
@@ -311,8 +303,23 @@ class EngineUnderTest:
         except TypeError:
             return (_itself, (self,))
         return (type(self), ())
-    #: where the padded mode puts each sequence in its (B, L) model input (:class:`PaddedLayout`)
-    padded_layout: PaddedLayout = PaddedLayout.RIGHT
+
+    @property
+    def padded_layout(self) -> PaddedLayout:
+        """Where the padded mode puts each sequence in its (B, L) model input: the profile's
+        (:attr:`EngineProfile.padded_layout`). A subclass that still sets ``padded_layout = ...`` as a class
+        attribute has it moved into its profile (:meth:`__init_subclass__`)."""
+        return self.profile.padded_layout
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """The legacy class attribute ``padded_layout = <layout>`` becomes the subclass's profile's
+        ``padded_layouts`` (one record: what the suite reads is the profile)."""
+        super().__init_subclass__(**kwargs)
+        legacy = cls.__dict__.get("padded_layout")
+        if legacy is not None and not isinstance(legacy, property):
+            cls.profile = replace(cls.profile, padded_layouts=(PaddedLayout(legacy),))
+            delattr(cls, "padded_layout")
+
     #: which positions of each sequence its outputs cover (:class:`OutputSpan`)
     output_span: OutputSpan = OutputSpan.SEQUENCE
     #: what the model hands its output step: logits, or hidden states and the LM-head weight (:class:`HeadInput`)
@@ -329,8 +336,11 @@ class EngineUnderTest:
     def strategy_limits(self) -> dict[str, Any]:
         """Strategy keyword arguments that keep drawn cases within what the engine supports: features it does
         not offer, never a region of inputs it gets wrong (that is a :class:`~spec.protocol.known.KnownFailure`
-        record; tests/test_regimes.py fails on a limit that excludes a logits dtype or a context)."""
-        return {}
+        record; tests/test_regimes.py fails on a limit that excludes a logits dtype or a context). The default
+        draws no feature the engine lacks (:meth:`lacks`: one statement of each, with its reason). What the engine
+        *is* (modes, position kinds, padded layout, execution contexts) is its :attr:`profile`, never a limit.
+        (Features still live here and in :meth:`lacks`; they move into the profile next.)"""
+        return {key: False for key, feature in LIMIT_FEATURES.items() if self.lacks(feature)}
 
     def config_space(self) -> tuple[ConfigSwitch, ...]:
         """The engine's own configuration switches that change its preparation's code path (the strategies draw
@@ -520,15 +530,10 @@ def sequences_from_responses(padded: torch.Tensor, micro_batch: Any, fill: float
 def sequences_from_rows(rows: torch.Tensor, micro_batch: Any, layout: "PaddedLayout | str" = PaddedLayout.RIGHT
                         ) -> torch.Tensor:
     """Dense per-token rows ``(B, L, *)`` of a padded ``layout`` as a nested tensor over the full sequences (each
-    sample's tokens in order, wherever the layout puts them)."""
+    sample's tokens in order, wherever the layout puts them: :func:`spec.protocol.profile.token_columns`)."""
     seq, resp = _lengths(micro_batch)
-    seq, resp = seq.to(rows.device), resp.to(rows.device)
-    sample = torch.repeat_interleave(torch.arange(seq.shape[0], device=rows.device), seq)
-    within = torch.arange(int(seq.sum()), device=rows.device) - (seq.cumsum(0) - seq)[sample]
-    if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
-        prompts = seq - resp
-        within = within + (int(prompts.max()) - prompts)[sample]
-    return torch.nested.nested_tensor_from_jagged(rows[sample, within], micro_batch["input_ids"].offsets().to(rows.device))
+    sample, column, _ = token_columns(layout, seq - resp, resp, rows.device)
+    return torch.nested.nested_tensor_from_jagged(rows[sample, column], micro_batch["input_ids"].offsets().to(rows.device))
 
 
 # -- the contract's flags, read strictly (for adapters) ---------------------------------------------------------

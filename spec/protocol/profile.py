@@ -5,10 +5,15 @@ for an engine under test (``EngineUnderTest.profile``):
 
 * ``modes``: the modes it runs (``"packed"``, ``"padded"``); a target of a mode it does not run is a skip with
   the profile's reason, never the engine's failure;
-* ``padded_layouts``: where each padded row's tokens sit (:class:`~spec.protocol.engine.PaddedLayout`);
-* ``positions``: the position kinds it accepts (``"rope"``: ``(B, n)``; ``"mrope"``: ``(B, 4, n)``);
-* ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule);
-* ``contexts``: the execution contexts its callers run the preparation in (autograd modes, autocast);
+* ``padded_layouts``: where each padded row's tokens sit (:class:`PaddedLayout`; :func:`layout_starts` is the one
+  map from a layout and the lengths to each row's columns); the engine's padded input is in the first;
+* ``positions``: the position kinds it accepts (``"rope"``: ``(B, n)``; ``"mrope"``: ``(4, B, n)``); the strategies
+  draw only these;
+* ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule); the
+  packed invariants read the tail as padding (:func:`spec.truth.rules.padded_length`);
+* ``contexts``: the execution contexts its callers run the preparation in (:data:`CONTEXTS`: the autograd modes,
+  and ``autocast_bf16``, a caller's ``torch.autocast("cpu", dtype=torch.bfloat16)``); the strategies draw only
+  these, and under an autocast the value invariants judge the scaled logits at the autocast's dtype;
 * ``conventions``: what the engine promises beyond the contract (:class:`Convention`): checked for this engine
   only, never asserted of an engine that does not declare it;
 * ``surface``: the engine's own preparation code (``package.module`` or ``package.module:function``), whose
@@ -23,14 +28,69 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Any, Mapping
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "VERL_CONVENTIONS"]
+import torch
+
+__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
+           "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
 #: the position kinds: 1-D rotary positions, or Qwen2-VL's 4-axis mRoPE positions
 POSITIONS = ("rope", "mrope")
+#: the autograd contexts a trainer calls the preparation in (the policy update; the old-policy and reference passes)
+AUTOGRAD_CONTEXTS = ("grad", "no_grad", "inference_mode")
+#: each autocast context and the dtype its lower-precision ops compute in (grad enabled, as a policy update runs)
+AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
+#: every execution context an engine's profile may list
+CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
+
+
+class PaddedLayout(str, Enum):
+    """Where a padded engine (``use_remove_padding=False``) puts each sequence in its ``(B, L)`` model input: each
+    row's tokens are contiguous and in order, from the row's start column (:func:`layout_starts`, the one map from a
+    layout to columns that the harness's poisoning, the mask/row invariants and :func:`~spec.protocol.engine.
+    sequences_from_rows` read)."""
+
+    #: verl: the whole sequence from column 0, right-padded to ``L = max n_i``
+    RIGHT = "right"
+    #: what Hugging Face ``generate`` returns (TRL, OpenRLHF): each prompt left-padded to ``P = max p_i`` (it ends
+    #: at column ``P - 1``), each response from column ``P``, right-padded to ``L = P + max r_i``
+    LEFT_RIGHT = "left_right"
+    #: every row right-aligned (SkyRL, OpenRLHF-style left-padded rows): padding on the left, each sequence ending at
+    #: the last column ``L - 1`` with ``L = max n_i``
+    LEFT = "left"
+
+
+def layout_starts(layout: "PaddedLayout | str", prompt_lens: Any, response_lens: Any
+                  ) -> tuple[torch.Tensor, int]:
+    """Each row's first column (int64, ``(B,)``) and the width ``L`` of the padded input in ``layout``: row i holds
+    its ``n_i = p_i + r_i`` tokens at columns ``start_i .. start_i + n_i - 1``. The one statement of what a layout
+    means (lengths as sequences of ints or int tensors)."""
+    prompts = torch.as_tensor(prompt_lens, dtype=torch.int64).reshape(-1).cpu()
+    responses = torch.as_tensor(response_lens, dtype=torch.int64).reshape(-1).cpu()
+    lens = prompts + responses
+    layout = PaddedLayout(layout)
+    if layout is PaddedLayout.RIGHT:
+        return torch.zeros_like(lens), int(lens.max())
+    if layout is PaddedLayout.LEFT:
+        width = int(lens.max())
+        return width - lens, width
+    width = int(prompts.max())
+    return width - prompts, width + int(responses.max())
+
+
+def token_columns(layout: "PaddedLayout | str", prompt_lens: Any, response_lens: Any,
+                  device: "torch.device | str" = "cpu") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For every token of the batch (sample-major, each sample's tokens in order): its row and its column in the
+    padded input of ``layout`` (int64, on ``device``), and the width ``L`` (:func:`layout_starts`)."""
+    starts, width = layout_starts(layout, prompt_lens, response_lens)
+    lens = (torch.as_tensor(prompt_lens, dtype=torch.int64).reshape(-1).cpu()
+            + torch.as_tensor(response_lens, dtype=torch.int64).reshape(-1).cpu())
+    rows = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
+    within = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[rows]
+    return rows.to(device), (starts[rows] + within).to(device), width
 
 
 class Convention(str, Enum):
@@ -58,10 +118,10 @@ class EngineProfile:
     both modes, right-aligned padded rows, both position kinds, no tail rule, every autograd context."""
 
     modes: tuple[str, ...] = MODES
-    padded_layouts: tuple[str, ...] = ("right",)
+    padded_layouts: tuple[PaddedLayout, ...] = (PaddedLayout.RIGHT,)
     positions: tuple[str, ...] = POSITIONS
     tail_multiple: int | None = None
-    contexts: tuple[str, ...] = ("grad", "no_grad", "inference_mode")
+    contexts: tuple[str, ...] = AUTOGRAD_CONTEXTS
     conventions: frozenset[Convention] = frozenset()
     surface: tuple[str, ...] = ()
     unreachable: Mapping[str, str] = field(default_factory=dict)
@@ -75,6 +135,16 @@ class EngineProfile:
         for kind in self.positions:
             if kind not in POSITIONS:
                 raise ValueError(f"profile positions: unknown kind {kind!r}; kinds: {POSITIONS}")
+        if not self.positions:
+            raise ValueError("profile positions: an engine accepts at least one position kind")
+        if not self.padded_layouts:
+            raise ValueError("profile padded_layouts: name at least one (the engine's padded input is in the first)")
+        object.__setattr__(self, "padded_layouts", tuple(PaddedLayout(layout) for layout in self.padded_layouts))
+        for context in self.contexts:
+            if context not in CONTEXTS:
+                raise ValueError(f"profile contexts: unknown context {context!r}; contexts: {CONTEXTS}")
+        if not self.contexts:
+            raise ValueError("profile contexts: callers run the preparation in at least one context")
         if self.tail_multiple is not None and self.tail_multiple < 1:
             raise ValueError(f"profile tail_multiple must be >= 1 or None, got {self.tail_multiple!r}")
         object.__setattr__(self, "conventions", frozenset(Convention(c) for c in self.conventions))
@@ -82,8 +152,40 @@ class EngineProfile:
     def runs(self, mode: str) -> bool:
         return mode in self.modes
 
+    @property
+    def padded_layout(self) -> PaddedLayout:
+        """The layout of the engine's padded model input (the first of :attr:`padded_layouts`)."""
+        return self.padded_layouts[0]
+
+    def mode_reason(self, mode: str) -> str | None:
+        """Why a target of ``mode`` (``packed``, ``padded``, ``both``: one comparing the two) does not apply to this
+        engine, or None."""
+        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        missing = [m for m in wanted if m not in self.modes]
+        if not missing:
+            return None
+        return (f"the engine runs only the {' and '.join(self.modes)} mode (its profile: modes={self.modes!r}); "
+                f"no {' or '.join(missing)} run to check")
+
+    def position_reason(self, kind: str) -> str | None:
+        """Why cases with positions of ``kind`` (``rope``, ``mrope``) are not drawn for this engine, or None."""
+        if kind in self.positions:
+            return None
+        return f"the engine takes {' and '.join(self.positions)} positions only (its profile: positions={self.positions!r})"
+
+    def context_reason(self, context: str) -> str | None:
+        """Why cases in execution ``context`` are not drawn for this engine, or None."""
+        if context in self.contexts:
+            return None
+        return f"the engine's callers do not run it in {context} (its profile: contexts={self.contexts!r})"
+
     def promises(self, convention: "Convention | str") -> bool:
         return Convention(convention) in self.conventions
 
 
 DEFAULT_PROFILE = EngineProfile()
+
+
+def profile_of(engine: Any) -> EngineProfile:
+    """``engine``'s profile (an object without one: :data:`DEFAULT_PROFILE`)."""
+    return getattr(engine, "profile", None) or DEFAULT_PROFILE

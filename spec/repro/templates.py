@@ -19,6 +19,7 @@ from pathlib import Path
 from ..execute import handoff, harness
 from ..invariants import settings
 from ..protocol.engine import PaddedLayout, ReproSnippet
+from ..protocol.profile import layout_starts
 from ..truth import oracle, rules, toy_model
 from . import runtime
 
@@ -58,7 +59,7 @@ def suite_blocks() -> str:
              "from functools import lru_cache", "", _module_body(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
-    for fn in (PaddedLayout, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
+    for fn in (PaddedLayout, layout_starts, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
                handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
                handoff.rank_outputs, harness._in_threads):

@@ -21,7 +21,7 @@ from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
-from ..invariants.core import convention_skip, honour_engine
+from ..invariants.core import convention_skip, honour_engine, mode_reason
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES",
@@ -138,9 +138,11 @@ def instances(infos=None) -> list[tuple[InvariantInfo, str]]:
     return [(info, mode) for info in infos for mode in info.modes]
 
 
-def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str) -> str | None:
+def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str, mode: str | None = None) -> str | None:
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
+    if mode is not None and mode_reason(info, engine, mode):  # a mode the engine's profile does not run
+        return mode_reason(info, engine, mode)
     convention = convention_skip(info, engine)  # one engine's convention, not the contract
     if convention:
         return convention
@@ -176,7 +178,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     """The pinned cases every invariant also runs (the seeds' worked examples, the reach floors), minus those the engine's strategy limits exclude (an
     engine that offers no distillation is not handed a distillation case here either)."""
     if info.kind == "dense":
-        return list(SEED_DENSE)
+        return [honour_engine(case, engine) for case in SEED_DENSE] if engine is not None else list(SEED_DENSE)
     pinned = getattr(info, "pinned", None)  # invariants on other case types pin their own worked examples
     if pinned is not None:
         return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
@@ -282,7 +284,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     ``seed``: an explicit seed (combined with the invariant's stream key), for independent runs.
     """
     outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
-    reason = skip_reason(info, engine, device)
+    reason = skip_reason(info, engine, device, mode)
     if reason:
         outcome.status, outcome.reason = "skip", reason
         return outcome

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol.engine import OutputSpan, PaddedLayout
+from ..protocol.profile import layout_starts
 
 #: The contract clamps temperature below at this value before dividing.
 TEMPERATURE_FLOOR = 1e-8
@@ -61,9 +62,11 @@ def token_temperatures(case: "EngineCase") -> torch.Tensor:
                                    torch.tensor(case.seq_lens))
 
 
-def padded_length(total: int, bucket: int | None, sp_size: int) -> int:
-    """The packed row's length after the static bucket (rounded up) and then the sequence-parallel pad."""
+def padded_length(total: int, bucket: int | None, sp_size: int, multiple: int | None = None) -> int:
+    """The packed row's length after the static bucket (rounded up), the engine's tail rule (rounded up to a
+    multiple of ``multiple`` tokens: its profile's ``tail_multiple``) and then the sequence-parallel pad."""
     padded = total if not bucket else -(-total // bucket) * bucket
+    padded = padded if not multiple else -(-padded // multiple) * multiple
     return -(-padded // sp_size) * sp_size
 
 
@@ -79,33 +82,29 @@ def read_positions(prompt_lens, response_lens, span: "OutputSpan | str" = Output
 
 
 def layout_width(prompt_lens, response_lens, layout: "PaddedLayout | str" = PaddedLayout.RIGHT) -> int:
-    """The padded model input's width ``L`` in ``layout``: ``max n_i`` (right) or ``max p_i + max r_i`` (left-right)."""
-    if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
-        return max(prompt_lens) + max(response_lens)
-    return max(p + r for p, r in zip(prompt_lens, response_lens))
+    """The padded model input's width ``L`` in ``layout``: ``max n_i`` (right, left) or ``max p_i + max r_i``
+    (left-right); :func:`spec.protocol.profile.layout_starts`."""
+    return layout_starts(layout, prompt_lens, response_lens)[1]
 
 
 def layout_columns(prompt_lens, response_lens, layout: "PaddedLayout | str" = PaddedLayout.RIGHT) -> list[torch.Tensor]:
     """Per sample, the columns of the padded ``(B, L)`` model input that hold its tokens, in order (what the
-    layout means): ``0 .. n_i - 1`` (right) or ``P - p_i .. P + r_i - 1`` with ``P = max p_i`` (left-right)."""
-    if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
-        width = max(prompt_lens)
-        return [torch.arange(width - p, width + r) for p, r in zip(prompt_lens, response_lens)]
-    return [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
+    layout means: :func:`spec.protocol.profile.layout_starts`): ``0 .. n_i - 1`` (right), ``P - p_i .. P + r_i - 1``
+    with ``P = max p_i`` (left-right), ``L - n_i .. L - 1`` (left)."""
+    starts, _ = layout_starts(layout, prompt_lens, response_lens)
+    return [torch.arange(int(s), int(s) + p + r) for s, p, r in zip(starts, prompt_lens, response_lens)]
 
 
 def layout_mask(prompt_lens, response_lens, layout: "PaddedLayout | str" = PaddedLayout.RIGHT,
                 width: int | None = None, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """The padded attention mask the layout means: 1 exactly at each sample's real tokens (its full sequence,
-    never the response-only loss mask), ``(B, width or the layout's width)``."""
-    width = layout_width(prompt_lens, response_lens, layout) if width is None else width
-    prompts = torch.as_tensor([int(p) for p in prompt_lens], dtype=torch.int64).unsqueeze(1)
-    responses = torch.as_tensor([int(r) for r in response_lens], dtype=torch.int64).unsqueeze(1)
+    never the response-only loss mask), ``(B, width or the layout's width)``. A ``width`` other than the layout's
+    keeps each row's start column (a left layout's rows stay where the layout's own width puts them)."""
+    starts, own = layout_starts(layout, prompt_lens, response_lens)
+    width = own if width is None else width
+    lens = torch.as_tensor([int(p) + int(r) for p, r in zip(prompt_lens, response_lens)], dtype=torch.int64)
     cols = torch.arange(width).unsqueeze(0)
-    if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
-        start = int(prompts.max()) - prompts
-        return ((cols >= start) & (cols < start + prompts + responses)).to(dtype)
-    return (cols < prompts + responses).to(dtype)
+    return ((cols >= starts.unsqueeze(1)) & (cols < (starts + lens).unsqueeze(1))).to(dtype)
 
 
 def shared_temperature(case: "EngineCase") -> "EngineCase":
