@@ -1,4 +1,4 @@
-"""An engine's profile (spec.protocol.profile.EngineProfile, issue 35): the suite draws exactly what it declares and
+"""An engine's profile (spec.protocol.profile.EngineProfile): the suite draws exactly what it declares and
 asserts nothing of what it does not run. Each test engine is in tests/profile_engines.py; each is correct where its
 profile says it runs, and refuses the rest, so a case outside its profile would fail here."""
 
