@@ -98,6 +98,9 @@ class PaddedLayout(str, Enum):
     #: what Hugging Face ``generate`` returns (TRL, OpenRLHF): each prompt left-padded to ``P = max p_i`` (it ends
     #: at column ``P - 1``), each response from column ``P``, right-padded to ``L = P + max r_i``
     LEFT_RIGHT = "left_right"
+    #: every row right-aligned (SkyRL 0.4's ``convert_prompts_responses_to_batch_tensors``): sample i's tokens in the
+    #: last ``n_i`` columns of ``L = max n_i``, left-padded
+    LEFT = "left"
 
 
 class OutputSpan(str, Enum):
@@ -528,6 +531,8 @@ def sequences_from_rows(rows: torch.Tensor, micro_batch: Any, layout: "PaddedLay
     if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
         prompts = seq - resp
         within = within + (int(prompts.max()) - prompts)[sample]
+    elif PaddedLayout(layout) is PaddedLayout.LEFT:
+        within = within + (int(seq.max()) - seq)[sample]
     return torch.nested.nested_tensor_from_jagged(rows[sample, within], micro_batch["input_ids"].offsets().to(rows.device))
 
 

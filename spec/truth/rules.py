@@ -91,6 +91,9 @@ def layout_columns(prompt_lens, response_lens, layout: "PaddedLayout | str" = Pa
     if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
         width = max(prompt_lens)
         return [torch.arange(width - p, width + r) for p, r in zip(prompt_lens, response_lens)]
+    if PaddedLayout(layout) is PaddedLayout.LEFT:  # every row right-aligned: the last n_i of L = max n_i columns
+        width = max(p + r for p, r in zip(prompt_lens, response_lens))
+        return [torch.arange(width - p - r, width) for p, r in zip(prompt_lens, response_lens)]
     return [torch.arange(p + r) for p, r in zip(prompt_lens, response_lens)]
 
 
@@ -105,6 +108,8 @@ def layout_mask(prompt_lens, response_lens, layout: "PaddedLayout | str" = Padde
     if PaddedLayout(layout) is PaddedLayout.LEFT_RIGHT:
         start = int(prompts.max()) - prompts
         return ((cols >= start) & (cols < start + prompts + responses)).to(dtype)
+    if PaddedLayout(layout) is PaddedLayout.LEFT:
+        return (cols >= width - prompts - responses).to(dtype)
     return (cols < prompts + responses).to(dtype)
 
 
