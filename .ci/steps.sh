@@ -30,6 +30,7 @@ STEPS=(
 "verl-engines     venv verl-engines verl==0.9.1 -e '.[test]' && pip install -q --no-deps veomni==0.1.12 megatron-core==0.16.1 && pytest -p no:cacheprovider tests/test_adapters.py && for e in verl-veomni verl-megatron verl-torchtitan verl-automodel; do python -m spec verify --engine \$e --profile ci --out reports/\$e || exit 1; done"
 "verl071          venv verl071 verl==0.7.1 'numpy<2' 'pyarrow>=19,<20' 'datasets<4' -e '.[test]' && VERL_EXPECT_VERSION=0.7.1 VERL_EXPECT_MASK_BUG=1 pytest -p no:cacheprovider tests/test_verl_conformance.py"
 "trl-openrlhf     bash .ci/steps/engines-trl-openrlhf.sh"
+"skyrl            bash .ci/steps/engines-skyrl.sh"
 )
 
 # Advisory steps: run by .ci/run and the workflow alike, reported, but not failing CI. A step is advisory only while
