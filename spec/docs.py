@@ -111,6 +111,8 @@ _STEP_WHAT = {
     "verl071": "verl 0.7.1 must fail, and only on the attention-mask invariants (tests/test_verl_conformance.py)",
     "trl-openrlhf": "TRL 1.16.0 (`spec verify --engine trl`, `trl-fused`) and OpenRLHF 0.11.2 (`--engine openrlhf`), "
                     "each in its own venv, then tests/test_hf_engines.py",
+    "skyrl": "skyrl-train 0.3.1 (`spec verify --engine skyrl-train`) and skyrl 0.4.0 (`--engine skyrl`), Python 3.12 "
+             "wheels installed `--no-deps --ignore-requires-python` in one venv, then tests/test_skyrl.py",
 }
 
 
