@@ -7,10 +7,11 @@
 # Both wheels declare Requires-Python ==3.12.* and this CI runs Python 3.11: they are installed with
 # `--no-deps --ignore-requires-python` (their code parses and runs on 3.11: the adapter imports only the preparation
 # modules), and of their dependency sets only what those modules import at module level, pure Python and small
-# (numpy, jaxtyping, loguru, packaging, omegaconf, pydantic, cloudpathlib; einops and flash-attn 2.8.3's
-# pure-torch bert_padding.py for the unpadded path, .ci/steps/bert_padding.py). transformers, peft, ray, datasets
+# (numpy, jaxtyping, loguru, packaging, omegaconf; einops and flash-attn 2.8.3's pure-torch bert_padding.py for
+# the unpadded path, .ci/steps/bert_padding.py). transformers, peft, ray, datasets
 # and flash-attn's CUDA package are not installed: spec/engines/skyrl.py stubs those imports (they load models and
-# start clusters; the preparation never calls them). The two packages install side by side (skyrl_train, skyrl).
+# start clusters; the preparation never calls them); skyrl 0.4.0's skyrl/backends/__init__.py (the Tinker API: pydantic
+# models that need Python 3.12) is not run. The two packages install side by side (skyrl_train, skyrl).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CI="${CI:-true}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -19,8 +20,7 @@ export CI="${CI:-true}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 . .ci/lib.sh   # venv_ready, venv_installed, _ci_venv_key (a venv installed already is reused)
 
 WHEELS=(skyrl-train==0.3.1 skyrl==0.4.0)
-IMPORTED=(numpy==2.4.6 jaxtyping==0.3.11 loguru==0.7.3 packaging==26.4 omegaconf==2.4.0 pydantic==2.14.4
-          cloudpathlib==0.26.0 einops==0.8.2)
+IMPORTED=(numpy==2.4.6 jaxtyping==0.3.11 loguru==0.7.3 packaging==26.4 omegaconf==2.4.0 einops==0.8.2)
 
 setup() {
     local key; key=$(_ci_venv_key "${WHEELS[@]}" --no-deps "${IMPORTED[@]}" -e '.[test]' "$(cat .ci/steps/bert_padding.py)")
