@@ -32,6 +32,7 @@ STEPS=(
 "verl071          venv verl071 verl==0.7.1 'numpy<2' 'pyarrow>=19,<20' 'datasets<4' -e '.[test]' && VERL_EXPECT_VERSION=0.7.1 VERL_EXPECT_MASK_BUG=1 pytest -p no:cacheprovider tests/test_verl_conformance.py"
 "trl-openrlhf     bash .ci/steps/engines-trl-openrlhf.sh"
 "torch24          venv torch24 torch==2.4.0 tensordict==0.8.3 -e '.[test]' && SPEC_EXPECT_TORCH=2.4.0 SPEC_EXPECT_TENSORDICT=0.8.3 pytest -p no:cacheprovider tests/test_environment.py tests/test_microbatch.py tests/test_dense_kernels.py tests/test_examples.py tests/test_errors.py tests/test_examples_mutation.py && python -m spec verify --engine impl --profile dev --out reports/torch24"
+"skyrl            bash .ci/steps/engines-skyrl.sh"
 )
 
 # Advisory steps: run by .ci/run and the workflow alike, reported, but not failing CI. A step is advisory only while

@@ -114,6 +114,8 @@ _STEP_WHAT = {
     "torch24": "the floor, torch 2.4.0 (CPU) with tensordict 0.8.3: impl's own tests (micro-batch layer, dense "
                "kernels and their index fallback, worked examples, errors; tests/test_environment.py checks the pins) "
                "and `spec verify --engine impl --profile dev`",
+    "skyrl": "skyrl-train 0.3.1 (`spec verify --engine skyrl-train`) and skyrl 0.4.0 (`--engine skyrl`), Python 3.12 "
+             "wheels installed `--no-deps --ignore-requires-python` in one venv, then tests/test_skyrl.py",
 }
 
 

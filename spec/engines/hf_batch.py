@@ -11,14 +11,16 @@ temperature both libraries take (:func:`one_temperature`); flags are read with t
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import sys
+from typing import Any, Callable, NamedTuple
+from unittest import mock
 
 import torch
 
 from impl.flags import BatchFlags, read_flag
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows"]
+           "LeftRightRows", "model_inputs_of", "OutputDict", "left_aligned", "install_bert_padding"]
 
 
 class OneTemperatureError(NotImplementedError):
@@ -75,3 +77,54 @@ def from_shifted_row(values: torch.Tensor, mb) -> torch.Tensor:
     token nothing) as a nested tensor over the sequences, with 0 at the last token (which no consumer reads)."""
     return torch.nested.nested_tensor_from_jagged(torch.cat([values[0], values.new_zeros(1)]).float(),
                                                   mb["input_ids"].offsets())
+
+
+class _Stop(Exception):
+    pass
+
+
+def model_inputs_of(forward: Callable[[Callable[..., Any]], Any]) -> dict[str, Any]:
+    """What an engine's own ``forward`` hands the model (for an engine that calls the model itself): ``forward(model)``
+    runs with a model that records its ``input_ids`` / ``attention_mask`` / ``position_ids`` and stops it there."""
+    seen: dict[str, Any] = {}
+
+    def model(input_ids, attention_mask=None, position_ids=None, **_):
+        seen.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        raise _Stop
+
+    try:
+        forward(model)
+    except _Stop:
+        return seen
+    raise RuntimeError("the engine's forward returned without calling the model")
+
+
+class OutputDict(dict):
+    """A ``ModelOutput``-like result: ``output["logits"]`` and ``output.logits`` both work."""
+
+    __getattr__ = dict.get
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+def left_aligned(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``(B, R, *)`` rows whose row i holds its ``lengths[i]`` values in its last columns (right-aligned), moved to
+    its first columns (what :func:`spec.protocol.sequences_from_responses` reads)."""
+    width = rows.shape[1]
+    index = (torch.arange(width, device=rows.device) - lengths.to(rows.device).unsqueeze(1)) % width
+    return torch.gather(rows, 1, index.reshape(*index.shape, *[1] * (rows.dim() - 2)).expand_as(rows))
+
+
+def install_bert_padding(engine: str) -> None:
+    """flash-attn 2.8.3's pure-torch ``bert_padding.py`` (installed as ``flash_attn_bert_padding``) as
+    ``flash_attn.bert_padding``; ``flash_attn`` itself stays an empty package stub (its CUDA kernels do not
+    import: ``import flash_attn.ops...`` still fails, as on a machine without them)."""
+    try:
+        import flash_attn_bert_padding
+    except ImportError as exc:
+        raise ImportError(f"--engine {engine} needs flash-attn 2.8.3's bert_padding.py installed as the module "
+                          "flash_attn_bert_padding (.ci/steps/bert_padding.py)") from exc
+    if not isinstance(sys.modules.get("flash_attn.bert_padding"), type(flash_attn_bert_padding)):
+        sys.modules.setdefault("flash_attn", mock.MagicMock(name="flash_attn", __path__=[], __spec__=None))
+        sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding

@@ -27,6 +27,7 @@ from ..engines.factory import FactoryEngine, engine_from_path
 from ..engines.impl import ImplEngine
 from ..engines.megatron import MegatronEngine
 from ..engines.openrlhf import OpenRLHFEngine
+from ..engines.skyrl import SkyRLEngine, SkyRLTrainEngine
 from ..engines.torchtitan import TorchTitanEngine
 from ..engines.trl import TrlEngine
 from ..engines.trl_fused import TrlFusedEngine
@@ -54,6 +55,8 @@ ENGINES: dict[str, tuple[Callable[[], EngineUnderTest], str]] = {
     "trl-fused": (TrlFusedEngine, "TRL 1.16's GRPO fused LM head (add_fused_lm_head, "
                                   "_get_per_token_logps_and_entropies)"),
     "openrlhf": (OpenRLHFEngine, "OpenRLHF 0.11.2's Actor.forward (packing, log-probs, entropy)"),
+    "skyrl-train": (SkyRLTrainEngine, "skyrl-train 0.3.1's HFModelWrapper.forward on its own left-right padded batches"),
+    "skyrl": (SkyRLEngine, "skyrl 0.4.0's HFModelWrapper.forward on its own left-padded batches"),
 }
 
 

@@ -1,0 +1,71 @@
+"""SkyRL adapters (docs/engines/skyrl.md): registered, their known failures precise and documented; where the library is
+installed (.ci/steps/engines-skyrl.sh), the batch each builds is SkyRL's own layout (0.3.1 left-right, 0.4.0 left) and
+its outputs equal the float64 oracle's on the seeds' worked example, in both modes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec.cases import EngineCase
+from spec.cases.materialize import draws
+from spec.engines import skyrl_records
+from spec.engines.hf_batch import left_aligned
+from spec.execute.harness import execute, model_for
+from spec.invariants import CATALOGUE
+from spec.protocol.known import KnownFailure
+from spec.run.registry import ENGINES, load_engine
+from spec.truth.oracle import expected
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "engines" / "skyrl.md"
+HAS = {"skyrl-train": importlib.util.find_spec("skyrl_train") is not None,
+       "skyrl": importlib.util.find_spec("skyrl") is not None}
+#: the seeds' worked example: prompts [3, 2], responses [2, 1]
+CASE = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=0.5, calculate_entropy=True)
+#: the attention mask of each version's batch (0.3.1: prompts left-padded to 3, responses right-padded to 2;
+#: 0.4.0: whole rows left-padded to max n_i = 5)
+MASKS = {"skyrl-train": [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], "skyrl": [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]}
+
+
+def test_registered() -> None:
+    for name in ("skyrl-train", "skyrl"):
+        assert name in ENGINES and load_engine(name).name == name
+        assert load_engine(name).profile.positions == ("rope",)
+
+
+def test_known_failures_are_precise_documented_records() -> None:
+    doc = DOCS.read_text()
+    for record in skyrl_records.RECORDS:
+        assert isinstance(record, KnownFailure) and record.invariant in CATALOGUE, record
+        assert record.when.text and record.matches and record.invariant in doc, record.key
+    assert not any("SUITE FALSE ALARM" in r.reason for r in skyrl_records.LIBRARY_RECORDS)
+
+
+def test_left_aligned_moves_right_aligned_rows() -> None:
+    rows = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 5.0]])
+    assert left_aligned(rows, torch.tensor([2, 1]))[:, :2].tolist() == [[1.0, 2.0], [5.0, 0.0]]
+
+
+@pytest.mark.parametrize("name", ["skyrl-train", "skyrl"])
+def test_batch_layout_and_outputs_equal_the_oracle(name: str) -> None:
+    if not HAS[name]:
+        pytest.skip(f"{name} is not installed (.ci/steps/engines-skyrl.sh)")
+    engine = load_engine(name)
+    want = expected(CASE, model_for(CASE, "cpu", engine), draws(CASE))
+    read = [torch.arange(p - 1, p + r - 1) for p, r in zip(CASE.prompt_lens, CASE.response_lens)]
+    for packed in (False, True):
+        run = execute(engine, CASE.with_(use_remove_padding=packed))
+        inputs = run.inputs[0]
+        if packed:  # unpad_input of SkyRL's rows: one (1, 8) row, positions restarting at 0, no mask
+            assert inputs["input_ids"].shape == (1, 8) and inputs["attention_mask"] is None
+            assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+        else:  # SkyRL's own batch; positions cumsum(mask) - 1, 1 on padding
+            assert inputs["attention_mask"].tolist() == MASKS[name]
+            assert inputs["position_ids"][1].tolist() == ([1, 0, 1, 2, 1] if name == "skyrl-train" else [1, 1, 0, 1, 2])
+        for key in ("log_probs", "entropy"):
+            got = run.outputs[key].unbind()
+            for i, cols in enumerate(read):  # the positions scoring a response token (NaN elsewhere: never read)
+                assert torch.allclose(got[i][cols].double(), want.__dict__[key][i][cols], atol=1e-5), (name, key, i)
