@@ -23,7 +23,9 @@ NO_CLAMP = ("forward divides the logits by its temperature as given (logits_BSV.
 DTYPE = r"has dtype torch\.(bfloat16|float16), expected torch\.float32|" + MISMATCH
 
 LIBRARY_RECORDS: tuple[KnownFailure, ...] = (
-    *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION) for inv in ORACLE_INVARIANTS),
+    # the adapter declares this precision (SkyRLTrainEngine.precision): the value checks judge at it, and most examples
+    # then pass; some still fall outside the bf16 rounding rule (long rows, wide vocabularies): possible, not certain
+    *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION, certain=False) for inv in ORACLE_INVARIANTS),
     KnownFailure("INV-DEV-001", IN_LOGITS_DTYPE, matches=DTYPE, when=LOW_PRECISION),
     *(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED, certain=inv == "INV-TEMP-006")
       for inv in ("INV-VAL-001", "INV-TEMP-006", "INV-SLICE-006")),

@@ -6,6 +6,7 @@ import os
 import time
 import zlib
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import HypothesisException
 
 from ..execute import ranks
-from ..execute.attribution import ENGINE, AttributedEngine, EngineFault, SuiteError, describe, origin, recording
+from ..execute.attribution import ENGINE, AttributedEngine, EngineFault, SuiteError, describe, origin
+from ..execute.attribution import recording as record_attribution
 
 from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase
@@ -223,6 +225,10 @@ def _mark(exc: BaseException, case, kind: str) -> None:
         pass
 
 
+#: the module's ``_mark``, by a name ``run_invariant``'s own ``_mark`` (which ``body`` calls) does not shadow
+mark_case = _mark
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
@@ -312,6 +318,7 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     space = tuple(getattr(engine, "config_space", tuple)())
 
     def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
+        spent(None)  # a target whose fault budget or shrink deadline is spent stops before its next example
         settle()
         seen.update(dimensions(args[1], space))
         ctx = CheckContext(*args)
@@ -325,8 +332,26 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
             outcome.known_cases[record.key] = (case, _one_line(exc))
         return record
 
+    example_log: list = []  # the running example's attribution log (its engine faults), kept past its ``with``
+
+    @contextmanager
+    def recording():  # shadows attribution.recording for ``body`` (see above): keeps the log for ``_mark``
+        with record_attribution() as log:
+            example_log[:] = [log]
+            yield log
+
+    def _mark(exc: BaseException, case, kind: str) -> None:  # shadows the module's ``_mark`` for ``body``
+        """Remember the failing case on the exception; a suite crash (or a check that caught one) on an output the
+        engine returned malformed is the engine's failed check: its fault is raised instead. Then the bounds."""
+        faults = example_log[0].faults if example_log else []
+        if kind == "error" and faults:  # the suite crashed reading a malformed output: the engine's failure
+            mark_case(faults[0], case, "fail")
+            spent(faults[0])
+            raise faults[0] from exc
+        mark_case(exc, case, kind)
+        spent(exc)
+
     def body(case):
-        spent(None)
         state["n"] += 1
         state["cases"].add(repr(case))
         ctx = Ctx(attributed, case, device, mode)
@@ -342,20 +367,9 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
                 if record is not None:  # excused: count it and go on, so other bugs are still found
                     hits[records.index(record)] += 1
                     return
-                kind = _kind(exc)
-                if kind == "error" and log.faults:  # the suite crashed reading a malformed output: the engine's
-                    fault = log.faults[0]
-                    _mark(fault, case, "fail")
-                    spent(fault)
-                    raise fault from exc
-                _mark(exc, case, kind)
-                spent(exc)
+                _mark(exc, case, _kind(exc))
                 raise
             swallowed = log.unhandled_suite()
-        if swallowed and log.faults:  # what the suite raised (and a check caught) came of a malformed output
-            _mark(log.faults[0], case, "fail")
-            spent(log.faults[0])
-            raise log.faults[0] from swallowed[0][1]
         if swallowed:  # the check passed only because it caught what the suite itself raised
             where, cause = swallowed[0]
             err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
