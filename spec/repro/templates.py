@@ -67,7 +67,7 @@ def suite_blocks() -> str:
     parts += ["# ---- the contract's flags (spec/invariants/settings.py), written out ----",
               f"FLAG_DEFAULTS = {settings.FLAG_DEFAULTS!r}", f"BOOL_FLAGS = {settings.BOOL_FLAGS!r}",
               f"BAD_FLAGS = {settings.BAD_FLAGS!r}", ""]
-    for fn in (rules.offsets, rules.padded_length, settings._flag, settings._plain, settings._tensors, settings._equal,
+    for fn in (rules.offsets, rules.padded_length, settings._flag, settings._plain, settings._tensors, settings._equal, settings._plain_value,
                settings.recode_flags, settings.bad_settings):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
