@@ -4,7 +4,8 @@
    the shape, not a suite error; the suite never calls ``==`` or ``bool()`` on an engine's own object;
 2. a rank that dies ends its example at once (a :class:`~spec.execute.ranks.RankFault`, a failed check), and a
    target stops within its fault budget and shrink deadline, which the run enforces and reports;
-3. a record excuses a dtype only where the engine's declared precision allows it, for every registered engine.
+3. a record excuses a dtype, or an error within a low-precision mechanism's bound, only where the engine's declared
+   precision allows it, for every registered engine.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from spec.execute.attribution import EngineFault, check_outputs, recording
 from spec.execute.harness import execute
 from spec.invariants import CATALOGUE
 from spec.planted import PLANTED, planted_engine
-from spec.protocol.known import FLOAT_DTYPES, KnownFailure, as_records, declared, matching
+from spec.protocol.known import FLOAT_DTYPES, KnownFailure, When, as_records, declared, declared_mechanism, matching
 from spec.run.registry import ENGINES
 from spec.run.runner import fault_budget, run_invariant
 
@@ -230,6 +231,66 @@ def test_the_record_check_would_catch_an_overreaching_record() -> None:
     exc = _dtype_failure("entropy", "float16")
     assert matching([loose], chunked, exc) is loose and matching([loose], chunked, exc, engine) is None
     assert isinstance(record, KnownFailure)
+
+
+def _low_mechanism(record: KnownFailure) -> str | None:
+    """The bf16/fp16 dtype of a record's precision mechanism (``bound=("float16_cancellation", 2.0)``), or None."""
+    dtype = record.bound[0].rsplit("_", 1)[0] if record.bound else None
+    return dtype if dtype in ("bfloat16", "float16") else None
+
+
+def _mechanism_overreach(records, precision) -> list[str]:
+    """Every (record, case, key) where a record bounded by a bf16/fp16 mechanism applies (its condition holds) to an
+    output key it names while the declaration computes and returns that key in another dtype on that path."""
+    bad = []
+    for record, case in itertools.product(records, _grid()):
+        dtype = _low_mechanism(record)
+        if dtype is None or not record.when(case):
+            continue
+        for key in [k for k in KEYS if k == record.output or re.search(re.escape(k), record.matches)]:
+            declared_as = precision(key, case)
+            if dtype not in (str(declared_as.returns), str(declared_as.scaled_in)):
+                bad.append(f"{record.key} ({record.bound[0]}) applies to {key} on {case!r}, declared {declared_as}")
+    return bad
+
+
+def _bounded_failure(key: str, mechanism: str, ratio: float = 0.5) -> AssertionError:
+    exc = AssertionError(f"{key!r} of sequence 0: at (1,) got 1.0 (|diff| 0.1 > allowed 0.01)")
+    exc.facts, exc.bounds = {"key": key, "sequence": 0, "position": 1}, {mechanism: ratio}  # as match_oracle sets them
+    return exc
+
+
+def test_mechanism_records_apply_only_where_verl_declares_that_dtype() -> None:
+    """Statically: each of verl's bf16/fp16 cancellation records holds only on keys and paths verl_precision declares
+    computed or returned in that dtype."""
+    records = [r for r in LOW_PRECISION_RECORDS if _low_mechanism(r)]
+    assert records and not _mechanism_overreach(records, verl_precision)
+
+
+def test_no_registered_engine_has_a_mechanism_record_beyond_its_declarations() -> None:
+    checked = []
+    for name, engine in _loadable():
+        records = [r for r in as_records(engine.known_failures) if _low_mechanism(r)]
+        assert not _mechanism_overreach(records, engine.precision), name
+        checked.append(name)
+    assert "impl" in checked
+
+
+def test_a_mechanism_record_wider_than_the_declaration_excuses_nothing_there() -> None:
+    """A float16 cancellation record widened to every fp16 case: verl declares its fused kernels' entropy float32
+    (computed from float32 values), so a wrong fused entropy within that bound is no known failure, while the
+    declared fp16 path's still is; the lint above flags the widened record."""
+    record = next(r for r in LOW_PRECISION_RECORDS if r.invariant == "INV-VAL-002" and _low_mechanism(r) == "float16")
+    loose = dataclasses.replace(record, when=When("fp16 logits", lambda c: c.logits_dtype == "float16"))
+    engine = type("Verl", (), {"precision": staticmethod(verl_precision)})()
+    fused = CASE.with_(logits_dtype="float16", use_fused_kernels=True, calculate_entropy=True)
+    plain = CASE.with_(logits_dtype="float16", calculate_entropy=True)
+    exc = _bounded_failure("entropy", "float16_cancellation")
+    assert loose.excuses(fused, exc)  # condition, pattern and bound alone would excuse it
+    assert not declared_mechanism(engine, fused, exc, "float16_cancellation")
+    assert not loose.excuses(fused, exc, engine) and loose.excuses(plain, exc, engine)
+    assert _mechanism_overreach([loose], verl_precision) and not _mechanism_overreach([record], verl_precision)
+    assert declared_mechanism(engine, fused, _bounded_failure("entropy", "float32_cancellation"), "float32_cancellation")
 
 
 def test_an_engine_object_that_does_not_pickle_crosses_from_a_rank_as_its_type() -> None:

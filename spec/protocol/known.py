@@ -12,7 +12,9 @@ run reports it (as "unexpectedly passed") and fails, so a fixed bug cannot keep 
 A record excuses only what the engine declares: a failure that names an output's dtype (``exc.output_dtype =
 (key, dtype)``, INV-DEV-001's) is excused only where the engine's declared precision for that key on that case's
 path (``EngineUnderTest.precision(key, case).returns``) is that dtype (:func:`declared`), whatever the record's
-condition and pattern say: an entropy rounded to bf16 on a path declared float32 is no known failure.
+condition and pattern say: an entropy rounded to bf16 on a path declared float32 is no known failure. Likewise a
+record bounded by a low-precision mechanism (``bound=("float16_cancellation", ...)``) excuses a value only on a key
+and path the engine declares it computes or returns in that dtype (:func:`declared_mechanism`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 __all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
-           "within_bound", "declared", "FLOAT_DTYPES", "Where"]
+           "within_bound", "declared", "declared_mechanism", "FLOAT_DTYPES", "Where"]
 
 #: the floating dtypes an engine's precision declaration speaks of (``Precision.returns``); a failure naming another
 #: dtype (an integer count) is no precision matter and is left to the record alone
@@ -138,6 +140,8 @@ class KnownFailure:
             return False
         if engine is not None and not declared(engine, case, exc):
             return False
+        if engine is not None and self.bound is not None and not declared_mechanism(engine, case, exc, self.bound[0]):
+            return False
         return self.bound is None or within_bound(exc, *self.bound)
 
     def describe(self) -> str:
@@ -169,6 +173,22 @@ def declared(engine: Any, case: Any, exc: BaseException) -> bool:
     if dtype not in FLOAT_DTYPES:
         return True
     return str(declare(key, case).returns).removeprefix("torch.") == dtype
+
+
+def declared_mechanism(engine: Any, case: Any, exc: BaseException, mechanism: str) -> bool:
+    """Whether ``engine``'s declarations allow a precision ``mechanism`` (spec/truth/oracle.py's bound names,
+    ``"<dtype>_cancellation"``, ``"<dtype>_rounding"``) on the output key the failure names (``exc.facts["key"]``):
+    a float32 mechanism always (the contract's precision); a bf16/fp16 one only where ``engine.precision(key, case)``
+    computes or returns in that dtype (``scaled_in`` or ``returns``). A record bounded by float16 cancellation on
+    an output the engine declares it computes in float32 excuses nothing there. A failure naming no key, or an
+    engine that declares no precision, is left to the record."""
+    dtype = mechanism.rsplit("_", 1)[0]
+    key = getattr(exc, "facts", {}).get("key")
+    declare = getattr(engine, "precision", None)
+    if dtype not in FLOAT_DTYPES or dtype in ("float32", "float64") or key is None or declare is None:
+        return True
+    precision = declare(key, case)
+    return dtype in (str(precision.returns).removeprefix("torch."), str(precision.scaled_in).removeprefix("torch."))
 
 
 def applicable(records: Iterable[KnownFailure], invariant: str, mode: str) -> list[KnownFailure]:
