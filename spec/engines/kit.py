@@ -131,7 +131,7 @@ def install_bert_padding(engine: str) -> None:
 
 @lru_cache(maxsize=None)
 def import_library(engine: str, modules: tuple[str, ...], heavy: tuple[str, ...], *, wheel: str, ci_step: str,
-                   without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True) -> list[Any]:
+                   without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True) -> tuple[Any, ...]:
     """The library of ``--engine engine``: ``modules`` imported in order (``"module"`` or ``"module:attribute"``,
     :func:`spec.engines.stubs.library_imports`), the packages of ``heavy`` stubbed where they do not import here
     (``strict``: :class:`spec.engines.stubs.StrictModule` stubs, else ``MagicMock``), the packages ``without``
@@ -143,7 +143,7 @@ def import_library(engine: str, modules: tuple[str, ...], heavy: tuple[str, ...]
     try:
         for package in without:
             without_init(package)
-        return library_imports(modules, heavy, strict=strict)
+        return tuple(library_imports(modules, heavy, strict=strict))
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"--engine {engine} needs {wheel} ({ci_step}): {exc}") from exc
 
@@ -189,7 +189,7 @@ class ThirdPartyEngine(EngineUnderTest):
     def engine_object(self) -> Any:
         raise NotImplementedError
 
-    def load(self) -> list[Any]:
+    def load(self) -> tuple[Any, ...]:
         """The library's :attr:`modules` (each the module, or its attribute for ``"module:attribute"``), imported
         once by :func:`import_library` with this class's settings."""
         return import_library(self.name, self.modules, self.heavy, wheel=self.wheel, ci_step=self.ci_step,
