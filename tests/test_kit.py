@@ -1,5 +1,7 @@
 """The adapter kit (spec/engines/kit.py): an engine that calls the model inside its forward, strict stubs
-for heavy imports, a third party's engine class, and known-failure records that match on structured fields."""
+for heavy imports, a third party's engine class, loading a library (stubs, a package without its __init__, one
+ImportError), the declarations stated once (rows_view, in_logits_dtype), response rows back on the sequences, and
+known-failure records that match on structured fields."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
-from spec.engines.kit import (ModelNotCalled, ModelOutput, ThirdPartyEngine, inputs_seen_by_model, refuse_flags,
-                              replaying)
+from spec.engines.hf_batch import sequences_from_response_rows
+from spec.engines.kit import (ModelNotCalled, ModelOutput, ThirdPartyEngine, import_library, in_logits_dtype,
+                              inputs_seen_by_model, refuse_flags, replaying, rows_view)
 from spec.engines.stubs import StrictModule, StubError, import_with_stubs, strict_module
 from spec.execute.attribution import AttributedEngine
 from spec.invariants import CATALOGUE, Ctx
-from spec.protocol import Feature
+from spec.protocol import Feature, Precision
 from spec.protocol.known import KnownFailure, Where
 from spec.run.registry import load_engine
+from tests.batches import seed_batch
 
 
 # -- an engine that calls the model inside its own forward ----------------------------------------------------------
@@ -125,6 +129,53 @@ def test_third_party_engine_states_its_features_once() -> None:
     with pytest.raises(NotImplementedError, match="use_fused_kernels: Lib's API"):
         refuse_flags(SimpleNamespace(use_fused_kernels=True, distillation_use_topk=False,
                                      calculate_sum_pi_squared=False), "Lib's API")
+
+
+# -- loading a library -------------------------------------------------------------------------------------------
+
+def test_a_library_loads_with_stubs_and_a_package_without_its_init(tmp_path, monkeypatch) -> None:
+    inner = tmp_path / "kit_load" / "inner"
+    inner.mkdir(parents=True)
+    (tmp_path / "kit_load" / "__init__.py").write_text("")
+    (inner / "__init__.py").write_text("raise RuntimeError('this __init__ must not run')\n")
+    (inner / "core.py").write_text("from kit_load_heavy import Model\nVALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("kit_load", "kit_load.inner", "kit_load.inner.core", "kit_load_heavy")
+
+    class _Loaded(_Lib):
+        name, wheel, ci_step, without_init = "kit-load", "kit-load==1.0", ".ci/steps/kit.sh", ("kit_load.inner",)
+        modules, heavy = ("kit_load.inner.core", "kit_load.inner.core:VALUE"), ("kit_load_heavy",)
+
+    try:
+        core, value = _Loaded().load()
+        assert value == 3 and core.VALUE == 3 and isinstance(sys.modules["kit_load_heavy"], StrictModule)
+        assert _Loaded().load()[0] is core  # imported once
+        with pytest.raises(ImportError, match=r"--engine kit-load needs kit-load==1\.0 \(\.ci/steps/kit\.sh\): .*NOPE"):
+            import_library("kit-load", ("kit_load.inner.core:NOPE",), (), wheel="kit-load==1.0",
+                           ci_step=".ci/steps/kit.sh", without=("kit_load.inner",))
+        with pytest.raises(ImportError, match=r"--engine kit-absent needs kit-absent==2 \(step\)"):
+            import_library("kit-absent", ("kit_absent.core",), (), wheel="kit-absent==2", ci_step="step")
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def test_rows_view_and_in_logits_dtype() -> None:
+    ids, mask = torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    view = rows_view({"input_ids": ids, "position_ids": None, "attention_mask": mask},
+                     {"sequences": ids, "attention_mask": mask})
+    assert view.labels.tolist() == [6, 7, 5, 9, 0] and view.input_ids is ids
+    assert in_logits_dtype("log_probs", EngineCase((2,), (1,), logits_dtype="bfloat16")) == Precision("bfloat16", "bfloat16")
+
+
+def test_sequences_from_response_rows() -> None:
+    mb = seed_batch()  # responses of 2 and 1 tokens: scored at positions 2, 3 and 1 of sequences of 5 and 3
+    rows = {"log_probs": torch.tensor([[1.0, 2.0], [3.0, 0.0]]), "entropy": None}
+    for right_aligned, given in ((False, rows["log_probs"]), (True, torch.tensor([[1.0, 2.0], [0.0, 3.0]]))):
+        out = sequences_from_response_rows({**rows, "log_probs": given}, mb, right_aligned=right_aligned)
+        assert set(out) == {"log_probs"}
+        first, second = out["log_probs"].unbind()
+        assert first[2:4].tolist() == [1.0, 2.0] and second[1].item() == 3.0
 
 
 # -- records that match on structured fields ------------------------------------------------------------------------

@@ -6,21 +6,22 @@ their own functions. These helpers split the suite's nested micro-batch into suc
 them out as ``generate`` returns them with the library's own pad function (:func:`left_right_rows`), put a
 shifted packed row's values back on the sequences (:func:`from_shifted_row`) and read the single float
 temperature both libraries take (:func:`one_temperature`); flags are read with the contract's typed reader
-(``impl.flags.BatchFlags``).
+(``impl.flags.BatchFlags``). SkyRL's adapter uses them too, and turns its response-only ``(B, R)`` outputs, left- or
+right-aligned, into nested ones (:func:`sequences_from_response_rows`).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, NamedTuple
-from unittest import mock
 
 import torch
 
 from impl.flags import BatchFlags, read_flag
 
+from ..protocol import sequences_from_responses
+
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows", "model_inputs_of", "OutputDict", "left_aligned", "install_bert_padding"]
+           "LeftRightRows", "model_inputs_of", "left_aligned", "sequences_from_response_rows"]
 
 
 class OneTemperatureError(NotImplementedError):
@@ -99,15 +100,6 @@ def model_inputs_of(forward: Callable[[Callable[..., Any]], Any]) -> dict[str, A
     raise RuntimeError("the engine's forward returned without calling the model")
 
 
-class OutputDict(dict):
-    """A ``ModelOutput``-like result: ``output["logits"]`` and ``output.logits`` both work."""
-
-    __getattr__ = dict.get
-
-    def __setattr__(self, key, value):
-        self[key] = value
-
-
 def left_aligned(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``(B, R, *)`` rows whose row i holds its ``lengths[i]`` values in its last columns (right-aligned), moved to
     its first columns (what :func:`spec.protocol.sequences_from_responses` reads)."""
@@ -116,15 +108,11 @@ def left_aligned(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.gather(rows, 1, index.reshape(*index.shape, *[1] * (rows.dim() - 2)).expand_as(rows))
 
 
-def install_bert_padding(engine: str) -> None:
-    """flash-attn 2.8.3's pure-torch ``bert_padding.py`` (installed as ``flash_attn_bert_padding``) as
-    ``flash_attn.bert_padding``; ``flash_attn`` itself stays an empty package stub (its CUDA kernels do not
-    import: ``import flash_attn.ops...`` still fails, as on a machine without them)."""
-    try:
-        import flash_attn_bert_padding
-    except ImportError as exc:
-        raise ImportError(f"--engine {engine} needs flash-attn 2.8.3's bert_padding.py installed as the module "
-                          "flash_attn_bert_padding (.ci/steps/bert_padding.py)") from exc
-    if not isinstance(sys.modules.get("flash_attn.bert_padding"), type(flash_attn_bert_padding)):
-        sys.modules.setdefault("flash_attn", mock.MagicMock(name="flash_attn", __path__=[], __spec__=None))
-        sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+def sequences_from_response_rows(outputs: dict[str, torch.Tensor | None], mb, *,
+                                 right_aligned: bool = False) -> dict[str, torch.Tensor]:
+    """Response-only ``(B, R)`` outputs (``OutputSpan.RESPONSE``) as nested tensors over the sequences
+    (:func:`spec.protocol.sequences_from_responses`); ``right_aligned``: row i holds its ``r_i`` values in its last
+    columns (whole rows left-padded), moved first (:func:`left_aligned`). An output that is None is left out."""
+    lens = mb["responses"].offsets().diff()
+    return {key: sequences_from_responses(left_aligned(rows, lens) if right_aligned else rows, mb)
+            for key, rows in outputs.items() if rows is not None}

@@ -13,6 +13,13 @@
   whose backbone returns the hidden states the harness's model computed and whose LM head holds its weight.
 * :func:`refuse_flags`: the micro-batch flags a library has no option for, refused with a clear error;
   :func:`require`: a library imported, or an ImportError saying how to install it.
+* :func:`import_library` (:meth:`ThirdPartyEngine.load`): a library's modules imported with its heavy imports
+  stubbed (:func:`spec.engines.stubs.library_imports`), packages imported without their ``__init__``
+  (:func:`spec.engines.stubs.without_init`), flash-attn's pure-torch ``bert_padding`` installed first where asked
+  (:func:`install_bert_padding`); whatever fails, one ImportError naming the wheel and the CI step installing it.
+* :func:`rows_view`: the hand-off of an engine that hands the model dense rows and scores them shifted by one
+  (OpenRLHF's and SkyRL's forward); :func:`in_logits_dtype`: the precision of an engine computing in the logits'
+  dtype.
 
 Known-failure records that match on structured fields (``output``, ``position``, ``mechanism``) rather than
 message regexes are :class:`spec.protocol.known.KnownFailure`'s own.
@@ -21,16 +28,20 @@ message regexes are :class:`spec.protocol.known.KnownFailure`'s own.
 from __future__ import annotations
 
 import importlib
+import sys
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
+from unittest import mock
 
 import torch
 
-from ..protocol import EngineUnderTest, Feature
-from .stubs import StubReport, import_with_stubs
+from ..protocol import EngineUnderTest, Feature, InputsView, Precision
+from .stubs import StubReport, import_with_stubs, library_imports, without_init
 
 __all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
-           "ModelNotCalled", "require", "HiddenStatesModel"]
+           "ModelNotCalled", "require", "HiddenStatesModel", "import_library", "install_bert_padding", "rows_view",
+           "in_logits_dtype"]
 
 
 def require(module_name: str, how: str) -> Any:
@@ -104,6 +115,54 @@ def stub_imports(module_name: str, packages: tuple[str, ...],
     return report.module
 
 
+def install_bert_padding(engine: str) -> None:
+    """flash-attn 2.8.3's pure-torch ``bert_padding.py`` (installed as ``flash_attn_bert_padding``,
+    .ci/steps/bert_padding.py) as ``flash_attn.bert_padding``; ``flash_attn`` itself stays an empty package stub
+    (its CUDA kernels do not import: ``import flash_attn.ops...`` still fails, as on a machine without them)."""
+    try:
+        import flash_attn_bert_padding
+    except ImportError as exc:
+        raise ImportError(f"--engine {engine} needs flash-attn 2.8.3's bert_padding.py installed as the module "
+                          "flash_attn_bert_padding (.ci/steps/bert_padding.py)") from exc
+    if not isinstance(sys.modules.get("flash_attn.bert_padding"), type(flash_attn_bert_padding)):
+        sys.modules.setdefault("flash_attn", mock.MagicMock(name="flash_attn", __path__=[], __spec__=None))
+        sys.modules["flash_attn.bert_padding"] = flash_attn_bert_padding
+
+
+@lru_cache(maxsize=None)
+def import_library(engine: str, modules: tuple[str, ...], heavy: tuple[str, ...], *, wheel: str, ci_step: str,
+                   without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True) -> tuple[Any, ...]:
+    """The library of ``--engine engine``: ``modules`` imported in order (``"module"`` or ``"module:attribute"``,
+    :func:`spec.engines.stubs.library_imports`), the packages of ``heavy`` stubbed where they do not import here
+    (``strict``: :class:`spec.engines.stubs.StrictModule` stubs, else ``MagicMock``), the packages ``without``
+    imported without their ``__init__`` (:func:`spec.engines.stubs.without_init`), flash-attn's ``bert_padding``
+    installed first if ``bert_padding`` (:func:`install_bert_padding`). Any ImportError or AttributeError on the
+    way becomes one ImportError: ``--engine engine needs <wheel> (<ci_step>): <why>``. Cached once it succeeds."""
+    if bert_padding:
+        install_bert_padding(engine)
+    try:
+        for package in without:
+            without_init(package)
+        return tuple(library_imports(modules, heavy, strict=strict))
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"--engine {engine} needs {wheel} ({ci_step}): {exc}") from exc
+
+
+def rows_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
+    """The hand-off of an engine whose ``output_args`` hold the dense rows it runs (``sequences``, ``attention_mask``:
+    OpenRLHF's and SkyRL's forward take them so) and that scores each real token's next column: the model's inputs
+    as handed, the labels those rows rolled by one, token by token (``view_inputs = staticmethod(rows_view)``)."""
+    labels = torch.roll(output_args["sequences"], -1, 1)[output_args["attention_mask"].bool()]
+    return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
+                      labels=labels)
+
+
+def in_logits_dtype(key: str, case: Any) -> Precision:
+    """The precision of an engine that takes every output from the logits in their own dtype and returns it so
+    (``precision = staticmethod(in_logits_dtype)``; the value checks then hold it to that dtype's rounding)."""
+    return Precision(case.logits_dtype, case.logits_dtype)
+
+
 #: strategy limits of :meth:`ThirdPartyEngine.strategy_limits`: the feature each key of the case strategy draws
 _LIMITS = {"allow_sp": Feature.SP, "allow_bucket": Feature.BUCKET, "allow_fused": Feature.FUSED,
            "allow_distillation": Feature.DISTILLATION, "allow_cu_seqlens": Feature.CU_SEQLENS,
@@ -118,9 +177,23 @@ class ThirdPartyEngine(EngineUnderTest):
     library = "this library"
     offers: frozenset[Feature] = frozenset()
     reasons: Mapping[Feature, str] = {}
+    #: what :meth:`load` imports (:func:`import_library`): the pip requirement and the CI step installing it (for
+    #: the ImportError), the modules in order, the heavy packages stubbed, the packages whose ``__init__`` is not
+    #: run, whether flash-attn's ``bert_padding`` is installed first, strict or ``MagicMock`` stubs
+    wheel, ci_step = "", ""
+    modules: tuple[str, ...] = ()
+    heavy: tuple[str, ...] = ()
+    without_init: tuple[str, ...] = ()
+    bert_padding, strict_stubs = False, True
 
     def engine_object(self) -> Any:
         raise NotImplementedError
+
+    def load(self) -> tuple[Any, ...]:
+        """The library's :attr:`modules` (each the module, or its attribute for ``"module:attribute"``), imported
+        once by :func:`import_library` with this class's settings."""
+        return import_library(self.name, self.modules, self.heavy, wheel=self.wheel, ci_step=self.ci_step,
+                              without=self.without_init, bert_padding=self.bert_padding, strict=self.strict_stubs)
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
         if head != "lm" or any(v not in (None, False, 0, 1) for k, v in settings.items() if k != "sp_rank"):

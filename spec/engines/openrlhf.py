@@ -27,9 +27,9 @@ from functools import lru_cache
 
 import torch
 
-from ..protocol import Feature, InputsView, sequences_from_rows
+from ..protocol import Feature, sequences_from_rows
 from .hf_batch import BatchFlags, one_temperature
-from .kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, stub_imports
+from .kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
 from .openrlhf_records import PROFILE, RECORDS
 from .stubs import strict_module
 
@@ -90,11 +90,7 @@ class OpenRLHFEngine(ThirdPartyEngine):
         Feature.CU_SEQLENS: "the packed path hands the model no cu_seqlens (flash-attn finds them from positions)",
         Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per actor (Actor(temperature=...))",
     }
+    view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one, token by token
 
     def engine_object(self):
         return OpenRLHFObject()
-
-    def view_inputs(self, model_inputs, output_args) -> InputsView:
-        labels = torch.roll(output_args["sequences"], -1, dims=1)[output_args["attention_mask"].bool()]
-        return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
-                          labels=labels)  # the labels forward scores, token by token

@@ -6,52 +6,29 @@ responses (``PaddedLayout.LEFT_RIGHT``), 0.4.0 left-pads whole rows (``PaddedLay
 (``use_sample_packing`` / ``remove_microbatch_padding``), divides the logits by the temperature in place, scores
 ``logprobs_from_logits`` and ``chunked_entropy_from_logits``, re-pads and keeps ``[:, -num_actions - 1:-1]`` (the
 worker slices the entropy so): response-only outputs, 0.4.0's right-aligned. ``forward`` calls the model itself, so
-it runs twice (``model_inputs_of``). Stubbed: transformers, peft, ray, datasets, flash-attn's CUDA package; 0.4.0's
-``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run. docs/engines/skyrl.md.
+it runs twice (``model_inputs_of``, ``replaying``). The kit's loader (``ThirdPartyEngine.load``) imports the modules
+with transformers, peft, ray, datasets and flash-attn's CUDA package stubbed, flash-attn's ``bert_padding`` installed;
+0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run.
+docs/engines/skyrl.md.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from functools import lru_cache
 from types import SimpleNamespace
 
-import torch
-
-from ..protocol import Feature, Precision, InputsView, OutputSpan, PaddedLayout, sequences_from_responses
+from ..protocol import Feature, OutputSpan, PaddedLayout
 from ..protocol.profile import EngineProfile
-from .hf_batch import BatchFlags, OutputDict, install_bert_padding, left_aligned, model_inputs_of, one_temperature, samples
-from .kit import ThirdPartyEngine, refuse_flags
+from .hf_batch import BatchFlags, model_inputs_of, one_temperature, samples, sequences_from_response_rows
+from .kit import ThirdPartyEngine, in_logits_dtype, refuse_flags, replaying, rows_view
 from .skyrl_records import RECORDS
-from .stubs import import_with_stubs
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
-
-HEAVY = ("transformers", "peft", "ray", "datasets", "flash_attn")
-#: per version: the modules to import (those importing heavy packages first), the wrapper's, the batch builder's
-MODULES = {"skyrl-train": ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils",
-                           "skyrl_train.dataset.dataset", "skyrl_train.model_wrapper", "skyrl_train.dataset.preprocess"),
-           "skyrl": ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
-                     "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess")}
-WHEELS = {"skyrl-train": "skyrl-train==0.3.1", "skyrl": "skyrl==0.4.0"}
-
-
-@lru_cache(maxsize=None)
-def _skyrl(name: str):
-    install_bert_padding(name)
-    try:
-        if name == "skyrl" and "skyrl.backends" not in sys.modules:  # the package without its __init__ (Tinker API)
-            sys.modules["skyrl.backends"] = importlib.util.module_from_spec(importlib.util.find_spec("skyrl.backends"))
-        *_, wrapper, preprocess = [import_with_stubs(m, HEAVY).module for m in MODULES[name]]
-    except (ImportError, AttributeError) as exc:
-        raise ImportError(f"--engine {name} needs {WHEELS[name]} (.ci/steps/engines-skyrl.sh): {exc}") from exc
-    return wrapper.HFModelWrapper, preprocess.convert_prompts_responses_to_batch_tensors
+COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in both versions
 
 
 class SkyRLObject:
     def __init__(self, engine: "SkyRLTrainEngine"):
-        self.new, (self.wrapper, self.collate) = engine.name == "skyrl", _skyrl(engine.name)
+        self.new, (*_, self.wrapper, self.collate) = engine.name == "skyrl", engine.load()
 
     def _forward(self, model, a):
         unpad = {"remove_microbatch_padding" if self.new else "use_sample_packing": a["packed"]}
@@ -72,17 +49,19 @@ class SkyRLObject:
         return model_inputs_of(lambda model: self._forward(model, args)), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
-        a, result = output_args, OutputDict(vars(output))
-        log_probs, out = self._forward(lambda *_, **__: result, a)
-        outputs = {"log_probs": log_probs}
-        if a["entropy"]:  # the worker's slice (PolicyWorkerBase.forward_backward)
-            outputs["entropy"] = out["entropy"][:, -a["num_actions"] - 1:-1]
-        lens = mb["responses"].offsets().diff()
-        return {k: sequences_from_responses(left_aligned(v, lens) if self.new else v, mb) for k, v in outputs.items()}
+        a = output_args
+        log_probs, out = self._forward(replaying(output), a)
+        entropy = out["entropy"][:, -a["num_actions"] - 1:-1] if a["entropy"] else None  # the worker's slice
+        return sequences_from_response_rows({"log_probs": log_probs, "entropy": entropy}, mb, right_aligned=self.new)
 
 
 class SkyRLTrainEngine(ThirdPartyEngine):
     name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", RECORDS
+    wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", ".ci/steps/engines-skyrl.sh", True, False
+    heavy = ("transformers", "peft", "ray", "datasets", "flash_attn")  # they load models and start clusters
+    # the modules importing heavy packages first, then the wrapper and the batch builder
+    modules = ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils", "skyrl_train.dataset.dataset",
+               "skyrl_train.model_wrapper:HFModelWrapper", f"skyrl_train.dataset.preprocess:{COLLATE}")
     output_span = OutputSpan.RESPONSE  # log_probs[:, -num_actions - 1:-1]
     # prompts left-padded, responses right-padded; no VLM path: 1-D positions
     profile = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",))
@@ -93,20 +72,17 @@ class SkyRLTrainEngine(ThirdPartyEngine):
         Feature.CU_SEQLENS: "the unpadded path hands the model no cu_seqlens (flash-attn finds them from positions)",
         Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per forward call (the sampling temperature)",
     }
+    precision = staticmethod(in_logits_dtype)  # F22: log-probs and entropy taken and returned in the logits' dtype
+    view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one
 
     def engine_object(self):
         return SkyRLObject(self)
 
-    def precision(self, key, case):  # F22: log-probs and entropy taken and returned in the logits' dtype
-        return Precision(case.logits_dtype, case.logits_dtype)
-
-    def view_inputs(self, model_inputs, output_args) -> InputsView:
-        labels = torch.roll(output_args["sequences"], -1, 1)[output_args["attention_mask"].bool()]
-        return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
-                          labels=labels)
-
 
 class SkyRLEngine(SkyRLTrainEngine):
-    name = "skyrl"
+    name, wheel, without_init = "skyrl", "skyrl==0.4.0", ("skyrl.backends",)  # its __init__: the Tinker API
+    modules = ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
+               "skyrl.backends.skyrl_train.workers.model_wrapper:HFModelWrapper",
+               f"skyrl.train.dataset.preprocess:{COLLATE}")
     # whole rows left-padded (outputs right-aligned in (B, max r_i)); the VLM path (is_vlm) is not run
     profile = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",))

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 __all__ = ["StubReport", "StubError", "StrictModule", "Undeclared", "import_with_stubs", "import_verl_module",
-           "module_level_imports", "strict_module"]
+           "module_level_imports", "strict_module", "library_imports", "without_init"]
 
 
 class StubError(RuntimeError):
@@ -192,6 +192,30 @@ def import_with_stubs(module_name: str, packages: tuple[str, ...],
         report_stub = [n for n in module_level_imports(module_name, packages) if _is_stub(sys.modules.get(n))]
         report_real = [n for n in module_level_imports(module_name, packages) if n not in report_stub]
     return StubReport(importlib.import_module(module_name), report_real, report_stub)
+
+
+def library_imports(modules: tuple[str, ...], packages: tuple[str, ...], *, strict: bool = False) -> list[object]:
+    """Each of ``modules`` imported in order by :func:`import_with_stubs` (``packages`` stubbed where they do not
+    import here): the module, or for ``"module:attribute"`` that attribute of it. List a library's modules that
+    import heavy packages first, so each is stubbed as the module that imports it at module level finds it."""
+    imported: list[object] = []
+    for spec in modules:
+        name, _, attribute = spec.partition(":")
+        module = import_with_stubs(name, packages, strict=strict).module
+        imported.append(getattr(module, attribute) if attribute else module)
+    return imported
+
+
+def without_init(package: str) -> types.ModuleType:
+    """``package`` in ``sys.modules`` without running its ``__init__.py`` (unless it is imported already): its
+    submodules import as usual. For a package whose ``__init__`` imports what the code under test never needs and
+    cannot import here (skyrl 0.4.0's ``skyrl.backends``: the Tinker API, pydantic models needing Python 3.12)."""
+    if package not in sys.modules:
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            raise ImportError(f"no package {package}")
+        sys.modules[package] = importlib.util.module_from_spec(spec)
+    return sys.modules[package]
 
 
 def import_verl_module(engine: str, module_name: str, packages: tuple[str, ...],
