@@ -77,15 +77,15 @@ def test_jagged_tensors_cross_the_rank_boundary_as_on_torch_24(monkeypatch) -> N
     import torch
     from tensordict import TensorDict
 
-    from spec.execute import rank_worker
+    from spec.execute import pickling, rank_worker
 
-    monkeypatch.setattr(rank_worker, "_PICKLES_JAGGED", False)  # what the import finds on torch 2.4
+    monkeypatch.setattr(pickling, "_PICKLES_JAGGED", False)  # what the import finds on torch 2.4
     offsets = torch.tensor([0, 2, 5])
     positions = torch.nested.nested_tensor_from_jagged(torch.arange(20).view(4, 5), offsets, jagged_dim=2)
     ids = torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)
     assert positions.shape[1] == 4 and ids.shape[0] == 2  # the shape read: 2.4 caches a capsule on the tensor
     td = TensorDict({"position_ids": positions, "input_ids": ids}, batch_size=[2])
-    back = pickle.loads(rank_worker.dumps({"micro_batch": td}))["micro_batch"]
+    back = pickle.loads(pickling.dumps({"micro_batch": td}))["micro_batch"]
     for key, before in td.items():
         after = back[key]
         assert after._ragged_idx == before._ragged_idx and after._max_seqlen == before._max_seqlen == 3, key

@@ -165,19 +165,39 @@ def test_response_lengths_of_a_dense_batch() -> None:
 
 # --- the torch.distributed all-gather seam, on a one-process gloo group -----------------------------
 
+_ONE_RANK_GATHER = """
+import sys
+import torch
+import torch.distributed as dist
+from impl.sequence_parallel import TorchDistributedAllGather
+
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+local = torch.arange(6.0).view(3, 2)
+gathered = TorchDistributedAllGather()(local)
+assert gathered.shape == (3, 2) and torch.equal(gathered, local)  # world 1: the local rows, in order
+print("GATHERED", flush=True)
+dist.destroy_process_group()
+"""
+
+
 def test_torch_distributed_all_gather_on_one_rank(tmp_path) -> None:
+    """In a process of its own: on torch 2.4 gloo's ``destroy_process_group`` hung for good in a test worker that had
+    run other tests (the whole tox run waited on it), so the group lives in a fresh process, killed if it has not
+    exited within 120 s; the gather's check is what it printed before its destroy."""
+    import subprocess
+    import sys
+
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    from impl.sequence_parallel import TorchDistributedAllGather
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    proc = subprocess.Popen([sys.executable, "-c", _ONE_RANK_GATHER, f"file://{tmp_path / 'store'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        local = torch.arange(6.0).view(3, 2)
-        gathered = TorchDistributedAllGather()(local)
-        assert gathered.shape == (3, 2) and torch.equal(gathered, local)  # world 1: the local rows, in order
-    finally:
-        dist.destroy_process_group()
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert "GATHERED" in out, err
 
 
 # --- left_right_2_no_padding: a key of the wrong dimensionality ------------------------------------

@@ -216,6 +216,13 @@ def list_of_dict_to_tensordict(list_of_dicts: Sequence[dict[str, Any]], *,
     return TensorDict(final, batch_size=[len(list_of_dicts)])
 
 
+#: the channels of mRoPE position ids: 3 (Qwen2-VL's t, h, w) or 4 (verl's text row first). A ragged-at-1 reading
+#: whose rows are not all one of these counts is not an equal-length batch: with values (4, 4) and offsets
+#: [0, 2, 4] (two samples of 2 tokens whose ragged dim a pickle round trip lost, as tensordict 0.8.3's consolidate
+#: on torch 2.4 leaves them) the rows would otherwise be read as 2 channels
+MROPE_CHANNELS = (3, 4)
+
+
 def maybe_fix_3d_position_ids(data: TensorDictBase) -> TensorDictBase:
     """verl's ``maybe_fix_3d_position_ids``: make 3-D nested ``position_ids`` ragged at dim 2, validated.
 
@@ -239,7 +246,8 @@ def maybe_fix_3d_position_ids(data: TensorDictBase) -> TensorDictBase:
         if ragged == 2 and last == values.shape[1]:
             return data  # canonical
         comps = offsets.diff()
-        if ragged == 1 and last == values.shape[0] and rows and bool((comps == comps[0]).all()):
+        if (ragged == 1 and last == values.shape[0] and rows and int(comps[0]) in MROPE_CHANNELS
+                and bool((comps == comps[0]).all())):
             # equal-length samples read as ragged at dim 1: values (B * C, L) -> (C, B * L)
             c, length = int(comps[0]), values.shape[1]
             fixed = values.reshape(rows, c, length).permute(1, 0, 2).reshape(c, rows * length)

@@ -32,6 +32,10 @@ IMPL_UNREACHABLE: dict[str, str] = {
     f"{_MB}:85": _ERR, f"{_MB}:188": _ERR, f"{_TD}:173": _ERR, f"{_TD}:93": _ERR, f"{_NE}:72": _ERR,
     "impl.dense:20->21": "this torch has the aten op (the branch is for a torch without it)",
     "impl.dense:36->37": "this torch has the aten op (the branch is for a torch without it)",
+    "impl.dense:75->76": "needs the op's CPU kernel: torch 2.4 has _jagged_to_padded_dense_forward for CUDA only "
+    "(torch >= 2.5 has a CPU kernel, and there the branch is reached)",
+    "impl.dense:88->89": "needs the op's CPU kernel: torch 2.4 has _padded_dense_to_jagged_forward for CUDA only "
+    "(torch >= 2.5 has a CPU kernel, and there the branch is reached)",
     "impl.layout:129->132": "needs CUDA: offsets on an accelerator", f"{_NE}:170": "gap: a row index over more than "
     "BLOCK_TOKENS tokens (a mini-batch of over a million tokens)", f"{_NE}:181": "gap: as 170 (several blocks)",
     f"{_NE}:189": "gap: as 170 (several blocks)",

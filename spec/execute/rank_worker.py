@@ -12,7 +12,6 @@ faulthandler dumps (fatal signals, ``SIGUSR1``) go to ``rank<r>.log`` in the poo
 from __future__ import annotations
 
 import faulthandler
-import io
 import os
 import pickle
 import queue
@@ -39,13 +38,9 @@ from ..protocol.engine import EngineUnderTest
 from .attribution import ENGINE, EngineFault, check_outputs, tag
 from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execution_context, model_for,
                       rank_outputs)
+from .pickling import dumps
 from ..cases.materialize import materialize, move
 from ..truth.oracle import TopKProcessor, topk_terms
-
-try:  # the jagged layout's Python class (torch >= 2.4)
-    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
-except ImportError:  # pragma: no cover
-    _JaggedTensor = None
 
 __all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task", "dumps"]
 
@@ -124,36 +119,6 @@ def _nested_safe(obj: Any) -> Any:
     except Exception:  # noqa: BLE001 - the engine's own object: only its type crosses
         return Opaque(f"{type(obj).__module__}.{type(obj).__qualname__}")
     return obj
-
-
-#: torch drops a jagged tensor's cached size capsules when it is pickled (torch >= 2.5; 2.4 does not, and a jagged
-#: tensor whose shape was read cannot be pickled there: "cannot pickle 'PyCapsule' object")
-_PICKLES_JAGGED = _JaggedTensor is None or hasattr(_JaggedTensor, "_clear_non_serializable_cached_data")
-
-
-def _rebuild_jagged(values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor | None, ragged_idx: int,
-                    cache: dict[str, Any]) -> torch.Tensor:
-    return _JaggedTensor(values, offsets, lengths=lengths, _ragged_idx=ragged_idx, _metadata_cache=cache)
-
-
-class _Pickler(pickle.Pickler):
-    """pickle, with torch 2.4's jagged tensors rebuilt from their parts: values, offsets, lengths, ragged dim and
-    cached lengths (torch 2.4's own reduction also carries the cached ``PyCapsule``, which does not pickle, and
-    rebuilds the size ragged at dim 1 whatever the tensor's ragged dim)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if _PICKLES_JAGGED or type(obj) is not _JaggedTensor:
-            return NotImplemented
-        return _rebuild_jagged, (obj._values, obj._offsets, obj._lengths, obj._ragged_idx, dict(obj._metadata_cache))
-
-
-def dumps(obj: Any) -> bytes:
-    """``pickle.dumps(obj)``, also on torch 2.4 for jagged tensors whose shape was read (see :class:`_Pickler`)."""
-    if _PICKLES_JAGGED:
-        return pickle.dumps(obj)
-    buffer = io.BytesIO()
-    _Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(obj)
-    return buffer.getvalue()
 
 
 def _exchange(everyone: list[Any], status: Any, group: Any) -> None:

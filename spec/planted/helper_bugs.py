@@ -44,12 +44,23 @@ def left_right_mutating(data):
     return out
 
 
+def as_nested_tensor_guessed(rows):
+    """``torch.nested.as_nested_tensor(rows, layout=torch.jagged)`` as torch >= 2.5 guesses the ragged dim: rows of
+    one shape come out ragged on their first dim (the 4 of a (4, n) mRoPE row), rows that differ in their second dim
+    ragged on it. torch 2.4 refuses the second kind ("Cannot represent given tensor list as a nested tensor with the
+    jagged layout"), so those rows are joined along that dim here, as the newer torch does."""
+    if len({tuple(r.shape[1:]) for r in rows}) == 1:
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    offsets = torch.tensor([0] + [r.shape[1] for r in rows]).cumsum(0)
+    return torch.nested.nested_tensor_from_jagged(torch.cat(rows, dim=1), offsets, jagged_dim=2)
+
+
 def left_right_as_nested_positions(data):
     """left_right_2_no_padding builds mRoPE positions with as_nested_tensor (ragged dim guessed)."""
     out = impl.left_right_2_no_padding(data)
     pos = out["position_ids"]
     rows = list(pos.unbind())
-    out["position_ids"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    out["position_ids"] = as_nested_tensor_guessed(rows)
     return out
 
 

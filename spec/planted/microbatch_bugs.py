@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from ..protocol.microbatch import MicroBatchLayer
+from .helper_bugs import as_nested_tensor_guessed
 
 __all__ = ["restore_off_by_one_when_reordered", "restore_skipped_without_grad", "budget_check_exclusive", "equal_lengths_stacked_dense",
            "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder",
@@ -243,7 +244,7 @@ def nested_from_list_by_torch(layer: MicroBatchLayer) -> MicroBatchLayer:
 
     def nested_tensor_from_tensor_list(tensors, ragged_idx=None):
         if tensors and tensors[0].dim() == 2 and ragged_idx == 2:
-            return torch.nested.as_nested_tensor(list(tensors), layout=torch.jagged)
+            return as_nested_tensor_guessed(list(tensors))
         return build(tensors, ragged_idx=ragged_idx)
 
     return layer.with_functions("planted", nested_tensor_from_tensor_list=nested_tensor_from_tensor_list)
@@ -258,7 +259,7 @@ def fix_positions_by_unbind(layer: MicroBatchLayer) -> MicroBatchLayer:
         fix(data)
         pos = data.get("position_ids") if "position_ids" in data.keys() else None
         if isinstance(pos, torch.Tensor) and pos.is_nested and pos.dim() == 3:
-            data.set("position_ids", torch.nested.as_nested_tensor(list(pos.unbind()), layout=torch.jagged))
+            data.set("position_ids", as_nested_tensor_guessed(list(pos.unbind())))
         return None
 
     return layer.with_functions("planted", maybe_fix_3d_position_ids=maybe_fix_3d_position_ids)

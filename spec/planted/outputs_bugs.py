@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import impl
+from impl.dense import jagged_to_padded
 from impl.flags import read_flag
 
 from .inputs_bugs import _is_padded
@@ -101,7 +102,9 @@ class DenseOutputsPadded(impl.LMHeadEngine):
     def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
         out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
         if _is_padded(mb):
-            out = {k: torch.nested.to_padded_tensor(v, 0.0) for k, v in out.items()}
+            # impl's padding, not torch.nested.to_padded_tensor (no CPU kernel on torch 2.4)
+            out = {k: jagged_to_padded(v.values(), v.offsets(), int(v.offsets().diff().max()), 0.0)
+                   for k, v in out.items()}
         return out
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
+from ..execute.pickling import save
 from ..invariants.microbatch import dp_count_feasible, dp_lower_count
 from .launch import LAUNCH
 from .minibatch import case_dict, layer_imports, plain_minibatch
@@ -55,7 +56,7 @@ def write_dp_reproducer(path: Path, header: str, invariant: str, functions: dict
     if case.world < 2:
         return f"{invariant} needs two or more data-parallel ranks; the case has {case.world}"
     ranks = [case.rank_case(r) for r in range(case.world)]
-    torch.save([plain_minibatch(materialize_minibatch(rc, "cpu")) for rc in ranks], path.with_suffix(".pt"))
+    save([plain_minibatch(materialize_minibatch(rc, "cpu")) for rc in ranks], path.with_suffix(".pt"))
     data = {**case_dict(case), "world": case.world,
             "ranks": [{"batch_size": rc.batch_size, "budget": rc.budget, "num_groups": rc.num_groups} for rc in ranks],
             # from the structure: whether one count fits every rank (True), none can (False), the bounds cannot tell

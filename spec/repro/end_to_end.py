@@ -23,6 +23,7 @@ import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
 from ..engines.impl import ImplEngine
+from ..execute.pickling import save
 from ..invariants.microbatch import refusable_case
 from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
 from .micro_batch import case_data
@@ -54,7 +55,7 @@ def write_end_to_end_reproducer(path: Path, header: str, engine: Any, snippet: R
     imports, why = layer_imports(functions, names, factory)
     if why:
         return why
-    torch.save(plain_minibatch(materialize_minibatch(case, "cpu")), path.with_suffix(".pt"))
+    save(plain_minibatch(materialize_minibatch(case, "cpu")), path.with_suffix(".pt"))
     layout = PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value
     span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
     write_beside(path.parent)

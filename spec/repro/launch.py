@@ -1,6 +1,7 @@
 """How a standalone reproducer starts its own ranks: ``world`` copies of the file itself as subprocesses
 (``--rank r <port> <folder>``), joined by the file into one gloo group over loopback TCP, each leaving its reply
-in a temporary folder the parent reads. Used by the data-parallel micro-batch reproducer (:mod:`.dp_layer`) and
+in a temporary folder the parent reads. A rank still running 30 s after every rank replied is killed: on torch 2.4 a
+rank can hang in gloo's ``destroy_process_group`` after its reply is written. Used by the data-parallel micro-batch reproducer (:mod:`.dp_layer`) and
 the real-rank reproducers (:mod:`.ranks`). Plain Python, written into the file as it is."""
 
 from __future__ import annotations
@@ -22,12 +23,23 @@ def run_ranks(world, reply_name, load):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # modules as imported here
         procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rank", str(r), str(port), out],
                                   env=env) for r in range(world)]
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            return None, "the ranks did not finish within 300 s (one waits in a collective the others never join?)"
+        import time
+        start, replied = time.monotonic(), None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if replied is None and all(Path(out, reply_name.format(rank=r)).exists() for r in range(world)):
+                replied = now
+            if replied is not None and now - replied > 30:
+                for p in procs:  # every rank replied; one hangs in gloo's destroy_process_group (seen on torch 2.4)
+                    if p.poll() is None:
+                        p.kill()
+                break
+            if now - start > 300:
+                for p in procs:
+                    p.kill()
+                return None, "the ranks did not finish within 300 s (one waits in a collective the others never join?)"
+            time.sleep(0.05)
+        codes = [p.wait() for p in procs]
         replies = []
         for r in range(world):
             reply = Path(out, reply_name.format(rank=r))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
+from ..execute.pickling import save
 from .imports import factory_layer_imports, function_imports
 from .layer_helpers import HELPER_CHECKS, HELPER_RUNTIME, READINGS, helper_case_data
 
@@ -88,7 +89,7 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
     if why:
         return why
     pt = path.with_suffix(".pt")
-    torch.save(plain_minibatch(materialize_minibatch(case, "cpu")), pt)
+    save(plain_minibatch(materialize_minibatch(case, "cpu")), pt)
     path.write_text("\n".join([
         header, "import pickle", "import sys", "from pathlib import Path", "from typing import Any", "", "import torch",
         "from tensordict import TensorDict", "", "# ---- the engine's layer ----", imports, "",
@@ -250,6 +251,8 @@ def main():
         problem = check(mini)
     except Wrong as exc:
         problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the layer raised on a case it must take: wrong, as the header says
+        problem = f"raised {type(exc).__name__}: {exc}; expected a result on this case"
     if problem:
         print(f"FAIL {INVARIANT}: {problem}")
         return 1

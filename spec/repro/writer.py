@@ -26,6 +26,7 @@ from ..cases.dropin import DropinCase
 from ..cases.structure import DenseCase, EngineCase
 from ..engines.impl import ImplEngine
 from ..execute.handoff import _settings
+from ..execute.pickling import save
 from ..invariants import CATALOGUE
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSnippet
 from .micro_batch import INLINE_LIMIT, batch_data, case_data, declared_precision
@@ -190,7 +191,7 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
                      "data": data, "values": values})
     pt = path.with_suffix(".pt")
     if heavy:
-        torch.save(heavy, pt)
+        save(heavy, pt)
     elif pt.exists():
         pt.unlink()
     write_beside(path.parent)

@@ -1,0 +1,62 @@
+"""Pickling that also works for torch 2.4's jagged tensors: what crosses a process boundary (the real-rank
+workers' tasks and replies, :mod:`spec.execute.rank_worker`) and what a reproducer saves beside itself
+(``torch.save`` of its micro-batch, :mod:`spec.repro`).
+
+torch drops a jagged tensor's cached size capsules when it is pickled (torch >= 2.5); 2.4 does not, and a jagged
+tensor whose shape was read cannot be pickled there ("cannot pickle 'PyCapsule' object"). Such a tensor is saved
+as its parts (values, offsets, lengths, ragged dim, cached lengths) and rebuilt by torch's own jagged class, so a
+file saved this way loads with plain ``torch.load`` in a process that has no spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+try:  # the jagged layout's Python class (torch >= 2.4)
+    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
+except ImportError:  # pragma: no cover
+    _JaggedTensor = None
+
+__all__ = ["dumps", "save"]
+
+#: whether torch pickles a jagged tensor whose shape was read (torch >= 2.5 clears the cached capsules first)
+_PICKLES_JAGGED = _JaggedTensor is None or hasattr(_JaggedTensor, "_clear_non_serializable_cached_data")
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with torch 2.4's jagged tensors rebuilt from their parts: values, offsets, lengths, ragged dim and
+    cached lengths (torch 2.4's own reduction also carries the cached ``PyCapsule``, which does not pickle, and
+    rebuilds the size ragged at dim 1 whatever the tensor's ragged dim). The rebuild is torch's class with its
+    keywords bound (a ``functools.partial``), so unpickling needs torch only."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if _PICKLES_JAGGED or type(obj) is not _JaggedTensor:
+            return NotImplemented
+        rebuild = functools.partial(_JaggedTensor, lengths=obj._lengths, _ragged_idx=obj._ragged_idx,
+                                    _metadata_cache=dict(obj._metadata_cache))
+        return rebuild, (obj._values, obj._offsets)
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps(obj)``, also on torch 2.4 for jagged tensors whose shape was read (see :class:`_Pickler`)."""
+    if _PICKLES_JAGGED:
+        return pickle.dumps(obj)
+    buffer = io.BytesIO()
+    _Pickler(buffer, pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)``, also on torch 2.4 for jagged tensors whose shape was read; ``torch.load(path,
+    weights_only=False)`` reads it back without spec."""
+    if _PICKLES_JAGGED:
+        torch.save(obj, path)
+    else:
+        torch.save(obj, path, pickle_module=SimpleNamespace(Pickler=_Pickler, __name__="pickle"))
