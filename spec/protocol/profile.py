@@ -19,7 +19,9 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``surface``: the engine's own preparation code (``package.module`` or ``package.module:function``), whose
   lines and branches ``spec verify`` measures with coverage.py;
 * ``unreachable``: branches of the surface no CPU run can reach, each with its reason (``"module:line"`` ->
-  ``"needs CUDA"``).
+  ``"needs CUDA"``);
+* ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
+  engine's own code, each with the reason.
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -125,6 +127,7 @@ class EngineProfile:
     conventions: frozenset[Convention] = frozenset()
     surface: tuple[str, ...] = ()
     unreachable: Mapping[str, str] = field(default_factory=dict)
+    equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for mode in self.modes:
