@@ -24,7 +24,7 @@ import ast
 import copy
 import difflib
 import json
-import random
+import hashlib
 import signal
 import sys
 import time
@@ -71,6 +71,8 @@ class Mutant:
     reason: str = ""
     #: the n-th mutant of the same function, line, operator and description (0: the first); part of :attr:`id`
     ordinal: int = 0
+    #: killed in an earlier run (``--resume``): not run again
+    carried: bool = False
 
     @property
     def id(self) -> str:
@@ -206,9 +208,11 @@ def mutants_of(surface: tuple[str, ...]) -> list[Mutant]:
     return out
 
 
-def coverage_map(engine: Any, pairs: list, device: str, overrides: dict) -> dict[str, dict[int, set[str]]]:
+def coverage_map(engine: Any, pairs: list, device: str, overrides: dict,
+                 seconds: dict[str, float] | None = None) -> dict[str, dict[int, set[str]]]:
     """file -> line -> the targets (``invariant/mode``) whose examples ran it: every target once under the loaded
-    profile, the engine-code coverage's dynamic context switched per target here and on the real ranks."""
+    profile, the engine-code coverage's dynamic context switched per target here and on the real ranks. Each
+    target's run time goes to ``seconds`` (a mutant runs its cheapest targets first)."""
     profile = engine.profile
     ranks.shutdown()  # the ranks (and their fork server) start after the measurement, so that they measure too
     measurement = Measurement(profile.surface, profile.unreachable).start()
@@ -216,7 +220,10 @@ def coverage_map(engine: Any, pairs: list, device: str, overrides: dict) -> dict
         for info, mode in pairs:
             key = f"{info.id}/{mode}"
             probe.set_context(key)
+            took = time.perf_counter()
             run_invariant(info, engine, mode, device, **overrides)
+            if seconds is not None:
+                seconds[key] = time.perf_counter() - took
     finally:
         probe.set_context(None)
         measurement.finish()
@@ -309,24 +316,47 @@ def classify(mutant: Mutant, profile: Any, trees: dict[str, ast.AST]) -> None:
             mutant.status, mutant.reason = "unreachable", reason
 
 
+def sample_of(mutants: list[Mutant], size: int, seed: int) -> list[Mutant]:
+    """A seeded sample of ``size``: the mutants whose ``sha256(seed, id)`` are the smallest (bottom-k), in that order.
+    A mutant's membership depends on its own id alone, so a surface that grows or shrinks elsewhere keeps the rest of
+    the sample (and an earlier run's results for it: ``--resume``)."""
+    rank = lambda m: hashlib.sha256(f"{seed}\0{m.id}".encode()).hexdigest()  # noqa: E731
+    return sorted(mutants, key=rank)[:size]
+
+
+def _carried(previous: Path | None) -> dict[tuple[str, str], str]:
+    """(id, mutated source) -> the target that killed it, from an earlier report (``--resume``)."""
+    if previous is None:
+        return {}
+    data = json.loads(Path(previous).read_text())
+    return {(m["id"], m["mutated"]): m["killed_by"] for m in data["mutants"] if m["status"] == "killed"}
+
+
 def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: str | None, device: str = "cpu",
                 only: tuple[str, ...] = (), seconds: int = 300, progress: Callable[[str], None] = print,
-                after_each: Callable[[list[Mutant]], None] | None = None) -> list[Mutant]:
-    """The mutants of a seeded sample of ``sample``, each run by the targets that ran its line (here and on the real
-    ranks) under ``profile``, a survivor again under ``confirm``, then classified (:func:`classify`)."""
+                after_each: Callable[[list[Mutant]], None] | None = None, resume: Path | None = None
+                ) -> list[Mutant]:
+    """The mutants of a seeded sample of ``sample`` (:func:`sample_of`), each run by the targets that ran its line
+    (here and on the real ranks; the cheapest first) under ``profile``, a survivor again under ``confirm``, then
+    classified (:func:`classify`). ``resume``: an earlier report of the same sample; a mutant it killed (same id,
+    same mutated source) is carried over, not run again (the suite between the runs only added checks)."""
     load_profile(profile)
     quiet = {"verbosity": Verbosity.quiet}
     pairs = [(i, m) for i, m in instances() if not only or i.id.startswith(only)]
     by_key = {f"{i.id}/{m}": (i, m) for i, m in pairs}
     progress(f"mutate: coverage map of {len(pairs)} targets under {profile}")
-    lines = coverage_map(engine, pairs, device, quiet)
+    cost: dict[str, float] = {}
+    lines = coverage_map(engine, pairs, device, quiet, cost)
     mutants = mutants_of(engine.profile.surface)
-    chosen = random.Random(seed).sample(mutants, min(sample, len(mutants)))
+    chosen = sample_of(mutants, sample, seed)
+    carried = _carried(resume)
     progress(f"mutate: {len(mutants)} mutants, {len(chosen)} sampled (seed {seed})")
     trees = {m.file: ast.parse(Path(m.file).read_text()) for m in chosen}
     for n, mutant in enumerate(chosen):
-        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()))
-        if not mutant.targets:
+        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()), key=lambda k: (cost.get(k, 0), k))
+        if (mutant.id, mutant.mutated) in carried:
+            mutant.status, mutant.killed_by, mutant.carried = "killed", carried[(mutant.id, mutant.mutated)], True
+        elif not mutant.targets:
             mutant.status = "uncovered"
         else:
             try:
@@ -362,7 +392,9 @@ def summary(mutants: list[Mutant], seed: int) -> str:
     return (f"mutation score {share:.1%}: {killed} of {scored} non-equivalent mutants killed "
             f"({count('survived')} survived, {count('uncovered')} uncovered); {count('equivalent')} equivalent, "
             f"{count('unreachable')} on declared-unreachable lines, {count('not installed')} not installed; "
-            f"a sample of {len(mutants)}, seed {seed}")
+            f"a sample of {len(mutants)}, seed {seed}"
+            + (f"; {sum(m.carried for m in mutants)} kills carried over from an earlier run" if any(
+                m.carried for m in mutants) else ""))
 
 
 def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, profile: str, confirm: str | None) -> str:
@@ -385,7 +417,7 @@ def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, pr
             md += [f"### `{m.id}`", ""]
             if m.targets:
                 md += [f"ran by: {', '.join(m.targets)}", ""]
-            if m.reason or m.killed_by:
+            if m.reason or (m.killed_by and m.status != "killed"):
                 md += [f"why: {m.reason or m.killed_by}", ""]
             md += ["```diff", m.diff().rstrip(), "```", ""]
     (out / f"mutate-{engine}.md").write_text("\n".join(md) + "\n")
@@ -406,6 +438,6 @@ def main_mutate(args: Any, engine: Any) -> int:
                                        confirm=args.confirm)
     mutants = run_mutants(engine, sample=args.sample, seed=args.seed, profile=args.profile, confirm=confirm,
                           only=only, seconds=args.timeout, progress=lambda text: print(text, file=sys.stderr),
-                          after_each=report)
+                          after_each=report, resume=Path(args.resume) if args.resume else None)
     print(report(mutants) + f" in {time.perf_counter() - start:.0f}s")
     return 0

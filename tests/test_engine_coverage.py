@@ -265,3 +265,17 @@ def test_reach_figures_are_recorded_from_reports(tmp_path, monkeypatch):
     assert "**open gap**: a positive x" in unreached and "needs CUDA" in unreached
     survivors = measured.survivors_list("toy")
     assert "`b`, survived" in survivors and "`c`, equivalent: same value" in survivors and "`a`" not in survivors
+
+
+def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
+    """spec mutate's sample (bottom-k by a seeded hash of the id): the same seed gives the same mutants; another seed
+    others; dropping part of the surface keeps every sampled mutant of the rest."""
+    from spec.mutate import mutants_of, sample_of
+
+    everything = mutants_of((toy,))
+    first = [m.id for m in sample_of(everything, 6, seed=0)]
+    assert first == [m.id for m in sample_of(mutants_of((toy,)), 6, seed=0)]
+    assert first != [m.id for m in sample_of(everything, 6, seed=1)]
+    rest = [m for m in everything if m.function != "choose"]
+    kept = [i for i in first if ":choose:" not in i]
+    assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
