@@ -306,7 +306,9 @@ def unreachable_reason(mutant: Mutant, unreachable: dict[str, str], tree: ast.AS
 
 def classify(mutant: Mutant, profile: Any, trees: dict[str, ast.AST]) -> None:
     """A survivor the profile declares equivalent (``equivalent_mutants``, by :attr:`Mutant.id`) is ``equivalent``
-    with its reason; an uncovered mutant whose line a declared-unreachable branch covers is ``unreachable``."""
+    with its reason (it is not confirmed under ``--confirm``: only a survivor that counts needs that; a declared one
+    that is killed is reported killed, its declaration wrong); an uncovered mutant whose line a declared-unreachable
+    branch covers is ``unreachable``."""
     equivalent = getattr(profile, "equivalent_mutants", {}) or {}
     if mutant.status == "survived" and mutant.id in equivalent:
         mutant.status, mutant.reason = "equivalent", equivalent[mutant.id]
@@ -361,7 +363,7 @@ def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: s
         else:
             try:
                 mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
-                if not mutant.killed_by and confirm:
+                if not mutant.killed_by and confirm and mutant.id not in engine.profile.equivalent_mutants:
                     load_profile(confirm)
                     try:
                         mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
