@@ -279,3 +279,17 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     rest = [m for m in everything if m.function != "choose"]
     kept = [i for i in first if ":choose:" not in i]
     assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
+
+
+def test_declared_equivalent_mutants_are_mutants_of_the_surface():
+    """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
+    line moved or whose mutant no longer exists is stale): verl's, where verl is installed (the verl091 CI step)."""
+    from spec.engines.verl import VerlEngine
+    from spec.mutate import mutants_of
+
+    profile = VerlEngine.profile
+    found, missing = regions(profile.surface)
+    if missing or not found:
+        pytest.skip(f"verl's surface is not installed here: {sorted(missing)[:2]}")
+    stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface)}
+    assert not stale, f"declared equivalent, but no such mutant of verl's surface: {sorted(stale)}"
