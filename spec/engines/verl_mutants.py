@@ -22,6 +22,25 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
         "agree there",
     f"{_SB}:karmarkar_karp:80 accumulator: += -> =":
         "Set.add is called only on a fresh Set (sum 0) in State.__init__, once per set: 0 + val == val",
+    f"{_SB}:karmarkar_karp:90 compare: NotEq -> Eq":
+        "Set.__lt__'s tie-break between sets of equal sums (by item count, then items): the mutant orders such "
+        "sets by their items instead; the heap then merges other equal-sum sets, and the partition is still every "
+        "sample once within the budget: the contract asks no particular partition among equally balanced ones",
+    f"{_SB}:rearrange_micro_batches:478 compare: Gt -> GtE":
+        "with force_group_size == 1 the grouped sort key sums workloads[idx // 1] over partition[::1]: the same "
+        "key as the ungrouped branch",
+    f"{_SB}:rearrange_micro_batches:476 branch: condition negated":
+        "use_dynamic_bsz_balance only orders the micro-batches (smallest at both ends, for pipeline bubbles); "
+        "restore_dynamic_batch puts every sample back whatever the order (INV-MB-007), and no output depends on it",
+    "verl.utils.torch_functional:logprobs_from_logits_v2:203 dim: dim -> other dim":
+        "logprobs_from_logits reshapes the logits to (N, V) before it calls v2, so each row_logits is 1-D and "
+        "dim=0 is dim=-1",
+    "verl.utils.tensordict_utils:chunk_tensordict:354 dim: dim -> other dim":
+        "a jagged nested tensor unbinds along dim 0 only: unbind(dim=-1) raises RuntimeError and verl's own "
+        "fallback (to_padded_tensor, chunk, each part cut back to its length from the offsets) builds the same chunks",
+    "verl.utils.tensordict_utils:nested_tensor_from_tensor_list:163 compare: Gt -> GtE":
+        "the assert only guards an empty list, which raises either way (IndexError at tensors[0] instead of "
+        "AssertionError); every non-empty list passes both",
     "verl.utils.ulysses:ulysses_pad:288 compare: LtE -> Lt":
         "with sp_size == 1 the fall-through pads (1 - n % 1) % 1 = 0 tokens and returns the same tensors and a pad "
         "of 0, as the early return does",
