@@ -33,8 +33,16 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
         "use_dynamic_bsz_balance only orders the micro-batches (smallest at both ends, for pipeline bubbles); "
         "restore_dynamic_batch puts every sample back whatever the order (INV-MB-007), and no output depends on it",
     "verl.utils.torch_functional:logprobs_from_logits_v2:203 dim: dim -> other dim":
-        "logprobs_from_logits reshapes the logits to (N, V) before it calls v2, so each row_logits is 1-D and "
-        "dim=0 is dim=-1",
+        "the engine hands logprobs_from_logits its packed logits, (total_nnz, V) (logits_rmpad, also in the padded "
+        "mode: the rows concatenated), so each row_logits is 1-D and dim=0 is dim=-1 (a caller with 3-D logits "
+        "would tell them apart; none on this surface does)",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs:1192 dtype: dtype= dropped":
+        "input_ids.offsets() of a jagged tensor are int64 already: .to(dtype=torch.long) changes nothing",
+    "verl.utils.torch_functional:logprobs_from_logits:95 compare: NotEq -> Eq":
+        "needs flash-attn: without it FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE is False and the `and` never reads "
+        "VERL_DISABLE_FLASH_ATTN_CE (the CUDA branch is declared unreachable)",
+    f"{_SB}:restore_dynamic_batch:578 dtype: dtype= dropped":
+        "torch.tensor of a list of Python ints is int64 without dtype=torch.long",
     "verl.utils.tensordict_utils:chunk_tensordict:354 dim: dim -> other dim":
         "a jagged nested tensor unbinds along dim 0 only: unbind(dim=-1) raises RuntimeError and verl's own "
         "fallback (to_padded_tensor, chunk, each part cut back to its length from the offsets) builds the same chunks",
