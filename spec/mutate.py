@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hypothesis import Verbosity
+from hypothesis import Verbosity, settings
 
 from .execute import probe, ranks
 from .run.engine_coverage import Measurement, regions
@@ -208,11 +208,12 @@ def mutants_of(surface: tuple[str, ...]) -> list[Mutant]:
     return out
 
 
-def coverage_map(engine: Any, pairs: list, device: str, overrides: dict,
-                 seconds: dict[str, float] | None = None) -> dict[str, dict[int, set[str]]]:
+def coverage_map(engine: Any, pairs: list, device: str, overrides: dict, seconds: dict[str, float] | None = None,
+                 statuses: dict[str, str] | None = None) -> dict[str, dict[int, set[str]]]:
     """file -> line -> the targets (``invariant/mode``) whose examples ran it: every target once under the loaded
     profile, the engine-code coverage's dynamic context switched per target here and on the real ranks. Each
-    target's run time goes to ``seconds`` (a mutant runs its cheapest targets first)."""
+    target's run time goes to ``seconds`` (a mutant runs its cheapest targets first), its outcome on the engine's own
+    code to ``statuses`` (a target that fails unmutated kills nothing)."""
     profile = engine.profile
     ranks.shutdown()  # the ranks (and their fork server) start after the measurement, so that they measure too
     measurement = Measurement(profile.surface, profile.unreachable).start()
@@ -221,9 +222,11 @@ def coverage_map(engine: Any, pairs: list, device: str, overrides: dict,
             key = f"{info.id}/{mode}"
             probe.set_context(key)
             took = time.perf_counter()
-            run_invariant(info, engine, mode, device, **overrides)
+            outcome = run_invariant(info, engine, mode, device, **overrides)
             if seconds is not None:
                 seconds[key] = time.perf_counter() - took
+            if statuses is not None:
+                statuses[key] = outcome.status
     finally:
         probe.set_context(None)
         measurement.finish()
@@ -326,12 +329,21 @@ def sample_of(mutants: list[Mutant], size: int, seed: int) -> list[Mutant]:
     return sorted(mutants, key=rank)[:size]
 
 
-def _carried(previous: Path | None) -> dict[tuple[str, str], str]:
-    """(id, mutated source) -> the target that killed it, from an earlier report (``--resume``)."""
+def _carried(previous: Path | None, sound: set[str]) -> dict[tuple[str, str], str]:
+    """(id, mutated source) -> the target that killed it, from an earlier report (``--resume``), where that target is
+    one of ``sound`` (it passes on the engine's own code in this run)."""
     if previous is None:
         return {}
     data = json.loads(Path(previous).read_text())
-    return {(m["id"], m["mutated"]): m["killed_by"] for m in data["mutants"] if m["status"] == "killed"}
+    return {(m["id"], m["mutated"]): m["killed_by"] for m in data["mutants"]
+            if m["status"] == "killed" and m["killed_by"].split(" ")[0] in sound}
+
+
+def seeded(seed: int) -> dict[str, Any]:
+    """The run_invariant argument that makes a target draw the same examples in every run of it (the map's baseline
+    and each mutant's run see the same cases, so a kill is the mutant's), unless the loaded profile is derandomized
+    already (``ci``: its own streams)."""
+    return {} if settings.default.derandomize else {"seed": seed}
 
 
 def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: str | None, device: str = "cpu",
@@ -348,25 +360,30 @@ def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: s
     by_key = {f"{i.id}/{m}": (i, m) for i, m in pairs}
     progress(f"mutate: coverage map of {len(pairs)} targets under {profile}")
     cost: dict[str, float] = {}
-    lines = coverage_map(engine, pairs, device, quiet, cost)
+    baseline: dict[str, str] = {}
+    lines = coverage_map(engine, pairs, device, {**quiet, **seeded(seed)}, cost, baseline)
+    broken = sorted(k for k, status in baseline.items() if status in ("fail", "error"))
+    if broken:
+        progress(f"mutate: {len(broken)} targets fail on the engine's own code and kill nothing: {', '.join(broken)}")
     mutants = mutants_of(engine.profile.surface)
     chosen = sample_of(mutants, sample, seed)
-    carried = _carried(resume)
+    carried = _carried(resume, set(baseline) - set(broken))
     progress(f"mutate: {len(mutants)} mutants, {len(chosen)} sampled (seed {seed})")
     trees = {m.file: ast.parse(Path(m.file).read_text()) for m in chosen}
     for n, mutant in enumerate(chosen):
-        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()), key=lambda k: (cost.get(k, 0), k))
+        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()) - set(broken),
+                                key=lambda k: (cost.get(k, 0), k))
         if (mutant.id, mutant.mutated) in carried:
             mutant.status, mutant.killed_by, mutant.carried = "killed", carried[(mutant.id, mutant.mutated)], True
         elif not mutant.targets:
             mutant.status = "uncovered"
         else:
             try:
-                mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
+                mutant.killed_by = _kills(mutant, engine, by_key, device, {**quiet, **seeded(seed)}, seconds)
                 if not mutant.killed_by and confirm and mutant.id not in engine.profile.equivalent_mutants:
                     load_profile(confirm)
                     try:
-                        mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
+                        mutant.killed_by = _kills(mutant, engine, by_key, device, {**quiet, **seeded(seed)}, seconds)
                     finally:
                         load_profile(profile)
                 mutant.status = "killed" if mutant.killed_by else "survived"
