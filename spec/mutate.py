@@ -459,4 +459,8 @@ def main_mutate(args: Any, engine: Any) -> int:
                           only=only, seconds=args.timeout, progress=lambda text: print(text, file=sys.stderr),
                           after_each=report, resume=Path(args.resume) if args.resume else None)
     print(report(mutants) + f" in {time.perf_counter() - start:.0f}s")
+    share = score(mutants)[2]
+    if args.min_score is not None and share < args.min_score:
+        print(f"mutation score {share:.1%} is below --min-score {args.min_score:.0%}", file=sys.stderr)
+        return 1
     return 0
