@@ -233,8 +233,9 @@ def coverage_map(engine: Any, pairs: list, device: str, overrides: dict, seconds
     return measurement.line_contexts
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """A target ran past ``--timeout`` under a mutant (one that loops forever): a BaseException, so that hypothesis
+    does not take it for a failing example and replay it (with no alarm left) while shrinking."""
 
 
 def _alarm(signum, frame):  # noqa: ARG001
