@@ -633,30 +633,12 @@ VERL_UNREACHABLE: dict[str, str] = {
     "verl.utils.ulysses:274->279": "every caller in the engine passes unpad_dim",
     "verl.utils.ulysses:288->289": "the engine pads for Ulysses only with sp_size > 1 (ulysses_pad_and_slice_inputs)",
     f"{_EU}:78->79": "the engine calls pad_packed_inputs only when _get_packed_pad_size returned a positive pad",
-    f"{_EU}:184->183": "gap: a micro-batch output without model_output (a training step's loss-only output)",
-    f"{_EU}:204->205": "gap: micro-batch outputs carrying a loss (the training step's {'loss', 'metrics'}); the suite "
-                       "hands postprocess_batch_func model_output only",
-    f"{_EU}:209->210": "gap: micro-batch outputs carrying metrics (the training step's); the suite hands model_output only",
     "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines (the "
                                                               "embedding-input models' helper)",
     f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation prints a State",
-    f"{_SB}:90->91": "gap: two partial sets with equal sums and different item counts met in the Karmarkar-Karp heap "
-                     "(sequence lengths with many equal subset sums)",
-    f"{_SB}:146->147": "gap: equal_size=True (the trainer's balance_batch over data-parallel ranks); the micro-batch "
-                       "path calls get_seqlen_balanced_partitions with equal_size=False",
-    f"{_SB}:167->168": "gap: equal_size=True (as 146)",
-    f"{_SB}:148": "gap: equal_size=True (as 146)", f"{_SB}:150": "gap: equal_size=True (as 146)",
-    f"{_SB}:168": "gap: equal_size=True (as 146)",
-    f"{_SB}:377->381": "gap: a padded (dense input_ids + attention_mask) mini-batch cut by rearrange_micro_batches",
-    f"{_TU}:165->166": "every caller in the layer passes ragged_idx (the dataset collator, outside the surface, does not)",
-    f"{_TU}:concat_tensordict_with_none_bsz": "gap: concatenating metadata-only TensorDicts (batch_size [])",
-    f"{_TU}:275->276": "gap: concatenating micro-batch TensorDicts that hold no nested tensor (padded outputs)",
-    f"{_TU}:276": "gap: concatenating metadata-only TensorDicts (batch_size [])",
-    f"{_TU}:360": "gap: chunk_tensordict of a nested tensor whose unbind raises (a jagged tensor with holes: offsets "
-                  "and lengths, e.g. after narrow)",
-    f"{_TU}:482->485": "gap: index_select_tensor_dict with a tensor of indices (the layer hands lists)",
-    f"{_TU}:490->508": "gap: index_select_tensor_dict of a TensorDict that is None",
-    f"{_TU}:502->505": "gap: index_select_tensor_dict over a NonTensorData entry (scalar metadata kept whole)",
+    f"{_TU}:360": "torch 2.13's unbind splits every jagged layout the layer holds (2-D ids, mRoPE ragged at 2 or at 1, "
+                  "teacher top-K, routed experts, offsets with holes): the fallback for pytorch#153238's unbind "
+                  "error runs on older torch only",
 }
 
 
