@@ -633,12 +633,19 @@ VERL_UNREACHABLE: dict[str, str] = {
     "verl.utils.ulysses:274->279": "every caller in the engine passes unpad_dim",
     "verl.utils.ulysses:288->289": "the engine pads for Ulysses only with sp_size > 1 (ulysses_pad_and_slice_inputs)",
     f"{_EU}:78->79": "the engine calls pad_packed_inputs only when _get_packed_pad_size returned a positive pad",
-    "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines (the "
-                                                              "embedding-input models' helper)",
-    f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation prints a State",
     f"{_TU}:360": "torch 2.13's unbind splits every jagged layout the layer holds (2-D ids, mRoPE ragged at 2 or at 1, "
                   "teacher top-K, routed experts, offsets with holes): the fallback for pytorch#153238's unbind "
                   "error runs on older torch only",
+}
+
+
+#: functions inside VERL_SURFACE's entries the preparation never passes through (not counted, listed with why)
+VERL_OFF_PATH: dict[str, str] = {
+    "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines, their "
+                                                              "micro-batch layer or trainer (the embedding-input "
+                                                              "models' helper)",
+    f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation or the balance "
+                                                     "prints a State",
 }
 
 
@@ -649,7 +656,7 @@ class VerlEngine(EngineUnderTest):
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
     profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
-                      conventions=VERL_CONVENTIONS)
+                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

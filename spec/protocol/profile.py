@@ -19,7 +19,10 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``surface``: the engine's own preparation code (``package.module`` or ``package.module:function``), whose
   lines and branches ``spec verify`` measures with coverage.py;
 * ``unreachable``: branches of the surface no CPU run can reach, each with its reason (``"module:line"`` ->
-  ``"needs CUDA"``).
+  ``"needs CUDA"``);
+* ``off_path``: functions inside the surface's entries that the preparation never passes through
+  (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
+  the report with their reasons.
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -125,6 +128,7 @@ class EngineProfile:
     conventions: frozenset[Convention] = frozenset()
     surface: tuple[str, ...] = ()
     unreachable: Mapping[str, str] = field(default_factory=dict)
+    off_path: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for mode in self.modes:
