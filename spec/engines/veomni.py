@@ -49,7 +49,7 @@ class VeOmniEngine(VerlEngine):
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
             "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=VERL_UNREACHABLE,
-        off_path=VERL_OFF_PATH)
+        off_path=VERL_OFF_PATH, refuses={})  # VeOmni's own preparation: its refusals not declared (not checked here)
 
     def __init__(self) -> None:
         super().__init__()

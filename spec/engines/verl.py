@@ -621,9 +621,14 @@ _FUSED_ONLY_DISTILL = ("gap: use_fused_kernels with distillation_only (a fused-k
                        "policy log-probs)")
 _FUSED_TOPK = ("gap: use_fused_kernels with top-K distillation and a model output carrying fused_linear_aux "
                "(VeOmni's chunk_topk_distill); the suite's fused stand-in returns no aux outputs")
+_DEAD_PAD_MODE = ("dead code: the assert at the top of prepare_model_inputs refuses any pad_mode but no_padding "
+                  "first (INV-FLAG-004/005 hand it left_right and right)")
 VERL_UNREACHABLE: dict[str, str] = {
-    "*:raise": "an error path: verl raises for an input or setting it rejects (pad_mode other than NO_PADDING, "
-               "sum_pi_squared with fused kernels, ...); the suite's valid cases never take it",
+    "*:raise": "an error path: verl raises for an input it rejects; the suite's valid cases never take it (the "
+               "settings its profile refuses are handed to it by INV-FLAG-004/005)",
+    f"{_FSDP}:1190->1198": _DEAD_PAD_MODE, f"{_FSDP}:1275->1312": _DEAD_PAD_MODE,
+    f"{_EU}:192->196": "dead code: the assert at the top of postprocess_batch_func refuses any pad_mode but "
+                       "no_padding first (INV-FLAG-004 hands it left_right and right)",
     f"{_FSDP}:1365->1367": _FUSED_ONLY_DISTILL, f"{_FSDP}:1466->1470": _FUSED_ONLY_DISTILL,
     f"{_FSDP}:1373": _FUSED_TOPK, f"{_FSDP}:1375": _FUSED_TOPK, f"{_FSDP}:1377": _FUSED_TOPK,
     f"{_FSDP}:1384->1385": _NO_DTENSOR, f"{_FSDP}:1481->1482": _NO_DTENSOR,
@@ -649,6 +654,16 @@ VERL_OFF_PATH: dict[str, str] = {
 }
 
 
+#: settings verl's FSDP engine does not support (INV-FLAG-004/005 assert it raises for each)
+VERL_REFUSES: dict[str, str] = {
+    "pad_mode": "the FSDP engine's preparation and postprocess_batch_func implement pad_mode no_padding only "
+                "(NotImplementedError / an assertion otherwise)",
+    "sum_pi_squared_fused": "fused kernels do not materialise the logits that sum_pi_squared needs (NotImplementedError)",
+    "bucket_distillation": "the teacher tensors are sliced by the Ulysses pad rule, which knows no static pad "
+                           "(RuntimeError)",
+}
+
+
 class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
@@ -656,7 +671,7 @@ class VerlEngine(EngineUnderTest):
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
     profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
-                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS)
+                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

@@ -20,6 +20,9 @@ for an engine under test (``EngineUnderTest.profile``):
   lines and branches ``spec verify`` measures with coverage.py;
 * ``unreachable``: branches of the surface no CPU run can reach, each with its reason (``"module:line"`` ->
   ``"needs CUDA"``);
+* ``refuses``: settings the engine declares it does not support (names of
+  ``spec.invariants.settings.REFUSALS`` -> why); INV-FLAG-004/005 hand it each and assert an exception, never
+  tensors (an engine that declares none is not asked);
 * ``off_path``: functions inside the surface's entries that the preparation never passes through
   (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
   the report with their reasons.
@@ -129,6 +132,7 @@ class EngineProfile:
     surface: tuple[str, ...] = ()
     unreachable: Mapping[str, str] = field(default_factory=dict)
     off_path: Mapping[str, str] = field(default_factory=dict)
+    refuses: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for mode in self.modes:
