@@ -124,6 +124,8 @@ SUM_PI_SQUARED_CANCELLATION = KnownFailure(
     matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
 
 #: verl's own top-K processor (compute_forward_kl_topk) counts the overlap as an integer
+NO_FUSED_AUX = When("a fused kernel without the distillation terms (no fused_linear_aux, printed no_fused_aux)",
+                    lambda c: not c.fused_aux)
 DISTILLATION_ASKED = When("top-K distillation asked (verl's own processor runs)", lambda c: bool(c.distillation_keys))
 OVERLAP_COUNT_INT64 = KnownFailure(
     "INV-DEV-001", "verl's own top-K processor returns overlap_count as int64 (overlap_mask.sum(dim=-1), a count; "
@@ -234,6 +236,13 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             "missing (the packed path reads them); verl gap, not a wrong value",
             modes=("padded",), raises=AssertionError,
             matches=r"padded outputs lack \['distillation_losses', 'student_mass', 'teacher_mass'\]"),
+        KnownFailure(
+            "INV-FUSED-003", "the packed fused-kernel path of FSDPEngineWithLMHead.prepare_model_outputs takes the "
+            "distillation terms only from the model output's fused_linear_aux: a fused kernel that computes log-probs "
+            "and entropy only (verl's own fused forward) leaves every distillation key missing, silently, although "
+            "the logits are there for the processor; verl gap, not a wrong value",
+            modes=("packed",), raises=AssertionError, when=NO_FUSED_AUX,
+            matches=r"packed outputs lack \['distillation_losses', 'student_mass', 'teacher_mass'\]"),
         KnownFailure(
             "INV-MUT-003", "left_right_2_no_padding converts the TensorDict it is given in place and returns it "
             "(pops input_ids, writes nested input_ids/position_ids, loss_mask, max_seq_len, max_response_len, "
@@ -624,9 +633,6 @@ VERL_SURFACE = (
 #: (a ``gap:`` reason is no such reason: an input a real trainer sends that the case space does not draw yet)
 _SB, _TU, _EU = "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils", "verl.workers.engine.utils"
 _NO_DTENSOR = "needs a tensor-parallel device mesh: DTensor logits sharded on the vocabulary (full_tensor() first)"
-_FUSED_NO_AUX = ("gap: use_fused_kernels with top-K distillation and a fused kernel that computes no distillation "
-                 "(a model output without fused_linear_aux): verl then returns no distillation key; the suite's fused "
-                 "stand-in always computes them (as VeOmni's chunk_topk_distill)")
 _DEAD_PAD_MODE = ("dead code: the assert at the top of prepare_model_inputs refuses any pad_mode but no_padding "
                   "first (INV-FLAG-004/005 hand it left_right and right)")
 VERL_UNREACHABLE: dict[str, str] = {
@@ -635,7 +641,6 @@ VERL_UNREACHABLE: dict[str, str] = {
     f"{_FSDP}:1190->1198": _DEAD_PAD_MODE, f"{_FSDP}:1275->1312": _DEAD_PAD_MODE,
     f"{_EU}:192->196": "dead code: the assert at the top of postprocess_batch_func refuses any pad_mode but "
                        "no_padding first (INV-FLAG-004 hands it left_right and right)",
-    f"{_FSDP}:1375->1435": _FUSED_NO_AUX,
     f"{_FSDP}:1384->1385": _NO_DTENSOR, f"{_FSDP}:1481->1482": _NO_DTENSOR,
     "verl.utils.torch_functional:96->97": "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn)",
     "verl.utils.torch_functional:103->104": "needs an Ascend NPU (torch_npu's cross-entropy)",

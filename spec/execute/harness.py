@@ -125,7 +125,8 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     if stop_after_inputs:
         return run
     run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison], profile_of(engine).padded_layout)
-    if case.use_fused_kernels and case.distillation_use_topk and case.use_remove_padding and len(engines) == 1:
+    if case.use_fused_kernels and case.distillation_use_topk and case.fused_aux and case.use_remove_padding \
+            and len(engines) == 1:
         run.model_outputs[0].fused_linear_aux = fused_linear_aux(run.model_outputs[0].logits, case, mb,
                                                                  processor_for(engine, case, 1, 0))
     run.model_output_snapshots = [{k: v.detach().clone() for k, v in _fields(o).items()} for o in run.model_outputs]

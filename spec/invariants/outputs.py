@@ -99,7 +99,8 @@ def _fused_distillation(case: EngineCase) -> EngineCase:
 
 
 @invariant("INV-FUSED-003", "fused kernels with top-K distillation (the model's fused kernel computes the terms "
-           "itself, fused_linear_aux, as VeOmni's chunk_topk_distill): every distillation key equals the processor "
+           "itself, fused_linear_aux, as VeOmni's chunk_topk_distill, or, one case in four, it does not: then from "
+           "the logits): every distillation key equals the processor "
            "on the tempered logits (distillation_losses, student_mass, teacher_mass: the terms a fused kernel "
            "computes), log_probs the model's unless distillation_only (then absent), entropy when asked",
            contract=3, needs=("fused", "distillation"), adjust=_fused_distillation,

@@ -267,8 +267,8 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="equal_size=True (balance_batch over data-parallel ranks) with lengths that differ"),
     PlantedBug("losses_only_with_model_output", ("INV-MB-017",), microbatch=MB.losses_only_with_model_output,
                quiet="a training step whose micro-batches return loss and metrics but no model_output"),
-    PlantedBug("dense_tokens_counted_by_pad_id", ("INV-MB-018",), microbatch=MB.dense_tokens_counted_by_pad_id,
-               quiet="a padded mini-batch with a real token equal to the pad id, under a budget it then overfills"),
+    PlantedBug("dense_tokens_counted_by_response", ("INV-MB-018",), microbatch=MB.dense_tokens_counted_by_response,
+               quiet="a padded mini-batch under a budget its prompts then overfill"),
     PlantedBug("index_tensor_deduplicated", ("INV-MB-019",), microbatch=MB.index_tensor_deduplicated,
                quiet="indices handed as a tensor, not in ascending order"),
     # the settings an engine's profile declares unsupported, and fused kernels with distillation

@@ -22,7 +22,7 @@ __all__ = ["restore_off_by_one_when_reordered", "restore_skipped_without_grad", 
            "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder",
            "micro_batch_rows_rotated", "chunks_reversed", "concat_drops_flags", "index_select_sorted",
            "nested_from_list_by_torch", "fix_positions_by_unbind", "balance_ignores_equal_size",
-           "losses_only_with_model_output", "dense_tokens_counted_by_pad_id", "index_tensor_deduplicated"]
+           "losses_only_with_model_output", "dense_tokens_counted_by_response", "index_tensor_deduplicated"]
 
 
 def _flag(data: Any, key: str, default: Any = None) -> Any:
@@ -291,19 +291,22 @@ def losses_only_with_model_output(layer: MicroBatchLayer) -> MicroBatchLayer:
     return layer.with_functions("planted", postprocess_batch_func=postprocess_batch_func)
 
 
-def dense_tokens_counted_by_pad_id(layer: MicroBatchLayer) -> MicroBatchLayer:
-    """rearrange_micro_batches counts a padded mini-batch's tokens as the ids that differ from pad_token_id, not by
-    its attention mask: real tokens equal to the pad id are not counted, so a micro-batch can exceed the budget."""
+def dense_tokens_counted_by_response(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """rearrange_micro_batches counts a padded mini-batch's tokens over its response columns only (the loss tokens:
+    the attention mask past the prompt block), not its whole attention mask: the prompts are not counted, so a
+    micro-batch can hold more tokens than the budget."""
     rearrange = layer.get("rearrange_micro_batches")
+    select = layer.get("index_select_tensor_dict")
 
     def rearrange_micro_batches(batch, max_token_len, *args, **kwargs):
         ids = batch["input_ids"]
-        if ids.is_nested or "attention_mask" not in batch.keys():
+        if ids.is_nested or "attention_mask" not in batch.keys() or "responses" not in batch.keys():
             return rearrange(batch, max_token_len, *args, **kwargs)
+        mask = batch["attention_mask"]
+        prompt_cols = mask.shape[-1] - batch["responses"].shape[-1]
         counted = batch.copy()
-        counted.set("attention_mask", (ids != _flag(batch, "pad_token_id", 0)).to(batch["attention_mask"].dtype))
-        micro, indices = rearrange(counted, max_token_len, *args, **kwargs)
-        select = layer.get("index_select_tensor_dict")
+        counted.set("attention_mask", mask * (torch.arange(mask.shape[-1], device=mask.device) >= prompt_cols))
+        _, indices = rearrange(counted, max_token_len, *args, **kwargs)
         return [select(batch, list(part)) for part in indices], indices
 
     return layer.with_functions("planted", rearrange_micro_batches=rearrange_micro_batches,
