@@ -206,14 +206,14 @@ def _unsupported_refused(ctx: Ctx) -> None:
     run = execute(ctx.engine, case, ctx.device, reuse=reuse)
     eng, processor = reuse[0], processor_for(ctx.engine, case, 1, 0)
     if "pad_mode" in refuses:
+        _, output_args = eng.prepare_model_inputs(run.micro_batch)  # a valid hand-off, whole, for the outputs step
         post = _layer_function(ctx.engine, "postprocess_batch_func")
         for mode in (PadMode.LEFT_RIGHT, PadMode.RIGHT):
             bad = run.micro_batch.copy()
             bad.set_non_tensor("pad_mode", mode)
             what = f"pad_mode={mode.value} ({refuses['pad_mode']})"
             expect_engine_error(lambda: eng.prepare_model_inputs(bad), f"prepare_model_inputs with {what}")
-            expect_engine_error(lambda: eng.prepare_model_outputs(run.model_outputs[0], run.output_args[0], bad,
-                                                                  processor),
+            expect_engine_error(lambda: eng.prepare_model_outputs(run.model_outputs[0], output_args, bad, processor),
                                 f"prepare_model_outputs (a valid run's model output and output_args) with {what}")
             if post is not None and case.head == "lm":
                 expect_engine_error(lambda: post(output_lst=[{"model_output": dict(run.outputs)}], indices=None,
