@@ -1,5 +1,5 @@
-"""The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract.md (Micro-batch layer)): from a trainer's
-mini-batch to micro-batches and back.
+"""The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract.md (Micro-batch layer); MB-16 .. MB-19 in
+:mod:`.microbatch_trainer`): from a trainer's mini-batch to micro-batches and back.
 
 Each check draws a :class:`spec.cases.microbatch.MiniBatchCase` and calls the engine's layer
 (``engine.microbatch_layer()``, verl 0.9.1's names) through the attribution boundary, so what the layer raises
@@ -34,7 +34,7 @@ from .core import CATALOGUE, Ctx, InvariantInfo, close, fail, held, same
 
 __all__ = ["MicroBatchInfo", "PINNED"]
 
-CONTRACT = 13  # the micro-batch layer's clause in docs/contract.md (its sub-clauses 13.1-13.15: Micro-batch layer)
+CONTRACT = 13  # the micro-batch layer's clause in docs/contract.md (its sub-clauses 13.1-13.19: Micro-batch layer)
 NESTED_KEYS = ("input_ids", "position_ids", "prompts", "responses", "loss_mask", "response_mask", "teacher_ids",
                "teacher_logprobs", "routed_experts")
 
