@@ -42,7 +42,8 @@ def _coverage(report: dict[str, Any]) -> dict[str, Any]:
             "line": (f"{share:.1%} of {cov['branches']} branches reached ({cov['reached']}; unreached: {declared} "
                      f"declared unreachable, {cov['open_gaps']} open gaps, {cov['unreached_without_reason']} "
                      "without a reason)"),
-            "surface": cov["surface"],
+            "surface": cov["surface"], "off_path": cov.get("off_path", {}),
+            "stale_declarations": cov.get("stale_declarations", []),
             "unreached": [{k: b[k] for k in ("key", "function", "source", "reason")} for b in cov["unreached"]]}
 
 
@@ -99,6 +100,14 @@ def unreached_table(engine: str) -> str:
         reason = b["reason"]
         reason = f"**open gap**: {reason.removeprefix('gap:').strip()}" if reason.startswith("gap:") else reason
         lines.append(f"| `{b['key']}` | `{b['function']}` | `{b['source'].replace('|', '¦')}` | {reason} |")
+    off = (cov or {}).get("off_path", {})
+    if off:
+        lines += ["", "Not counted, off the preparation's path (the profile's `off_path`): " + "; ".join(
+            f"`{where}`: {why}" for where, why in off.items()) + "."]
+    stale = (cov or {}).get("stale_declarations", [])
+    if stale:
+        lines += ["", "Declared unreachable but reached (or no such branch): " + ", ".join(f"`{k}`" for k in stale)
+                  + "."]
     return "\n".join(lines)
 
 

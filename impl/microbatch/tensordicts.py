@@ -23,15 +23,16 @@ __all__ = ["index_select_tensor_dict", "chunk_tensordict", "concat_tensordict", 
            "maybe_fix_3d_position_ids", "Selector"]
 
 
-def _as_index(indices: torch.Tensor | Sequence[int], batch_size: int) -> torch.Tensor:
-    """int64 ``(n,)`` indices in ``[0, batch_size)`` (negative ones counted from the end, as tensor indexing does)."""
+def _as_index(indices: torch.Tensor | Sequence[int], batch_size: int | None) -> torch.Tensor:
+    """int64 ``(n,)`` indices in ``[0, batch_size)`` (negative ones counted from the end, as tensor indexing does;
+    ``batch_size`` None: a batch of metadata only, with no rows to range-check against)."""
     index = indices if isinstance(indices, torch.Tensor) else torch.tensor(list(indices), dtype=torch.int64)
     if index.dim() != 1:
         raise ShapeError(f"indices must be a 1-D tensor or list, got shape {tuple(index.shape)}")
     if index.dtype == torch.bool or index.is_floating_point():
         raise ShapeError(f"indices must be integers, got dtype {index.dtype}")
     index = index.to(torch.int64)
-    if index.numel():
+    if index.numel() and batch_size is not None:
         lo, hi = torch.stack(index.aminmax()).tolist()
         if lo < -batch_size or hi >= batch_size:
             raise ShapeError(f"indices range over [{lo}, {hi}], outside a batch of size {batch_size}")
@@ -87,7 +88,8 @@ def index_select_tensor_dict(batch: TensorDictBase | None, indices: torch.Tensor
     """verl's ``index_select_tensor_dict``: a new TensorDict of the rows ``indices``, in that order.
 
     Jagged keys are gathered with one index per distinct offsets (no unbind); ``None`` in,
-    ``None`` out, as verl.
+    ``None`` out, as verl; a TensorDict of metadata only (no batch size, no tensor) keeps every
+    entry whole, as verl.
     """
     if batch is None:
         if isinstance(indices, torch.Tensor) and indices.dim() != 1:
@@ -97,10 +99,13 @@ def index_select_tensor_dict(batch: TensorDictBase | None, indices: torch.Tensor
     return Selector(batch).select(_as_index(indices, size))
 
 
-def _nested_batch_size(batch: TensorDictBase) -> int:
+def _nested_batch_size(batch: TensorDictBase) -> int | None:
+    """The rows of a TensorDict without a batch size: its first tensor's; None when it holds metadata only."""
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             return int(value.shape[0])
+    if all(not getattr(value, "shape", ()) for _, value in batch.items()):
+        return None
     raise ShapeError(f"cannot tell the batch size of a TensorDict with batch_size [] and keys {sorted(batch.keys())}")
 
 

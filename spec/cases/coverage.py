@@ -96,7 +96,6 @@ EXCLUDED_PAIRS: dict[frozenset[str], str] = {
     **{frozenset(("value head", f)): _VALUE_ONLY_LM for f in ("entropy", "sum_pi_squared", "distillation",
                                                                "fused kernels")},
     frozenset(("value head", "eos = pad")): "a value model's batch carries no eos id",
-    frozenset(("fused kernels", "distillation")): "fused kernels return log-probs, no logits to distil from",
     frozenset(("fused kernels", "sum_pi_squared")): "fused kernels return log-probs and entropy only",
     **{frozenset(pair): _TIERS for pair in (("wide vocab", "long rows"), ("wide vocab", "batch >= 8"),
                                               ("long rows", "batch >= 8"))},

@@ -27,14 +27,23 @@ from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
 from ..protocol.profile import POSITIONS
-from .materialize import jagged, materialize
+from .materialize import PadMode, jagged, materialize
 from .strategies import router_replay, seq_lengths
 from .structure import CONTEXTS, EngineCase, SampleLengths
 
 __all__ = ["MiniBatchCase", "minibatch_cases", "materialize_minibatch", "STYLES", "MB_TIERS", "runs"]
 
 STYLES = ("free", "rl", "groups", "all_max", "equal")
+#: ``doubled``: every sequence of one length or twice it (many equal subset sums: ties in a balancer's heap)
+TIE_STYLES = (*STYLES, "doubled")
 MB_TIERS = ("small", "batch", "large")
+#: how the mini-batch holds its samples: ``nested`` (jagged tensors, the no-padding path) or ``padded`` (the
+#: rollout's dense batch: left-padded prompts, right-padded responses, an attention mask, as a trainer hands
+#: ``prepare_micro_batches`` a left_right batch)
+MB_LAYOUTS = ("nested", "padded")
+#: what each micro-batch's step returns to ``postprocess_batch_func``: ``model_output`` (a forward-only pass),
+#: ``train`` (a training step: model_output, loss and metrics), ``loss_only`` (loss and metrics, no model_output)
+MB_OUTPUTS = ("model_output", "train", "loss_only")
 
 
 def runs(values: tuple[int, ...]) -> str:
@@ -96,11 +105,25 @@ class MiniBatchCase(SampleLengths):
     seed: int = 0
     #: the autograd context the layer's calls (and, end to end, the engine and model) run in (``CONTEXTS``)
     context: str = "grad"
+    #: how the mini-batch holds its samples (``MB_LAYOUTS``)
+    layout: str = "nested"
+    #: the trainer's balance_batch over data-parallel ranks: ``get_seqlen_balanced_partitions(lengths,
+    #: k_partitions, equal_size)`` (0: not drawn)
+    k_partitions: int = 0
+    equal_size: bool = False
+    #: what each micro-batch's step hands ``postprocess_batch_func`` (``MB_OUTPUTS``)
+    outputs: str = "model_output"
 
     def __post_init__(self) -> None:
         self._check_lengths()
         if self.context not in CONTEXTS:
             raise ValueError(f"context must be one of {CONTEXTS}, got {self.context!r}")
+        if self.layout not in MB_LAYOUTS:
+            raise ValueError(f"layout must be one of {MB_LAYOUTS}, got {self.layout!r}")
+        if self.outputs not in MB_OUTPUTS:
+            raise ValueError(f"outputs must be one of {MB_OUTPUTS}, got {self.outputs!r}")
+        if self.equal_size and self.k_partitions and self.batch_size % self.k_partitions:
+            raise ValueError(f"equal_size: {self.batch_size} samples do not split into {self.k_partitions} parts")
 
     # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
@@ -148,6 +171,11 @@ class MiniBatchCase(SampleLengths):
         if max(allowed) < lower:
             return False
         return True if max(allowed) >= _first_fit_decreasing(self.group_tokens, self.budget) else None
+
+    @property
+    def padded_width(self) -> int:
+        """The columns of the padded layout: the longest prompt plus the longest response."""
+        return max(self.prompt_lens) + max(self.response_lens)
 
     @property
     def num_groups(self) -> int:
@@ -209,6 +237,12 @@ class MiniBatchCase(SampleLengths):
             parts.append(f"rank{r}=(p={runs(p)} r={runs(q)})")
         if self.style != "free" and self.plan is None:
             parts.append(self.style)
+        if self.layout != "nested":
+            parts.append(self.layout)
+        if self.k_partitions:
+            parts.append(f"partitions={self.k_partitions}" + (" equal_size" if self.equal_size else ""))
+        if self.outputs != "model_output":
+            parts.append(f"outputs={self.outputs}")
         parts.append(f"seed={self.seed}")
         if self.context != "grad":
             parts.append(self.context)
@@ -256,8 +290,11 @@ def _seeded_lengths(style: str, batch: int, max_prompt: int, max_response: int, 
                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Prompt and response lengths of a large mini-batch, from ``seed`` (vectorised, no loop over samples)."""
     gen = torch.Generator().manual_seed(seed)
-    if style == "equal":
+    if style in ("equal", "doubled"):
         p = int(torch.randint(1, max_prompt + 1, (1,), generator=gen))
+        if style == "doubled":
+            twice = torch.rand(batch, generator=gen) < 0.5
+            return (p,) * batch, tuple(torch.where(twice, torch.full((batch,), 3 * p), torch.full((batch,), p)).tolist())
         r = int(torch.randint(1, max_response + 1, (1,), generator=gen))
         return (p,) * batch, (r,) * batch
     groups = -(-batch // group)
@@ -275,15 +312,20 @@ def _seeded_lengths(style: str, batch: int, max_prompt: int, max_response: int, 
 
 
 @st.composite
-def _lengths(draw, tier: str, group: int, groups: int) -> tuple[tuple[int, ...], tuple[int, ...], str, tuple | None]:
+def _lengths(draw, tier: str, group: int, groups: int, styles: tuple[str, ...] = STYLES
+             ) -> tuple[tuple[int, ...], tuple[int, ...], str, tuple | None]:
     batch = group * groups
-    style = draw(st.sampled_from(STYLES))
+    style = draw(st.sampled_from(styles))
     if tier == "small":
         max_len = 8
         responses = draw(seq_lengths(batch, max_len=max_len))
         if style == "equal":
             prompts = (draw(st.integers(1, max_len)),) * batch
             responses = (responses[0],) * batch
+        elif style == "doubled":  # sequence lengths 2u or 4u: prompts of u, responses of u or 3u
+            unit = draw(st.integers(1, max_len // 3))
+            prompts = (unit,) * batch
+            responses = tuple(unit if draw(st.booleans()) else unit * 3 for _ in range(batch))
         elif style in ("groups", "all_max"):
             per_group = draw(st.lists(st.integers(1, max_len), min_size=groups, max_size=groups))
             prompts = tuple(p for p in per_group for _ in range(group))
@@ -325,7 +367,9 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                     max_groups: int = 8, extras: bool = True, world: int = 1, max_group_size: int = 4,
                     fixed_divides: bool | None = True, count_rules: bool = True, refusals: bool = False,
                     min_group_size: int = 1, allow_topk: bool = True, allow_temperature: bool = True,
-                    positions: tuple[str, ...] = POSITIONS) -> MiniBatchCase:
+                    positions: tuple[str, ...] = POSITIONS, styles: tuple[str, ...] = STYLES,
+                    layouts: tuple[str, ...] = ("nested",), partitions: bool = False,
+                    outputs: tuple[str, ...] = ("model_output",)) -> MiniBatchCase:
     """A :class:`MiniBatchCase`.
 
     ``positions``: the position kinds the engine's profile accepts (mRoPE drawn only where both are).
@@ -346,7 +390,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
         groups = max(1, draw(st.integers(9, 32)) // group)
     else:
         groups = max(1, (draw(st.sampled_from((256, 512, 1024, 2048))) + draw(st.integers(0, 255))) // group)
-    prompts, responses, style, plan = draw(_lengths(tier, group, groups))
+    prompts, responses, style, plan = draw(_lengths(tier, group, groups, styles))
+    layout = draw(st.sampled_from(layouts))
     dynamic = draw(st.booleans()) if dynamic is None else dynamic
     sp = draw(st.sampled_from((1, 1, 1, 2, 4)))
     seq = tuple(p + r for p, r in zip(prompts, responses))
@@ -374,7 +419,7 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     mrope = topk = routed = temps = uid = False
     mrope = positions == ("mrope",)  # an mRoPE-only engine: every mini-batch carries mRoPE positions
     routed_shape, routed_dtype = (8, 2, 2), "int64"
-    if extras and tier != "large":  # a large mini-batch carries the trainer's keys only (cost)
+    if extras and tier != "large" and layout == "nested":  # a large mini-batch carries the trainer's keys only (cost)
         mrope, routed, temps, uid = (draw(st.booleans()) for _ in range(4)) if len(set(positions)) > 1 else \
             ("mrope" in positions, *(draw(st.booleans()) for _ in range(3)))
         if routed:
@@ -395,11 +440,22 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                          topk=int(topk), routed_experts=routed, routed_shape=routed_shape,
                          routed_dtype=routed_dtype, per_sample_temperature=temps, uid=uid,
                          other_ranks=tuple(others), style=style, plan=plan, seed=draw(st.integers(0, 2 ** 16)),
+                         layout=layout, k_partitions=draw(_partitions(len(prompts))) if partitions else 0,
+                         outputs=draw(st.sampled_from(outputs)),
                          context=draw(st.sampled_from(CONTEXTS)))  # drawn last: shrinks to grad
+    if partitions and case.batch_size % case.k_partitions == 0:
+        case = case.with_(equal_size=draw(st.booleans()))
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)
     return case
+
+
+@st.composite
+def _partitions(draw, batch: int) -> int:
+    """k from 1 to B: 1, 2, the batch size itself, or any between (the data-parallel world size)."""
+    return draw(st.sampled_from(sorted({1, min(2, batch), batch}))) if draw(st.booleans()) else \
+        draw(st.integers(1, batch))
 
 
 # -- tensors ---------------------------------------------------------------------------------------------
@@ -433,4 +489,51 @@ def materialize_minibatch(case: MiniBatchCase, device: torch.device | str = "cpu
                 "sp_size": case.sp_size}
     for key, value in settings.items():
         td.set_non_tensor(key, value)
-    return td
+    return padded_minibatch(case, td) if case.layout == "padded" else td
+
+
+def _to_dense(value: torch.Tensor, lengths: torch.Tensor, width: int, starts: torch.Tensor) -> torch.Tensor:
+    """A nested tensor (ragged at 1, or mRoPE ``(B, 4, j)`` ragged at 2) as a dense one: sample i's tokens in columns
+    ``starts[i]`` .. ``starts[i] + lengths[i] - 1`` of ``width``, zeros elsewhere (no loop over the samples)."""
+    ragged = getattr(value, "_ragged_idx", 1)
+    values = value.values()
+    batch = lengths.numel()
+    row = torch.repeat_interleave(torch.arange(batch), lengths)
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    col = torch.arange(int(lengths.sum())) - offsets[row] + starts[row]
+    if ragged == 2:  # (C, total) -> (B, C, width)
+        out = values.new_zeros((batch, values.shape[0], width))
+        out[row, :, col] = values.transpose(0, 1)
+        return out
+    out = values.new_zeros((batch, width, *values.shape[1:]))
+    out[row, col] = values
+    return out
+
+
+def padded_minibatch(case: MiniBatchCase, td: TensorDict) -> TensorDict:
+    """The nested mini-batch ``td`` as the rollout's padded batch: every nested key dense, a prompt-long key
+    left-padded to the longest prompt, a response-long key right-padded to the longest response, a whole-sequence
+    key left-right padded (its prompt ending at the longest prompt's column); ``attention_mask`` ``(B, P + R)`` int64
+    marks the real tokens; ``pad_mode`` is ``left_right``. Dense keys, stacks and other flags are kept."""
+    prompts = torch.tensor(case.prompt_lens, dtype=torch.int64)
+    responses = torch.tensor(case.response_lens, dtype=torch.int64)
+    max_p, max_r = int(prompts.max()), int(responses.max())
+    seq = prompts + responses
+    out = TensorDict({}, batch_size=td.batch_size, device=td.device)
+    for key in td.keys():
+        value = td.get(key)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            lengths = value.offsets().diff().cpu()
+            if torch.equal(lengths, seq):
+                out.set(key, _to_dense(value, lengths, max_p + max_r, max_p - prompts))
+            elif torch.equal(lengths, prompts):
+                out.set(key, _to_dense(value, lengths, max_p, max_p - prompts))
+            else:
+                out.set(key, _to_dense(value, lengths, max_r, torch.zeros_like(lengths)))
+        elif key != "pad_mode":
+            out.set(key, value)
+    out.set_non_tensor("pad_mode", PadMode.LEFT_RIGHT)
+    cols = torch.arange(max_p + max_r)
+    starts = (max_p - prompts).unsqueeze(1)
+    out.set("attention_mask", ((cols >= starts) & (cols < starts + seq.unsqueeze(1))).to(torch.int64).to(td.device))
+    return out

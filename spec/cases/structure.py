@@ -154,6 +154,13 @@ class EngineCase(SampleLengths):
         split or sliced from a trainer's mini-batch arrives (``spec.cases.materialize``); printed as ``split``."""
         return int(self.seed) % 3 == 2
 
+    @property
+    def fused_aux(self) -> bool:
+        """With fused kernels and top-K distillation, whether the model's fused kernel also computes the distillation
+        terms (``fused_linear_aux``, as VeOmni's ``chunk_topk_distill``): three cases in four (by the seed); the
+        fourth is a fused kernel that computes log-probs and entropy only (verl's own), printed ``no_fused_aux``."""
+        return int(self.seed) % 4 != 1
+
     def with_(self, **changes: object) -> "EngineCase":
         return replace(self, **changes)
 
@@ -200,6 +207,8 @@ class EngineCase(SampleLengths):
             parts.append(f"head={self.head}")
         if self.split_view:
             parts.append("split")
+        if self.use_fused_kernels and self.distillation_keys and not self.fused_aux:
+            parts.append("no_fused_aux")
         if self.context != "grad":
             parts.append(self.context)
         parts += [f"{name}={value}" for name, value in self.engine_config]

@@ -105,7 +105,9 @@ class ImplEngine(EngineUnderTest):
         f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "outputs", "padding",
                               "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
                               "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE,
-        conventions=VERL_CONVENTIONS)  # a drop-in keeps verl's conventions
+        conventions=VERL_CONVENTIONS,  # a drop-in keeps verl's conventions
+        refuses={"pad_mode": "impl prepares nested (no_padding) micro-batches only: UnsupportedConfigError",
+                 "bucket_distillation": "a static bucket would misalign the teacher tensors: UnsupportedConfigError"})
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
 
     def make(self, head: str = "lm", **settings: Any) -> Any:

@@ -22,7 +22,7 @@ from ..protocol.engine import Feature
 from ..protocol.known import as_records
 from dataclasses import replace
 
-from .verl import VERL_SURFACE, VERL_UNREACHABLE, VerlEngine, VerlEngineObject
+from .verl import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE, VerlEngine, VerlEngineObject
 from .stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
@@ -48,7 +48,8 @@ class VeOmniEngine(VerlEngine):
         f"verl.workers.engine.veomni.transformer_impl:{f}" for f in (
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
-            "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=VERL_UNREACHABLE)
+            "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=VERL_UNREACHABLE,
+        off_path=VERL_OFF_PATH, refuses={})  # VeOmni's own preparation: its refusals not declared (not checked here)
 
     def __init__(self) -> None:
         super().__init__()

@@ -125,6 +125,8 @@ SUM_PI_SQUARED_CANCELLATION = KnownFailure(
     matches=r"^AssertionError: 'sum_pi_squared' of sequence \d+: at \(\d+,\) got .* \(\|diff\| .* > allowed")
 
 #: verl's own top-K processor (compute_forward_kl_topk) counts the overlap as an integer
+NO_FUSED_AUX = When("a fused kernel without the distillation terms (no fused_linear_aux, printed no_fused_aux)",
+                    lambda c: not c.fused_aux)
 DISTILLATION_ASKED = When("top-K distillation asked (verl's own processor runs)", lambda c: bool(c.distillation_keys))
 OVERLAP_COUNT_INT64 = KnownFailure(
     "INV-DEV-001", "verl's own top-K processor returns overlap_count as int64 (overlap_mask.sum(dim=-1), a count; "
@@ -228,6 +230,20 @@ def fused_padded_dense_slices(why: str, invariants: tuple[str, ...] = FUSED_PADD
 #: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
 KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
     "*": (
+        KnownFailure(
+            "INV-FUSED-003", "the padded fused-kernel path of FSDPEngineWithLMHead.prepare_model_outputs (use_remove_"
+            "padding=False, use_fused_kernels) takes log_probs and entropy from the model and neither reads "
+            "fused_linear_aux nor calls the logits processor: with top-K distillation the distillation keys are "
+            "missing (the packed path reads them); verl gap, not a wrong value",
+            modes=("padded",), raises=AssertionError,
+            matches=r"padded outputs lack \['distillation_losses', 'student_mass', 'teacher_mass'\]"),
+        KnownFailure(
+            "INV-FUSED-003", "the packed fused-kernel path of FSDPEngineWithLMHead.prepare_model_outputs takes the "
+            "distillation terms only from the model output's fused_linear_aux: a fused kernel that computes log-probs "
+            "and entropy only (verl's own fused forward) leaves every distillation key missing, silently, although "
+            "the logits are there for the processor; verl gap, not a wrong value",
+            modes=("packed",), raises=AssertionError, when=NO_FUSED_AUX,
+            matches=r"packed outputs lack \['distillation_losses', 'student_mass', 'teacher_mass'\]"),
         KnownFailure(
             "INV-MUT-003", "left_right_2_no_padding converts the TensorDict it is given in place and returns it "
             "(pops input_ids, writes nested input_ids/position_ids, loss_mask, max_seq_len, max_response_len, "
@@ -618,15 +634,14 @@ VERL_SURFACE = (
 #: (a ``gap:`` reason is no such reason: an input a real trainer sends that the case space does not draw yet)
 _SB, _TU, _EU = "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils", "verl.workers.engine.utils"
 _NO_DTENSOR = "needs a tensor-parallel device mesh: DTensor logits sharded on the vocabulary (full_tensor() first)"
-_FUSED_ONLY_DISTILL = ("gap: use_fused_kernels with distillation_only (a fused-kernel distillation run that keeps no "
-                       "policy log-probs)")
-_FUSED_TOPK = ("gap: use_fused_kernels with top-K distillation and a model output carrying fused_linear_aux "
-               "(VeOmni's chunk_topk_distill); the suite's fused stand-in returns no aux outputs")
+_DEAD_PAD_MODE = ("dead code: the assert at the top of prepare_model_inputs refuses any pad_mode but no_padding "
+                  "first (INV-FLAG-004/005 hand it left_right and right)")
 VERL_UNREACHABLE: dict[str, str] = {
-    "*:raise": "an error path: verl raises for an input or setting it rejects (pad_mode other than NO_PADDING, "
-               "sum_pi_squared with fused kernels, ...); the suite's valid cases never take it",
-    f"{_FSDP}:1365->1367": _FUSED_ONLY_DISTILL, f"{_FSDP}:1466->1470": _FUSED_ONLY_DISTILL,
-    f"{_FSDP}:1373": _FUSED_TOPK, f"{_FSDP}:1375": _FUSED_TOPK, f"{_FSDP}:1377": _FUSED_TOPK,
+    "*:raise": "an error path: verl raises for an input it rejects; the suite's valid cases never take it (the "
+               "settings its profile refuses are handed to it by INV-FLAG-004/005)",
+    f"{_FSDP}:1190->1198": _DEAD_PAD_MODE, f"{_FSDP}:1275->1312": _DEAD_PAD_MODE,
+    f"{_EU}:192->196": "dead code: the assert at the top of postprocess_batch_func refuses any pad_mode but "
+                       "no_padding first (INV-FLAG-004 hands it left_right and right)",
     f"{_FSDP}:1384->1385": _NO_DTENSOR, f"{_FSDP}:1481->1482": _NO_DTENSOR,
     "verl.utils.torch_functional:96->97": "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn)",
     "verl.utils.torch_functional:103->104": "needs an Ascend NPU (torch_npu's cross-entropy)",
@@ -634,30 +649,29 @@ VERL_UNREACHABLE: dict[str, str] = {
     "verl.utils.ulysses:274->279": "every caller in the engine passes unpad_dim",
     "verl.utils.ulysses:288->289": "the engine pads for Ulysses only with sp_size > 1 (ulysses_pad_and_slice_inputs)",
     f"{_EU}:78->79": "the engine calls pad_packed_inputs only when _get_packed_pad_size returned a positive pad",
-    f"{_EU}:184->183": "gap: a micro-batch output without model_output (a training step's loss-only output)",
-    f"{_EU}:204->205": "gap: micro-batch outputs carrying a loss (the training step's {'loss', 'metrics'}); the suite "
-                       "hands postprocess_batch_func model_output only",
-    f"{_EU}:209->210": "gap: micro-batch outputs carrying metrics (the training step's); the suite hands model_output only",
-    "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines (the "
-                                                              "embedding-input models' helper)",
-    f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation prints a State",
-    f"{_SB}:90->91": "gap: two partial sets with equal sums and different item counts met in the Karmarkar-Karp heap "
-                     "(sequence lengths with many equal subset sums)",
-    f"{_SB}:146->147": "gap: equal_size=True (the trainer's balance_batch over data-parallel ranks); the micro-batch "
-                       "path calls get_seqlen_balanced_partitions with equal_size=False",
-    f"{_SB}:167->168": "gap: equal_size=True (as 146)",
-    f"{_SB}:148": "gap: equal_size=True (as 146)", f"{_SB}:150": "gap: equal_size=True (as 146)",
-    f"{_SB}:168": "gap: equal_size=True (as 146)",
-    f"{_SB}:377->381": "gap: a padded (dense input_ids + attention_mask) mini-batch cut by rearrange_micro_batches",
-    f"{_TU}:165->166": "every caller in the layer passes ragged_idx (the dataset collator, outside the surface, does not)",
-    f"{_TU}:concat_tensordict_with_none_bsz": "gap: concatenating metadata-only TensorDicts (batch_size [])",
-    f"{_TU}:275->276": "gap: concatenating micro-batch TensorDicts that hold no nested tensor (padded outputs)",
-    f"{_TU}:276": "gap: concatenating metadata-only TensorDicts (batch_size [])",
-    f"{_TU}:360": "gap: chunk_tensordict of a nested tensor whose unbind raises (a jagged tensor with holes: offsets "
-                  "and lengths, e.g. after narrow)",
-    f"{_TU}:482->485": "gap: index_select_tensor_dict with a tensor of indices (the layer hands lists)",
-    f"{_TU}:490->508": "gap: index_select_tensor_dict of a TensorDict that is None",
-    f"{_TU}:502->505": "gap: index_select_tensor_dict over a NonTensorData entry (scalar metadata kept whole)",
+    f"{_TU}:360": "torch 2.13's unbind splits every jagged layout the layer holds (2-D ids, mRoPE ragged at 2 or at 1, "
+                  "teacher top-K, routed experts, offsets with holes): the fallback for pytorch#153238's unbind "
+                  "error runs on older torch only",
+}
+
+
+#: functions inside VERL_SURFACE's entries the preparation never passes through (not counted, listed with why)
+VERL_OFF_PATH: dict[str, str] = {
+    "verl.workers.utils.padding:embeds_padding_2_no_padding": "no caller in verl 0.9.1's LM/value engines, their "
+                                                              "micro-batch layer or trainer (the embedding-input "
+                                                              "models' helper)",
+    f"{_SB}:karmarkar_karp.<locals>.State.__repr__": "a debugging repr: nothing in the preparation or the balance "
+                                                     "prints a State",
+}
+
+
+#: settings verl's FSDP engine does not support (INV-FLAG-004/005 assert it raises for each)
+VERL_REFUSES: dict[str, str] = {
+    "pad_mode": "the FSDP engine's preparation and postprocess_batch_func implement pad_mode no_padding only "
+                "(NotImplementedError / an assertion otherwise)",
+    "sum_pi_squared_fused": "fused kernels do not materialise the logits that sum_pi_squared needs (NotImplementedError)",
+    "bucket_distillation": "the teacher tensors are sliced by the Ulysses pad rule, which knows no static pad "
+                           "(RuntimeError)",
 }
 
 
@@ -668,7 +682,8 @@ class VerlEngine(EngineUnderTest):
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
     profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
-                      conventions=VERL_CONVENTIONS, equivalent_mutants=VERL_EQUIVALENT_MUTANTS)
+                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES,
+                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

@@ -9,6 +9,7 @@ Ulysses attention does.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,7 @@ from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..protocol.profile import profile_of
-from ..truth.oracle import TopKProcessor
+from ..truth.oracle import TopKProcessor, scaled_logits
 from . import ranks
 from .handoff import (
     POISONS,
@@ -34,7 +35,7 @@ from .handoff import (
     view_outputs,
 )
 
-__all__ = ["Run", "execute", "processor_for", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+__all__ = ["Run", "execute", "processor_for", "FUSED_AUX_KEYS", "fused_linear_aux", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
 
 def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> list[Any]:
     results: list[Any] = [None] * len(calls)
@@ -86,6 +87,21 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
         return _execute(engine, case, run, mb, gather, poison, stop_after_inputs, reuse)
 
 
+#: the per-token terms a fused LM-head kernel that also computes top-K distillation returns beside its log-probs
+#: (VeOmni's chunk_topk_distill: the model output's ``fused_linear_aux``)
+FUSED_AUX_KEYS = ("distillation_losses", "student_mass", "teacher_mass")
+
+
+def fused_linear_aux(logits: torch.Tensor, case: EngineCase, mb: TensorDict, processor: Callable | None = None
+                     ) -> SimpleNamespace:
+    """The stand-in fused model's ``fused_linear_aux`` on one packed row: :data:`FUSED_AUX_KEYS`, ``(1, total_nnz)``
+    float32 each, the top-K terms on the tempered logits (what the kernel computes chunk by chunk) by ``processor``
+    (the engine's own companion where it has one: its loss definition) or the suite's."""
+    z = scaled_logits(logits[:, :case.total_nnz], case.temperatures()[0])
+    terms = (processor or TopKProcessor(FUSED_AUX_KEYS))(student_logits=z, data=mb)
+    return SimpleNamespace(**{key: terms[key].float() for key in FUSED_AUX_KEYS})
+
+
 def processor_for(engine: EngineUnderTest, case: EngineCase, sp_size: int, sp_rank: int) -> Callable | None:
     """The ``logits_processor_func`` rank ``sp_rank`` hands its engine for ``case``: None without top-K
     distillation, else the engine's own (:meth:`~spec.protocol.EngineUnderTest.logits_processor`) where it gives
@@ -109,6 +125,10 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     if stop_after_inputs:
         return run
     run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison], profile_of(engine).padded_layout)
+    if case.use_fused_kernels and case.distillation_use_topk and case.fused_aux and case.use_remove_padding \
+            and len(engines) == 1:
+        run.model_outputs[0].fused_linear_aux = fused_linear_aux(run.model_outputs[0].logits, case, mb,
+                                                                 processor_for(engine, case, 1, 0))
     run.model_output_snapshots = [{k: v.detach().clone() for k, v in _fields(o).items()} for o in run.model_outputs]
     run.output_args_snapshots = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in args.items()}

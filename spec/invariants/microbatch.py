@@ -1,5 +1,5 @@
-"""The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract.md (Micro-batch layer)): from a trainer's
-mini-batch to micro-batches and back.
+"""The micro-batch layer (contract clauses MB-1 .. MB-15, docs/contract.md (Micro-batch layer); MB-16 .. MB-19 in
+:mod:`.microbatch_trainer`): from a trainer's mini-batch to micro-batches and back.
 
 Each check draws a :class:`spec.cases.microbatch.MiniBatchCase` and calls the engine's layer
 (``engine.microbatch_layer()``, verl 0.9.1's names) through the attribution boundary, so what the layer raises
@@ -34,7 +34,7 @@ from .core import CATALOGUE, Ctx, InvariantInfo, close, fail, held, same
 
 __all__ = ["MicroBatchInfo", "PINNED"]
 
-CONTRACT = 13  # the micro-batch layer's clause in docs/contract.md (its sub-clauses 13.1-13.15: Micro-batch layer)
+CONTRACT = 13  # the micro-batch layer's clause in docs/contract.md (its sub-clauses 13.1-13.19: Micro-batch layer)
 NESTED_KEYS = ("input_ids", "position_ids", "prompts", "responses", "loss_mask", "response_mask", "teacher_ids",
                "teacher_logprobs", "routed_experts")
 
@@ -62,7 +62,8 @@ class MicroBatchInfo(InvariantInfo):
         kwargs = {"positions": tuple(profile_of(engine).positions), **self.strategy_kwargs}  # what it accepts
         if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
             kwargs.update(engine_extras(engine))
-        return minibatch_cases(**kwargs)
+        strategy = minibatch_cases(**kwargs)
+        return strategy.map(self.adjust) if self.adjust else strategy
 
     def skip_reason_for(self, engine) -> str | None:
         layer = engine.microbatch_layer()
@@ -610,7 +611,8 @@ def index_select(ctx: Ctx) -> None:
 @mb_invariant(
     "INV-MB-012", "nested_tensor_from_tensor_list and concat_nested_tensors: per-sample tensors ((n,), (4, n) with "
     "ragged_idx=2, (n, K), (n, L, K)) become one nested tensor of shape (B, ..., j, ...) with offsets from their "
-    "lengths and their exact values (equal lengths and B = 1 included)",
+    "lengths and their exact values (equal lengths and B = 1 included; (n,) and (4, n) also without ragged_idx, "
+    "ragged on their last dim by default)",
     functions=("nested_tensor_from_tensor_list", "concat_nested_tensors"),
     protects="micro-batches rebuilt from samples have well-formed nested tensors an engine can read")
 def nested_builders(ctx: Ctx) -> None:
@@ -627,6 +629,9 @@ def nested_builders(ctx: Ctx) -> None:
         items = _items(want, key)
         check_nested(build([t.clone() for t in items], ragged_idx=ragged), want, rows,
                      f"nested_tensor_from_tensor_list({key!r} items, ragged_idx={ragged})")
+        if ragged == want.dim() - 1:  # ragged on the items' last dim: the default a dataset collator relies on
+            check_nested(build([t.clone() for t in items]), want, rows,
+                         f"nested_tensor_from_tensor_list({key!r} items) (ragged_idx by default)")
         if want.dim() >= 2:
             parts = [_select(mini, r).get(key) for r in _halves(case.batch_size)]
             check_nested(join(parts), want, rows, f"concat_nested_tensors({key!r} halves)")

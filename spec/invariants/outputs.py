@@ -6,7 +6,7 @@ import torch
 
 from ..cases.structure import EngineCase
 from ..cases.materialize import select_rows
-from ..execute.harness import POISONS, execute
+from ..execute.harness import FUSED_AUX_KEYS, POISONS, execute
 from ..protocol.profile import profile_of
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
 from .core import Ctx, fail, invariant, match_oracle, match_runs, per_seq, same
@@ -88,6 +88,36 @@ def distillation_values(ctx: Ctx) -> None:
         if key not in ctx.run.outputs:
             fail(f"{ctx.case.mode} outputs lack distillation key {key!r} (keys: {sorted(ctx.run.outputs)})")
         match_oracle(ctx, key, ctx.run.outputs[key])
+
+
+def _fused_distillation(case: EngineCase) -> EngineCase:
+    """Fused kernels with top-K distillation, the three terms a fused kernel computes (FUSED_AUX_KEYS), one
+    temperature, one rank, no bucket, no sum_pi_squared; ``distillation_only`` as drawn, or by the seed."""
+    return case.with_(use_fused_kernels=True, temperature=case.temperatures()[0], distillation_keys=FUSED_AUX_KEYS,
+                      distillation_only=case.distillation_only or case.seed % 2 == 1, sp_size=1, pad_to_length=None,
+                      calculate_sum_pi_squared=False)
+
+
+@invariant("INV-FUSED-003", "fused kernels with top-K distillation (the model's fused kernel computes the terms "
+           "itself, fused_linear_aux, as VeOmni's chunk_topk_distill, or, one case in four, it does not: then from "
+           "the logits): every distillation key equals the processor "
+           "on the tempered logits (distillation_losses, student_mass, teacher_mass: the terms a fused kernel "
+           "computes), log_probs the model's unless distillation_only (then absent), entropy when asked",
+           contract=3, needs=("fused", "distillation"), adjust=_fused_distillation,
+           protects="a fused-kernel distillation run gets its distillation losses and masses per token, and a "
+                    "distillation-only run no policy log-probs")
+def fused_distillation_values(ctx: Ctx) -> None:
+    outputs, case = ctx.run.outputs, ctx.case
+    # the terms a fused kernel computes (an engine's own processor may ask more, which need the logits)
+    want = (set(case.distillation_keys) & set(FUSED_AUX_KEYS)) | ({"entropy"} if case.calculate_entropy else set()) | (
+        set() if case.distillation_only else {"log_probs"})
+    missing = sorted(want - set(outputs))
+    if missing:
+        fail(f"{case.mode} outputs lack {missing} (keys: {sorted(outputs)})")
+    if case.distillation_only and "log_probs" in outputs:
+        fail(f"distillation_only, yet log_probs in the {case.mode} outputs")
+    for key in sorted(want):
+        match_oracle(ctx, key, outputs[key])
 
 
 @invariant("INV-VAL-005", "value head: one key, values, equal to the model's per-token output", contract=2,

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ..execute.attribution import expect_engine_error
-from ..execute.harness import Run, execute
-from ..cases.materialize import materialize, materialize_dense
+from ..execute.attribution import engine_side, expect_engine_error
+from ..execute.harness import Run, execute, processor_for
+from ..cases.materialize import PadMode, materialize, materialize_dense
+from ..protocol.profile import profile_of
 from .core import Ctx, fail, invariant, same
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
@@ -180,6 +181,77 @@ def flags_rejected(ctx: Ctx) -> None:
         mb = base.copy()
         mb.set_non_tensor(key, bad)
         expect_engine_error(lambda: execute(ctx.engine, ctx.case, ctx.device, micro_batch=mb), f"flag {key}={bad!r}")
+
+
+#: settings an engine's profile may declare unsupported (``EngineProfile.refuses``): INV-FLAG-004/005 hand it each
+REFUSALS = {
+    "pad_mode": "a pad_mode other than no_padding (left_right, right) on a micro-batch of nested tensors",
+    "sum_pi_squared_fused": "calculate_sum_pi_squared with use_fused_kernels (fused kernels return no logits)",
+    "bucket_distillation": "a static bucket (pad_to_length) with top-K distillation (the contract's forbidden pair)",
+}
+
+
+def _unsupported_refused(ctx: Ctx) -> None:
+    """Each setting the engine's profile declares unsupported is refused by every call that reads it: the whole
+    preparation; prepare_model_outputs alone, handed a valid run's model output and output_args; the micro-batch
+    layer's postprocess_batch_func."""
+    refuses = profile_of(ctx.engine).refuses
+    if not refuses:
+        ctx.not_exercised("the engine's profile declares no unsupported setting")
+        return
+    unknown = sorted(set(refuses) - set(REFUSALS))
+    if unknown:
+        raise ValueError(f"{ctx.engine.name}'s profile refuses {unknown}: no such setting in REFUSALS {sorted(REFUSALS)}")
+    case, reuse = ctx.case, []
+    run = execute(ctx.engine, case, ctx.device, reuse=reuse)
+    eng, processor = reuse[0], processor_for(ctx.engine, case, 1, 0)
+    if "pad_mode" in refuses:
+        _, output_args = eng.prepare_model_inputs(run.micro_batch)  # a valid hand-off, whole, for the outputs step
+        post = _layer_function(ctx.engine, "postprocess_batch_func")
+        for mode in (PadMode.LEFT_RIGHT, PadMode.RIGHT):
+            bad = run.micro_batch.copy()
+            bad.set_non_tensor("pad_mode", mode)
+            what = f"pad_mode={mode.value} ({refuses['pad_mode']})"
+            expect_engine_error(lambda: eng.prepare_model_inputs(bad), f"prepare_model_inputs with {what}")
+            expect_engine_error(lambda: eng.prepare_model_outputs(run.model_outputs[0], output_args, bad, processor),
+                                f"prepare_model_outputs (a valid run's model output and output_args) with {what}")
+            if post is not None and case.head == "lm":
+                expect_engine_error(lambda: post(output_lst=[{"model_output": dict(run.outputs)}], indices=None,
+                                                 data=bad), f"postprocess_batch_func with {what}")
+    if "sum_pi_squared_fused" in refuses and case.head == "lm":
+        bad = run.micro_batch.copy()
+        bad.set_non_tensor("use_fused_kernels", True)
+        bad.set_non_tensor("calculate_sum_pi_squared", True)
+        expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=bad),
+                            f"use_fused_kernels with calculate_sum_pi_squared ({refuses['sum_pi_squared_fused']})")
+    if "bucket_distillation" in refuses and case.head == "lm" and case.use_remove_padding:
+        bad = run.micro_batch.copy()
+        bad.set_non_tensor("distillation_use_topk", True)
+        bucket = case.total_nnz + 1
+        expect_engine_error(lambda: ctx.engine.make(case.head, pad_to_length=bucket).prepare_model_inputs(bad),
+                            f"pad_to_length={bucket} with distillation_use_topk ({refuses['bucket_distillation']})")
+
+
+def _layer_function(engine: Any, name: str) -> Any:
+    layer = engine.microbatch_layer() if hasattr(engine, "microbatch_layer") else None
+    fn = layer.get(name) if layer is not None else None
+    return engine_side(fn, name) if fn is not None else None
+
+
+def _one_rank_scalar_temperature(case):
+    """One rank (the engine object is called again directly) and one temperature (fused kernels take a scalar)."""
+    return case.with_(sp_size=1, temperature=case.temperatures()[0] if case.per_sample_temperature else case.temperature)
+
+
+for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
+    invariant(_id, f"({_head} head) a setting the engine's profile declares unsupported (EngineProfile.refuses: a "
+              "pad_mode other than no_padding, calculate_sum_pi_squared with use_fused_kernels, a static bucket with top-K "
+              "distillation) is refused with an "
+              "exception by each call that reads it: the preparation, prepare_model_outputs alone (a valid run's "
+              "model output and output_args), postprocess_batch_func", contract=10, modes=("packed", "padded"),
+              head=_head, adjust=_one_rank_scalar_temperature,
+              protects="a trainer configured with a padding mode or feature the engine lacks fails loudly, never "
+                       "gets tensors computed under another mode")(_unsupported_refused)
 
 
 def bad_settings(case) -> tuple[dict[str, Any], ...]:

@@ -262,6 +262,21 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="mRoPE positions of equal lengths or B = 1"),
     PlantedBug("fixed_path_drops_remainder", ("INV-MB-006",), microbatch=MB.fixed_path_drops_remainder,
                quiet="a batch size micro_batch_size_per_gpu x force_group_size does not divide"),
+    # the layer as a trainer calls it beyond the forward pass (spec/invariants/microbatch_trainer.py)
+    PlantedBug("balance_ignores_equal_size", ("INV-MB-016",), microbatch=MB.balance_ignores_equal_size,
+               quiet="equal_size=True (balance_batch over data-parallel ranks) with lengths that differ"),
+    PlantedBug("losses_only_with_model_output", ("INV-MB-017",), microbatch=MB.losses_only_with_model_output,
+               quiet="a training step whose micro-batches return loss and metrics but no model_output"),
+    PlantedBug("dense_tokens_counted_by_response", ("INV-MB-018",), microbatch=MB.dense_tokens_counted_by_response,
+               quiet="a padded mini-batch under a budget its prompts then overfill"),
+    PlantedBug("index_tensor_deduplicated", ("INV-MB-019",), microbatch=MB.index_tensor_deduplicated,
+               quiet="indices handed as a tensor, not in ascending order"),
+    # the settings an engine's profile declares unsupported, and fused kernels with distillation
+    PlantedBug("outputs_ignore_pad_mode", ("INV-FLAG-004", "INV-FLAG-005"), lm=S.OutputsIgnorePadMode,
+               value=S.ValueOutputsIgnorePadMode,
+               quiet="prepare_model_outputs called with a pad_mode other than no_padding (the inputs step refuses it)"),
+    PlantedBug("fused_distillation_dropped", ("INV-FUSED-003",), lm=S.FusedDistillationDropped,
+               quiet="fused kernels with top-K distillation"),
     # the autograd context a trainer calls the preparation in (spec/planted/context_bugs.py)
     PlantedBug("inplace_div_without_grad", ("INV-MUT-002",), lm=C.InplaceDivWithoutGrad,
                quiet="torch.no_grad() or torch.inference_mode(), T != 1"),

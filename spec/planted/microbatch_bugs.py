@@ -21,7 +21,8 @@ from .helper_bugs import as_nested_tensor_guessed
 __all__ = ["restore_off_by_one_when_reordered", "restore_skipped_without_grad", "budget_check_exclusive", "equal_lengths_stacked_dense",
            "micro_batches_drop_flags", "groups_split", "dp_count_not_synchronised", "fixed_path_drops_remainder",
            "micro_batch_rows_rotated", "chunks_reversed", "concat_drops_flags", "index_select_sorted",
-           "nested_from_list_by_torch", "fix_positions_by_unbind"]
+           "nested_from_list_by_torch", "fix_positions_by_unbind", "balance_ignores_equal_size",
+           "losses_only_with_model_output", "dense_tokens_counted_by_response", "index_tensor_deduplicated"]
 
 
 def _flag(data: Any, key: str, default: Any = None) -> Any:
@@ -263,3 +264,63 @@ def fix_positions_by_unbind(layer: MicroBatchLayer) -> MicroBatchLayer:
         return None
 
     return layer.with_functions("planted", maybe_fix_3d_position_ids=maybe_fix_3d_position_ids)
+
+
+def balance_ignores_equal_size(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """get_seqlen_balanced_partitions balances by tokens only, whatever equal_size asks: the data-parallel ranks of a
+    trainer's balance_batch get different sample counts when the lengths differ."""
+    balance = layer.get("get_seqlen_balanced_partitions")
+
+    def get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size):
+        return balance(seqlen_list, k_partitions, False)
+
+    return layer.with_functions("planted", get_seqlen_balanced_partitions=get_seqlen_balanced_partitions)
+
+
+def losses_only_with_model_output(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """postprocess_batch_func collects each micro-batch's loss and metrics inside its model_output loop: a training
+    step whose micro-batches return no model_output (loss and metrics only) reports no loss and no metrics."""
+    post = layer.get("postprocess_batch_func")
+
+    def postprocess_batch_func(output_lst, indices, data):
+        out = post(output_lst=output_lst, indices=indices, data=data)
+        if not any("model_output" in o for o in output_lst):
+            out = {**out, "loss": [], "metrics": {}}
+        return out
+
+    return layer.with_functions("planted", postprocess_batch_func=postprocess_batch_func)
+
+
+def dense_tokens_counted_by_response(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """rearrange_micro_batches counts a padded mini-batch's tokens over its response columns only (the loss tokens:
+    the attention mask past the prompt block), not its whole attention mask: the prompts are not counted, so a
+    micro-batch can hold more tokens than the budget."""
+    rearrange = layer.get("rearrange_micro_batches")
+    select = layer.get("index_select_tensor_dict")
+
+    def rearrange_micro_batches(batch, max_token_len, *args, **kwargs):
+        ids = batch["input_ids"]
+        if ids.is_nested or "attention_mask" not in batch.keys() or "responses" not in batch.keys():
+            return rearrange(batch, max_token_len, *args, **kwargs)
+        mask = batch["attention_mask"]
+        prompt_cols = mask.shape[-1] - batch["responses"].shape[-1]
+        counted = batch.copy()
+        counted.set("attention_mask", mask * (torch.arange(mask.shape[-1], device=mask.device) >= prompt_cols))
+        _, indices = rearrange(counted, max_token_len, *args, **kwargs)
+        return [select(batch, list(part)) for part in indices], indices
+
+    return layer.with_functions("planted", rearrange_micro_batches=rearrange_micro_batches,
+                                prepare_micro_batches=_dynamic_prepare(layer, rearrange_micro_batches))
+
+
+def index_tensor_deduplicated(layer: MicroBatchLayer) -> MicroBatchLayer:
+    """index_select_tensor_dict turns a tensor of indices into its unique values (``indices.unique()``, sorted): a
+    tensor selection comes back in ascending order; a list selection is right."""
+    select = layer.get("index_select_tensor_dict")
+
+    def index_select_tensor_dict(batch, indices):
+        if isinstance(indices, torch.Tensor):
+            indices = indices.unique()
+        return select(batch, indices)
+
+    return layer.with_functions("planted", index_select_tensor_dict=index_select_tensor_dict)

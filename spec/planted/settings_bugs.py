@@ -99,3 +99,31 @@ def dense_lengths_from_mask_sum(tensor, data):
         kept = torch.nested.nested_tensor_from_jagged(keep, torch.nn.functional.pad((prompt + lens).cumsum(0), (1, 0)))
         return impl.no_padding_2_padding(kept, view)
     return impl.no_padding_2_padding(tensor, data)
+
+
+class OutputsIgnorePadMode(impl.LMHeadEngine):
+    """prepare_model_outputs reads every micro-batch as no_padding (it trusts prepare_model_inputs to have checked
+    pad_mode): called alone with a left_right or right micro-batch it returns tensors instead of refusing."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        return super().prepare_model_outputs(output, oa, _with_flags(mb, pad_mode="no_padding"),
+                                             logits_processor_func, **kw)
+
+
+class ValueOutputsIgnorePadMode(impl.ValueHeadEngine):
+    """The value head's prepare_model_outputs reads every micro-batch as no_padding (as
+    :class:`OutputsIgnorePadMode`)."""
+
+    def prepare_model_outputs(self, output, oa, mb, *args, **kw):
+        return super().prepare_model_outputs(output, oa, _with_flags(mb, pad_mode="no_padding"), *args, **kw)
+
+
+class FusedDistillationDropped(impl.LMHeadEngine):
+    """With fused kernels the outputs step returns the model's log-probs and entropy and stops: the top-K
+    distillation terms are silently missing (a fused-kernel distillation run trains on nothing)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if _flag(mb, "use_fused_kernels"):
+            out = {k: v for k, v in out.items() if k in ("log_probs", "entropy")}
+        return out

@@ -20,6 +20,12 @@ for an engine under test (``EngineUnderTest.profile``):
   lines and branches ``spec verify`` measures with coverage.py;
 * ``unreachable``: branches of the surface no CPU run can reach, each with its reason (``"module:line"`` ->
   ``"needs CUDA"``);
+* ``refuses``: settings the engine declares it does not support (names of
+  ``spec.invariants.settings.REFUSALS`` -> why); INV-FLAG-004/005 hand it each and assert an exception, never
+  tensors (an engine that declares none is not asked);
+* ``off_path``: functions inside the surface's entries that the preparation never passes through
+  (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
+  the report with their reasons;
 * ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
   engine's own code, each with the reason.
 
@@ -127,6 +133,8 @@ class EngineProfile:
     conventions: frozenset[Convention] = frozenset()
     surface: tuple[str, ...] = ()
     unreachable: Mapping[str, str] = field(default_factory=dict)
+    off_path: Mapping[str, str] = field(default_factory=dict)
+    refuses: Mapping[str, str] = field(default_factory=dict)
     equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

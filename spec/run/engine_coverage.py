@@ -106,10 +106,18 @@ def source_file(module: str) -> str | None:
     return origin if origin and origin.endswith(".py") else None
 
 
-def regions(surface: tuple[str, ...]) -> tuple[list[Region], dict[str, str]]:
-    """The surface's entries resolved to files and lines, and each entry that names no module or function of the
-    installed engine with why (reported, never an empty measurement in silence: a surface that rotted shows)."""
+def _off(module: str, name: str, off_path: Mapping[str, str]) -> bool:
+    """Whether function ``name`` of ``module`` lies in a function the profile declares off the preparation's path."""
+    return any(f"{module}:{name}" == key or f"{module}:{name}".startswith(key + ".") for key in off_path)
+
+
+def regions(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> tuple[list[Region], dict[str, str]]:
+    """The surface's entries resolved to files and lines (less the functions ``off_path`` declares off the
+    preparation's path), and each entry that names no module or function of the installed engine with why
+    (reported, never an empty measurement in silence: a surface that rotted shows); an ``off_path`` entry that
+    names no function of the surface is reported the same way."""
     out, missing = [], {}
+    matched: set[str] = set()
     for entry in surface:
         module, _, qualname = entry.partition(":")
         origin = source_file(module)
@@ -128,8 +136,14 @@ def regions(surface: tuple[str, ...]) -> tuple[list[Region], dict[str, str]]:
         lines: dict[int, str] = {}
         for name, node in chosen:  # outer first: an inner function's lines get its own name
             lines.update(dict.fromkeys(_body_lines(node), name))
+        for key in off_path:
+            if any(_off(module, name, {key: ""}) for name in set(lines.values())):
+                matched.add(key)
+        lines = {line: name for line, name in lines.items() if not _off(module, name, off_path)}
         raises = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Raise))
         out.append(Region(entry, module, origin, lines, raises))
+    for key in set(off_path) - matched:
+        missing[key] = "declared off the path, but no function of the surface has this name"
     return out, missing
 
 
@@ -166,6 +180,7 @@ class CoverageResult:
     executed: int = 0
     stale: list[str] = field(default_factory=list)  # declared keys that name no unreached branch
     missing: dict[str, str] = field(default_factory=dict)  # surface entries not found, with why
+    off_path: dict[str, str] = field(default_factory=dict)  # functions of the surface not counted, with why
 
     @property
     def reached(self) -> int:
@@ -203,7 +218,7 @@ class CoverageResult:
                 "statements": self.statements, "executed": self.executed,
                 "unreached_without_reason": len(self.without_reason), "open_gaps": len(self.gaps),
                 "unreached": [b.as_dict() for b in self.unreached], "stale_declarations": self.stale,
-                "surface_not_found": self.missing}
+                "surface_not_found": self.missing, "off_path": self.off_path}
 
     def markdown(self) -> list[str]:
         lines = ["", TITLE, ""]
@@ -211,6 +226,9 @@ class CoverageResult:
             return lines + [f"Not measured: {self.note}."]
         lines += [f"**{self.summary().removeprefix('engine coverage: ')}**", "",
                   "Surface (the profile's `surface`): " + ", ".join(f"`{s}`" for s in self.surface) + ".", ""]
+        if self.off_path:
+            lines += ["Not counted, off the preparation's path (the profile's `off_path`): "
+                      + "; ".join(f"`{k}`: {v}" for k, v in self.off_path.items()) + ".", ""]
         if self.unreached:
             lines += ["| branch | function | source line | why unreached |", "|---|---|---|---|"]
             for b in self.unreached:
@@ -273,9 +291,9 @@ class Measurement:
     """One run's measurement: :meth:`start` before the targets run (this process measures too, and every process
     started after it that calls :func:`spec.execute.coverage_hook.start`), :meth:`finish` after them."""
 
-    def __init__(self, surface: tuple[str, ...], unreachable: Mapping[str, str]):
-        self.surface, self.unreachable = tuple(surface), dict(unreachable)
-        self.found, self.missing = regions(self.surface)
+    def __init__(self, surface: tuple[str, ...], unreachable: Mapping[str, str], off_path: Mapping[str, str] = {}):
+        self.surface, self.unreachable, self.off_path = tuple(surface), dict(unreachable), dict(off_path)
+        self.found, self.missing = regions(self.surface, self.off_path)
         self.folder = Path(tempfile.mkdtemp(prefix="spec-engine-coverage-"))
         coverage_hook.write_config(self.folder, sorted({r.file for r in self.found}))
         #: after :meth:`finish`: file -> line -> the coverage contexts (targets) that ran it, where contexts were
@@ -308,7 +326,7 @@ class Measurement:
             self.line_contexts = {f: {line: {c for c in ctx if c} for line, ctx in data.contexts_by_lineno(f).items()}
                                   for f in data.measured_files()}
             result = analyse(cov, self.surface, self.unreachable, self.found)
-            result.missing = self.missing
+            result.missing, result.off_path = self.missing, self.off_path
             return result
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -335,7 +353,7 @@ def begin(engine: Any) -> Measurement | _Unmeasured:
         return _Unmeasured((), f"the engine's profile declares no surface ({type(engine).__name__})")
     if not coverage_hook.available():
         return _Unmeasured(profile.surface, "coverage.py is not installed (pip install coverage)")
-    return Measurement(profile.surface, profile.unreachable).start()
+    return Measurement(profile.surface, profile.unreachable, getattr(profile, "off_path", {})).start()
 
 
 def write_section(result: CoverageResult, paths: list[Path]) -> str:
@@ -356,7 +374,7 @@ def from_dict(data: Mapping[str, Any]) -> CoverageResult:
     result = CoverageResult(tuple(data["surface"]), bool(data["measured"]), data.get("note", ""),
                             statements=data.get("statements", 0), executed=data.get("executed", 0),
                             stale=list(data.get("stale_declarations", [])),
-                            missing=dict(data.get("surface_not_found", {})))
+                            missing=dict(data.get("surface_not_found", {})), off_path=dict(data.get("off_path", {})))
     for b in data.get("unreached", []):
         module, _, arc = b["key"].rpartition(":")
         line, _, dest = arc.partition("->")
