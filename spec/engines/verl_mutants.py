@@ -52,4 +52,37 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     "verl.utils.ulysses:ulysses_pad:288 compare: LtE -> Lt":
         "with sp_size == 1 the fall-through pads (1 - n % 1) % 1 = 0 tokens and returns the same tensors and a pad "
         "of 0, as the early return does",
+    f"{_SB}:karmarkar_karp:89 compare: Lt -> LtE":
+        "Set.__lt__ returns self.sum < other.sum only after the sums were found to differ: < and <= agree there",
+    f"{_SB}:karmarkar_karp:91 compare: Lt -> LtE":
+        "Set.__lt__ returns len(self.items) < len(other.items) only after the counts were found to differ",
+    f"{_SB}:karmarkar_karp:90 branch: condition negated":
+        "the tie-break between sets of equal sums (see karmarkar_karp:90 NotEq -> Eq): another order among equally "
+        "summed sets, the partition still every sample once within the budget",
+    f"{_SB}:rearrange_micro_batches:414 compare: Gt -> GtE":
+        "with force_group_size == 1 the grouped path sums the workloads and token counts of groups of one sample: "
+        "the per-sample values the ungrouped path uses",
+    f"{_SB}:get_seqlen_balanced_partitions:246 compare: Gt -> GtE":
+        "the assert only guards an empty part, which karmarkar_karp never yields: the function asserts "
+        "len(seqlen_list) >= k_partitions first, and every part starts with one of the k largest items",
+    "verl.utils.torch_functional:logprobs_from_logits_v2:197 dim: dim -> other dim":
+        "as logprobs_from_logits_v2:203: each row of the engine's (total_nnz, V) logits is 1-D, so logsumexp over "
+        "dim 0 is over dim -1",
+    "verl.utils.torch_functional:expand_as_nested:1009 dim: dim -> other dim":
+        "the function asserts a 1-D tensor first: repeat_interleave along dim 0 is along dim -1",
+    "verl.utils.tensordict_utils:concat_nested_tensors:217 arith: Sub -> Add":
+        "getattr's default for _ragged_idx: every jagged nested tensor has _ragged_idx, so the default is never used",
+    "verl.utils.tensordict_utils:chunk_tensordict:371 arith: Sub -> Add":
+        "getattr's default for _ragged_idx: every jagged nested tensor has _ragged_idx, so the default is never used",
+    "verl.workers.utils.padding:no_padding_2_padding:118 compare: Lt -> LtE":
+        "max_response_len is -1 (unset) or the batch's longest response, at least 1: < 0 and <= 0 agree on both",
+    "verl.workers.engine.utils:pad_packed_inputs:78 compare: LtE -> Lt":
+        "the engine calls pad_packed_inputs only with a positive pad (its 78->79 branch is declared unreachable for "
+        "that reason): <= 0 and < 0 agree on every call",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_inputs:1180 dict key: key 'temperature_is_one' dropped":
+        "an optimisation flag: prepare_model_outputs reads it with .get(..., False), and without it the fused "
+        "kernel divides the logits by the temperature 1.0, which leaves every value as it is",
+    "verl.utils.ulysses:slice_input_tensor:134 cast: .contiguous() removed":
+        "contiguity is memory layout: the sliced shard holds the same values, and every reader of the model inputs "
+        "(the model, the checks) reads values",
 }
