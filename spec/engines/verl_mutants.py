@@ -85,4 +85,21 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     "verl.utils.ulysses:slice_input_tensor:134 cast: .contiguous() removed":
         "contiguity is memory layout: the sliced shard holds the same values, and every reader of the model inputs "
         "(the model, the checks) reads values",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs:1426 branch: condition negated":
+        "no effect without flash-attn: inplace_backward is read only by flash-attn's Triton cross-entropy "
+        "(logprobs_from_logits' CUDA branch, declared unreachable here); the pure-torch path ignores it",
+    "verl.workers.engine.utils:pad_packed_inputs:84 dtype: dtype= dropped":
+        "torch.arange(pad_size) is int64 without dtype=, and position_ids are int64 (as every trainer's collator "
+        "and the suite make them)",
+    f"{_SB}:rearrange_micro_batches:464 compare: Gt -> GtE":
+        "with force_group_size == 1 the group-to-sample conversion maps group i to range(i, i + 1): the same indices",
+    "verl.utils.torch_functional:logprobs_from_logits_v2:204 dim: dim -> other dim":
+        "as logprobs_from_logits_v2:203: each row is 1-D, so gather along dim 0 is along dim -1",
+    "verl.utils.torch_functional:logprobs_from_logits_v2:194 branch: condition negated":
+        "both branches compute log_softmax at the label (a gather minus a logsumexp, or a per-row log_softmax): "
+        "they differ only in rounding, within the bound of the precision verl declares for each logits dtype",
+    "verl.utils.tensordict_utils:concat_tensordict:292 dim: dim -> other dim":
+        "the micro-batch TensorDicts have a 1-D batch size: TensorDict.cat along dim -1 is along dim 0",
+    "verl.utils.tensordict_utils:list_of_dict_to_tensordict:927 compare: Gt -> GtE":
+        "the assert only guards an empty list, which raises either way (IndexError at list_of_dicts[0])",
 }
