@@ -87,6 +87,8 @@ def _add_mutate(sub) -> None:
     mutate_parser.add_argument("--only", default=None, help="only invariant IDs starting with these prefixes")
     mutate_parser.add_argument("--timeout", type=int, default=300, help="seconds one target may take per mutant")
     mutate_parser.add_argument("--out", default="reports", help="folder for mutate-<engine>.md/.json")
+    mutate_parser.add_argument("--resume", default=None, help="an earlier mutate-<engine>.json of the same sample: "
+                               "the mutants it killed are carried over, not run again")
 
 
 #: one function per subcommand: adding one is a line here and a branch in main()

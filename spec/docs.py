@@ -12,7 +12,8 @@ A generated block is marked in the Markdown source::
 or inline, within a sentence: ``<!-- generated:NAME -->...<!-- /generated -->`` on one line; its text is
 :data:`BLOCKS` ``[NAME]()``. ``tests/test_docs.py`` fails when a block differs from the code,
 names a generator that does not exist, or a generator has no block. Measured figures (detection rates,
-benchmarks, mutation scores) are not generated here: they carry the command that measured them.
+benchmarks) are not generated here: they carry the command that measured them; the reach figures (engine-code
+coverage, mutation scores) are generated from the runs recorded in ``docs/measured/`` (:mod:`spec.measured`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from . import measured
 from .invariants import CATALOGUE
 from .planted import PLANTED
 from .run.runner import instances
@@ -169,6 +171,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "cuda-instances": cuda_instances,
     "ci-matrix": ci_matrix,
     "tox-envs": tox_envs,
+    "reach-figures": measured.reach_table,
+    "verl-unreached": lambda: measured.unreached_table("verl"),
+    "verl-mutation-survivors": lambda: measured.survivors_list("verl"),
 }
 
 

@@ -24,24 +24,22 @@ import ast
 import copy
 import difflib
 import json
-import random
+import hashlib
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hypothesis import Verbosity
+from hypothesis import Verbosity, settings
 
-from .execute import coverage_hook
-from .invariants import CATALOGUE
-from .run.engine_coverage import regions
+from .execute import probe, ranks
+from .run.engine_coverage import Measurement, regions
 from .run.profiles import load_profile
-from .run.runner import instances, run_invariant, runs_on_ranks
+from .run.runner import instances, run_invariant
 
-__all__ = ["Mutant", "OPERATORS", "mutants_of", "coverage_map", "install", "run_mutants", "main_mutate"]
+__all__ = ["Mutant", "mutants_of", "coverage_map", "classify", "run_mutants", "write_report", "main_mutate"]
 
 _INPLACE = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill",
             "clamp_": "clamp", "copy_": "copy_", "fill_": "fill_", "index_copy_": "index_copy",
@@ -65,8 +63,27 @@ class Mutant:
     original: str = ""
     mutated: str = ""
     targets: list[str] = field(default_factory=list)
-    status: str = ""  # killed, survived, uncovered, not installed, timeout
+    #: killed, survived, equivalent (a survivor the profile declares equivalent), unreachable (its line lies in a
+    #: branch the profile declares unreachable), uncovered (no target ran its line), not installed
+    status: str = ""
     killed_by: str = ""
+    #: the profile's reason for an equivalent or unreachable mutant
+    reason: str = ""
+    #: the n-th mutant of the same function, line, operator and description (0: the first); part of :attr:`id`
+    ordinal: int = 0
+    #: killed in an earlier run (``--resume``): not run again
+    carried: bool = False
+
+    @property
+    def id(self) -> str:
+        """A stable name (the key of ``EngineProfile.equivalent_mutants``): module, function, line, operator and
+        description, with ``#n`` for the n-th mutant of the same name."""
+        name = f"{self.module}:{self.function}:{self.line} {self.operator}: {self.description}"
+        return name if not self.ordinal else f"{name} #{self.ordinal + 1}"
+
+    @property
+    def mutation(self) -> probe.Mutation:
+        return (self.module, self.function, self.mutated)
 
     def diff(self) -> str:
         return "".join(difflib.unified_diff(self.original.splitlines(True), self.mutated.splitlines(True),
@@ -184,47 +201,36 @@ def mutants_of(surface: tuple[str, ...]) -> list[Mutant]:
                     if mutated != original:
                         out.append(Mutant(region.module, region.file, qualname, getattr(sub, "lineno", node.lineno),
                                           op, text, original, mutated))
+    seen: dict[str, int] = {}
+    for mutant in out:
+        mutant.ordinal = seen.get(mutant.id, 0)
+        seen[mutant.id.split(" #")[0]] = mutant.ordinal + 1
     return out
 
 
-def coverage_map(engine: Any, pairs: list, device: str, include: list[str],
-                 overrides: dict) -> dict[str, dict[int, set[str]]]:
-    """file -> line -> the targets (``invariant/mode``) whose examples ran it, from one in-process run."""
-    folder = Path(tempfile.mkdtemp(prefix="spec-mutate-"))
-    cov = coverage_hook.new(folder, include)
-    cov.start()
+def coverage_map(engine: Any, pairs: list, device: str, overrides: dict, seconds: dict[str, float] | None = None,
+                 statuses: dict[str, str] | None = None) -> dict[str, dict[int, set[str]]]:
+    """file -> line -> the targets (``invariant/mode``) whose examples ran it: every target once under the loaded
+    profile, the engine-code coverage's dynamic context switched per target here and on the real ranks. Each
+    target's run time goes to ``seconds`` (a mutant runs its cheapest targets first), its outcome on the engine's own
+    code to ``statuses`` (a target that fails unmutated kills nothing)."""
+    profile = engine.profile
+    ranks.shutdown()  # the ranks (and their fork server) start after the measurement, so that they measure too
+    measurement = Measurement(profile.surface, profile.unreachable).start()
     try:
         for info, mode in pairs:
-            cov.switch_context(f"{info.id}/{mode}")
-            run_invariant(info, engine, mode, device, **overrides)
+            key = f"{info.id}/{mode}"
+            probe.set_context(key)
+            took = time.perf_counter()
+            outcome = run_invariant(info, engine, mode, device, **overrides)
+            if seconds is not None:
+                seconds[key] = time.perf_counter() - took
+            if statuses is not None:
+                statuses[key] = outcome.status
     finally:
-        cov.stop()
-    data = cov.get_data()
-    return {f: {line: {c for c in ctx if c} for line, ctx in data.contexts_by_lineno(f).items()}
-            for f in data.measured_files()}
-
-
-def _function_object(module: str, qualname: str) -> Any:
-    obj = sys.modules[module]
-    for part in qualname.split("."):
-        obj = obj.__dict__[part] if hasattr(obj, "__dict__") and part in obj.__dict__ else getattr(obj, part)
-    return getattr(obj, "__func__", obj)
-
-
-def install(mutant: Mutant) -> Callable[[], None]:
-    """Swap the mutated code into the live function; the undo."""
-    fn = _function_object(mutant.module, mutant.function)
-    owner = mutant.function.rsplit(".", 1)[0] if "." in mutant.function else None
-    body = mutant.mutated if owner is None else "class _Owner:\n" + "\n".join(
-        "    " + line for line in mutant.mutated.splitlines())
-    namespace = dict(vars(sys.modules[mutant.module]))
-    exec(compile(body, f"<mutant {mutant.module}:{mutant.function}:{mutant.line}>", "exec"), namespace)
-    name = mutant.function.rsplit(".", 1)[-1]
-    new = namespace[name] if owner is None else namespace["_Owner"].__dict__[name]
-    new = getattr(new, "__func__", new)
-    old = fn.__code__
-    fn.__code__ = new.__code__
-    return lambda: setattr(fn, "__code__", old)
+        probe.set_context(None)
+        measurement.finish()
+    return measurement.line_contexts
 
 
 class _Timeout(Exception):
@@ -236,8 +242,8 @@ def _alarm(signum, frame):  # noqa: ARG001
 
 
 def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: dict, seconds: int) -> str:
-    """The first target that fails with the mutant installed, or ''."""
-    undo = install(mutant)
+    """The first target that fails with the mutant installed (here and on the real ranks), or ''."""
+    probe.set_mutant(mutant.mutation)
     previous = signal.signal(signal.SIGALRM, _alarm)
     try:
         for key in mutant.targets:
@@ -246,6 +252,7 @@ def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: di
             try:
                 outcome = run_invariant(info, engine, mode, device, shrink=False, **overrides)
             except _Timeout:
+                ranks.shutdown()  # a rank may still be inside the mutant's call
                 return f"{key} (timeout)"
             finally:
                 signal.alarm(0)
@@ -254,71 +261,202 @@ def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: di
         return ""
     finally:
         signal.signal(signal.SIGALRM, previous)
-        undo()
+        probe.set_mutant(None)
+
+
+def _block_at(tree: ast.AST, line: int) -> tuple[int, int] | None:
+    """The lines of the statement block whose first statement starts at ``line`` (a branch's destination: the block
+    it enters, to the end of that block), or None."""
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.AST) \
+                    and getattr(block[0], "lineno", None) == line:
+                return line, max(getattr(b, "end_lineno", line) for b in block)
+    return None
+
+
+def unreachable_reason(mutant: Mutant, unreachable: dict[str, str], tree: ast.AST) -> str | None:
+    """The profile's reason why ``mutant``'s line cannot run here, where a declaration covers it: its function
+    (``module:qualname``), a ``raise`` (``*:raise``), or the block a declared branch enters (``module:LINE->DEST``;
+    ``module:LINE``: either block of that line's statement)."""
+    for key, reason in unreachable.items():
+        if reason.startswith("gap:"):  # an open gap of the case space: reachable, just not drawn yet
+            continue
+        module, _, where = key.partition(":")
+        if module == "*" and where == "raise":
+            if any(isinstance(n, ast.Raise) and n.lineno <= mutant.line <= (n.end_lineno or n.lineno)
+                   for n in ast.walk(tree)):
+                return reason
+            continue
+        if module != mutant.module:
+            continue
+        source, _, dest = where.partition("->")
+        if not source.isdigit():  # a function
+            if mutant.function == where or mutant.function.startswith(where + "."):
+                return reason
+            continue
+        if dest.isdigit():
+            blocks = [_block_at(tree, int(dest))]
+        else:  # every exit of the line: the blocks of its statement
+            stmt = next((n for n in ast.walk(tree) if isinstance(n, ast.stmt) and n.lineno == int(source)), None)
+            blocks = [_block_at(tree, b[0].lineno) for b in (getattr(stmt, "body", None), getattr(stmt, "orelse", None))
+                      if isinstance(b, list) and b]
+        if any(b is not None and b[0] <= mutant.line <= b[1] for b in blocks):
+            return reason
+    return None
+
+
+def classify(mutant: Mutant, profile: Any, trees: dict[str, ast.AST]) -> None:
+    """A survivor the profile declares equivalent (``equivalent_mutants``, by :attr:`Mutant.id`) is ``equivalent``
+    with its reason (it is not confirmed under ``--confirm``: only a survivor that counts needs that; a declared one
+    that is killed is reported killed, its declaration wrong); an uncovered mutant whose line a declared-unreachable
+    branch covers is ``unreachable``."""
+    equivalent = getattr(profile, "equivalent_mutants", {}) or {}
+    if mutant.status == "survived" and mutant.id in equivalent:
+        mutant.status, mutant.reason = "equivalent", equivalent[mutant.id]
+    elif mutant.status == "uncovered":
+        reason = unreachable_reason(mutant, dict(profile.unreachable), trees[mutant.file])
+        if reason is not None:
+            mutant.status, mutant.reason = "unreachable", reason
+
+
+def sample_of(mutants: list[Mutant], size: int, seed: int) -> list[Mutant]:
+    """A seeded sample of ``size``: the mutants whose ``sha256(seed, id)`` are the smallest (bottom-k), in that order.
+    A mutant's membership depends on its own id alone, so a surface that grows or shrinks elsewhere keeps the rest of
+    the sample (and an earlier run's results for it: ``--resume``)."""
+    rank = lambda m: hashlib.sha256(f"{seed}\0{m.id}".encode()).hexdigest()  # noqa: E731
+    return sorted(mutants, key=rank)[:size]
+
+
+def _carried(previous: Path | None, sound: set[str]) -> dict[tuple[str, str], str]:
+    """(id, mutated source) -> the target that killed it, from an earlier report (``--resume``), where that target is
+    one of ``sound`` (it passes on the engine's own code in this run)."""
+    if previous is None:
+        return {}
+    data = json.loads(Path(previous).read_text())
+    return {(m["id"], m["mutated"]): m["killed_by"] for m in data["mutants"]
+            if m["status"] == "killed" and m["killed_by"].split(" ")[0] in sound}
+
+
+def seeded(seed: int) -> dict[str, Any]:
+    """The run_invariant argument that makes a target draw the same examples in every run of it (the map's baseline
+    and each mutant's run see the same cases, so a kill is the mutant's), unless the loaded profile is derandomized
+    already (``ci``: its own streams)."""
+    return {} if settings.default.derandomize else {"seed": seed}
 
 
 def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: str | None, device: str = "cpu",
-                only: tuple[str, ...] = (), seconds: int = 300,
-                progress: Callable[[str], None] = print) -> list[Mutant]:
+                only: tuple[str, ...] = (), seconds: int = 300, progress: Callable[[str], None] = print,
+                after_each: Callable[[list[Mutant]], None] | None = None, resume: Path | None = None
+                ) -> list[Mutant]:
+    """The mutants of a seeded sample of ``sample`` (:func:`sample_of`), each run by the targets that ran its line
+    (here and on the real ranks; the cheapest first) under ``profile``, a survivor again under ``confirm``, then
+    classified (:func:`classify`). ``resume``: an earlier report of the same sample; a mutant it killed (same id,
+    same mutated source) is carried over, not run again (the suite between the runs only added checks)."""
     load_profile(profile)
     quiet = {"verbosity": Verbosity.quiet}
-    pairs = [(i, m) for i, m in instances() if (not only or i.id.startswith(only)) and not runs_on_ranks(i, engine)]
+    pairs = [(i, m) for i, m in instances() if not only or i.id.startswith(only)]
     by_key = {f"{i.id}/{m}": (i, m) for i, m in pairs}
-    found, _ = regions(engine.profile.surface)
     progress(f"mutate: coverage map of {len(pairs)} targets under {profile}")
-    lines = coverage_map(engine, pairs, device, sorted({r.file for r in found}), quiet)
+    cost: dict[str, float] = {}
+    baseline: dict[str, str] = {}
+    lines = coverage_map(engine, pairs, device, {**quiet, **seeded(seed)}, cost, baseline)
+    broken = sorted(k for k, status in baseline.items() if status in ("fail", "error"))
+    if broken:
+        progress(f"mutate: {len(broken)} targets fail on the engine's own code and kill nothing: {', '.join(broken)}")
     mutants = mutants_of(engine.profile.surface)
-    chosen = random.Random(seed).sample(mutants, min(sample, len(mutants)))
+    chosen = sample_of(mutants, sample, seed)
+    carried = _carried(resume, set(baseline) - set(broken))
     progress(f"mutate: {len(mutants)} mutants, {len(chosen)} sampled (seed {seed})")
+    trees = {m.file: ast.parse(Path(m.file).read_text()) for m in chosen}
     for n, mutant in enumerate(chosen):
-        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()))
-        if not mutant.targets:
+        mutant.targets = sorted(lines.get(mutant.file, {}).get(mutant.line, set()) - set(broken),
+                                key=lambda k: (cost.get(k, 0), k))
+        if (mutant.id, mutant.mutated) in carried:
+            mutant.status, mutant.killed_by, mutant.carried = "killed", carried[(mutant.id, mutant.mutated)], True
+        elif not mutant.targets:
             mutant.status = "uncovered"
-            continue
-        try:
-            mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
-        except Exception as exc:  # noqa: BLE001 - a mutant that cannot be installed
-            mutant.status, mutant.killed_by = "not installed", f"{type(exc).__name__}: {exc}"
-            continue
-        if not mutant.killed_by and confirm:
-            load_profile(confirm)
+        else:
             try:
-                mutant.killed_by = _kills(mutant, engine, by_key, device, quiet, seconds)
-            finally:
-                load_profile(profile)
-        mutant.status = "killed" if mutant.killed_by else "survived"
-        progress(f"[{n + 1}/{len(chosen)}] {mutant.module}:{mutant.line} {mutant.operator}: {mutant.status}")
+                mutant.killed_by = _kills(mutant, engine, by_key, device, {**quiet, **seeded(seed)}, seconds)
+                if not mutant.killed_by and confirm and mutant.id not in engine.profile.equivalent_mutants:
+                    load_profile(confirm)
+                    try:
+                        mutant.killed_by = _kills(mutant, engine, by_key, device, {**quiet, **seeded(seed)}, seconds)
+                    finally:
+                        load_profile(profile)
+                mutant.status = "killed" if mutant.killed_by else "survived"
+            except Exception as exc:  # noqa: BLE001 - a mutant that cannot be installed
+                mutant.status, mutant.killed_by = "not installed", f"{type(exc).__name__}: {exc}"
+        classify(mutant, engine.profile, trees)
+        progress(f"[{n + 1}/{len(chosen)}] {mutant.id}: {mutant.status}")
+        if after_each is not None:  # the report so far (a long run can be read, or stopped, at any point)
+            after_each(chosen[:n + 1])
+    ranks.shutdown()
     return chosen
 
 
+def score(mutants: list[Mutant]) -> tuple[int, int, float]:
+    """(killed, scored, killed / scored): scored are the mutants that could be killed here and are not equivalent:
+    killed, survived (a gap) and uncovered (no target ran a reachable line: a gap too)."""
+    scored = [m for m in mutants if m.status in ("killed", "survived", "uncovered")]
+    killed = sum(m.status == "killed" for m in scored)
+    return killed, len(scored), killed / len(scored) if scored else 0.0
+
+
+def summary(mutants: list[Mutant], seed: int) -> str:
+    killed, scored, share = score(mutants)
+    count = lambda status: sum(m.status == status for m in mutants)  # noqa: E731
+    return (f"mutation score {share:.1%}: {killed} of {scored} non-equivalent mutants killed "
+            f"({count('survived')} survived, {count('uncovered')} uncovered); {count('equivalent')} equivalent, "
+            f"{count('unreachable')} on declared-unreachable lines, {count('not installed')} not installed; "
+            f"a sample of {len(mutants)}, seed {seed}"
+            + (f"; {sum(m.carried for m in mutants)} kills carried over from an earlier run" if any(
+                m.carried for m in mutants) else ""))
+
+
 def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, profile: str, confirm: str | None) -> str:
+    """``<out>/mutate-<engine>.md`` and ``.json``; returns the summary line."""
     out.mkdir(parents=True, exist_ok=True)
-    covered = [m for m in mutants if m.status in ("killed", "survived")]
-    killed = [m for m in covered if m.status == "killed"]
-    score = len(killed) / len(covered) if covered else 0.0
-    line = (f"mutate: {len(killed)} of {len(covered)} covered mutants killed ({score:.1%}); "
-            f"{sum(m.status == 'uncovered' for m in mutants)} uncovered, "
-            f"{sum(m.status == 'not installed' for m in mutants)} not installed; sample of {len(mutants)}, seed {seed}")
-    md = [f"# Mutation report: engine `{engine}`", "", f"profile `{profile}`, survivors confirmed under "
-          f"`{confirm}`: **{line.removeprefix('mutate: ')}**", "", "## Survivors", ""]
-    for m in (m for m in mutants if m.status == "survived"):
-        md += [f"### `{m.module}:{m.line}` {m.operator}: {m.description}", "",
-               f"ran by: {', '.join(m.targets)}; classification: (to do: equivalent and why, or the gap and how "
-               "it was closed)", "", "```diff", m.diff().rstrip(), "```", ""]
+    line = summary(mutants, seed)
+    md = [f"# Mutation report: engine `{engine}`", "", f"Each mutant ran under `{profile}`, a survivor again under "
+          f"`{confirm}`: **{line}**", ""]
+    sections = (("survived", "Survivors (gaps: no check reads what the mutant changes)"),
+                ("uncovered", "Uncovered (no target ran the line)"),
+                ("equivalent", "Equivalent survivors, with the profile's reason"),
+                ("unreachable", "On lines a declared-unreachable branch covers"),
+                ("not installed", "Not installed"))
+    for status, title in sections:
+        chosen = [m for m in mutants if m.status == status]
+        if not chosen:
+            continue
+        md += [f"## {title}: {len(chosen)}", ""]
+        for m in chosen:
+            md += [f"### `{m.id}`", ""]
+            if m.targets:
+                md += [f"ran by: {', '.join(m.targets)}", ""]
+            if m.reason or (m.killed_by and m.status != "killed"):
+                md += [f"why: {m.reason or m.killed_by}", ""]
+            md += ["```diff", m.diff().rstrip(), "```", ""]
     (out / f"mutate-{engine}.md").write_text("\n".join(md) + "\n")
+    killed, scored, share = score(mutants)
     (out / f"mutate-{engine}.json").write_text(json.dumps({
-        "engine": engine, "seed": seed, "profile": profile, "confirm": confirm, "score": round(score, 4),
-        "mutants": [{**asdict(m), "diff": m.diff()} for m in mutants]}, indent=2))
+        "engine": engine, "seed": seed, "profile": profile, "confirm": confirm, "score": round(share, 4),
+        "killed": killed, "scored": scored, "summary": line,
+        "mutants": [{**asdict(m), "id": m.id, "diff": m.diff()} for m in mutants]}, indent=2))
     return line
 
 
 def main_mutate(args: Any, engine: Any) -> int:
     start = time.perf_counter()
     only = tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only else ()
-    mutants = run_mutants(engine, sample=args.sample, seed=args.seed, profile=args.profile,
-                          confirm=None if args.confirm == "none" else args.confirm, only=only, seconds=args.timeout,
-                          progress=lambda text: print(text, file=sys.stderr))
     safe = engine.name.replace(":", "-").replace("/", "-")
-    print(write_report(mutants, safe, Path(args.out), seed=args.seed, profile=args.profile, confirm=args.confirm)
-          + f" in {time.perf_counter() - start:.0f}s")
+    confirm = None if args.confirm == "none" else args.confirm
+    report = lambda done: write_report(done, safe, Path(args.out), seed=args.seed, profile=args.profile,  # noqa: E731
+                                       confirm=args.confirm)
+    mutants = run_mutants(engine, sample=args.sample, seed=args.seed, profile=args.profile, confirm=confirm,
+                          only=only, seconds=args.timeout, progress=lambda text: print(text, file=sys.stderr),
+                          after_each=report, resume=Path(args.resume) if args.resume else None)
+    print(report(mutants) + f" in {time.perf_counter() - start:.0f}s")
     return 0

@@ -151,27 +151,145 @@ def test_report_leaves_no_branch_unreached_without_reason(path):
 
 
 def test_mutants_of_the_surface_install_and_undo(toy):
-    """spec mutate's mutants: ast edits of the surface's functions, swapped into the live function and undone."""
-    from spec.mutate import install, mutants_of
+    """spec mutate's mutants: ast edits of the surface's functions, swapped into the live function and undone; each
+    has a stable id, unique in the surface."""
+    from spec.execute.probe import install
+    from spec.mutate import mutants_of
 
     import toy_engine_mod
     mutants = mutants_of((toy,))
     by_op = {(m.function, m.operator, m.description) for m in mutants}
     assert ("choose", "compare", "Gt -> GtE") in by_op and ("choose", "branch", "condition negated") in by_op
     assert ("Cutter.cut", "slice", "slice upper + 1") in by_op
+    ids = [m.id for m in mutants]
+    assert len(set(ids)) == len(ids) and ids == [m.id for m in mutants_of((toy,))]
     flip = next(m for m in mutants if m.function == "choose" and m.description == "Gt -> GtE")
     assert "x >= 0" in flip.mutated and "x >= 0" in flip.diff()
+    assert flip.id == "toy_engine_mod:choose:5 compare: Gt -> GtE"
     assert toy_engine_mod.choose(0) == "zero"
-    undo = install(flip)
+    undo = install(flip.mutation)
     try:
         assert toy_engine_mod.choose(0) == "positive"  # the mutant runs in place of the function
     finally:
         undo()
     assert toy_engine_mod.choose(0) == "zero"
     cut = next(m for m in mutants if m.function == "Cutter.cut" and m.description == "slice upper + 1")
-    undo = install(cut)
+    undo = install(cut.mutation)
     try:
         assert toy_engine_mod.Cutter().cut([1, 2, 3], 2) == [[1, 2, 3], [3]]
     finally:
         undo()
     assert toy_engine_mod.Cutter().cut([1, 2, 3], 2) == [[1, 2], [3]]
+
+
+def test_probe_swaps_one_mutant_at_a_time(toy):
+    """What a rank applies from its task (spec.execute.probe.apply): the mutant it names, another one in its place
+    (the first undone), none: the engine's own code again."""
+    from spec.execute import probe
+    from spec.mutate import mutants_of
+
+    import toy_engine_mod
+    mutants = mutants_of((toy,))
+    flip = next(m for m in mutants if m.function == "choose" and m.description == "Gt -> GtE")
+    eq = next(m for m in mutants if m.function == "choose" and m.description == "Eq -> NotEq")
+    try:
+        probe.apply({"mutant": flip.mutation, "context": None})
+        assert toy_engine_mod.choose(0) == "positive"
+        probe.apply({"mutant": eq.mutation, "context": None})
+        assert toy_engine_mod.choose(0) == "negative" and toy_engine_mod.choose(1) == "positive"
+    finally:
+        probe.apply(None)
+    assert [toy_engine_mod.choose(x) for x in (-1, 0, 1)] == ["negative", "zero", "positive"]
+
+
+def test_mutants_are_classified_by_the_profile(toy):
+    """A survivor the profile declares equivalent is equivalent with its reason; an uncovered mutant on a line that a
+    declared-unreachable branch (its block, its function, a raise) covers is unreachable; any other stays a survivor
+    or uncovered, and counts against the score."""
+    import ast as ast_
+
+    from spec.mutate import classify, mutants_of, score
+    from spec.protocol.profile import EngineProfile
+
+    mutants = mutants_of((toy,))
+    tree = {m.file: ast_.parse(Path(m.file).read_text()) for m in mutants}
+    survivor = next(m for m in mutants if m.function == "Cutter.cut" and m.operator == "slice")
+    cuda = next(m for m in mutants if m.function == "Cutter.needs_cuda")
+    raising = next(m for m in mutants if m.function == "check" and m.operator == "branch")
+    other = next(m for m in mutants if m.function == "choose" and m.operator == "compare")
+    profile = EngineProfile(unreachable={"toy_engine_mod:Cutter.needs_cuda": "needs CUDA"},
+                            equivalent_mutants={survivor.id: "the last chunk is cut at len(rows) anyway"})
+    survivor.status, cuda.status, other.status = "survived", "uncovered", "uncovered"
+    for m in (survivor, cuda, other):
+        classify(m, profile, tree)
+    assert (survivor.status, survivor.reason) == ("equivalent", "the last chunk is cut at len(rows) anyway")
+    assert (cuda.status, cuda.reason) == ("unreachable", "needs CUDA")
+    assert other.status == "uncovered"  # no declaration covers line 5: it counts as not killed
+    raise_line = next(m for m in mutants_of((toy,)) if m.function == "check")
+    blocked = EngineProfile(unreachable={"toy_engine_mod:26->27": "an error path"})
+    raise_line.line, raise_line.status = 27, "uncovered"
+    classify(raise_line, blocked, tree)
+    assert raise_line.status == "unreachable"
+    killed = next(m for m in mutants if m is not other and m is not survivor and m is not cuda)
+    killed.status = "killed"
+    assert score([survivor, cuda, other, killed]) == (1, 2, 0.5)  # equivalent and unreachable are not scored
+
+
+def test_reach_figures_are_recorded_from_reports(tmp_path, monkeypatch):
+    """spec.measured: a verify report's coverage and a mutate report's score recorded in the engine's record, from
+    which the docs' figures are written (declared reasons and open gaps counted apart, every survivor listed)."""
+    from spec import measured
+
+    monkeypatch.setattr(measured, "FOLDER", tmp_path / "measured")
+    verify = {"engine": "toy", "profile": "ci", "verdict": "pass", "engine_coverage": {
+        "surface": ["toy_engine_mod"], "measured": True, "branches": 10, "reached": 7, "statements": 20,
+        "executed": 18, "unreached_without_reason": 0, "open_gaps": 1,
+        "unreached": [{"key": "toy_engine_mod:5->6", "function": "choose", "source": "if x > 0:",
+                       "reason": "gap: a positive x"},
+                      {"key": "toy_engine_mod:20->21", "function": "Cutter.needs_cuda", "source": "if x.is_cuda:",
+                       "reason": "needs CUDA"},
+                      {"key": "toy_engine_mod:26->27", "function": "check", "source": "if x is None:",
+                       "reason": "an error path"}]}}
+    mutate = {"engine": "toy", "seed": 0, "profile": "dev", "confirm": "ci", "score": 0.5, "killed": 1, "scored": 2,
+              "summary": "mutation score 50.0%: 1 of 2", "mutants": [
+                  {"id": "a", "status": "killed", "reason": "", "targets": ["T/packed"], "diff": "-x\n+y\n"},
+                  {"id": "b", "status": "survived", "reason": "", "targets": ["T/packed"], "diff": "-x\n+z\n"},
+                  {"id": "c", "status": "equivalent", "reason": "same value", "targets": ["T/packed"], "diff": ""}]}
+    (tmp_path / "verify.json").write_text(json.dumps(verify))
+    (tmp_path / "mutate.json").write_text(json.dumps(mutate))
+    assert measured.main([str(tmp_path / "verify.json"), str(tmp_path / "mutate.json")]) == 0
+    table = measured.reach_table()
+    assert "70.0% of 10 branches reached (7; unreached: 2 declared unreachable, 1 open gaps" in table
+    assert "mutation score 50.0%: 1 of 2" in table
+    unreached = measured.unreached_table("toy")
+    assert "**open gap**: a positive x" in unreached and "needs CUDA" in unreached
+    survivors = measured.survivors_list("toy")
+    assert "`b`, survived" in survivors and "`c`, equivalent: same value" in survivors and "`a`" not in survivors
+
+
+def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
+    """spec mutate's sample (bottom-k by a seeded hash of the id): the same seed gives the same mutants; another seed
+    others; dropping part of the surface keeps every sampled mutant of the rest."""
+    from spec.mutate import mutants_of, sample_of
+
+    everything = mutants_of((toy,))
+    first = [m.id for m in sample_of(everything, 6, seed=0)]
+    assert first == [m.id for m in sample_of(mutants_of((toy,)), 6, seed=0)]
+    assert first != [m.id for m in sample_of(everything, 6, seed=1)]
+    rest = [m for m in everything if m.function != "choose"]
+    kept = [i for i in first if ":choose:" not in i]
+    assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
+
+
+def test_declared_equivalent_mutants_are_mutants_of_the_surface():
+    """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
+    line moved or whose mutant no longer exists is stale): verl's, where verl is installed (the verl091 CI step)."""
+    from spec.engines.verl import VerlEngine
+    from spec.mutate import mutants_of
+
+    profile = VerlEngine.profile
+    found, missing = regions(profile.surface)
+    if missing or not found:
+        pytest.skip(f"verl's surface is not installed here: {sorted(missing)[:2]}")
+    stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface)}
+    assert not stale, f"declared equivalent, but no such mutant of verl's surface: {sorted(stale)}"

@@ -124,3 +124,31 @@ def test_nccl_ranks_on_cuda_match_cpu() -> None:
     for key, value in cpu.outputs.items():
         assert gpu.outputs[key].values().device.type == "cuda"
         assert torch.allclose(gpu.outputs[key].values().cpu(), value.values(), atol=1e-4)
+
+
+def test_a_mutant_runs_on_the_real_ranks_as_in_this_process() -> None:
+    """spec mutate's probe (spec.execute.probe): the mutant the parent sets runs on every real rank (the task
+    carries it) as it runs here; set back to none, the ranks run the engine's own code again."""
+    from spec.execute import probe
+    from spec.mutate import mutants_of
+
+    engine = load_engine("impl")
+    case = SEED.with_(sp_size=2, calculate_entropy=True)
+    plain = ranks.execute(engine, case).rank_outputs[0]["entropy"].values()
+
+    def entropy_with(mutant):
+        probe.set_mutant(mutant.mutation)
+        try:
+            return execute(engine, case).rank_outputs[0]["entropy"].values(), \
+                ranks.execute(engine, case).rank_outputs[0]["entropy"].values()
+        finally:
+            probe.set_mutant(None)
+
+    for mutant in (m for m in mutants_of(("impl.logits:_statistics",)) if m.operator == "arith"):  # defined values
+        here, there = entropy_with(mutant)
+        if here.isfinite().all() and not torch.equal(here, plain):  # a mutant the entropy shows (defined values)
+            assert torch.equal(there, here), mutant.id
+            break
+    else:
+        pytest.fail("no mutant of _statistics changed the entropy")
+    assert torch.equal(ranks.execute(engine, case).rank_outputs[0]["entropy"].values(), plain)

@@ -63,6 +63,7 @@ from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineU
 from ..protocol.microbatch import MicroBatchLayer, layer_from
 from ..protocol.profile import VERL_CONVENTIONS, Convention
 from .microbatch_records import MICROBATCH_RECORDS
+from .verl_mutants import VERL_EQUIVALENT_MUTANTS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key", "verl_microbatch_layer", "verl_precision", "LOW_PRECISION_RECORDS", "fp16_records",
@@ -681,7 +682,8 @@ class VerlEngine(EngineUnderTest):
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
     profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
-                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES)
+                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES,
+                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

@@ -20,7 +20,7 @@ try:
 except ImportError:  # coverage.py not installed: nothing is measured, the report says so
     coverage = None
 
-__all__ = ["ENV", "CONFIG", "DATA", "available", "start", "stop"]
+__all__ = ["ENV", "CONFIG", "DATA", "available", "start", "stop", "switch", "write_config"]
 
 #: the environment variable naming the measurement's folder
 ENV = "SPEC_ENGINE_COVERAGE"
@@ -56,6 +56,18 @@ def start() -> None:
     cov = new(Path(folder), include)
     cov.start()
     _ACTIVE.append(cov)
+
+
+def write_config(folder: Path, include: list[str]) -> None:
+    """Name the files a measurement in ``folder`` covers (what :func:`start` reads in each process)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG).write_text(json.dumps({"include": include}))
+
+
+def switch(context: str) -> None:
+    """Measure this process's next lines under the dynamic context ``context`` (a target, in the coverage map)."""
+    for cov in _ACTIVE:
+        cov.switch_context(context)
 
 
 def stop() -> None:

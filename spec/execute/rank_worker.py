@@ -30,7 +30,7 @@ from tensordict import TensorDict
 
 from impl.sequence_parallel import TorchDistributedAllGather
 
-from . import coverage_hook
+from . import coverage_hook, probe
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
@@ -156,7 +156,10 @@ class _Worker:
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         """One example on this rank: the engine's calls and the model in the case's autograd context (the
-        micro-batch and the model's weights made outside it, as in :func:`spec.execute.harness.execute`)."""
+        micro-batch and the model's weights made outside it, as in :func:`spec.execute.harness.execute`). A
+        mutant or coverage context the parent asks (:mod:`spec.execute.probe`) applies once the engine is loaded."""
+        self.engine(task["engine"], task["recipe"])
+        probe.apply(task.get("probe"))
         if task.get("kind") == "microbatch":
             return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
         topology: Topology = task["topology"]

@@ -53,6 +53,7 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
+from . import probe
 from .attribution import EngineFault
 from .handoff import Run, attach_views, model_for, snapshot, view_outputs
 from ..cases.materialize import materialize
@@ -235,6 +236,7 @@ class RankPool:
                             _STARTUP_TIMEOUT,
                             f"loading engine {name!r}")
             self.loaded.add(name)
+        task = {**task, "probe": probe.current()}  # a mutant to run, a coverage context (spec mutate)
         return self._broadcast(task, ranks, timeout, f"case {task['case']!r} on engine {name!r}", fault=True)
 
     def _broadcast(self, task: dict[str, Any], ranks, timeout: float, what: str, fault: bool = False

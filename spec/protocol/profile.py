@@ -25,7 +25,9 @@ for an engine under test (``EngineUnderTest.profile``):
   tensors (an engine that declares none is not asked);
 * ``off_path``: functions inside the surface's entries that the preparation never passes through
   (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
-  the report with their reasons.
+  the report with their reasons;
+* ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
+  engine's own code, each with the reason.
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -133,6 +135,7 @@ class EngineProfile:
     unreachable: Mapping[str, str] = field(default_factory=dict)
     off_path: Mapping[str, str] = field(default_factory=dict)
     refuses: Mapping[str, str] = field(default_factory=dict)
+    equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for mode in self.modes:

@@ -295,7 +295,10 @@ class Measurement:
         self.surface, self.unreachable, self.off_path = tuple(surface), dict(unreachable), dict(off_path)
         self.found, self.missing = regions(self.surface, self.off_path)
         self.folder = Path(tempfile.mkdtemp(prefix="spec-engine-coverage-"))
-        (self.folder / coverage_hook.CONFIG).write_text(json.dumps({"include": sorted({r.file for r in self.found})}))
+        coverage_hook.write_config(self.folder, sorted({r.file for r in self.found}))
+        #: after :meth:`finish`: file -> line -> the coverage contexts (targets) that ran it, where contexts were
+        #: switched (``spec mutate``'s coverage map); empty otherwise
+        self.line_contexts: dict[str, dict[int, set[str]]] = {}
         self._previous = os.environ.get(coverage_hook.ENV)
 
     def start(self) -> "Measurement":
@@ -319,6 +322,9 @@ class Measurement:
             if any(self.folder.glob(coverage_hook.DATA + ".*")):
                 cov.combine([str(self.folder)], keep=False)
             cov.load()
+            data = cov.get_data()
+            self.line_contexts = {f: {line: {c for c in ctx if c} for line, ctx in data.contexts_by_lineno(f).items()}
+                                  for f in data.measured_files()}
             result = analyse(cov, self.surface, self.unreachable, self.found)
             result.missing, result.off_path = self.missing, self.off_path
             return result
