@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from ..protocol import HeadInput
 from .kit import HiddenStatesModel, require
 from .trl import TrlEngine, TrlObject
-from .trl_records import FUSED_RECORDS
+from .trl_records import FUSED_PROFILE, FUSED_RECORDS
 
 __all__ = ["TrlFusedEngine"]
 
@@ -34,6 +34,7 @@ class TrlFusedObject(TrlObject):
 
 class TrlFusedEngine(TrlEngine):
     name, library, known_failures = "trl-fused", "TRL's fused head", FUSED_RECORDS
+    profile = FUSED_PROFILE  # its surface: the batch builders and GRPO's fused head (trl_records.py)
     head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
 
     def engine_object(self):
