@@ -9,7 +9,8 @@ from ..protocol.engine import EngineUnderTest
 from ..protocol.known import KnownFailure, When
 from .verl_records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
 
-__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_PROFILE", "LOW_PRECISION", "ORACLE_INVARIANTS",
+__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE",
+           "FUSED_UNREACHABLE", "LOW_PRECISION", "ORACLE_INVARIANTS",
            "MISMATCH"]
 
 #: the checks that compare log-probs / entropy with the oracle
@@ -113,7 +114,7 @@ _FUSED_UNREACHABLE: dict[str, str] = {
     f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",
 }
 
-#: the adapters' profiles: the default one with the surface and its unreachable branches (no conventions declared)
+#: trl's profile: the default one with the surface and its unreachable branches (no conventions declared)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE})
-FUSED_PROFILE = replace(EngineUnderTest.profile, surface=FUSED_SURFACE,
-                        unreachable={**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE})
+#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl_fused.py)
+FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}
