@@ -50,7 +50,22 @@ SURFACE = _surface("skyrl.train.dataset.preprocess", "skyrl.backends.skyrl_train
 #: branches of the surfaces no CPU run of the suite reaches, each with its reason (a ``gap:`` reason names the input
 #: a real trainer sends that the case space does not draw yet)
 _RAISE = {"*:raise": "an error path: SkyRL raises for an input it rejects; the suite's valid cases never take it"}
-TRAIN_UNREACHABLE: dict[str, str] = {**_RAISE}
+_SP = "needs Ulysses sequence parallelism (sequence_parallel_size > 1: a process group; Feature.SP is not run)"
+_FLASH_CE = "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn; FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE)"
+_INT_ACTIONS = "no caller passes num_actions as a list: the workers pass the batch's response_length, an int"
+_OUTPUT = ("the adapter asks for the output (return_output=True: the entropy rides on it); without it forward returns "
+           "the same log-probs alone")
+_REWARD_TENSOR = ("the rewards are no input of the preparation the suite checks: the adapter hands per-token lists; "
+                  "a reward already a tensor only skips the conversion")
+_ROLLOUT_LOGPROBS = ("the rollout's own log-probs are passed through, padded, for off-policy corrections: no input of "
+                     "the forward the suite checks; the adapter passes none")
+TRAIN_UNREACHABLE: dict[str, str] = {
+    **_RAISE,
+    **{f"skyrl_train.model_wrapper:{line}": _SP for line in ("311->313", "343->344", "370->371")},
+    "skyrl_train.model_wrapper:384->385": _INT_ACTIONS, "skyrl_train.model_wrapper:385": _INT_ACTIONS,
+    "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
+    "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
+}
 UNREACHABLE: dict[str, str] = {**_RAISE}
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
