@@ -16,9 +16,10 @@ from typing import Any
 
 from ..protocol.known import KnownFailure
 from ..protocol.engine import InputsView, verl_fsdp_view
-from .verl import (VERL_HELPERS, VERL_LAYER, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
+from .verl import (NO_DTENSOR, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
                    fused_padded_dense_slices)
-from .native import NativeVerlEngine
+from .native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
+                     native_surface)
 from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
 
 __all__ = ["AutomodelEngine"]
@@ -60,10 +61,12 @@ class AutomodelEngine(NativeVerlEngine):
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = replace(NativeVerlEngine.profile, surface=(
-        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_inputs",
-        "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs",
-        *VERL_HELPERS, *VERL_LAYER), unreachable={})
+    profile = replace(NativeVerlEngine.profile, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
+                      unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, "624->633", "660->663"),
+                                   **native_lines(module, NO_DTENSOR, "610->611", "653->654"),
+                                   f"{module}:592->593": "gap: a model whose forward returns the logits tensor itself "
+                                   "(NeMo AutoModel's own model classes); the adapter's stand-in returns an output "
+                                   "with .logits"})
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}

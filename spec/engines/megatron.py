@@ -36,7 +36,7 @@ from ..truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignm
 from ..protocol.engine import EngineUnderTest, Feature, ShardLayout
 from .microbatch_records import MICROBATCH_RECORDS
 from .stubs import import_verl_module
-from .verl import VERL_LAYER, verl_microbatch_layer
+from .verl import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, verl_microbatch_layer
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 
@@ -138,6 +138,34 @@ UNALIGNED_BUCKET = When("a static bucket (the case's, or the one its seed picks)
                         _bucket_breaks_alignment)
 
 
+_U = "verl.models.mcore.util"
+_CONTIGUOUS = ("contiguous CP needs megatron-core's PackedSeqParams.cp_partition_mode, which megatron-core 0.16.1 "
+               "lacks (verl refuses it with CP > 1): the adapter packs zig-zag only (layout_note)")
+_PIPELINE = "needs pipeline parallelism: a stage that is not the first (pre_process) or last (post_process)"
+_DYNAMIC_CP = ("gap: dynamic context parallelism (local_cp_size, model_forward's dynamic CP groups): the adapter packs "
+               "with the fixed CP group of its fake parallel state")
+_NPU = "needs an Ascend NPU (npu_fusion_attention's attention-mask layout)"
+_BACK_CHUNK = ("gap: a zig-zag CP rank whose back chunk holds only padding (remain_len <= 0: a last sequence padded "
+               "by the static bucket beyond half its padded length)")
+_BSHD_ROLL = "gap: need_roll with the BSHD packing (INV-MEG-004 rolls the THD packing only)"
+#: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines), each with its reason
+MEGATRON_UNREACHABLE: dict[str, str] = {
+    **VERL_LAYER_UNREACHABLE,  # (its "*:raise" covers the packers' refusals: a cp_layout, a bucket <= 0)
+    f"{_U}:360->362": _DYNAMIC_CP, f"{_U}:596->597": _DYNAMIC_CP,
+    f"{_U}:370->371": _CONTIGUOUS, f"{_U}:539->544": _CONTIGUOUS, f"{_U}:436": _CONTIGUOUS, f"{_U}:441": _CONTIGUOUS,
+    f"{_U}:449": _CONTIGUOUS, f"{_U}:614->615": _CONTIGUOUS, f"{_U}:616": _CONTIGUOUS,
+    f"{_U}:396->397": "no caller in verl 0.9.1 passes min_local_rows", f"{_U}:398": "no caller passes min_local_rows",
+    f"{_U}:426->539": _PIPELINE, f"{_U}:561->564": _PIPELINE, f"{_U}:581->582": _PIPELINE,
+    f"{_U}:783->784": _PIPELINE,
+    f"{_U}:503->516": _BACK_CHUNK, f"{_U}:520->434": _BACK_CHUNK,
+    f"{_U}:732->733": _BSHD_ROLL, f"{_U}:765->766": _BSHD_ROLL,
+    f"{_U}:768->770": _NPU, f"{_U}:786->787": _NPU,
+    "verl.utils.tensordict_utils:130->132": "a value that is no NonTensorData (a metadata key's default): only "
+                                            "Megatron's packing and the layer run here, and every value the layer "
+                                            "unwraps is NonTensorData; the engine code that reads absent keys is not run",
+}
+
+
 class MegatronEngine(EngineUnderTest):
     """verl's Megatron packing (``Feature.PACKING``); no engine object (see the module docstring)."""
 
@@ -145,7 +173,7 @@ class MegatronEngine(EngineUnderTest):
     #: verl's Megatron packing (THD and BSHD pre/postprocess) and its micro-batch layer
     profile = replace(EngineUnderTest.profile, surface=(*(f"verl.models.mcore.util:{f}" for f in (
         "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
-        "_compute_fp8_thd_align_size")), *VERL_LAYER), unreachable={})
+        "_compute_fp8_thd_align_size")), *VERL_LAYER), unreachable=MEGATRON_UNREACHABLE, off_path=VERL_LAYER_OFF_PATH)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in docs/engines/verl-megatron.md: one bug, seen by four properties

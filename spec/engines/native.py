@@ -16,9 +16,31 @@ from ..protocol.known import KnownFailure
 from ..protocol.engine import EngineUnderTest, Feature, Precision
 from .microbatch_records import MICROBATCH_RECORDS
 from .stubs import import_verl_module
-from .verl import verl_microbatch_layer, verl_precision
+from .verl import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
+                   VERL_LOGITS_UNREACHABLE, verl_microbatch_layer, verl_precision)
 
-__all__ = ["NativeVerlEngine"]
+__all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",
+           "native_lines"]
+
+
+def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
+    """A native engine's surface: its own prepare_model_inputs / prepare_model_outputs, verl's log-prob helpers it
+    calls (verl.utils.torch_functional; neither calls verl's padding or Ulysses helpers) and the micro-batch layer."""
+    return (f"{module}:{lm_class}.prepare_model_inputs", f"{module}:{lm_class}.prepare_model_outputs",
+            *VERL_LOGITS_HELPERS, *VERL_LAYER)
+
+
+def native_lines(module: str, reason: str, *lines: str) -> dict[str, str]:
+    """``unreachable`` declarations of ``lines`` (``LINE->DEST`` or ``LINE``) of ``module``, all for ``reason``."""
+    return {f"{module}:{line}": reason for line in lines}
+
+
+#: the branches of the shared part of their surfaces no CPU run reaches (verl 0.9.1's lines), with the reasons
+NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE}
+NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
+#: the reason of an engine's ``if not self.engine_config.entropy_checkpointing`` (its other side)
+CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entropy under torch.utils.checkpoint (the "
+                        "FSDP engine's cases draw it, spec/engines/verl.py; NativeVerlEngine.build leaves it False)")
 
 
 class NativeVerlEngine(EngineUnderTest):

@@ -44,5 +44,30 @@ SURFACE = (
     "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor", "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
     "openrlhf.utils.utils:zero_pad_sequences")
 
+#: branches of SURFACE no CPU run of the suite reaches (OpenRLHF 0.11.2's lines), each with its reason (a ``gap:``
+#: reason names the input a real trainer sends that the case space does not draw yet)
+_A, _R, _U = "openrlhf.models.actor", "openrlhf.models.ring_attn_utils", "openrlhf.models.utils"
+_RING = "needs ring attention: a ring_attn_group (ring_flash_attn and a process group; the engine declares Feature.SP)"
+_FLOAT32 = ("Actor.forward casts the logits to float32 before it calls log_probs_from_logits (OpenRLHF PR 634): the "
+            "low-precision row loop serves other callers only")
+UNREACHABLE: dict[str, str] = {
+    f"{_A}:253->254": "needs a vision-language model: images handed as mm_inputs (pixel_values, image_grid_thw) to "
+                      "its vision tower; the stand-in model has none (the mRoPE cases hand text positions only)",
+    f"{_A}:256": "needs a vision-language model's images (mm_inputs), as 253",
+    f"{_A}:281->282": "the logits-only return (no action_mask, no return_logprobs): the adapter's first forward "
+                      "stops at the model (it records the inputs the model sees), its second asks for log-probs; "
+                      "raw logits are no output of the contract",
+    f"{_A}:283": "the logits-only return, as 281 (allgather_logits: a caller that wants the raw logits gathered)",
+    f"{_A}:295->298": "gap: an action_mask (the PPO experience maker and actor pass experience.action_mask: "
+                      "response-only log-probs, log_probs[:, -A:] * action_mask); the adapter asks for every "
+                      "position (return_logprobs=True)",
+    f"{_R}:142->143": _RING, f"{_R}:177->178": _RING, f"{_R}:179": _RING,
+    f"{_U}:173->174": "Actor.forward divides the logits by its temperature itself and calls log_probs_from_logits "
+                      "with the default 1.0",
+    f"{_U}:176->190": _FLOAT32, f"{_U}:191": _FLOAT32,
+    "openrlhf.utils.utils:103->106": "gap: stack=False, as Experience._merge_item merges (n, L) batches (concatenated "
+                                     "along the batch); the adapter pads 1-D samples and stacks them",
+}
+
 #: the adapter's profile: the default one with this surface (the engine declares no conventions)
-PROFILE = replace(EngineUnderTest.profile, surface=SURFACE)
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE)

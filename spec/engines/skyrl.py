@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..protocol import Feature, OutputSpan, PaddedLayout
-from ..protocol.profile import EngineProfile
+from ..protocol import Feature, OutputSpan
 from .hf_batch import BatchFlags, model_inputs_of, one_temperature, samples, sequences_from_response_rows
 from .kit import ThirdPartyEngine, in_logits_dtype, refuse_flags, replaying, rows_view
-from .skyrl_records import RECORDS
+from .skyrl_records import PROFILE, RECORDS, TRAIN_PROFILE
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
 COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in both versions
@@ -63,8 +62,7 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     modules = ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils", "skyrl_train.dataset.dataset",
                "skyrl_train.model_wrapper:HFModelWrapper", f"skyrl_train.dataset.preprocess:{COLLATE}")
     output_span = OutputSpan.RESPONSE  # log_probs[:, -num_actions - 1:-1]
-    # prompts left-padded, responses right-padded; no VLM path: 1-D positions
-    profile = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",))
+    profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (skyrl_records.py)
     reasons = {
         Feature.SP: "Ulysses sequence parallelism needs a process group (not run here)",
         Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not HFModelWrapper",
@@ -84,5 +82,4 @@ class SkyRLEngine(SkyRLTrainEngine):
     modules = ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
                "skyrl.backends.skyrl_train.workers.model_wrapper:HFModelWrapper",
                f"skyrl.train.dataset.preprocess:{COLLATE}")
-    # whole rows left-padded (outputs right-aligned in (B, max r_i)); the VLM path (is_vlm) is not run
-    profile = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",))
+    profile = PROFILE  # whole rows left-padded (outputs right-aligned); the VLM path (is_vlm) is not run

@@ -8,11 +8,13 @@ mRoPE positions (its profile's ``positions``), and verl's int32 mask and untouch
 
 from __future__ import annotations
 
+from ..protocol import PaddedLayout
 from ..protocol.known import KnownFailure
+from ..protocol.profile import EngineProfile
 from .trl_records import LOW_PRECISION, MISMATCH, ORACLE_INVARIANTS
 from .verl_records import UNCLAMPED
 
-__all__ = ["RECORDS", "LIBRARY_RECORDS"]
+__all__ = ["RECORDS", "LIBRARY_RECORDS", "TRAIN_PROFILE", "PROFILE"]
 
 IN_LOGITS_DTYPE = ("logprobs_from_logits_v2 takes a per-row F.log_softmax in the logits' dtype and chunked_entropy_from_logits "
                    "writes into a tensor of the logits' dtype: bf16/fp16 logits give bf16/fp16 log-probs and entropy "
@@ -31,3 +33,44 @@ LIBRARY_RECORDS: tuple[KnownFailure, ...] = (
       for inv in ("INV-VAL-001", "INV-TEMP-006", "INV-SLICE-006")),
 )
 RECORDS = LIBRARY_RECORDS
+
+
+#: SkyRL's preparation the adapters run, whose lines and branches ``spec verify`` measures (the profile's surface,
+#: spec/run/engine_coverage.py): the batch builder, HFModelWrapper.forward and the scoring helpers it calls
+def _surface(collate: str, wrapper: str, torch_utils: str) -> tuple[str, ...]:
+    return (f"{collate}:convert_prompts_responses_to_batch_tensors", f"{wrapper}:HFModelWrapper.forward",
+            *(f"{torch_utils}:{f}" for f in ("logprobs_from_logits", "logprobs_from_logits_v2",
+                                               "chunked_entropy_from_logits")))
+
+
+TRAIN_SURFACE = _surface("skyrl_train.dataset.preprocess", "skyrl_train.model_wrapper", "skyrl_train.utils.torch_utils")
+SURFACE = _surface("skyrl.train.dataset.preprocess", "skyrl.backends.skyrl_train.workers.model_wrapper",
+                   "skyrl.backends.skyrl_train.utils.torch_utils")
+
+#: branches of the surfaces no CPU run of the suite reaches, each with its reason (a ``gap:`` reason names the input
+#: a real trainer sends that the case space does not draw yet)
+_RAISE = {"*:raise": "an error path: SkyRL raises for an input it rejects; the suite's valid cases never take it"}
+_SP = "needs Ulysses sequence parallelism (sequence_parallel_size > 1: a process group; Feature.SP is not run)"
+_FLASH_CE = "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn; FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE)"
+_INT_ACTIONS = "no caller passes num_actions as a list: the workers pass the batch's response_length, an int"
+_OUTPUT = ("the adapter asks for the output (return_output=True: the entropy rides on it); without it forward returns "
+           "the same log-probs alone")
+_REWARD_TENSOR = ("the rewards are no input of the preparation the suite checks: the adapter hands per-token lists; "
+                  "a reward already a tensor only skips the conversion")
+_ROLLOUT_LOGPROBS = ("the rollout's own log-probs are passed through, padded, for off-policy corrections: no input of "
+                     "the forward the suite checks; the adapter passes none")
+TRAIN_UNREACHABLE: dict[str, str] = {
+    **_RAISE,
+    **{f"skyrl_train.model_wrapper:{line}": _SP for line in ("311->313", "343->344", "370->371")},
+    "skyrl_train.model_wrapper:384->385": _INT_ACTIONS, "skyrl_train.model_wrapper:385": _INT_ACTIONS,
+    "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
+    "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
+}
+UNREACHABLE: dict[str, str] = {**_RAISE}
+
+#: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
+#: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
+TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
+                              unreachable=TRAIN_UNREACHABLE)
+PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
+                        unreachable=UNREACHABLE)

@@ -31,14 +31,13 @@ import torch
 from ..protocol.known import KnownFailure, When
 from ..protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
 from .verl import (
-    VERL_HELPERS,
-    VERL_LAYER,
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
     LOW_PRECISION_RECORDS,
     fp16_records,
 )
-from .native import NativeVerlEngine
+from .native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
+                     native_surface)
 from .verl_records import (
     PER_SAMPLE_ON_VOCAB,
     UNCLAMPED,
@@ -126,10 +125,10 @@ class TorchTitanEngine(NativeVerlEngine):
     packages = ("torchtitan",)
     lm_class = "TorchTitanEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = replace(NativeVerlEngine.profile, surface=(
-        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_inputs",
-        "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_outputs",
-        *VERL_HELPERS, *VERL_LAYER), unreachable={})
+    profile = replace(NativeVerlEngine.profile, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
+                      unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, "819->828", "836->839"),
+                                   f"{module}:776->777": "needs context parallelism: a CP device mesh "
+                                   "(parallel_dims.cp_enabled; prepare_context_parallel_input shards over it)"})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
                "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {

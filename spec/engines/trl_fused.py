@@ -9,12 +9,13 @@ protocol, ``HeadInput.HIDDEN``) with ``add_fused_lm_head`` and runs ``GRPOTraine
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 from ..protocol import HeadInput
 from .kit import HiddenStatesModel, require
 from .trl import TrlEngine, TrlObject
-from .trl_records import FUSED_RECORDS
+from .trl_records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
 
@@ -34,6 +35,8 @@ class TrlFusedObject(TrlObject):
 
 class TrlFusedEngine(TrlEngine):
     name, library, known_failures = "trl-fused", "TRL's fused head", FUSED_RECORDS
+    # trl's profile (GRPO's layout) with its own surface: the batch builders and GRPO's fused head (trl_records.py)
+    profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE)
     head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
 
     def engine_object(self):

@@ -9,7 +9,9 @@ from ..protocol.engine import EngineUnderTest
 from ..protocol.known import KnownFailure, When
 from .verl_records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
 
-__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "LOW_PRECISION", "ORACLE_INVARIANTS", "MISMATCH"]
+__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE",
+           "FUSED_UNREACHABLE", "LOW_PRECISION", "ORACLE_INVARIANTS",
+           "MISMATCH"]
 
 #: the checks that compare log-probs / entropy with the oracle
 ORACLE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006")
@@ -47,14 +49,72 @@ FUSED_RECORDS: tuple[KnownFailure, ...] = (
     KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False))
 
 #: TRL's preparation the adapters run, whose lines and branches ``spec verify`` measures (the profile's surface,
-#: spec/run/engine_coverage.py): the batch builders, the logits API and GRPO's fused LM head
-SURFACE = (
-    *(f"trl.trainer.utils:{f}" for f in ("pad", "selective_log_softmax", "entropy_from_logits",
-                                         "selective_log_softmax_and_entropy", "add_fused_lm_head")),
-    "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.torch_call",
-    "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths",
-    "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies",
-    "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits")
+#: spec/run/engine_coverage.py): the batch builders (both engines), then each engine's scoring: ``trl`` the logits
+#: API (SDFT's logits, the log-softmax and entropy helpers), ``trl-fused`` GRPO's fused LM head
+_BATCH = ("trl.trainer.utils:pad", "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.torch_call",
+          "trl.trainer.sft_trainer:DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths")
+SURFACE = (*_BATCH, *(f"trl.trainer.utils:{f}" for f in ("selective_log_softmax", "entropy_from_logits",
+                                                         "selective_log_softmax_and_entropy")),
+           "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits")
+FUSED_SURFACE = (*_BATCH, "trl.trainer.utils:add_fused_lm_head",
+                 "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies")
 
-#: the adapter's profile: the default one with this surface (the engine declares no conventions)
-PROFILE = replace(EngineUnderTest.profile, surface=SURFACE)
+#: branches of the surfaces no CPU run of the suite reaches (TRL 1.16.0's lines), each with its reason (a ``gap:``
+#: reason names the input a real trainer sends that the case space does not draw yet)
+_U, _SFT, _GRPO = "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.grpo_trainer"
+_TRITON = "needs Triton on a CUDA device (_supports_trl_loss_kernel: TRL's fused log-prob/entropy kernel)"
+_PADDED_COLLATOR = ("the adapter builds padded batches with GRPO's pad (GRPO's layout, the trainer that scores "
+                    "them); the SFT collator only packed, padding_free=True")
+_BATCH_UNREACHABLE: dict[str, str] = {
+    "*:raise": "an error path: TRL raises for an input it rejects (a temperature <= 0, a padding_side other than "
+               "left/right); the suite's valid cases never take it",
+    f"{_U}:170->171": "gap: GRPOConfig.pad_to_multiple_of (or SFTConfig's) set: GRPO pads its prompts and completions "
+                      "to a multiple; the adapter's pad calls pass none",
+    f"{_U}:172": "gap: GRPOConfig.pad_to_multiple_of set (the remainder is computed only then)",
+    f"{_SFT}:179->184": _PADDED_COLLATOR, f"{_SFT}:184->185": _PADDED_COLLATOR, f"{_SFT}:189->195": _PADDED_COLLATOR,
+    f"{_SFT}:204->220": _PADDED_COLLATOR, f"{_SFT}:220": _PADDED_COLLATOR,
+    f"{_SFT}:180->181": "gap: pre-packed examples carrying seq_lengths (SFTConfig(packing=True) with padding_free: "
+                        "the BFD packer's rows); the adapter hands the collator one example per sequence",
+}
+_LOGITS_UNREACHABLE: dict[str, str] = {
+    f"{_U}:572->573": _TRITON, f"{_U}:625->626": _TRITON, f"{_U}:699->700": _TRITON,
+    f"{_U}:579->582": "gap: an index of shape (..., K), the top-K gather of TRL's distillation trainers; the adapter "
+                      "hands one label per position (GRPO's, SDFT's and TPO's scoring)",
+    f"{_U}:596->598": "gap: an index of shape (..., K) (the top-K gather; squeeze is False only then)",
+    f"{_U}:705->708": "entropy_requires_grad=False computes the same entropy under no_grad: the adapter passes the "
+                      "default (TPO's call); the values do not depend on it",
+    f"{_U}:710->712": "the adapter always hands row_mask (the collator's -100 at each sequence start, as TPO masks "
+                      "them); without it no entropy is masked",
+    "trl.experimental.sdft.sdft_trainer:1108->1109": "gap: a model whose forward accepts logits_to_keep (SDFT then "
+                                                     "asks it for logits_to_keep + 1 positions); the harness's "
+                                                     "stand-in model returns every position's logits",
+}
+_MULTIMODAL = "another model family: a vision-language model's image inputs; the suite's cases are text-only"
+_MOE = ("another model family: an MoE model's router logits and load-balancing loss (output_router_logits); the "
+        "stand-in model has no router")
+_FUSED_UNREACHABLE: dict[str, str] = {
+    **{f"{_GRPO}:{line}": _MULTIMODAL for line in (1451, 1454, 1462, 1465, 1472, 1477, 1479, 1481, 1483, 1487)},
+    f"{_GRPO}:1485": "another model family: token_type_ids (Gemma-3's and PaliGemma's image tokens); the suite's cases "
+                     "are text-only",
+    f"{_GRPO}:1491": _MOE, f"{_GRPO}:1502": _MOE, f"{_U}:1614": _MOE, f"{_U}:1665": _MOE, f"{_U}:1669": _MOE,
+    f"{_U}:1674": _MOE,
+    f"{_U}:1581": "another model family: a config with logit_scale (Cohere's); the stand-in's config scales no logits",
+    f"{_U}:1585": "another model family: output_multiplier (Muse Glimmer); the stand-in's config scales no logits",
+    f"{_U}:1587": "another model family: lm_head_multiplier (Falcon-H1) or logits_scaling (Granite, MiniCPM3, "
+                  "HyperCLOVA X); the stand-in's config scales no logits",
+    f"{_U}:1594": "a vision-language model's text config under transformers < 5 (the suite runs transformers 5)",
+    f"{_U}:1602->1603": "the unpatched forward (generation): the preparation always calls with fused_lm_head=True",
+    **{f"{_U}:{line}": "the unpatched forward (generation), only without fused_lm_head" for line in (1603, 1605, 1607)},
+    f"{_U}:1617->1621": "shift_labels come from context/sequence parallelism (accelerate's), outside this API "
+                        "(the engine declares Feature.SP unsupported)",
+    f"{_U}:1629->1630": "gap: GRPOConfig(cast_lm_head_to_fp32=True), the head projected in float32 (the default is "
+                        "False, which the adapter runs)",
+    f"{_U}:1636": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
+    f"{_U}:1638": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
+    f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",
+}
+
+#: trl's profile: the default one with the surface and its unreachable branches (no conventions declared)
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE})
+#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl_fused.py)
+FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}

@@ -29,6 +29,26 @@ __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
 
 MODULE = "verl.workers.engine.veomni.transformer_impl"
 
+_ULYSSES, _FSDP = "verl.utils.ulysses:", "verl.workers.engine.fsdp.transformer_impl"
+_SP = ("needs VeOmni's sequence parallelism (veomni.distributed.parallel_state's process group): sp > 1 is not run "
+       "(VeOmniEngine.lacks)")
+_REPLAY = ("router replay (RECORD / REPLAY) needs an MoE model's routers: the adapter sets _router_replay = None, as "
+           "VeOmniEngine.__init__ does with router replay off")
+_TOPK = ("gap: fused kernels with top-K distillation (distillation_use_topk, teacher_ids and teacher_logprobs: "
+         "VeOmni's chunk_topk_distill_function)")
+#: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines): the FSDP ones but verl's Ulysses
+#: helpers' (off the surface here), and VeOmni's own
+UNREACHABLE: dict[str, str] = {
+    **{k: v for k, v in VERL_UNREACHABLE.items() if not k.startswith(_ULYSSES)},
+    f"{_FSDP}:687->688": _SP, f"{_FSDP}:1218->1219": _SP, f"{_FSDP}:1220": _SP,
+    f"{MODULE}:112->113": "needs a vision-language model type (VL_TYPE2INDEX: image and video masks); the adapter's "
+                          "model type is not one",
+    f"{MODULE}:117": "needs a vision-language model type and sequence parallelism", f"{MODULE}:123->124": _SP,
+    f"{MODULE}:861->862": _TOPK, f"{MODULE}:862->868": _TOPK, f"{MODULE}:873": _SP,
+    f"{MODULE}:VeOmniEngineWithLMHead._prepare_router_replay_inputs": _REPLAY,
+    f"{MODULE}:936->937": _REPLAY, f"{MODULE}:941->942": _REPLAY, f"{MODULE}:942->953": _REPLAY,
+}
+
 #: failures of VeOmni beyond the FSDP ones it inherits (docs/engines/verl-veomni.md)
 KNOWN_FAILURES: dict[str, str] = {}
 
@@ -44,11 +64,12 @@ class VeOmniEngine(VerlEngine):
 
     name = "verl-veomni"
     #: FSDP's surface (VeOmni's engines inherit its preparation) and VeOmni's own input transforms
-    profile = replace(VerlEngine.profile, surface=(*VERL_SURFACE, *(
-        f"verl.workers.engine.veomni.transformer_impl:{f}" for f in (
+    #: (verl's Ulysses helpers are not on its path: sp > 1 is not run, see lacks)
+    profile = replace(VerlEngine.profile, surface=(*(e for e in VERL_SURFACE if not e.startswith(_ULYSSES)), *(
+        f"{MODULE}:{f}" for f in (
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
-            "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=VERL_UNREACHABLE,
+            "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=UNREACHABLE,
         off_path=VERL_OFF_PATH, refuses={})  # VeOmni's own preparation: its refusals not declared (not checked here)
 
     def __init__(self) -> None:
