@@ -278,11 +278,12 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
     ),
     "0.7.1": (
         KnownFailure(
-            "INV-FLAG-004", "verl 0.7.1 has no sum_pi_squared: it ignores calculate_sum_pi_squared, with fused kernels "
-            "too, instead of refusing the combination (verl 0.9.1 raises NotImplementedError: fused kernels do not "
-            "materialise the logits it needs); contract difference, no wrong value returned",
+            "INV-FLAG-004", "verl 0.7.1 refuses neither setting 0.9.1 refuses: it has no sum_pi_squared and ignores "
+            "calculate_sum_pi_squared with fused kernels (0.9.1 raises NotImplementedError), and its "
+            "prepare_model_outputs does not check pad_mode (0.9.1 asserts no_padding first); contract difference",
             raises=AssertionError,
-            matches=r"^AssertionError: use_fused_kernels with calculate_sum_pi_squared .* was accepted silently"),
+            matches=r"^AssertionError: (use_fused_kernels with calculate_sum_pi_squared|prepare_model_outputs \(a "
+                    r"valid run's model output and output_args\) with pad_mode=\w+) .*was accepted silently"),
         KnownFailure(
             "INV-VAL-005", "the value head's padded branch keeps the trailing 1: values are (B, j, 1), packed gives "
             "(B, j); verl bug, fixed in later verl", modes=("padded",), when=~V_HEAD, raises=AssertionError,
