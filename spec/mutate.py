@@ -23,8 +23,8 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
-import json
 import hashlib
+import json
 import signal
 import sys
 import time

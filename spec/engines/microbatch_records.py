@@ -99,18 +99,15 @@ MICROBATCH_RECORDS: dict[str, tuple[KnownFailure, ...]] = {
         KnownFailure("INV-MB-015", f"{_MROPE_071_REASON} [the engine then hands the model position ids of the wrong "
                      "shape: (4 B, 1, n) for ids (1, n), in both modes]", raises=AssertionError,
                      matches=_MROPE_071_MODEL, when=MROPE, certain=False),
-        KnownFailure(
-            "INV-MB-003", "rearrange_micro_batches takes ceil(total tokens / max_token_len) micro-batches, a lower "
-            "bound, and balances their workloads (sum of squared lengths) without checking the budget: a micro-batch "
-            "can hold more than max_token_len tokens (by less than one sample). verl 0.9.1 raises the count until "
-            "every micro-batch fits", raises=AssertionError, when=DYNAMIC_SEVERAL, certain=False,
-            matches=r"micro-batch \d+ holds \d+ tokens, over the budget \d+"),
-        KnownFailure(
-            "INV-MB-005", "rearrange_micro_batches takes ceil(total tokens / max_token_len) micro-batches and balances "
-            "them without checking the budget (as INV-MB-003's record), on each data-parallel rank too: a rank's "
-            "micro-batch can hold more than max_token_len tokens. verl 0.9.1 raises the count until every micro-batch "
-            "fits", raises=AssertionError, when=DYNAMIC_SEVERAL, certain=False,
-            matches=r"rank \d+: micro-batches of \[[\d, ]+\] tokens, over the budget \d+"),
+        *(KnownFailure(
+            inv, "rearrange_micro_batches takes ceil(total tokens / max_token_len) micro-batches, a lower bound, and "
+            "balances their workloads (sum of squared lengths) without checking the budget: a micro-batch can hold "
+            f"more than max_token_len tokens (by less than one sample) [{where}]. verl 0.9.1 raises the count until "
+            "every micro-batch fits", raises=AssertionError, when=DYNAMIC_SEVERAL, certain=False, matches=matches)
+          for inv, where, matches in (
+              ("INV-MB-003", "one rank", r"micro-batch \d+ holds \d+ tokens, over the budget \d+"),
+              ("INV-MB-005", "each data-parallel rank",
+               r"rank \d+: micro-batches of \[[\d, ]+\] tokens, over the budget \d+"))),
         KnownFailure(
             "INV-MB-003", "rearrange_micro_batches checks only that each sample fits max_token_len (`assert "
             "max_token_len >= max_seq_len`), not each forced group: a group over the budget is accepted, and its "
