@@ -12,6 +12,11 @@ real-rank round trips) and the engine's own calls; what is left is hypothesis's 
 inside the oracle counts as model. Stage timing wraps the suite's functions by name and costs a little
 itself, so its wall time is not the figure to quote; ``--no-stages`` runs without it.
 
+``--trees name=path,... --verify`` times the whole command instead, ``python -m spec verify --engine E --profile P
+-n W`` (``--workers``, default 2) in each checkout, alternating them ``--rounds`` times: the median wall time per
+tree, its ratio to the first tree's, the verdict line each printed, and the load average before each run (the
+issue's figure: ``--trees base=/tmp/base,new=. --engine verl --verify``).
+
 ``--trees name=path,...`` runs the same measurement for each checkout (``PYTHONPATH=path``; e.g. the
 commit before a speed-up, extracted with ``git archive``), alternating them ``--rounds`` times, and prints
 them side by side: the median examples/s and the stage shares, with the load average before each run.
@@ -27,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -238,6 +244,43 @@ def _compare(args) -> int:
     return 0
 
 
+def _verify_side_by_side(args) -> int:
+    """``spec verify`` end to end in each tree, alternating: the wall times side by side."""
+    trees = dict(item.split("=", 1) for item in args.trees.split(","))
+    walls: dict[str, list[float]] = {name: [] for name in trees}
+    verdicts: dict[str, str] = {}
+    loads = []
+    for round_ in range(args.rounds):
+        for name, path in trees.items():
+            root = Path(path).resolve()
+            env = {**os.environ, "PYTHONPATH": str(root), "SPEC_EXAMPLE_DB": "none"}
+            with tempfile.TemporaryDirectory(prefix="suite-speed-") as out_dir:
+                cmd = [sys.executable, "-m", "spec", "verify", "--engine", args.engine, "--profile", args.profile,
+                       "-n", str(args.workers), "--out", out_dir, "--no-repro"] + (
+                    ["--only", args.only] if args.only else [])
+                loads.append(f"round {round_ + 1} {name}: load {_load()}")
+                start = time.perf_counter()
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(root))
+                walls[name].append(time.perf_counter() - start)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("verify:")), "(no verdict line)")
+            verdicts[name] = line
+            if out.returncode not in (0, 1):
+                sys.stderr.write(out.stderr[-4000:])
+                return out.returncode
+            print(f"{loads[-1]}: {walls[name][-1]:.1f}s", file=sys.stderr)
+    first = statistics.median(walls[next(iter(trees))])
+    print(f"spec verify: engine `{args.engine}`, profile `{args.profile}`, -n {args.workers}; {args.rounds} round(s) "
+          f"alternating {', '.join(trees)} (median wall time)\n")
+    base = next(iter(trees))
+    print(f"| tree | wall (s) | speed-up vs {base} | verdict |")
+    print("|---|---|---|---|")
+    for name in trees:
+        wall = statistics.median(walls[name])
+        print(f"| {name} | {wall:.1f} | {first / wall:.2f}x | {verdicts[name].split(': ', 1)[-1][:110]} |")
+    print("\n" + "; ".join(loads))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="ci")
@@ -250,9 +293,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="stage shares of wall time (default) or of the main thread's CPU time (steadier on a "
                              "loaded machine; a real-rank round trip's waiting is then not counted)")
     parser.add_argument("--json", action="store_true", help="print one JSON line (used by --trees)")
+    parser.add_argument("--verify", action="store_true",
+                        help="with --trees: time `spec verify` end to end in each tree (its wall time, side by side)")
+    parser.add_argument("--workers", type=int, default=2, help="spec verify -n (with --verify)")
     args = parser.parse_args(argv)
+    if args.verify and not args.trees:
+        parser.error("--verify compares trees: give --trees name=path,...")
     if args.trees:
-        return _compare(args)
+        return _verify_side_by_side(args) if args.verify else _compare(args)
     result = measure(args.engine, args.profile, args.only, args.stages, args.clock)
     if args.json:
         print(json.dumps(result))

@@ -28,7 +28,7 @@ def _add_verify(sub) -> None:
                              "planted:<bug>, or module:attr (a factory or EngineUnderTest; e.g. "
                              "spec.planted.harmless:PerSequenceLabels); see `python -m spec engines`")
     verify.add_argument("--profile", default=None,
-                        help="hypothesis profile: default, dev, ci, thorough, cuda, debug "
+                        help="hypothesis profile: default, dev, ci, pr, thorough, cuda, debug "
                              "(default: $HYPOTHESIS_PROFILE or default)")
     verify.add_argument("--device", default=None, help="cpu or cuda (default: cuda under the cuda profile, else cpu)")
     verify.add_argument("--only", default=None, help="run only invariant IDs starting with this prefix (e.g. INV-MASK; several: "

@@ -11,6 +11,10 @@ hypothesis profile, ``--ioprep-only`` an ID prefix, ``--ioprep-device`` the devi
 report titled with its own engine and holding only its results). An unknown engine, planted bug, profile or
 ``--ioprep-only`` prefix is a pytest usage error (one line with "did you mean", exit code 4), not an internal error.
 
+The targets that share a case stream (spec/run/groups.py) run as one group, as in ``spec verify``: the first of
+them a process runs checks the whole group (one draw, one engine run per shaped case) and the others read their
+outcomes from it. Each item carries ``xdist_group`` with its stream, so ``--dist loadgroup`` sends a group to one
+worker; under another distribution a worker that gets an item of a group runs that group once.
 Under pytest-xdist (``-n auto``) each invariant x mode x device is one test, distributed per test like any
 other; every outcome travels to the controller on its test report (``user_properties``), which writes the
 summary line and the one report, in catalogue order, as a run without xdist does.
@@ -35,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ioprep", "engine input/output preparation conformance (rl-ioprep)")
     group.addoption("--ioprep-engine", action="append", default=None,
                     help="engine under test: a registered name (python -m spec engines) or module:attr; repeatable")
-    group.addoption("--ioprep-profile", default=None, help="hypothesis profile: default, dev, ci, cuda, debug")
+    group.addoption("--ioprep-profile", default=None, help="hypothesis profile: default, dev, ci, pr, thorough, cuda, debug")
     group.addoption("--ioprep-device", action="append", default=None, choices=("cpu", "cuda"),
                     help="devices (default: cpu)")
     group.addoption("--ioprep-only", default=None,
@@ -61,6 +65,19 @@ class IoprepItem(pytest.Item):
         self.info, self.engine, self.mode, self.device = info, engine, mode, device
         self.order = order  # its place in the catalogue, for the report
         self.outcome = None
+        #: the collected targets that share its case stream (itself included), run as one group
+        self.members: list[tuple[Any, str]] = [(info, mode)]
+
+    def _run(self, suite: Any) -> Any:
+        """Its outcome: from its group's run (once per process), or its own run where it shares no stream."""
+        stream = self.info.stream(self.mode)
+        if stream is None or len(self.members) == 1:
+            return suite.run.runner.run_invariant(self.info, self.engine, self.mode, self.device)
+        key = (id(self.engine), self.device, stream)
+        if key not in _GROUPS:
+            outcomes = suite.run.runner.run_group(self.members, self.engine, self.device)
+            _GROUPS[key] = {(o.invariant, o.mode): o for o in outcomes}
+        return _GROUPS[key][(self.info.id, self.mode)]
 
     def runtest(self) -> None:
         suite = _suite()
@@ -69,7 +86,7 @@ class IoprepItem(pytest.Item):
             self.outcome = suite.run.runner.Outcome(self.info.id, self.engine.name, self.mode, self.device, "skip",
                                                 reason=reason, layout=self.info.layout)
         else:
-            self.outcome = suite.run.runner.run_invariant(self.info, self.engine, self.mode, self.device)
+            self.outcome = self._run(suite)
         # read back by pytest_runtest_logreport, here or (under xdist) in the controller
         self.user_properties.append((_PROPERTY, {"order": self.order, "outcome": self.outcome.as_dict()}))
         o = self.outcome
@@ -91,6 +108,8 @@ class IoprepItem(pytest.Item):
 
 
 _OUTCOMES = pytest.StashKey[list]()
+#: per process: (engine, device, stream) -> its group's outcomes by (invariant, mode)
+_GROUPS: dict[tuple, dict] = {}
 _PROPERTY = "ioprep_outcome"
 
 
@@ -133,15 +152,24 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                   [info.id for info, _ in suite.run.runner.instances()])
     devices = config.getoption("ioprep_device") or ["cpu"]
     order = 0
+    streams: dict[tuple, list] = {}  # (engine, device, stream) -> its items
     for name in names:
         engine = _usage_errors(suite, suite.run.registry.load_engine, name)
         for info, mode in suite.run.runner.instances():
             if not info.id.startswith(prefixes):
                 continue
             for device in devices:
-                items.append(IoprepItem.from_parent(session, name=f"{info.id}-{engine.name}-{mode}-{device}",
-                                                    info=info, engine=engine, mode=mode, device=device, order=order))
+                item = IoprepItem.from_parent(session, name=f"{info.id}-{engine.name}-{mode}-{device}",
+                                              info=info, engine=engine, mode=mode, device=device, order=order)
+                stream = info.stream(mode)
+                if stream is not None:
+                    item.add_marker(pytest.mark.xdist_group(f"{engine.name}-{device}-{stream}"))
+                    streams.setdefault((id(engine), device, stream), []).append(item)
+                items.append(item)
                 order += 1
+    for members in streams.values():
+        for item in members:
+            item.members = [(m.info, m.mode) for m in members]
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -331,6 +331,10 @@ def _lengths(draw, tier: str, group: int, groups: int, styles: tuple[str, ...] =
             prompts = tuple(p for p in per_group for _ in range(group))
             if style == "all_max":
                 responses = (max_len,) * batch
+        elif style == "rl":  # many short responses and one at the longest, after one short prompt (a rollout's shape)
+            prompts = (draw(st.integers(1, 2)),) * batch
+            longest = draw(st.integers(0, batch - 1))
+            responses = tuple(max_len if i == longest else min(r, 2) for i, r in enumerate(responses))
         else:
             prompts = draw(seq_lengths(batch, max_len=max_len))
         return prompts, responses, style, None
@@ -444,7 +448,10 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                          outputs=draw(st.sampled_from(outputs)),
                          context=draw(st.sampled_from(CONTEXTS)))  # drawn last: shrinks to grad
     if partitions and case.batch_size % case.k_partitions == 0:
-        case = case.with_(equal_size=draw(st.booleans()))
+        # equal_size tells only for 1 < k < B (one part, or one sample per part, is equal anyway): there three draws
+        # in four ask it, as a trainer's balance_batch always does
+        telling = 1 < case.k_partitions < case.batch_size
+        case = case.with_(equal_size=draw(st.integers(0, 3)) > 0 if telling else draw(st.booleans()))
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)
@@ -453,7 +460,12 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
 
 @st.composite
 def _partitions(draw, batch: int) -> int:
-    """k from 1 to B: 1, 2, the batch size itself, or any between (the data-parallel world size)."""
+    """k from 1 to B (the data-parallel world size): half the time a proper divisor of B where it has one (an
+    equal split that is not trivial: a trainer's balance_batch asks one), else 1, 2, the batch size itself, or any
+    between."""
+    proper = [d for d in range(2, batch) if batch % d == 0]
+    if proper and draw(st.booleans()):
+        return draw(st.sampled_from(proper))
     return draw(st.sampled_from(sorted({1, min(2, batch), batch}))) if draw(st.booleans()) else \
         draw(st.integers(1, batch))
 

@@ -66,18 +66,42 @@ class InvariantInfo:
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         """The cases drawn for ``engine``: what its profile accepts (modes, position kinds, execution contexts:
         :func:`~spec.cases.strategies.profile_draws`), within its strategy limits (features it lacks) and its
-        configuration space, adjusted for the invariant and then to the engine (:func:`honour_engine`)."""
+        configuration space, adjusted for the invariant and then to the engine (:func:`honour_engine`): the
+        stream :meth:`drawn`, each case :meth:`shaped`."""
+        return self.drawn(mode, engine).map(lambda case: self.shaped(case, engine))
+
+    def drawn(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
+        """What is drawn before this invariant's own adjustment: every target with the same :meth:`stream` key
+        draws this same strategy (a further draw from the adjusted case, ``draw_after``, is part of it)."""
         profile = profile_of(engine)
         if self.kind == "dense":
-            strategy = dense_cases(**{"positions": tuple(profile.positions), **self.strategy_kwargs})
-            strategy = strategy.map(self.adjust) if self.adjust else strategy
-            return strategy.map(lambda case: honour_engine(case, engine))
+            return dense_cases(**{"positions": tuple(profile.positions), **self.strategy_kwargs})
         kwargs = {"config_space": tuple(getattr(engine, "config_space", tuple)()), **profile_draws(profile),
                   **engine.strategy_limits(), **self.strategy_kwargs}
         strategy = engine_cases(mode=mode if mode in ("packed", "padded") else None, head=self.head, **kwargs)
-        strategy = strategy.map(self.adjust) if self.adjust else strategy
-        strategy = strategy.flatmap(self.draw_after) if self.draw_after else strategy
-        return strategy.map(lambda case: honour_engine(case, engine))
+        if self.draw_after:
+            strategy = strategy.map(self.adjust) if self.adjust else strategy
+            strategy = strategy.flatmap(self.draw_after)
+        return strategy
+
+    def shaped(self, case: Any, engine: EngineUnderTest) -> Any:
+        """A case of :meth:`drawn` as this invariant checks it: its adjustment (unless ``draw_after`` applied it
+        before the further draw), then the engine's (:func:`honour_engine`)."""
+        if self.adjust and not self.draw_after:
+            case = self.adjust(case)
+        return honour_engine(case, engine)
+
+    def stream(self, mode: str) -> str | None:
+        """The key of the case stream this target draws (its seed and example-database key; spec/run/groups.py):
+        every target whose :meth:`drawn` is the same strategy shares it, and with it each drawn case's engine run,
+        where their adjustments agree. None for a subclass that draws its own kind of case (it keeps a stream of
+        its own, keyed by the invariant)."""
+        if type(self).cases is not InvariantInfo.cases or type(self).drawn is not InvariantInfo.drawn:
+            return None
+        after = "" if self.draw_after is None else "/after:" + "+".join(
+            f"{fn.__module__}.{fn.__qualname__}" for fn in (self.adjust, self.draw_after) if fn is not None)
+        limits = ",".join(f"{key}={value!r}" for key, value in sorted(self.strategy_kwargs.items()))
+        return f"{self.kind}/{self.head}/{limits}{after}/{mode}"
 
     @property
     def doc(self) -> str:

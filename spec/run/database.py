@@ -1,7 +1,7 @@
 """The example database, chosen by one setting: ``SPEC_EXAMPLE_DB``.
 
 Hypothesis saves every failing example it finds under the test's database key (one key per
-invariant x padding mode, see ``spec.run.runner.stream_key``) and replays the saved ones before
+case stream, see ``spec.run.runner.stream_key``) and replays the saved ones before
 drawing new cases. Where they are saved:
 
 =====================================  =====================================================

@@ -1,9 +1,10 @@
 """``spec verify -n N``: the catalogue's invariant x mode targets spread over N worker processes.
 
-Each target keeps what makes its run reproducible: its own seed stream and example-database key
-(:func:`spec.run.runner.stream_key`, set on the check's body, not on the process), so a target's
-derandomized draws, and so its outcome, are those of a one-process run. The parent holds the queue
-of targets, longest first (:func:`schedule`: durations recorded in a previous report of the same
+The unit of work is a task: the targets that share a case stream (spec/run/groups.py), run as one group
+(:func:`spec.run.runner.run_group`), or a target alone. Each keeps what makes its run reproducible: its seed
+and example-database key come from its stream key (:func:`spec.run.runner.stream_key`), not from the process, so
+its derandomized draws, and so its outcomes, are those of a one-process run. The parent holds the queue
+of tasks, longest first (:func:`schedule`: durations recorded in a previous report of the same
 engine where there is one, else :func:`static_estimate`); every idle worker takes the next one
 (greedy longest-processing-time scheduling), so the slowest targets never start last. The parent
 merges the outcomes back into catalogue order: the report is that of a one-process run apart from
@@ -44,7 +45,8 @@ from ..execute import coverage_hook
 from ..invariants import CATALOGUE, InvariantInfo
 from .profiles import load_profile
 from .registry import load_engine
-from .runner import Outcome, run_invariant, runs_on_ranks
+from .groups import groups
+from .runner import Outcome, run_group, runs_on_ranks
 
 __all__ = ["Target", "default_workers", "static_estimate", "recorded_seconds", "schedule", "next_for", "run_parallel",
            "run_targets", "outcome_from_dict"]
@@ -108,14 +110,18 @@ def recorded_seconds(report: Path | None) -> dict[str, float]:
         return {}
 
 
-def schedule(targets: list[Target], recorded: dict[str, float] | None = None) -> list[int]:
-    """Indices of ``targets``, longest first: recorded seconds where known (a target never recorded is
-    ranked by its static estimate scaled to the recorded ones), ties in catalogue order."""
+def schedule(targets: list[Target], recorded: dict[str, float] | None = None,
+             tasks: list[list[int]] | None = None) -> list[int]:
+    """Indices of ``tasks`` (groups of positions in ``targets``; default: each target alone), longest first: the
+    sum of their targets' recorded seconds where known (a target never recorded is ranked by its static estimate
+    scaled to the recorded ones), ties in catalogue order."""
     recorded = recorded or {}
+    tasks = tasks if tasks is not None else [[n] for n in range(len(targets))]
     known = [(recorded[t.key], static_estimate(t)) for t in targets if t.key in recorded]
     scale = (sum(s for s, _ in known) / max(sum(e for _, e in known), 1e-9)) if known else 1.0
     cost = [recorded.get(t.key, static_estimate(t) * scale) for t in targets]
-    return sorted(range(len(targets)), key=lambda i: (-cost[i], i))
+    task_cost = [sum(cost[n] for n in task) for task in tasks]
+    return sorted(range(len(tasks)), key=lambda i: (-task_cost[i], i))
 
 
 def outcome_from_dict(data: dict, case: Any = None, known_cases: dict | None = None) -> Outcome:
@@ -171,13 +177,14 @@ def _serve(index: int, engine_name: str, profile: str, device: str, threads: int
             continue
         if task is None:
             return
-        position, invariant, mode = task
+        positions, members = task
         try:
-            outcome = run_invariant(CATALOGUE[invariant], engine, mode, device, **overrides)
+            outcomes = run_group([(CATALOGUE[invariant], mode) for invariant, mode in members], engine, device,
+                                 **overrides)
             # the report's fields, plus the cases a reproducer is written from (spec/repro), pickled
-            results.put((index, _DONE, position, (outcome.as_dict(), outcome.case, outcome.known_cases)))
-        except Exception:  # noqa: BLE001 - the suite itself failed on this target
-            results.put((index, _CRASH, position, traceback.format_exc()))
+            results.put((index, _DONE, positions, [(o.as_dict(), o.case, o.known_cases) for o in outcomes]))
+        except Exception:  # noqa: BLE001 - the suite itself failed on this group
+            results.put((index, _CRASH, positions, traceback.format_exc()))
 
 
 def _stop_rank_pools() -> None:
@@ -213,7 +220,7 @@ class _Slot:
     def __init__(self, ctx, index: int, args: tuple, results, folder: str):
         self.index = index
         self.crash_log = os.path.join(folder, f"worker{index}.log")
-        self.current: int | None = None  # the target it holds: the parent hands one at a time
+        self.current: int | None = None  # the task (a group of targets) it holds: the parent hands one at a time
         self.tasks = ctx.Queue()
         # not daemonic: a worker may start its own rank pool (spec.execute.ranks), and daemonic processes may
         # have no children; a worker whose parent is gone stops by itself (_serve)
@@ -221,9 +228,9 @@ class _Slot:
                                    args=(index, *args, self.tasks, results, self.crash_log))
         self.process.start()
 
-    def give(self, position: int, target: Target) -> None:
-        self.current = position
-        self.tasks.put((position, target.invariant, target.mode))
+    def give(self, task: int, positions: list[int], targets: list[Target]) -> None:
+        self.current = task
+        self.tasks.put((positions, [(targets[p].invariant, targets[p].mode) for p in positions]))
 
     def traceback(self) -> str:
         try:
@@ -236,19 +243,23 @@ class _Slot:
 def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profile: str, device: str = "cpu",
                  threads: int = 1, overrides: dict | None = None, recorded: dict[str, float] | None = None,
                  progress: Callable[[int, int, list[str]], None] | None = None,
-                 startup_timeout: float = 600.0, on_ranks: frozenset[int] = frozenset()) -> list[Outcome]:
+                 startup_timeout: float = 600.0, on_ranks: frozenset[int] = frozenset(),
+                 tasks: list[list[int]] | None = None) -> list[Outcome]:
     """Run ``targets`` on ``engine_name`` over ``workers`` processes; the outcomes in ``targets``' order.
 
-    ``on_ranks``: the positions of the targets that run on real ranks. One worker takes them all (the first
-    that takes one; another, should it die), so one rank pool is started (:mod:`spec.execute.ranks`: each
-    pool is :data:`~spec.execute.ranks.MAX_WORLD` processes that import torch, the suite and the engine);
-    the other workers take the next target that needs none.
+    ``tasks``: the targets' positions in groups that share a case stream (spec/run/groups.py), each run by one
+    worker in one go (default: every target alone). ``on_ranks``: the positions of the targets that run on real
+    ranks. One worker takes every task holding one (the first that takes one; another, should it die), so one
+    rank pool is started (:mod:`spec.execute.ranks`: each pool is :data:`~spec.execute.ranks.MAX_WORLD` processes
+    that import torch, the suite and the engine); the other workers take the next task that needs none.
 
-    ``progress(done, total, running)`` is called whenever a target starts or finishes."""
+    ``progress(done, total, running)`` is called whenever a task starts or finishes."""
     overrides = dict(overrides or {})
-    waiting = schedule(targets, recorded)  # longest first; each idle worker takes the first it may run
+    tasks = tasks if tasks is not None else [[n] for n in range(len(targets))]
+    tasks_on_ranks = frozenset(i for i, task in enumerate(tasks) if any(n in on_ranks for n in task))
+    waiting = schedule(targets, recorded, tasks)  # longest first; each idle worker takes the first it may run
     outcomes: list[Outcome | None] = [None] * len(targets)
-    workers = max(1, min(workers, len(targets)))
+    workers = max(1, min(workers, len(tasks)))
     ctx = _context(device)
     results = ctx.Queue()
     args = (engine_name, profile, device, threads, overrides)
@@ -261,7 +272,7 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
 
     def report() -> None:
         if progress is not None:
-            running = [targets[s.current].key for s in slots.values() if s.current is not None]
+            running = [_label(targets, tasks[s.current]) for s in slots.values() if s.current is not None]
             progress(done, len(targets), running)
 
     def settle(position: int, outcome: Outcome) -> None:
@@ -275,12 +286,12 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
     def feed(slot: _Slot) -> None:
         if rank_slot and rank_slot[0] not in slots:  # it died: the next worker starts a pool
             rank_slot.clear()
-        n = next_for(waiting, on_ranks, rank_slot[0] if rank_slot else None, slot.index)
+        n = next_for(waiting, tasks_on_ranks, rank_slot[0] if rank_slot else None, slot.index)
         if n is not None:
-            position = waiting.pop(n)
-            if position in on_ranks:
+            task = waiting.pop(n)
+            if task in tasks_on_ranks:
                 rank_slot[:] = [slot.index]
-            slot.give(position, targets[position])
+            slot.give(task, tasks[task], targets)
 
     def feed_idle() -> None:
         for slot in list(slots.values()):
@@ -294,13 +305,14 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
     try:
         while done < len(targets):
             try:
-                index, kind, position, payload = results.get(timeout=0.5)
+                index, kind, positions, payload = results.get(timeout=0.5)
             except queue_module.Empty:
                 for slot in [s for s in slots.values() if not s.process.is_alive()]:
                     slot.process.join()
                     why = _died(slot.process.exitcode)
-                    if slot.current is not None:  # the target it was running is reported, the others go on
-                        settle(slot.current, error(slot.current, f"suite error: worker process {why} while running "
+                    if slot.current is not None:  # the targets it was running are reported, the others go on
+                        for position in tasks[slot.current]:
+                            settle(position, error(position, f"suite error: worker process {why} while running "
                                                    f"this target\n{slot.traceback() or '(no traceback)'}"))
                     elif slot.index not in ready:
                         raise RuntimeError(f"spec verify: worker {slot.index} {why} before it was ready\n"
@@ -321,8 +333,9 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
                 ready.add(index)
             elif kind in (_DONE, _CRASH):
                 slot.current = None
-                settle(position, outcome_from_dict(*payload) if kind == _DONE
-                       else error(position, f"suite error: the worker raised\n{payload}"))
+                for n, position in enumerate(positions):
+                    settle(position, outcome_from_dict(*payload[n]) if kind == _DONE
+                           else error(position, f"suite error: the worker raised\n{payload}"))
             if slot.current is None:
                 feed(slot)
             feed_idle()  # a worker left idle (only real-rank targets waited) may take one now
@@ -351,16 +364,27 @@ def run_targets(engine, pairs: list[tuple[InvariantInfo, str]], *, workers: int,
     else over ``workers`` processes (:func:`run_parallel`, the engine rebuilt there from ``engine_name``, by
     default its own name)."""
     overrides = dict(overrides or {})
+    tasks = groups(pairs)  # targets that share a case stream run as one (spec/run/groups.py)
+    targets = [Target(info.id, mode) for info, mode in pairs]
     if workers <= 1:
-        outcomes = []
-        for n, (info, mode) in enumerate(pairs):
+        outcomes: list[Outcome | None] = [None] * len(pairs)
+        done = 0
+        for task in tasks:
             if progress is not None:
-                progress(n, len(pairs), [f"{info.id}/{mode}"])
-            outcomes.append(run_invariant(info, engine, mode, device, **overrides))
+                progress(done, len(pairs), [_label(targets, task)])
+            for n, outcome in zip(task, run_group([pairs[n] for n in task], engine, device, **overrides)):
+                outcomes[n] = outcome
+            done += len(task)
         if progress is not None:
             progress(len(pairs), len(pairs), [])
-        return outcomes
+        return [o for o in outcomes if o is not None]
     on_ranks = frozenset(n for n, (info, _) in enumerate(pairs) if runs_on_ranks(info, engine))
-    return run_parallel(engine_name or engine.name, [Target(info.id, mode) for info, mode in pairs], workers=workers,
-                        profile=profile, device=device, threads=threads, overrides=overrides, recorded=recorded,
-                        progress=progress, on_ranks=on_ranks)
+    return run_parallel(engine_name or engine.name, targets, workers=workers, profile=profile, device=device,
+                        threads=threads, overrides=overrides, recorded=recorded, progress=progress, on_ranks=on_ranks,
+                        tasks=tasks)
+
+
+def _label(targets: list[Target], task: list[int]) -> str:
+    """A task as the progress line names it: its first target, and how many share its stream."""
+    first = targets[task[0]].key
+    return first if len(task) == 1 else f"{first} +{len(task) - 1}"

@@ -2,7 +2,8 @@
 
 Without ``HYPOTHESIS_PROFILE``, ``ci`` is chosen when ``CI=true`` (as on CI), else ``default``.
 ``ci`` is derandomized with no deadline and enough examples that every planted bug
-is caught on every run; ``thorough`` is for a long run by hand (ten times ``ci``'s examples, so ten
+is caught on every run; ``pr`` is ``ci`` with a quarter of its examples, for a user's own pull-request job (minutes
+shorter; the suite's own CI runs ``ci``); ``thorough`` is for a long run by hand (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
 spec/cases/strategies.py; no workflow runs it); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
 Every profile derives from hypothesis's own defaults, not from whatever profile hypothesis loaded at import.
@@ -30,6 +31,10 @@ PROFILES = {
     "default": dict(max_examples=40, deadline=None, suppress_health_check=_QUIET_CHECKS),
     "dev": dict(max_examples=10, deadline=None, suppress_health_check=_QUIET_CHECKS),
     "ci": dict(max_examples=100, deadline=None, derandomize=True, database=None, print_blob=True,
+               suppress_health_check=_QUIET_CHECKS),
+    # a user's own pull-request job: ci's streams (derandomized), a quarter of its examples; the suite's own CI and
+    # every figure the docs state run ci
+    "pr": dict(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
                suppress_health_check=_QUIET_CHECKS),
     "thorough": dict(max_examples=1000, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),
     "cuda": dict(max_examples=200, deadline=None, print_blob=True, suppress_health_check=_QUIET_CHECKS),

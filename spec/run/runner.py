@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
-import zlib
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,8 +25,8 @@ from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import convention_skip, honour_engine, mode_reason
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
-__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "runs_on_ranks", "SEED_CASES", "DEVICES",
-           "fault_budget", "shrink_deadline"]
+__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "run_group", "runs_on_ranks", "SEED_CASES",
+           "DEVICES", "fault_budget", "shrink_deadline", "stream_key", "stream_seed", "TargetRun", "StreamRun"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -225,7 +224,7 @@ def _mark(exc: BaseException, case, kind: str) -> None:
         pass
 
 
-#: the module's ``_mark``, by a name ``run_invariant``'s own ``_mark`` (which ``body`` calls) does not shadow
+#: the name the stream's bookkeeping marks a failing case by
 mark_case = _mark
 
 
@@ -276,185 +275,316 @@ def _capped(info: InvariantInfo, parent: settings) -> dict:
 
 
 def stream_key(info: InvariantInfo, mode: str) -> bytes:
-    """Each invariant x mode has its own seed stream (and example-database key): under
-    ``derandomize`` hypothesis seeds from the test's digest, which this key enters."""
-    return f"{info.id}/{mode}".encode()
+    """The seed stream (and example-database key) of a target: its invariant's :meth:`~InvariantInfo.stream`, shared
+    by every target that draws the same strategy (the shared runs of spec/run/groups.py: a target draws the same
+    cases alone as in its group), else its own ``ID/mode``. Derived from this key alone, never from the runner's
+    source text, so a change to the runner re-seeds nothing."""
+    return (info.stream(mode) or f"{info.id}/{mode}").encode()
 
 
-def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
-                  profile: str | None = None, shrink: bool = True, seed: int | None = None,
-                  explicit: bool = True, **setting_overrides) -> Outcome:
-    """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
+def stream_seed(key: bytes, seed: int | None = None) -> int:
+    """The hypothesis seed of stream ``key``: a digest of the key (sha384), mixed with ``seed`` for independent
+    runs (fuzz campaigns, the detection table)."""
+    base = int.from_bytes(hashlib.sha384(key).digest()[:16], "big")
+    return base if seed is None else base ^ (seed & (2 ** 128 - 1))
 
-    ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
-    ``seed``: an explicit seed (combined with the invariant's stream key), for independent runs.
-    """
-    outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
-    reason = skip_reason(info, engine, device, mode)
-    if reason:
-        outcome.status, outcome.reason = "skip", reason
-        return outcome
-    records = applicable(as_records(engine.known_failures), info.id, mode)
-    hits = [0] * len(records)
-    state: dict = {"n": 0, "exercised": 0, "cases": set()}
-    attributed = AttributedEngine(engine)
-    # ``body``'s source is hypothesis's example-database key and, derandomized, the seed of every drawn case:
-    # keep it byte for byte. The bookkeeping of which examples passed under a record's condition hooks in
-    # through the two names it calls, ``Ctx`` and ``matching``, bound here.
-    #: per record, examples that passed (and exercised the property) although its condition held: evidence
-    #: that the failure is gone
-    passed_under = [0] * len(records)
-    current: list = []  # [context, failed] of the running example, settled when the next starts or the run ends
 
-    def settle() -> None:
+class TargetRun:
+    """One invariant x mode's bookkeeping over the examples of the stream that feeds it: examples run and
+    exercised, the known-failure records that excused one, the examples that passed under a record's condition
+    (evidence that the failure is gone), the drawn dimensions, and its first failure. :meth:`finish` fills its
+    :class:`Outcome`."""
+
+    def __init__(self, info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str):
+        self.info, self.engine, self.mode, self.device = info, engine, mode, device
+        self.outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
+        self.records = applicable(as_records(engine.known_failures), info.id, mode)
+        self.hits = [0] * len(self.records)
+        self.passed_under = [0] * len(self.records)
+        self.examples = self.exercised = 0
+        self.cases: set[str] = set()
+        self.seen: Counter = Counter()  # (dimension, value) -> examples
+        self.space = tuple(getattr(engine, "config_space", tuple)())
+        self.current: list = []  # [context, failed] of the running example, settled when the next starts or at the end
+        #: in a group: the failure that took it out of the stream (its case marked on it), None while it passes
+        self.failure: BaseException | None = None
+
+    def settle(self) -> None:
         """Count the finished example; its context (and the run it cached) is dropped here."""
-        if current:
-            ctx, failed = current.pop()
+        if self.current:
+            ctx, failed = self.current.pop()
             if not failed and ctx.vacuous is None:
-                for i, record in enumerate(records):
-                    passed_under[i] += bool(record.when(ctx.case))
+                for i, record in enumerate(self.records):
+                    self.passed_under[i] += bool(record.when(ctx.case))
 
-    seen: Counter = Counter()  # (dimension, value) -> examples
-    space = tuple(getattr(engine, "config_space", tuple)())
-
-    def Ctx(*args):  # noqa: N802 - shadows the check context class for ``body`` (see above)
-        spent(None)  # a target whose fault budget or shrink deadline is spent stops before its next example
-        settle()
-        seen.update(dimensions(args[1], space))
-        ctx = CheckContext(*args)
-        current.append([ctx, False])
+    def context(self, engine: EngineUnderTest, case: Any, shared: dict) -> CheckContext:
+        """The next example's check context, holding what an earlier check of the same case computed (``shared``:
+        the engine's run, the oracle, the read positions)."""
+        self.settle()
+        self.examples += 1
+        self.cases.add(repr(case))
+        self.seen.update(dimensions(case, self.space))
+        ctx = CheckContext(engine, case, self.device, self.mode)
+        ctx.__dict__.update(shared)
+        self.current.append([ctx, False])
         return ctx
 
-    def matching(candidates, case, exc):
-        current[-1][1] = True  # every exception of a check passes through here
-        record = match_record(candidates, case, exc, engine)  # only what the engine's declarations allow
-        if record is not None and record.key not in outcome.known_cases:  # its first case, for a reproducer
-            outcome.known_cases[record.key] = (case, _one_line(exc))
-        return record
+    def excused(self, case: Any, exc: BaseException) -> bool:
+        """Whether a known-failure record (only what the engine's declarations allow) excuses ``exc`` on ``case``:
+        then it is counted and the run goes on, so other bugs are still found."""
+        self.current[-1][1] = True
+        record = match_record(self.records, case, exc, self.engine)
+        if record is None:
+            return False
+        if record.key not in self.outcome.known_cases:  # its first case, for a reproducer
+            self.outcome.known_cases[record.key] = (case, _one_line(exc))
+        self.hits[self.records.index(record)] += 1
+        return True
 
-    example_log: list = []  # the running example's attribution log (its engine faults), kept past its ``with``
+    def finish(self, seconds: float, budget: dict) -> Outcome:
+        outcome = self.outcome
+        self.settle()
+        outcome.seconds, outcome.budget = seconds, budget
+        outcome.examples, outcome.exercised, outcome.distinct_cases = self.examples, self.exercised, len(self.cases)
+        outcome.known_hits = sum(self.hits)
+        for (dim, value), count in sorted(self.seen.items()):
+            outcome.coverage.setdefault(dim, {})[value] = count
+        records = self.records
+        outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
+                          "reason": r.reason} for r, h, p in zip(records, self.hits, self.passed_under)]
+        if records and outcome.status == "pass":
+            # stale: never fired although examples under its condition ran and passed; a record whose condition no
+            # example met was not reached (no evidence either way), which the report shows as 0 hits
+            stale = [r for r, h, p in zip(records, self.hits, self.passed_under) if not h and p and r.certain]
+            reached = [r for r, h, p in zip(records, self.hits, self.passed_under) if h or (p and r.certain)]
+            if stale:
+                outcome.status = "xpass"
+                outcome.reason = "stale known failure (never fired): " + "; ".join(r.describe() for r in stale)
+            elif reached:
+                outcome.status = "xfail"
+                outcome.reason = "; ".join(f"{r.reason} [{h} hits when {r.when.text}]"
+                                           for r, h in zip(records, self.hits))
+        return outcome
 
-    @contextmanager
-    def recording():  # shadows attribution.recording for ``body`` (see above): keeps the log for ``_mark``
+
+class _Pinned:
+    """An explicit example of a stream: each member's own pinned case (None: that member has fewer)."""
+
+    def __init__(self, cases: tuple):
+        self.cases = cases
+
+    def __repr__(self) -> str:
+        return "pinned(" + ", ".join(repr(c) for c in self.cases if c is not None) + ")"
+
+
+class _StreamDone(BaseException):
+    """Every member of a group has failed: nothing is left to check on further examples."""
+
+
+#: the check context's cached values that one case's checks share (the engine's run, the oracle, the read positions)
+SHARED = ("run", "inputs_run", "expected", "read", "batch")
+
+
+class StreamRun:
+    """One hypothesis run over a case stream, feeding the checks of one or more targets (:class:`TargetRun`).
+
+    Alone, a target's failure is raised to hypothesis, which shrinks it. In a group (spec/run/groups.py) each drawn
+    case is shaped for every member (its adjustment, the engine's), one engine run per distinct shaped case feeds
+    every check that reads it, and a member's failure takes it out of the stream (the others go on); the runner
+    then runs that member alone, where its failure shrinks (:func:`run_group`). The run's bounds under faults
+    (the fault budget, the shrink deadline, rank-pool restarts) are the stream's."""
+
+    def __init__(self, members: list[TargetRun], engine: EngineUnderTest, device: str, mode: str):
+        self.members, self.active = members, list(members)
+        self.alone = len(members) == 1
+        self.engine, self.attributed, self.device, self.mode = engine, AttributedEngine(engine), device, mode
+        self.faults_allowed, self.deadline_s, self.restarts_before = fault_budget(), shrink_deadline(), ranks.restarts()
+        self.bounds = {"faults": 0, "faults_allowed": self.faults_allowed, "shrink_deadline_s": self.deadline_s,
+                       "stopped": None}
+        self.first_failure: list[float] = []  # seconds into the run of its first failing example (not reported)
+        self.failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks to it)
+        self.log: list = []  # the running check's attribution log (its engine faults), kept past its ``with``
+        self.start = time.perf_counter()
+
+    def example(self, drawn: Any) -> None:
+        """hypothesis's test body: every active member checks its shape of ``drawn``."""
+        self.spent(None)  # a run whose fault budget or shrink deadline is spent stops before its next example
+        shared: dict[str, dict] = {}  # shaped case -> what its first check computed
+        for n, member in enumerate(self.members):
+            if member not in self.active:
+                continue
+            case = drawn.cases[n] if isinstance(drawn, _Pinned) else member.info.shaped(drawn, self.engine)
+            if case is not None:
+                self.check(member, case, shared.setdefault(repr(case), {}))
+        if not self.active:
+            raise _StreamDone()
+
+    def check(self, member: TargetRun, case: Any, shared: dict) -> None:
+        ctx = member.context(self.attributed, case, shared)
         with record_attribution() as log:
-            example_log[:] = [log]
-            yield log
-
-    def _mark(exc: BaseException, case, kind: str) -> None:  # shadows the module's ``_mark`` for ``body``
-        """Remember the failing case on the exception; a suite crash (or a check that caught one) on an output the
-        engine returned malformed is the engine's failed check: its fault is raised instead. Then the bounds."""
-        faults = example_log[0].faults if example_log else []
-        if kind == "error" and faults:  # the suite crashed reading a malformed output: the engine's failure
-            mark_case(faults[0], case, "fail")
-            spent(faults[0])
-            raise faults[0] from exc
-        mark_case(exc, case, kind)
-        spent(exc)
-
-    def body(case):
-        state["n"] += 1
-        state["cases"].add(repr(case))
-        ctx = Ctx(attributed, case, device, mode)
-        with recording() as log:
+            self.log[:] = [log]
             try:
-                info.check(ctx)
+                member.info.check(ctx)
             except HypothesisException:
                 raise
             except Exception as exc:
                 if ctx.vacuous is None:  # a failing example exercised the property
-                    state["exercised"] += 1
-                record = matching(records, case, exc)
-                if record is not None:  # excused: count it and go on, so other bugs are still found
-                    hits[records.index(record)] += 1
-                    return
-                _mark(exc, case, _kind(exc))
-                raise
+                    member.exercised += 1
+                if not member.excused(case, exc):
+                    self.failed(member, exc, case, _kind(exc))
+                return
+            finally:
+                shared.update({name: ctx.__dict__[name] for name in SHARED if name in ctx.__dict__})
             swallowed = log.unhandled_suite()
         if swallowed:  # the check passed only because it caught what the suite itself raised
             where, cause = swallowed[0]
             err = SuiteError(f"the check passed although the suite's {where} raised {describe(cause)}")
-            _mark(err, case, "error")
-            raise err from cause
+            err.__cause__ = cause
+            self.failed(member, err, case, "error")
+            return
         if ctx.vacuous is None:
-            state["exercised"] += 1
+            member.exercised += 1
 
-    body._hypothesis_internal_add_digest = stream_key(info, mode)  # type: ignore[attr-defined]
+    def failed(self, member: TargetRun, exc: BaseException, case: Any, kind: str) -> None:
+        """Remember the failing case on the exception; a suite crash (or a check that caught one) on an output the
+        engine returned malformed is the engine's failed check: its fault stands instead. Then the bounds; alone,
+        the failure is raised for hypothesis to shrink, in a group the member leaves the stream."""
+        faults = self.log[0].faults if self.log else []
+        if kind == "error" and faults:  # the suite crashed reading a malformed output: the engine's failure
+            fault = faults[0]
+            fault.__cause__, fault.__suppress_context__ = exc, True
+            exc, kind = fault, "fail"
+        mark_case(exc, case, kind)
+        self.spent(exc)
+        if self.alone:
+            raise exc
+        member.failure = exc
+        self.active.remove(member)
 
-    faults_allowed, deadline_s, restarts_before = fault_budget(), shrink_deadline(), ranks.restarts()
-    bounds = {"faults": 0, "faults_allowed": faults_allowed, "shrink_deadline_s": deadline_s, "stopped": None}
-    first_failure: list[float] = []  # seconds into the target of its first failing example (not reported: a timing)
-    failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks towards it)
-
-    def spent(exc: BaseException | None) -> None:
-        """Stop the target once its rank faults reach the budget, or after a failure its rank pool was restarted more
-        often than that, or its shrink deadline passed since the first failure (a crashing example is slow to replay:
-        each replaces the rank pool), with the latest failure."""
+    def spent(self, exc: BaseException | None) -> None:
+        """Stop the run once its rank faults reach the budget, or after a failure its rank pool was restarted more
+        often than that, or (alone: shrinking) its shrink deadline passed since the first failure (a crashing example
+        is slow to replay: each replaces the rank pool), with the latest failure."""
         now = time.perf_counter()
+        allowed = self.faults_allowed
         if exc is not None:
-            failures[:] = [exc]
-            if not first_failure:
-                first_failure.append(now - start)
+            self.failures[:] = [exc]
+            if not self.first_failure:
+                self.first_failure.append(now - self.start)
             if _fault(exc, ranks.RankFault) is not None:
-                bounds["faults"] += 1
-                if bounds["faults"] >= faults_allowed:
-                    raise _BudgetSpent(f"fault budget spent: {bounds['faults']} examples ended in a rank fault "
-                                       f"(SPEC_FAULT_BUDGET={faults_allowed}); shrinking stopped", exc) from exc
-        restarted = ranks.restarts() - restarts_before
-        if failures and restarted > faults_allowed:  # ranks left hanging in a collective by a failure: each restarts
+                self.bounds["faults"] += 1
+                if self.bounds["faults"] >= allowed:
+                    raise _BudgetSpent(f"fault budget spent: {self.bounds['faults']} examples ended in a rank fault "
+                                       f"(SPEC_FAULT_BUDGET={allowed}); shrinking stopped", exc) from exc
+        restarted = ranks.restarts() - self.restarts_before
+        if self.failures and restarted > allowed:  # ranks left hanging in a collective by a failure: each restarts
             raise _BudgetSpent(f"the rank pool was restarted {restarted} times (more than SPEC_FAULT_BUDGET="
-                               f"{faults_allowed}); shrinking stopped", failures[0])
-        if failures and first_failure and now - start - first_failure[0] > deadline_s:
-            raise _BudgetSpent(f"shrink deadline spent: {deadline_s:g} s after the first failure "
-                               f"(SPEC_SHRINK_DEADLINE); shrinking stopped", failures[0])
+                               f"{allowed}); shrinking stopped", self.failures[0])
+        if self.alone and self.failures and self.first_failure \
+                and now - self.start - self.first_failure[0] > self.deadline_s:
+            raise _BudgetSpent(f"shrink deadline spent: {self.deadline_s:g} s after the first failure "
+                               f"(SPEC_SHRINK_DEADLINE); shrinking stopped", self.failures[0])
 
-    def prop(phases):
-        test = given(case=info.cases(mode, engine))(body)
-        for case in reversed(_seed_examples(info, mode, engine)):
-            test = example(case=case)(test)
-        if seed is not None:
-            test = hypothesis_seed(zlib.crc32(stream_key(info, mode)) ^ seed)(test)
-        return settings(parent, phases=phases, **{**_capped(info, parent), **setting_overrides})(test)
+    def run(self, strategy, pinned: list[_Pinned], key: bytes, parent: settings, *, shrink: bool, seed: int | None,
+            explicit: bool, overrides: dict) -> None:
+        """Generated examples first (so a failure is reported shrunk), then the pinned ones; the seed and the
+        example-database key from ``key`` alone (:func:`stream_seed`)."""
+        def test(case):
+            self.example(case)
 
+        generated = tuple(p for p in parent.phases if p != Phase.explicit and (shrink or p != Phase.shrink))
+        # explicit=False (fuzz campaigns): generated cases only, so every failure found is saved to the database
+        for phases in (generated, (Phase.explicit,)) if explicit else (generated,):
+            wrapped = given(case=strategy)(test)
+            for case in reversed(pinned):
+                wrapped = example(case=case)(wrapped)
+            if seed is not None or parent.derandomize:
+                wrapped = hypothesis_seed(stream_seed(key, seed))(wrapped)
+            wrapped._hypothesis_internal_database_key = hashlib.sha384(b"db/" + key).digest()[:20]
+            try:
+                settings(parent, phases=phases, **overrides)(wrapped)()
+            except _StreamDone:
+                break
+            except _BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
+                self.bounds["stopped"] = stop.why
+                if self.alone:
+                    _record_failure(self.members[0].outcome, stop.failure)
+                    self.members[0].outcome.error = f"{self.members[0].outcome.error} [{stop.why}]"
+                break
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
+                if self.alone:
+                    _record_failure(self.members[0].outcome, exc)
+                else:  # hypothesis itself stopped the group (a health check): each member runs alone, and says why
+                    self.bounds["stopped"] = f"the group's run raised {describe(exc)}"
+                break
+
+    def finish(self) -> list[Outcome]:
+        seconds = (time.perf_counter() - self.start) / len(self.members)  # a group's time, shared by its checks
+        budget = {**self.bounds, "pool_restarts": ranks.restarts() - self.restarts_before}
+        return [member.finish(seconds, budget) for member in self.members]
+
+
+def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str = "cpu", *,
+                  profile: str | None = None, shrink: bool = True, seed: int | None = None,
+                  explicit: bool = True, also: tuple = (), **setting_overrides) -> Outcome:
+    """Check ``info`` on ``engine`` under ``profile`` (default: the loaded one) plus overrides.
+
+    ``shrink=False`` stops at the first failing example (enough to know a bug is rejected).
+    ``seed``: an explicit seed (combined with the target's stream key), for independent runs.
+    ``also``: further cases pinned for this run (a group's failing case, run again here alone).
+    """
+    reason = skip_reason(info, engine, device, mode)
+    if reason:
+        return Outcome(info.id, engine.name, mode, device, "skip", reason=reason, layout=info.layout)
     parent = settings.get_profile(profile) if profile is not None else settings.default
-    # Generated examples first (so a failure is reported shrunk), then the pinned seed examples.
-    generated = tuple(p for p in parent.phases if p != Phase.explicit and (shrink or p != Phase.shrink))
-    start = time.perf_counter()
-    # explicit=False (fuzz campaigns): generated cases only, so every failure found is saved to the database
-    for phases in (generated, (Phase.explicit,)) if explicit else (generated,):
-        try:
-            prop(phases)()
-        except _BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
-            bounds["stopped"] = stop.why
-            _record_failure(outcome, stop.failure)
-            outcome.error = f"{outcome.error} [{stop.why}]"  # the report says the run was bounded, and by what
-            break
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, with its minimal case
-            _record_failure(outcome, exc)
-            break
-    outcome.seconds = time.perf_counter() - start
-    outcome.budget = {**bounds, "pool_restarts": ranks.restarts() - restarts_before}
-    outcome.examples = state["n"]
-    outcome.exercised = state["exercised"]
-    outcome.distinct_cases = len(state["cases"])
-    outcome.known_hits = sum(hits)
-    settle()
-    for (dim, value), count in sorted(seen.items()):
-        outcome.coverage.setdefault(dim, {})[value] = count
-    outcome.known = [{"key": r.key, "when": r.when.text, "hits": h, "passed_under": p, "certain": r.certain,
-                      "reason": r.reason}
-                     for r, h, p in zip(records, hits, passed_under)]
-    if records and outcome.status == "pass":
-        # stale: never fired although examples under its condition ran and passed; a record whose condition no
-        # example met was not reached (no evidence either way), which the report shows as 0 hits
-        stale = [r for r, h, p in zip(records, hits, passed_under) if not h and p and r.certain]
-        reached = [(r, h) for r, h, p in zip(records, hits, passed_under) if h or (p and r.certain)]
-        if stale:
-            outcome.status = "xpass"
-            outcome.reason = "stale known failure (never fired): " + "; ".join(r.describe() for r in stale)
-        elif reached:
-            outcome.status = "xfail"
-            outcome.reason = "; ".join(f"{r.reason} [{h} hits when {r.when.text}]" for r, h in zip(records, hits))
-    return outcome
+    member = TargetRun(info, engine, mode, device)
+    stream = StreamRun([member], engine, device, mode)
+    pinned = [_Pinned((case,)) for case in (*_seed_examples(info, mode, engine), *also)]
+    stream.run(info.cases(mode, engine).map(lambda case: _Pinned((case,))), pinned, stream_key(info, mode), parent,
+               shrink=shrink, seed=seed, explicit=explicit, overrides={**_capped(info, parent), **setting_overrides})
+    return stream.finish()[0]
+
+
+def run_group(pairs: list[tuple[InvariantInfo, str]], engine: EngineUnderTest, device: str = "cpu", *,
+              profile: str | None = None, **setting_overrides) -> list[Outcome]:
+    """The outcomes of targets that share one case stream (spec/run/groups.py: one :meth:`~InvariantInfo.stream`
+    key), in ``pairs``' order: one hypothesis run draws each case once and every member checks its shape of it, one
+    engine run per distinct shaped case; pinned examples are every member's own. A member that fails there is run
+    again alone (:func:`run_invariant`, its failing case pinned too), so its report holds its own shrunk
+    counterexample; a member skipped on this engine is reported skipped."""
+    if len(pairs) == 1:
+        info, mode = pairs[0]
+        return [run_invariant(info, engine, mode, device, profile=profile, **setting_overrides)]
+    outcomes: dict[int, Outcome] = {}
+    live: list[tuple[int, InvariantInfo, str]] = []
+    for n, (info, mode) in enumerate(pairs):
+        reason = skip_reason(info, engine, device, mode)
+        if reason:
+            outcomes[n] = Outcome(info.id, engine.name, mode, device, "skip", reason=reason, layout=info.layout)
+        else:
+            live.append((n, info, mode))
+    if live:
+        keys = {stream_key(info, mode) for _, info, mode in live}
+        if len(keys) != 1:
+            raise ValueError(f"run_group: the targets draw {len(keys)} different streams: {sorted(keys)}")
+        parent = settings.get_profile(profile) if profile is not None else settings.default
+        mode = live[0][2]
+        members = [TargetRun(info, engine, m, device) for _, info, m in live]
+        stream = StreamRun(members, engine, device, mode)
+        own = [_seed_examples(info, m, engine) for _, info, m in live]
+        pinned = [_Pinned(tuple(cases[i] if i < len(cases) else None for cases in own))
+                  for i in range(max(map(len, own)))]
+        first = live[0][1]
+        stream.run(first.drawn(mode, engine), pinned, keys.pop(), parent, shrink=True, seed=None, explicit=True,
+                   overrides=dict(setting_overrides))
+        done = stream.finish()
+        for (n, info, m), member, outcome in zip(live, members, done):
+            if member.failure is not None or stream.bounds["stopped"]:  # alone, its failure shrinks
+                also = (member.failure._spec_case_obj,) if member.failure is not None and getattr(
+                    member.failure, "_spec_case_obj", None) is not None else ()
+                outcome = run_invariant(info, engine, m, device, profile=profile, also=also, **setting_overrides)
+            outcomes[n] = outcome
+    return [outcomes[n] for n in range(len(pairs))]
 
 
 def _record_failure(outcome: Outcome, exc: BaseException) -> None:

@@ -256,8 +256,11 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
     record for that deviation may excuse, and no more), from the float64 ``z`` (n, V) and softmax ``probs``:
 
     - entropy as ``logsumexp(z) - sum(p * z)``: each term is off by about ``eps * |term|`` times the
-      growth of rounding over a float32 reduction of V terms, ``g = max(sqrt(V), log2(V + 1))`` (blocked or
-      sequential accumulation: a random walk of V roundings; pairwise: log2 V), so
+      growth of rounding over a float32 reduction of V terms, ``max(sqrt(V), log2(V + 1))`` (blocked or
+      sequential accumulation: a random walk of V roundings; pairwise: log2 V), plus the evaluation's own
+      roundings around the reduction (each exponential, the logarithm, the subtraction of the maximum: two
+      more units, what a vocabulary of 2 shows in bfloat16: 1.26x and 1.46x the bound without them), so
+      ``g = max(sqrt(V), log2(V + 1)) + 2`` and
       ``|error| <= c * eps * g * (|logsumexp z| + sum p |z|)``;
     - sum_pi_squared as ``exp(logsumexp(2z) - 2 logsumexp(z))``: the exponent is off by ``d = c * eps * g *
       (|logsumexp 2z| + 2 |logsumexp z|)``, the result by ``S * expm1(d)``;
@@ -270,7 +273,7 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
     bfloat16, 2**-10 for float16), the mechanism ``"<dtype>_cancellation"`` of an engine that computes in the
     logits' own dtype (:func:`expected` derives it for a case's bf16/fp16 logits)."""
     vocab = z.shape[-1]
-    depth = max(math.sqrt(vocab), math.log2(vocab + 1)) * CANCELLATION_SAFETY * torch.finfo(_DTYPES[dtype]).eps
+    depth = (max(math.sqrt(vocab), math.log2(vocab + 1)) + 2) * CANCELLATION_SAFETY * torch.finfo(_DTYPES[dtype]).eps
     lse = torch.logsumexp(z, dim=-1)
     out = {"entropy": depth * (lse.abs() + (probs * z.abs()).sum(-1))}
     if spq is not None:

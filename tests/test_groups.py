@@ -1,0 +1,95 @@
+"""Shared runs (spec/run/groups.py, ``run_group``): the targets that draw the same cases share each drawn case and
+its engine run, and each still reports what it would report alone: its examples, its outcome, its shrunk
+counterexample."""
+
+from __future__ import annotations
+
+import pytest
+
+import spec.invariants.core as core
+from spec.execute import harness
+from spec.invariants import CATALOGUE
+from spec.planted import planted_engine
+from spec.run.groups import groups
+from spec.run.registry import load_engine
+from spec.run.runner import instances, run_group, run_invariant, stream_key, stream_seed
+
+#: the padded stream's plain checks: every one reads the plain run (their adjustments agree on most cases)
+PADDED = [(CATALOGUE[i], "padded") for i in ("INV-KEYS-001", "INV-LABEL-001", "INV-MASK-001", "INV-DEV-001",
+                                              "INV-POS-001", "INV-LAYOUT-001")]
+
+
+def test_the_catalogue_shares_streams_and_keeps_subclasses_alone() -> None:
+    """Most targets share a stream with others; a micro-batch or drop-in invariant (its own kind of case) is alone,
+    keyed by its ID."""
+    pairs = instances()
+    tasks = groups(pairs)
+    assert sorted(n for task in tasks for n in task) == list(range(len(pairs)))  # a partition
+    shared = [task for task in tasks if len(task) > 1]
+    assert sum(map(len, shared)) > len(pairs) / 2, "fewer than half of the targets share a stream"
+    for task in tasks:
+        assert len({stream_key(*pairs[n]) for n in task}) == 1
+    mb = CATALOGUE["INV-MB-001"]
+    assert mb.stream("any") is None and stream_key(mb, "any") == b"INV-MB-001/any"
+    assert stream_key(*PADDED[0]) == stream_key(*PADDED[1]) == b"batch/lm//padded"
+
+
+def test_the_seed_is_the_keys_digest_alone() -> None:
+    """The seed comes from the stream key, not from the runner's source: the same key, the same seed; another key
+    or an explicit seed, another."""
+    key = stream_key(*PADDED[0])
+    assert stream_seed(key) == stream_seed(bytes(key))
+    assert stream_seed(key) != stream_seed(b"batch/lm//packed")
+    assert stream_seed(key, 1) != stream_seed(key) != stream_seed(key, 2)
+
+
+def test_a_group_reports_what_each_target_reports_alone() -> None:
+    """Each member of a group sees exactly the cases it draws alone (its stream's seed): the same status, examples,
+    distinct cases and drawn dimensions."""
+    engine = load_engine("impl")
+    together = run_group(PADDED, engine, "cpu", profile="ci", max_examples=8)
+    for (info, mode), shared in zip(PADDED, together):
+        alone = run_invariant(info, engine, mode, "cpu", profile="ci", max_examples=8)
+        assert (shared.invariant, shared.mode) == (info.id, mode)
+        assert shared.status == alone.status == "pass", (shared.error, alone.error)
+        assert shared.examples == alone.examples >= 8
+        assert shared.distinct_cases == alone.distinct_cases
+        assert shared.coverage == alone.coverage
+
+
+def test_one_engine_run_feeds_every_check_of_a_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group runs the engine once per distinct shaped case, not once per check: fewer runs than the members
+    alone, at least one per example."""
+    engine = load_engine("impl")
+    calls = []
+    real = harness.execute
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "execute", counting)
+    monkeypatch.setattr(core, "execute", counting)  # the name the check context calls
+    outcomes = run_group(PADDED, engine, "cpu", profile="ci", max_examples=6)
+    together = len(calls)
+    calls.clear()
+    for info, mode in PADDED:
+        run_invariant(info, engine, mode, "cpu", profile="ci", max_examples=6)
+    alone = len(calls)
+    examples = max(o.examples for o in outcomes)
+    assert examples <= together < alone / 2, (together, alone)
+
+
+def test_a_failing_member_shrinks_alone_and_the_others_go_on() -> None:
+    """A planted bug that one member of the padded stream rejects: that member fails with its own shrunk
+    counterexample (run again alone), the other members pass with their full count of examples."""
+    engine = planted_engine("loss_mask_attention")  # the seed report's bug: INV-MASK-001 rejects it
+    outcomes = {o.invariant: o for o in run_group(PADDED, engine, "cpu", profile="ci", max_examples=20)}
+    failed = outcomes.pop("INV-MASK-001")
+    assert failed.rejected_by_check and failed.counterexample and failed.case is not None, failed
+    assert "padded" in failed.counterexample
+    for other in outcomes.values():
+        assert other.status in ("pass", "fail"), other
+        if other.status == "pass":
+            assert other.examples >= 20
+    assert any(o.status == "pass" for o in outcomes.values())
