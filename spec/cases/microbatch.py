@@ -448,10 +448,7 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                          outputs=draw(st.sampled_from(outputs)),
                          context=draw(st.sampled_from(CONTEXTS)))  # drawn last: shrinks to grad
     if partitions and case.batch_size % case.k_partitions == 0:
-        # equal_size tells only for 1 < k < B (one part, or one sample per part, is equal anyway): there three draws
-        # in four ask it, as a trainer's balance_batch always does
-        telling = 1 < case.k_partitions < case.batch_size
-        case = case.with_(equal_size=draw(st.integers(0, 3)) > 0 if telling else draw(st.booleans()))
+        case = case.with_(equal_size=draw(st.booleans()))
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)

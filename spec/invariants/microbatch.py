@@ -104,13 +104,14 @@ def engine_extras(engine) -> dict[str, bool]:
 
 
 def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: str, modes=("any",),
-                 needs: tuple[str, ...] = ("microbatch",), adjust=None, **strategy_kwargs: Any):
+                 needs: tuple[str, ...] = ("microbatch",), adjust=None, example_share: float = 0.4,
+                 **strategy_kwargs: Any):
     def register(check):
         if id in CATALOGUE:
             raise ValueError(f"duplicate invariant id {id}")
         CATALOGUE[id] = MicroBatchInfo(id=id, title=title, contract=CONTRACT, check=check, modes=modes, needs=needs,
                                        kind="microbatch", strategy_kwargs=strategy_kwargs, adjust=adjust,
-                                       protects=protects, functions=functions)
+                                       protects=protects, functions=functions, example_share=example_share)
         return check
     return register
 

@@ -37,7 +37,7 @@ def _with_partitions(case: MiniBatchCase) -> MiniBatchCase:
     "samples; with equal_size every part holds B/k samples; token sums within the largest differencing method's "
     "bound (max - min <= the longest sequence, with equal_size <= the longest minus the shortest), ties and equal "
     "lengths included", functions=("get_seqlen_balanced_partitions",), styles=TIE_STYLES, partitions=True,
-    extras=False, adjust=_with_partitions,
+    extras=False, adjust=_with_partitions, example_share=1.0,  # one balance call per example: the full count
     protects="a trainer's balance_batch gives every data-parallel rank its share of the samples (the same count "
              "with equal_size), none twice or lost, and no rank far more tokens than another")
 def balanced_dp_partitions(ctx: Ctx) -> None:
