@@ -66,7 +66,29 @@ TRAIN_UNREACHABLE: dict[str, str] = {
     "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
     "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
 }
-UNREACHABLE: dict[str, str] = {**_RAISE}
+_VLM = ("a vision-language model (is_vlm: the model config has a vision_config; its 3-D positions and image inputs): "
+        "the adapter drives a text-only causal LM (its profile's positions: rope)")
+_SUPPORT = ("sample-support replay (trainer.algorithm.enable_sample_support_replay, off by default): log-probs "
+            "renormalised over the sampler's recorded top-k support, not the full-vocabulary log-probs the contract "
+            "asks; the adapter passes no sample support")
+_EXPERTS = ("the rollout's routed expert indices (MoE router replay), collated for the trainer's router mask: no input "
+            "of the forward the suite checks; the adapter passes none")
+_MAX_SEQ_LEN = ("a warning only (the trainer passes trainer.algorithm.max_seq_len, default None): nothing is truncated "
+                "and the tensors are the same; the adapter passes none")
+_WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess"
+UNREACHABLE: dict[str, str] = {
+    **_RAISE,
+    **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
+    **{f"{_WRAPPER}:{line}": _VLM for line in ("329->333", "338", "340", "342", "384->389", "389", "396")},
+    **{f"{_WRAPPER}:{line}": _SUPPORT for line in ("323->324", "324->326", "326->328", "362->363", "367->368",
+                                                    "416->418", "456->457")},
+    f"{_WRAPPER}:469->470": _INT_ACTIONS, f"{_WRAPPER}:470": _INT_ACTIONS, f"{_WRAPPER}:476->479": _OUTPUT,
+    "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
+    f"{_PREPROCESS}:337->338": _MAX_SEQ_LEN, f"{_PREPROCESS}:388->389": _ROLLOUT_LOGPROBS,
+    f"{_PREPROCESS}:390": _ROLLOUT_LOGPROBS,
+    **{f"{_PREPROCESS}:{line}": _EXPERTS for line in ("395->396", "397->399", "399->402")},
+    **{f"{_PREPROCESS}:{line}": _SUPPORT for line in ("405->406", "406->408", "408->411")},
+}
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
 #: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
