@@ -303,15 +303,18 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
 
 
-def test_declared_equivalent_mutants_are_mutants_of_the_surface():
+@pytest.mark.parametrize("engine", ["verl", "trl"])
+def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
-    line moved or whose mutant no longer exists is stale): verl's, where verl is installed (the verl091 CI step)."""
+    line moved or whose mutant no longer exists is stale): verl's and TRL's, where installed (the verl091 and
+    trl-openrlhf CI steps)."""
+    from spec.engines.trl_records import PROFILE as TRL_PROFILE
     from spec.engines.verl import VerlEngine
     from spec.mutate import mutants_of
 
-    profile = VerlEngine.profile
+    profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE}[engine]
     found, missing = regions(profile.surface)
     if missing or not found:
-        pytest.skip(f"verl's surface is not installed here: {sorted(missing)[:2]}")
+        pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")
     stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface, profile.off_path)}
-    assert not stale, f"declared equivalent, but no such mutant of verl's surface: {sorted(stale)}"
+    assert not stale, f"declared equivalent, but no such mutant of {engine}'s surface: {sorted(stale)}"
