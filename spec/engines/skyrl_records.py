@@ -90,9 +90,24 @@ UNREACHABLE: dict[str, str] = {
     **{f"{_PREPROCESS}:{line}": _SUPPORT for line in ("405->406", "406->408", "408->411")},
 }
 
+#: survivors of ``spec mutate --engine skyrl-train`` that no input tells from SkyRL's code, each with why (by id)
+_INT64 = "torch.tensor of lists of Python ints is int64 already: dtype=torch.int64 changes nothing"
+TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
+    "skyrl_train.utils.torch_utils:logprobs_from_logits_v2:164 branch: condition negated":
+        "both branches take log_softmax at the label (a gather minus a per-row logsumexp, or a per-row log_softmax "
+        "then a gather) in the logits' dtype: the same log-probs up to rounding",
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:109 dtype: dtype= dropped": _INT64,
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:110 dtype: dtype= dropped": _INT64,
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:311 compare: Gt -> GtE":
+        "with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
+        "with a pad of 0; the gather after it still tests > 1, and the packed mask it drops is None already",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:325 compare: Eq -> NotEq":
+        "packed, attention_mask_fwd is None already: both model calls hand the model the same inputs",
+}
+
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
 #: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
-                              unreachable=TRAIN_UNREACHABLE)
+                              unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS)
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
                         unreachable=UNREACHABLE)
