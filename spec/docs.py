@@ -173,7 +173,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "tox-envs": tox_envs,
     "reach-figures": measured.reach_table,
     "verl-unreached": lambda: measured.unreached_table("verl"),
-    "verl-mutation-survivors": lambda: measured.survivors_list("verl"),
+    **{f"{engine}-mutation-survivors": (lambda engine=engine: measured.survivors_list(engine))
+       for engine in ("verl", "trl", "skyrl-train")},
 }
 
 

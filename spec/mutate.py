@@ -5,10 +5,10 @@ skeleton, by hand or nightly, never in ``.ci/run``).
    (``--profile``, default ``dev``) with coverage.py's dynamic context switched per target: which targets'
    examples ran each line of the engine's surface (:mod:`spec.run.engine_coverage`). Targets on real ranks run
    in other processes and are left out of the map (their lines count as uncovered here).
-2. **Mutants** of every function of the surface (``ast``; operators :data:`OPERATORS`: comparisons, ``+``/``-``,
-   slice bounds and signs, ``dim=`` arguments, dtype casts, clamps, cat/stack order, dropped dict keys and
-   subscript stores, in-place against out-of-place, branches negated, accumulators reset), a seeded random sample
-   of ``--sample`` of them.
+2. **Mutants** of every function of the surface but those the profile declares off the path (``ast``; operators
+   :data:`OPERATORS`: comparisons, ``+``/``-``, slice bounds and signs, ``dim=`` arguments, dtype casts, clamps,
+   cat/stack order, dropped dict keys and subscript stores, in-place against out-of-place, branches negated,
+   accumulators reset), a seeded random sample of ``--sample`` of them.
 3. **Each mutant** is installed by swapping its function's ``__code__`` in this process (the module is not
    re-imported; a decorated function other than a method decorator is not mutated), then only the targets whose
    examples ran the mutated line are run, stopping at the first that fails (killed). A survivor of the cheap
@@ -30,12 +30,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from hypothesis import Verbosity, settings
 
 from .execute import probe, ranks
-from .run.engine_coverage import Measurement, regions
+from .run.engine_coverage import Measurement, off_path_nodes, regions
 from .run.profiles import load_profile
 from .run.runner import instances, run_invariant
 
@@ -167,10 +167,12 @@ def _function_nodes(tree: ast.Module, qualname: str) -> ast.AST | None:
     return scope[0]
 
 
-def mutants_of(surface: tuple[str, ...]) -> list[Mutant]:
-    """Every mutant of every top-level function and method of the surface (nested functions inside them)."""
+def mutants_of(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> list[Mutant]:
+    """Every mutant of every top-level function and method of the surface (nested functions inside them), less
+    those of the functions ``off_path`` declares off the preparation's path (the profile's: not counted by the
+    engine-code coverage, never run by a target, so never killed)."""
     out: list[Mutant] = []
-    found, _ = regions(surface)
+    found, _ = regions(surface, off_path)
     for region in found:
         tree = ast.parse(Path(region.file).read_text())
         names = sorted({q.split(".<locals>.")[0] for q in region.lines.values()})
@@ -180,8 +182,9 @@ def mutants_of(surface: tuple[str, ...]) -> list[Mutant]:
                                    for d in node.decorator_list):
                 continue
             original = ast.unparse(node)
+            off = off_path_nodes(region.module, qualname, node, off_path)
             for index, sub in enumerate(ast.walk(node)):
-                if sub is node:
+                if sub is node or id(sub) in off:
                     continue
                 edits = [(op, text, None) for op, text, _ in _edits(sub)] + [(op, text, "remove")
                                                                            for op, text in _removals(sub)]
@@ -216,7 +219,7 @@ def coverage_map(engine: Any, pairs: list, device: str, overrides: dict, seconds
     code to ``statuses`` (a target that fails unmutated kills nothing)."""
     profile = engine.profile
     ranks.shutdown()  # the ranks (and their fork server) start after the measurement, so that they measure too
-    measurement = Measurement(profile.surface, profile.unreachable).start()
+    measurement = Measurement(profile.surface, profile.unreachable, getattr(profile, "off_path", {})).start()
     try:
         for info, mode in pairs:
             key = f"{info.id}/{mode}"
@@ -366,7 +369,7 @@ def run_mutants(engine: Any, *, sample: int, seed: int, profile: str, confirm: s
     broken = sorted(k for k, status in baseline.items() if status in ("fail", "error"))
     if broken:
         progress(f"mutate: {len(broken)} targets fail on the engine's own code and kill nothing: {', '.join(broken)}")
-    mutants = mutants_of(engine.profile.surface)
+    mutants = mutants_of(engine.profile.surface, engine.profile.off_path)
     chosen = sample_of(mutants, sample, seed)
     carried = _carried(resume, set(baseline) - set(broken))
     progress(f"mutate: {len(mutants)} mutants, {len(chosen)} sampled (seed {seed})")

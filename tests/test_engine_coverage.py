@@ -182,6 +182,28 @@ def test_mutants_of_the_surface_install_and_undo(toy):
     assert toy_engine_mod.Cutter().cut([1, 2, 3], 2) == [[1, 2], [3]]
 
 
+def test_mutants_skip_the_functions_off_the_path(toy, tmp_path):
+    """A function the profile's ``off_path`` declares off the preparation's path gets no mutant (as the engine-code
+    coverage counts none of its lines): a method, and a function nested in one that is mutated."""
+    from spec.mutate import mutants_of
+
+    (tmp_path / "toy_nested_mod.py").write_text(textwrap.dedent('''\
+        def outer(rows):
+            class State:
+                def __repr__(self):
+                    return f"State({rows[0] + 1})"
+            return [row - 1 for row in rows if row > 0]
+        '''))
+    every = {m.function for m in mutants_of((toy,))}
+    assert "Cutter.needs_cuda" in every
+    off = {f"{toy}:Cutter.needs_cuda": "a CUDA path"}
+    assert {m.function for m in mutants_of((toy,), off)} == every - {"Cutter.needs_cuda"}
+    nested = mutants_of(("toy_nested_mod",))
+    assert {m.line for m in nested} == {4, 5}
+    kept = mutants_of(("toy_nested_mod",), {"toy_nested_mod:outer.<locals>.State.__repr__": "a debugging repr"})
+    assert kept and {m.line for m in kept} == {5} and [m.id for m in kept] == [m.id for m in nested if m.line == 5]
+
+
 def test_probe_swaps_one_mutant_at_a_time(toy):
     """What a rank applies from its task (spec.execute.probe.apply): the mutant it names, another one in its place
     (the first undone), none: the engine's own code again."""
@@ -281,15 +303,19 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
 
 
-def test_declared_equivalent_mutants_are_mutants_of_the_surface():
+@pytest.mark.parametrize("engine", ["verl", "trl", "skyrl-train"])
+def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
-    line moved or whose mutant no longer exists is stale): verl's, where verl is installed (the verl091 CI step)."""
+    line moved or whose mutant no longer exists is stale): verl's, TRL's and skyrl-train's, where installed (the
+    verl091, trl-openrlhf and skyrl CI steps)."""
+    from spec.engines.skyrl_records import TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
+    from spec.engines.trl_records import PROFILE as TRL_PROFILE
     from spec.engines.verl import VerlEngine
     from spec.mutate import mutants_of
 
-    profile = VerlEngine.profile
+    profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "skyrl-train": SKYRL_TRAIN_PROFILE}[engine]
     found, missing = regions(profile.surface)
     if missing or not found:
-        pytest.skip(f"verl's surface is not installed here: {sorted(missing)[:2]}")
-    stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface)}
-    assert not stale, f"declared equivalent, but no such mutant of verl's surface: {sorted(stale)}"
+        pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")
+    stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface, profile.off_path)}
+    assert not stale, f"declared equivalent, but no such mutant of {engine}'s surface: {sorted(stale)}"

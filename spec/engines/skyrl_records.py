@@ -66,11 +66,48 @@ TRAIN_UNREACHABLE: dict[str, str] = {
     "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
     "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
 }
-UNREACHABLE: dict[str, str] = {**_RAISE}
+_VLM = ("a vision-language model (is_vlm: the model config has a vision_config; its 3-D positions and image inputs): "
+        "the adapter drives a text-only causal LM (its profile's positions: rope)")
+_SUPPORT = ("sample-support replay (trainer.algorithm.enable_sample_support_replay, off by default): log-probs "
+            "renormalised over the sampler's recorded top-k support, not the full-vocabulary log-probs the contract "
+            "asks; the adapter passes no sample support")
+_EXPERTS = ("the rollout's routed expert indices (MoE router replay), collated for the trainer's router mask: no input "
+            "of the forward the suite checks; the adapter passes none")
+_MAX_SEQ_LEN = ("a warning only (the trainer passes trainer.algorithm.max_seq_len, default None): nothing is truncated "
+                "and the tensors are the same; the adapter passes none")
+_WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess"
+UNREACHABLE: dict[str, str] = {
+    **_RAISE,
+    **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
+    **{f"{_WRAPPER}:{line}": _VLM for line in ("329->333", "338", "340", "342", "384->389", "389", "396")},
+    **{f"{_WRAPPER}:{line}": _SUPPORT for line in ("323->324", "324->326", "326->328", "362->363", "367->368",
+                                                    "416->418", "456->457")},
+    f"{_WRAPPER}:469->470": _INT_ACTIONS, f"{_WRAPPER}:470": _INT_ACTIONS, f"{_WRAPPER}:476->479": _OUTPUT,
+    "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
+    f"{_PREPROCESS}:337->338": _MAX_SEQ_LEN, f"{_PREPROCESS}:388->389": _ROLLOUT_LOGPROBS,
+    f"{_PREPROCESS}:390": _ROLLOUT_LOGPROBS,
+    **{f"{_PREPROCESS}:{line}": _EXPERTS for line in ("395->396", "397->399", "399->402")},
+    **{f"{_PREPROCESS}:{line}": _SUPPORT for line in ("405->406", "406->408", "408->411")},
+}
+
+#: survivors of ``spec mutate --engine skyrl-train`` that no input tells from SkyRL's code, each with why (by id)
+_INT64 = "torch.tensor of lists of Python ints is int64 already: dtype=torch.int64 changes nothing"
+TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
+    "skyrl_train.utils.torch_utils:logprobs_from_logits_v2:164 branch: condition negated":
+        "both branches take log_softmax at the label (a gather minus a per-row logsumexp, or a per-row log_softmax "
+        "then a gather) in the logits' dtype: the same log-probs up to rounding",
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:109 dtype: dtype= dropped": _INT64,
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:110 dtype: dtype= dropped": _INT64,
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:311 compare: Gt -> GtE":
+        "with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
+        "with a pad of 0; the gather after it still tests > 1, and the packed mask it drops is None already",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:325 compare: Eq -> NotEq":
+        "packed, attention_mask_fwd is None already: both model calls hand the model the same inputs",
+}
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
 #: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
-                              unreachable=TRAIN_UNREACHABLE)
+                              unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS)
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
                         unreachable=UNREACHABLE)

@@ -114,7 +114,22 @@ _FUSED_UNREACHABLE: dict[str, str] = {
     f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",
 }
 
+#: survivors of ``spec mutate --engine trl`` that no input tells from TRL's code, each with why (by mutant id)
+_ONE_DIM = "are 1-D tensors, one per example: torch.cat along dim 0 is along dim -1"
+EQUIVALENT_MUTANTS: dict[str, str] = {
+    f"{_SFT}:DataCollatorForLanguageModeling.torch_call:190 dim: dim -> other dim":
+        f"the examples' input_ids {_ONE_DIM}",
+    f"{_SFT}:DataCollatorForLanguageModeling.torch_call:191 dim: dim -> other dim": f"the examples' labels {_ONE_DIM}",
+    f"{_SFT}:DataCollatorForLanguageModeling.torch_call:184 branch: condition negated":
+        "the adapter drives the SFT collator only with padding_free=True (its padded batches are GRPO's pad): the "
+        "mutant then builds a per-example attention_mask that nothing reads (the output gets one only when not "
+        "padding_free)",
+    f"{_U}:entropy_from_logits:642 dim: dim -> other dim":
+        "each chunk's entropy is 1-D (a slice of the flattened logits' rows): torch.cat along dim 0 is along dim -1",
+}
+
 #: trl's profile: the default one with the surface and its unreachable branches (no conventions declared)
-PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE})
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE},
+                  equivalent_mutants=EQUIVALENT_MUTANTS)
 #: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl_fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 from ..execute import coverage_hook
 
-__all__ = ["Region", "Branch", "CoverageResult", "regions", "Measurement", "begin", "write_section", "from_dict",
+__all__ = ["Region", "Branch", "CoverageResult", "regions", "off_path_nodes", "Measurement", "begin", "write_section", "from_dict",
            "main", "SECTION", "RAISE", "GAP"]
 
 #: the key declaring every exit into a ``raise`` statement (an error path: the input the contract rejects)
@@ -145,6 +145,14 @@ def regions(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> tuple
     for key in set(off_path) - matched:
         missing[key] = "declared off the path, but no function of the surface has this name"
     return out, missing
+
+
+def off_path_nodes(module: str, qualname: str, node: ast.AST, off_path: Mapping[str, str]) -> set[int]:
+    """The ``id`` of every ast node inside the functions nested in ``node`` (function ``qualname`` of ``module``)
+    that ``off_path`` declares off the preparation's path (their lines are not counted; nothing in them is mutated)."""
+    prefix = f"{qualname}.<locals>." if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else f"{qualname}."
+    return {id(sub) for name, inner in _functions(node, prefix) if _off(module, name, off_path)
+            for sub in ast.walk(inner)}
 
 
 @dataclass(frozen=True)
