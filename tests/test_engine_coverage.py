@@ -319,3 +319,28 @@ def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
         pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")
     stale = set(profile.equivalent_mutants) - {m.id for m in mutants_of(profile.surface, profile.off_path)}
     assert not stale, f"declared equivalent, but no such mutant of {engine}'s surface: {sorted(stale)}"
+
+
+def test_a_gated_measurement_measures_inside_the_engines_calls_and_their_threads(toy):
+    """spec verify's measurement is gated: the processes that run checks measure only inside the engine's calls
+    (the suite's own lines run untraced), a thread started inside one too; the lines run outside are not counted."""
+    import threading
+
+    from spec.execute import coverage_hook
+    from spec.execute.attribution import engine_side
+
+    measurement = Measurement((toy,), {}, gated=True).start()
+    try:
+        import toy_engine_mod
+        toy_engine_mod.choose(-1)  # the suite's own call: not measured
+        engine_side(toy_engine_mod.choose, "choose")(1)  # the engine's call: measured
+        with coverage_hook.engine_code():  # a thread started inside an engine-code block (the harness's ranks)
+            thread = threading.Thread(target=toy_engine_mod.check, args=(1,))
+            thread.start()
+            thread.join()
+        toy_engine_mod.Cutter().cut([1, 2, 3], 2)  # outside again: not measured
+    finally:
+        result = measurement.finish()
+    reached = {b.key for b in result.branches if b.reached}
+    assert f"{toy}:5->6" in reached and f"{toy}:26->28" in reached, reached
+    assert not reached & {f"{toy}:5->7", f"{toy}:15->16"}, reached

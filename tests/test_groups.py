@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import spec.invariants.core as core
-from spec.execute import harness
+from spec.execute import harness, memo
 from spec.invariants import CATALOGUE
 from spec.planted import planted_engine
 from spec.run.groups import groups
@@ -69,7 +69,8 @@ def test_one_engine_run_feeds_every_check_of_a_case(monkeypatch: pytest.MonkeyPa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(harness, "execute", counting)
-    monkeypatch.setattr(core, "execute", counting)  # the name the check context calls
+    monkeypatch.setattr(core, "execute", counting)  # the name a check's own reruns call
+    monkeypatch.setattr(memo, "execute", counting)  # the name the example's runs call
     outcomes = run_group(PADDED, engine, "cpu", profile="ci", max_examples=6)
     together = len(calls)
     calls.clear()
@@ -93,3 +94,31 @@ def test_a_failing_member_shrinks_alone_and_the_others_go_on() -> None:
         if other.status == "pass":
             assert other.examples >= 20
     assert any(o.status == "pass" for o in outcomes.values())
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_stopped_group_reruns_alone_only_the_members_short_of_their_examples(
+        short: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's stream that stopped early (a fault budget spent, a health check) leaves its members short of their
+    examples: those run again alone. A member that ran all its examples before the stop keeps its outcome."""
+    from spec.run import runner
+
+    real_run, alone = runner.StreamRun.run, []
+
+    def stopped(self, strategy, pinned, key, parent, **kwargs):
+        if short:  # the stream stops after 2 of its examples
+            kwargs["overrides"] = {**kwargs["overrides"], "max_examples": 2}
+        real_run(self, strategy, pinned, key, parent, **kwargs)
+        self.bounds["stopped"] = "stopped here (the test's)"
+
+    real_alone = runner.run_invariant
+
+    def counting(info, *args, **kwargs):
+        alone.append(info.id)
+        return real_alone(info, *args, **kwargs)
+
+    monkeypatch.setattr(runner.StreamRun, "run", stopped)
+    monkeypatch.setattr(runner, "run_invariant", counting)
+    outcomes = run_group(PADDED[:3], load_engine("impl"), "cpu", profile="ci", max_examples=6)
+    assert alone == ([info.id for info, _ in PADDED[:3]] if short else [])
+    assert all(o.status == "pass" and o.examples >= 6 for o in outcomes), outcomes

@@ -49,6 +49,10 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     "verl.utils.tensordict_utils:nested_tensor_from_tensor_list:163 compare: Gt -> GtE":
         "the assert only guards an empty list, which raises either way (IndexError at tensors[0] instead of "
         "AssertionError); every non-empty list passes both",
+    "verl.utils.ulysses:ulysses_pad:292 compare: Gt -> GtE":
+        "with pad_size == 0 the mutant pads by (0, 0) (a copy with the same values) and appends arange(0) to the "
+        "position ids (nothing: the packed positions are int64, as the micro-batch's are, so the concatenation keeps "
+        "their dtype): the same ids, positions and pad of 0 as the skipped branch",
     "verl.utils.ulysses:ulysses_pad:288 compare: LtE -> Lt":
         "with sp_size == 1 the fall-through pads (1 - n % 1) % 1 = 0 tokens and returns the same tensors and a pad "
         "of 0, as the early return does",

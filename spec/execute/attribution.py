@@ -30,9 +30,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from . import coverage_hook
+
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
            "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
-           "read_engine", "is_engine_fault", "note_fault"]
+           "read_engine", "is_engine_fault", "note_fault", "faults_noted", "trial"]
 
 ENGINE = "engine"
 SUITE = "suite"
@@ -176,6 +178,33 @@ def note_fault(fault: EngineFault) -> None:
         _CURRENT[-1].faults.append(fault)
 
 
+@contextmanager
+def faults_noted() -> Iterator[list[EngineFault]]:
+    """The engine faults noted for the running example while the block ran (a list filled when it ends)."""
+    before = len(_CURRENT[-1].faults) if _CURRENT else 0
+    log = _CURRENT[-1] if _CURRENT else None
+    found: list[EngineFault] = []
+    try:
+        yield found
+    finally:
+        if log is not None:
+            found.extend(log.faults[before:])
+
+
+@contextmanager
+def trial() -> Iterator[None]:
+    """A block whose failure the running example never saw: if it raises, what it logged (the exceptions it tagged,
+    the engine faults it noted) is dropped from the running example's log before the exception propagates."""
+    log = _CURRENT[-1] if _CURRENT else None
+    events, faults = (len(log.events), len(log.faults)) if log is not None else (0, 0)
+    try:
+        yield
+    except BaseException:
+        if log is not None:
+            del log.events[events:], log.faults[faults:]
+        raise
+
+
 def suite_side(fn: Callable, where: str) -> Callable:
     """``fn`` (a suite callable handed to the engine), with its exceptions tagged as the suite's."""
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -191,7 +220,8 @@ def suite_side(fn: Callable, where: str) -> Callable:
 def _engine_side(fn: Callable, where: str) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with coverage_hook.engine_code():  # the engine's code: measured where spec verify measures it
+                return fn(*args, **kwargs)
         except BaseException as exc:
             _note(ENGINE, where, exc)
             raise

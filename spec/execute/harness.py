@@ -20,7 +20,7 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
 from ..protocol.profile import profile_of
 from ..truth.oracle import TopKProcessor, scaled_logits
-from . import ranks
+from . import coverage_hook, ranks
 from .handoff import (
     POISONS,
     Run,
@@ -140,7 +140,11 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
             return eng.prepare_model_outputs(run.model_outputs[r], run.output_args[r], mb, processors[r])
 
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
-    raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
+    if gather is None:
+        raw = [calls[0]()]
+    else:
+        with coverage_hook.engine_code():  # the ranks' threads run the engine's code: measured (a gated measurement)
+            raw = _in_threads(calls, gather)
     run.rank_outputs = [view_outputs(engine, outputs, r) for r, outputs in enumerate(raw)]
     run.outputs = run.rank_outputs[0]
     return run

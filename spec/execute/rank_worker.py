@@ -322,7 +322,7 @@ def worker_main(rank: int, world: int, backend: str, store_path: str, log_dir: s
     """One rank: join the group, then serve tasks until told to stop (or the parent is gone: torch's
     launcher also sends a rank SIGINT when its parent dies)."""
     torch.set_num_threads(1)
-    coverage_hook.start()  # the engine-code coverage of spec verify (spec.run.engine_coverage), if measured
+    coverage_hook.start(main=False)  # spec verify's engine-code coverage (spec.run.engine_coverage), if measured
     if os.path.isdir("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:

@@ -14,6 +14,7 @@ from ..protocol.engine import CONTRACT_PRECISION, EngineUnderTest, OutputSpan, P
 from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profile_of
 from ..execute.harness import Run, execute, model_for
 from ..execute.handoff import nested_parts
+from ..execute.memo import Runs
 from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected, unit_roundoff
 from ..truth.rules import read_positions, shared_temperature
@@ -185,8 +186,12 @@ def invariant(id: str, title: str, *, contract: int, **kwargs: Any) -> Callable:
 class Ctx:
     """What a check sees: the engine, the drawn case, the device, and lazily the run and oracle."""
 
-    def __init__(self, engine: EngineUnderTest, case: EngineCase | DenseCase, device: str, mode: str):
+    def __init__(self, engine: EngineUnderTest, case: EngineCase | DenseCase, device: str, mode: str,
+                 runs: Runs | None = None):
         self.engine, self.case, self.device, self.mode = engine, case, device, mode
+        #: the example's engine runs (:class:`~spec.execute.memo.Runs`): shared by every check of one drawn example
+        #: in a stream, so a run two checks ask alike (this case, or a rerun of a variant) is made once
+        self.runs = runs if runs is not None else Runs()
         #: set by :meth:`not_exercised`: this example did not exercise the property (the runner counts it)
         self.vacuous: str | None = None
 
@@ -203,14 +208,15 @@ class Ctx:
 
     @cached_property
     def run(self) -> Run:
-        return execute(self.engine, self.case, self.device)
+        return self.runs.execute(self.engine, self.case, self.device)
 
     @cached_property
     def inputs_run(self) -> Run:
-        """Only prepare_model_inputs (what input invariants look at): a later failure cannot mask theirs."""
+        """Only prepare_model_inputs (what input invariants look at): a later failure cannot mask theirs (a whole
+        run of the case, where one was made, answers it)."""
         if "run" in self.__dict__:
             return self.run
-        return execute(self.engine, self.case, self.device, stop_after_inputs=True)
+        return self.runs.execute(self.engine, self.case, self.device, stop_after_inputs=True)
 
     @cached_property
     def batch(self):
@@ -243,6 +249,11 @@ class Ctx:
         return self.expected.at_precision(key, precision.returns, precision.scaled_in)
 
     def rerun(self, case: EngineCase | None = None, **kwargs: Any) -> Run:
+        """The engine on ``case`` (default this one) with :func:`~spec.execute.harness.execute`'s ``kwargs``: a plain
+        call (a poison, inputs only) is read from the example's :attr:`runs` where another check made it; one with a
+        micro-batch or engine objects of its own always runs."""
+        if set(kwargs) <= {"poison", "stop_after_inputs"}:
+            return self.runs.execute(self.engine, case or self.case, self.device, **kwargs)
         return execute(self.engine, case or self.case, self.device, **kwargs)
 
     def helper(self, name: str) -> Callable:

@@ -26,7 +26,6 @@ from ..cases.structure import EngineCase
 from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
-from ..execute.ranks import execute as execute_on_ranks
 from ..protocol.profile import profile_of
 from ..truth.rules import padded_length, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle, match_runs
@@ -91,12 +90,12 @@ def _on_ranks(case: EngineCase) -> EngineCase:
 
 
 def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
-    """The case on real ranks (cached on the context: one run per example)."""
+    """The case on real ranks (cached on the context, and made once per example: :class:`~spec.execute.memo.Runs`)."""
     key = "_real_inputs" if inputs_only else "_real_run"
     if "_real_run" in ctx.__dict__:
         return ctx.__dict__["_real_run"]
-    if key not in ctx.__dict__:
-        ctx.__dict__[key] = execute_on_ranks(ctx.engine, ctx.case, ctx.device, stop_after_inputs=inputs_only)
+    if key not in ctx.__dict__:  # made once per example for every check that asks it (:class:`Ctx`'s ``runs``)
+        ctx.__dict__[key] = ctx.runs.on_ranks(ctx.engine, ctx.case, ctx.device, stop_after_inputs=inputs_only)
     return ctx.__dict__[key]
 
 

@@ -297,13 +297,16 @@ def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], 
 
 class Measurement:
     """One run's measurement: :meth:`start` before the targets run (this process measures too, and every process
-    started after it that calls :func:`spec.execute.coverage_hook.start`), :meth:`finish` after them."""
+    started after it that calls :func:`spec.execute.coverage_hook.start`), :meth:`finish` after them. ``gated`` (spec
+    verify's): the processes that run checks measure only inside the engine's calls
+    (:func:`spec.execute.coverage_hook.engine_code`), where its code runs; the suite's own lines run untraced."""
 
-    def __init__(self, surface: tuple[str, ...], unreachable: Mapping[str, str], off_path: Mapping[str, str] = {}):
+    def __init__(self, surface: tuple[str, ...], unreachable: Mapping[str, str], off_path: Mapping[str, str] = {},
+                 gated: bool = False):
         self.surface, self.unreachable, self.off_path = tuple(surface), dict(unreachable), dict(off_path)
         self.found, self.missing = regions(self.surface, self.off_path)
         self.folder = Path(tempfile.mkdtemp(prefix="spec-engine-coverage-"))
-        coverage_hook.write_config(self.folder, sorted({r.file for r in self.found}))
+        coverage_hook.write_config(self.folder, sorted({r.file for r in self.found}), gated)
         #: after :meth:`finish`: file -> line -> the coverage contexts (targets) that ran it, where contexts were
         #: switched (``spec mutate``'s coverage map); empty otherwise
         self.line_contexts: dict[str, dict[int, set[str]]] = {}
@@ -361,7 +364,7 @@ def begin(engine: Any) -> Measurement | _Unmeasured:
         return _Unmeasured((), f"the engine's profile declares no surface ({type(engine).__name__})")
     if not coverage_hook.available():
         return _Unmeasured(profile.surface, "coverage.py is not installed (pip install coverage)")
-    return Measurement(profile.surface, profile.unreachable, getattr(profile, "off_path", {})).start()
+    return Measurement(profile.surface, profile.unreachable, getattr(profile, "off_path", {}), gated=True).start()
 
 
 def write_section(result: CoverageResult, paths: list[Path]) -> str:

@@ -16,6 +16,7 @@ from hypothesis.errors import HypothesisException
 from ..execute import ranks
 from ..execute.attribution import ENGINE, AttributedEngine, EngineFault, SuiteError, describe, origin
 from ..execute.attribution import recording as record_attribution
+from ..execute.memo import Runs
 
 from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase
@@ -317,14 +318,14 @@ class TargetRun:
                 for i, record in enumerate(self.records):
                     self.passed_under[i] += bool(record.when(ctx.case))
 
-    def context(self, engine: EngineUnderTest, case: Any, shared: dict) -> CheckContext:
+    def context(self, engine: EngineUnderTest, case: Any, shared: dict, runs: Runs) -> CheckContext:
         """The next example's check context, holding what an earlier check of the same case computed (``shared``:
-        the engine's run, the oracle, the read positions)."""
+        the oracle, the read positions) and the example's engine runs (``runs``: every check's, by call)."""
         self.settle()
         self.examples += 1
         self.cases.add(repr(case))
         self.seen.update(dimensions(case, self.space))
-        ctx = CheckContext(engine, case, self.device, self.mode)
+        ctx = CheckContext(engine, case, self.device, self.mode, runs)
         ctx.__dict__.update(shared)
         self.current.append([ctx, False])
         return ctx
@@ -381,8 +382,9 @@ class _StreamDone(BaseException):
     """Every member of a group has failed: nothing is left to check on further examples."""
 
 
-#: the check context's cached values that one case's checks share (the engine's run, the oracle, the read positions)
-SHARED = ("run", "inputs_run", "expected", "read", "batch")
+#: the check context's cached values that one case's checks share (the oracle, the read positions, the micro-batch);
+#: the engine's runs are shared by call, the reruns of variants too (:class:`~spec.execute.memo.Runs`)
+SHARED = ("expected", "read", "batch")
 
 
 class StreamRun:
@@ -404,23 +406,27 @@ class StreamRun:
         self.first_failure: list[float] = []  # seconds into the run of its first failing example (not reported)
         self.failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks to it)
         self.log: list = []  # the running check's attribution log (its engine faults), kept past its ``with``
+        self.runs_made = self.runs_read = 0  # engine runs made, and read again by a further check (benchmarks)
         self.start = time.perf_counter()
 
     def example(self, drawn: Any) -> None:
         """hypothesis's test body: every active member checks its shape of ``drawn``."""
         self.spent(None)  # a run whose fault budget or shrink deadline is spent stops before its next example
         shared: dict[str, dict] = {}  # shaped case -> what its first check computed
+        runs = Runs(shared=not self.alone)  # the example's engine runs, by call: each made once for every check
         for n, member in enumerate(self.members):
             if member not in self.active:
                 continue
             case = drawn.cases[n] if isinstance(drawn, _Pinned) else member.info.shaped(drawn, self.engine)
             if case is not None:
-                self.check(member, case, shared.setdefault(repr(case), {}))
+                self.check(member, case, shared.setdefault(repr(case), {}), runs)
+        self.runs_made += runs.made
+        self.runs_read += runs.read
         if not self.active:
             raise _StreamDone()
 
-    def check(self, member: TargetRun, case: Any, shared: dict) -> None:
-        ctx = member.context(self.attributed, case, shared)
+    def check(self, member: TargetRun, case: Any, shared: dict, runs: Runs) -> None:
+        ctx = member.context(self.attributed, case, shared, runs)
         with record_attribution() as log:
             self.log[:] = [log]
             try:
@@ -533,10 +539,10 @@ def run_invariant(info: InvariantInfo, engine: EngineUnderTest, mode: str, devic
     ``seed``: an explicit seed (combined with the target's stream key), for independent runs.
     ``also``: further cases pinned for this run (a group's failing case, run again here alone).
     """
-    reason = skip_reason(info, engine, device, mode)
-    if reason:
-        return Outcome(info.id, engine.name, mode, device, "skip", reason=reason, layout=info.layout)
-    parent = settings.get_profile(profile) if profile is not None else settings.default
+    skipped = _skipped(info, engine, mode, device)
+    if skipped is not None:
+        return skipped
+    parent = _profile(profile)
     member = TargetRun(info, engine, mode, device)
     stream = StreamRun([member], engine, device, mode)
     pinned = [_Pinned((case,)) for case in (*_seed_examples(info, mode, engine), *also)]
@@ -558,16 +564,16 @@ def run_group(pairs: list[tuple[InvariantInfo, str]], engine: EngineUnderTest, d
     outcomes: dict[int, Outcome] = {}
     live: list[tuple[int, InvariantInfo, str]] = []
     for n, (info, mode) in enumerate(pairs):
-        reason = skip_reason(info, engine, device, mode)
-        if reason:
-            outcomes[n] = Outcome(info.id, engine.name, mode, device, "skip", reason=reason, layout=info.layout)
+        skipped = _skipped(info, engine, mode, device)
+        if skipped is not None:
+            outcomes[n] = skipped
         else:
             live.append((n, info, mode))
     if live:
         keys = {stream_key(info, mode) for _, info, mode in live}
         if len(keys) != 1:
             raise ValueError(f"run_group: the targets draw {len(keys)} different streams: {sorted(keys)}")
-        parent = settings.get_profile(profile) if profile is not None else settings.default
+        parent = _profile(profile)
         mode = live[0][2]
         members = [TargetRun(info, engine, m, device) for _, info, m in live]
         stream = StreamRun(members, engine, device, mode)
@@ -575,16 +581,32 @@ def run_group(pairs: list[tuple[InvariantInfo, str]], engine: EngineUnderTest, d
         pinned = [_Pinned(tuple(cases[i] if i < len(cases) else None for cases in own))
                   for i in range(max(map(len, own)))]
         first = live[0][1]
+        overrides = dict(setting_overrides)
         stream.run(first.drawn(mode, engine), pinned, keys.pop(), parent, shrink=True, seed=None, explicit=True,
-                   overrides=dict(setting_overrides))
+                   overrides=overrides)
         done = stream.finish()
-        for (n, info, m), member, outcome in zip(live, members, done):
-            if member.failure is not None or stream.bounds["stopped"]:  # alone, its failure shrinks
+        wanted = settings(parent, **overrides).max_examples
+        for (n, info, m), member, outcome, cases in zip(live, members, done, own):
+            # alone, a failure shrinks; after a stopped stream, a member short of its examples runs them
+            short = bool(stream.bounds["stopped"]) and member.examples < wanted + len(cases)
+            if member.failure is not None or short:
                 also = (member.failure._spec_case_obj,) if member.failure is not None and getattr(
                     member.failure, "_spec_case_obj", None) is not None else ()
                 outcome = run_invariant(info, engine, m, device, profile=profile, also=also, **setting_overrides)
             outcomes[n] = outcome
     return [outcomes[n] for n in range(len(pairs))]
+
+
+def _skipped(info: InvariantInfo, engine: EngineUnderTest, mode: str, device: str) -> Outcome | None:
+    """The skip outcome of a target that does not run on ``engine`` here (with the reason), else None."""
+    reason = skip_reason(info, engine, device, mode)
+    return None if not reason else Outcome(info.id, engine.name, mode, device, "skip", reason=reason,
+                                           layout=info.layout)
+
+
+def _profile(name: str | None) -> settings:
+    """The hypothesis profile ``name``, default the loaded one."""
+    return settings.get_profile(name) if name is not None else settings.default
 
 
 def _record_failure(outcome: Outcome, exc: BaseException) -> None:
