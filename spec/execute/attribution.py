@@ -278,6 +278,13 @@ class AttributedEngine:
         fn = self._engine.helper(name)
         return None if fn is None else _engine_side(fn, name)
 
+    @property
+    def packer(self) -> Any:
+        """The engine's packer (:attr:`~spec.protocol.EngineUnderTest.packer`: verl-megatron's packing functions, no
+        engine object), its calls the engine's (tagged, and measured by a gated coverage measurement)."""
+        packer = self._engine.packer
+        return None if packer is None else _AttributedObject(packer)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
