@@ -303,17 +303,19 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
 
 
-@pytest.mark.parametrize("engine", ["verl", "trl", "skyrl-train"])
+@pytest.mark.parametrize("engine", ["verl", "trl", "skyrl-train", "openrlhf"])
 def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
-    line moved or whose mutant no longer exists is stale): verl's, TRL's and skyrl-train's, where installed (the
-    verl091, trl-openrlhf and skyrl CI steps)."""
+    line moved or whose mutant no longer exists is stale): verl's, TRL's, skyrl-train's and OpenRLHF's, where
+    installed (the verl091, trl-openrlhf and skyrl CI steps)."""
+    from spec.engines.openrlhf_records import PROFILE as OPENRLHF_PROFILE
     from spec.engines.skyrl_records import TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
     from spec.engines.trl_records import PROFILE as TRL_PROFILE
     from spec.engines.verl import VerlEngine
     from spec.mutate import mutants_of
 
-    profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "skyrl-train": SKYRL_TRAIN_PROFILE}[engine]
+    profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "skyrl-train": SKYRL_TRAIN_PROFILE,
+               "openrlhf": OPENRLHF_PROFILE}[engine]
     found, missing = regions(profile.surface)
     if missing or not found:
         pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")

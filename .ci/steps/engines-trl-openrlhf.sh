@@ -38,5 +38,5 @@ ENGINE_COVERAGE_REPORTS="reports/trl/verify-trl.json reports/trl-fused/verify-tr
     .venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
 .venv-openrlhf/bin/python -m spec verify --engine openrlhf --profile ci --out "reports/openrlhf"
 ENGINE_COVERAGE_REPORTS="reports/openrlhf/verify-openrlhf.json" \
-    .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k report
+    .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
 .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py

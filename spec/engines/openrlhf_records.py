@@ -69,5 +69,18 @@ UNREACHABLE: dict[str, str] = {
                                      "along the batch); the adapter pads 1-D samples and stacks them",
 }
 
+#: survivors of ``spec mutate --engine openrlhf`` that no input tells from OpenRLHF's code, each with why (by mutant id)
+EQUIVALENT_MUTANTS: dict[str, str] = {
+    f"{_U}:log_probs_from_logits:173 branch: condition negated":
+        "Actor.forward divides the logits by its temperature itself and calls log_probs_from_logits with the "
+        "default 1.0 (173->174 is declared unreachable for that reason): the mutant then divides by 1.0 in place, "
+        "which leaves every value as it is",
+    f"{_U}:_logsumexp_by_chunk:164 dtype: dtype= dropped":
+        "torch.zeros without dtype= is float32; the chunked logsumexp runs only for float32 or float64 logits "
+        "(bf16 and fp16 take the row loop), and a model's head hands float32: the same buffer (float64 logits, "
+        "which no trainer's model emits and the cases do not draw, would have their logsumexp rounded to float32)",
+}
+
 #: the adapter's profile: the default one with this surface (the engine declares no conventions)
-PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE)
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE,
+                  equivalent_mutants=EQUIVALENT_MUTANTS)
