@@ -181,8 +181,8 @@ def note_fault(fault: EngineFault) -> None:
 @contextmanager
 def faults_noted() -> Iterator[list[EngineFault]]:
     """The engine faults noted for the running example while the block ran (a list filled when it ends)."""
-    before = len(_CURRENT[-1].faults) if _CURRENT else 0
     log = _CURRENT[-1] if _CURRENT else None
+    before = len(log.faults) if log is not None else 0
     found: list[EngineFault] = []
     try:
         yield found

@@ -35,7 +35,7 @@ from .handoff import (
     view_outputs,
 )
 
-__all__ = ["Run", "execute", "processor_for", "FUSED_AUX_KEYS", "fused_linear_aux", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
+__all__ = ["Run", "execute", "sp_runner_of", "processor_for", "FUSED_AUX_KEYS", "fused_linear_aux", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
 
 def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> list[Any]:
     results: list[Any] = [None] * len(calls)
@@ -59,6 +59,12 @@ def _in_threads(calls: list[Callable[[], Any]], gather: ThreadedAllGather) -> li
     return results
 
 
+def sp_runner_of(engine: EngineUnderTest) -> Callable[..., Run] | None:
+    """What runs ``engine``'s cases with ``sp_size > 1``: its own ``sp_runner``, real ranks where its sequence
+    parallelism needs a process group (:func:`spec.execute.ranks.execute`), else None (threads in this process)."""
+    return getattr(engine, "sp_runner", None) or (ranks.execute if engine.sp_on_real_ranks else None)
+
+
 def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
             micro_batch: TensorDict | None = None, stop_after_inputs: bool = False,
             reuse: list[Any] | None = None) -> Run:
@@ -73,7 +79,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
 
     The engine's calls and the model run in the case's execution context (autograd mode or autocast) (:func:`.handoff.execution_context`);
     the micro-batch, the model's weights and the snapshots the invariants compare with are made outside it."""
-    sp_runner = getattr(engine, "sp_runner", None) or (ranks.execute if engine.sp_on_real_ranks else None)
+    sp_runner = sp_runner_of(engine)
     if reuse is not None and (case.sp_size > 1 or len(reuse) not in (0, case.sp_size)):
         raise ValueError(f"reuse holds {len(reuse)} engine objects for a case on {case.sp_size} rank(s); "
                          "engine objects are reused on one rank only")

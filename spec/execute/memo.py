@@ -22,7 +22,7 @@ from ..protocol.engine import EngineUnderTest
 from . import ranks
 from .attribution import faults_noted, note_fault, trial
 from .handoff import Run
-from .harness import execute
+from .harness import execute, sp_runner_of
 
 __all__ = ["Runs"]
 
@@ -44,8 +44,7 @@ class Runs:
                 stop_after_inputs: bool = False) -> Run:
         """:func:`~spec.execute.harness.execute` of ``case``, made once per example (on real ranks where the engine's
         sequence parallelism runs there: the same run as :meth:`on_ranks`)."""
-        where = "ranks" if case.sp_size > 1 and engine.sp_on_real_ranks and getattr(engine, "sp_runner", None) is None \
-            else "engine"
+        where = "ranks" if case.sp_size > 1 and sp_runner_of(engine) is ranks.execute else "engine"
         return self._get((where, engine.name, repr(case), device, poison), stop_after_inputs,
                          lambda inputs_only: execute(engine, case, device, poison=poison,
                                                      stop_after_inputs=inputs_only))

@@ -406,7 +406,6 @@ class StreamRun:
         self.first_failure: list[float] = []  # seconds into the run of its first failing example (not reported)
         self.failures: list[BaseException] = []  # the latest failing example's exception (hypothesis shrinks to it)
         self.log: list = []  # the running check's attribution log (its engine faults), kept past its ``with``
-        self.runs_made = self.runs_read = 0  # engine runs made, and read again by a further check (benchmarks)
         self.start = time.perf_counter()
 
     def example(self, drawn: Any) -> None:
@@ -420,8 +419,6 @@ class StreamRun:
             case = drawn.cases[n] if isinstance(drawn, _Pinned) else member.info.shaped(drawn, self.engine)
             if case is not None:
                 self.check(member, case, shared.setdefault(repr(case), {}), runs)
-        self.runs_made += runs.made
-        self.runs_read += runs.read
         if not self.active:
             raise _StreamDone()
 
