@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import spec.invariants.core as core
+import spec.invariants.state as state
 from spec.execute import harness, memo
 from spec.invariants import CATALOGUE
 from spec.planted import planted_engine
@@ -122,3 +123,32 @@ def test_a_stopped_group_reruns_alone_only_the_members_short_of_their_examples(
     outcomes = run_group(PADDED[:3], load_engine("impl"), "cpu", profile="ci", max_examples=6)
     assert alone == ([info.id for info, _ in PADDED[:3]] if short else [])
     assert all(o.status == "pass" and o.examples >= 6 for o in outcomes), outcomes
+
+
+#: two checks of one engine object kept across micro-batches: both read one sibling-then-case sequence per example
+REUSED = [(CATALOGUE["INV-BATCH-003"], "padded"), (CATALOGUE["INV-MUT-005"], "padded")]
+
+
+@pytest.mark.parametrize("bug, rejecting", [(None, None), ("mask_cached_by_shape", "INV-BATCH-003"),
+                                            ("log_probs_in_reused_buffer", "INV-MUT-005")])
+def test_a_sequence_two_checks_make_alike_is_made_once_and_each_still_rejects_its_bug(
+        bug: str | None, rejecting: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INV-BATCH-003 and INV-MUT-005 read one sibling-then-case sequence through one engine object (``Runs.sequence``):
+    in their group it is made once per example, not once per check, and each check still rejects the planted bug of
+    its own property while the other passes."""
+    made, real = [], state._sibling_then_case
+
+    def counting(ctx):
+        made.append(repr(ctx.case))
+        return real(ctx)
+
+    monkeypatch.setattr(state, "_sibling_then_case", counting)
+    engine = load_engine("impl") if bug is None else planted_engine(bug)
+    outcomes = {o.invariant: o for o in run_group(REUSED, engine, "cpu", profile="ci", max_examples=12)}
+    if bug is None:
+        assert all(o.status == "pass" and o.examples >= 12 for o in outcomes.values()), outcomes
+        examples = outcomes["INV-BATCH-003"].examples
+        assert len(made) == examples, (len(made), examples)  # once per example (not twice), both checks read it
+    else:
+        assert outcomes.pop(rejecting).rejected_by_check
+        assert [o.status for o in outcomes.values()] == ["pass"], outcomes

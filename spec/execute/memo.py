@@ -7,7 +7,9 @@ example by what was run, so each is made once and read by every check that asks 
 
 Only plain calls are kept: the case as :func:`~spec.execute.harness.execute` materializes it, the device, the poison
 in the padding, whether the run stopped after the model inputs, and whether it ran on real ranks. A call with a
-micro-batch or engine objects of the caller's own is that check's alone and always runs. A run that raised is not
+micro-batch or engine objects of the caller's own is that check's alone and always runs, unless the check names the
+whole sequence of calls it makes (:meth:`Runs.sequence`: a sibling micro-batch then the case through one engine
+object, which two checks read for different properties). A run that raised is not
 kept (the next check asking it runs it again and sees the same exception). A run's engine faults (malformed outputs
 the suite noted while making it: :func:`~spec.execute.attribution.note_fault`) are noted again for every check that
 reads it, so a check that fails on them is blamed on the engine alike, whichever check made the run.
@@ -15,7 +17,7 @@ reads it, so a check that fails on them is blamed on the engine alike, whichever
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
@@ -25,6 +27,8 @@ from .handoff import Run
 from .harness import execute, sp_runner_of
 
 __all__ = ["Runs"]
+
+T = TypeVar("T")
 
 
 class Runs:
@@ -37,7 +41,7 @@ class Runs:
 
     def __init__(self, shared: bool = False) -> None:
         self.shared = shared
-        self._runs: dict[tuple, tuple[Run, tuple]] = {}
+        self._runs: dict[tuple, tuple[Any, tuple]] = {}
         self.made = self.read = 0  # runs made, and runs read again from here (for the benchmarks)
 
     def execute(self, engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
@@ -55,7 +59,13 @@ class Runs:
         return self._get(("ranks", engine.name, repr(case), device, "nan"), stop_after_inputs,
                          lambda inputs_only: ranks.execute(engine, case, device, stop_after_inputs=inputs_only))
 
-    def _get(self, call: tuple, inputs_only: bool, make: Callable[[bool], Run]) -> Run:
+    def sequence(self, what: str, engine: EngineUnderTest, case: EngineCase, device: str, make: Callable[[], T]) -> T:
+        """A check's own sequence of engine calls that another check of the example makes alike (``what`` names it:
+        e.g. a sibling micro-batch, then the case, through one engine object), made once per example by ``make``
+        and read by every check that asks it, its engine faults noted again for each as a run's are."""
+        return self._get((what, engine.name, repr(case), device, ""), False, lambda _inputs_only: make())
+
+    def _get(self, call: tuple, inputs_only: bool, make: Callable[[bool], Any]) -> Any:
         # a whole run also answers a call for the model inputs alone (they are the same first step)
         for key in ((*call, False), (*call, True)) if inputs_only else ((*call, False),):
             kept = self._runs.get(key)
@@ -73,7 +83,7 @@ class Runs:
                 pass
         return self._make(call, inputs_only, make)
 
-    def _make(self, call: tuple, inputs_only: bool, make: Callable[[bool], Run]) -> Run:
+    def _make(self, call: tuple, inputs_only: bool, make: Callable[[bool], Any]) -> Any:
         with faults_noted() as faults:
             run = make(inputs_only)
         self._runs[(*call, inputs_only)] = (run, tuple(faults))

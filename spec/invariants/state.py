@@ -66,7 +66,12 @@ def _view_fields(run: Run) -> dict[str, Any]:
 
 
 def _after_sibling(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
-    """The sibling's run, a copy of what it returned, and the case's run, through one engine object."""
+    """The sibling's run, a copy of what it returned, and the case's run, through one engine object: made once per
+    example for the checks that read it (INV-BATCH-003 the second run, INV-MUT-005 the first)."""
+    return ctx.runs.sequence("after sibling", ctx.engine, ctx.case, ctx.device, lambda: _sibling_then_case(ctx))
+
+
+def _sibling_then_case(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
     engines: list[Any] = []
     first = execute(ctx.engine, sibling(ctx.case), ctx.device, reuse=engines)
     kept = {"outputs": held(first.outputs), "inputs": held(_view_fields(first))}
