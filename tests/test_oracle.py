@@ -9,13 +9,16 @@ vocabularies, big batches, mRoPE, per-sample and clamped temperatures, every log
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given, settings, strategies as st
 
 from spec.cases import EngineCase
 from spec.execute.handoff import model_for
 from spec.cases.materialize import draws, materialize
-from spec.truth.oracle import expected, expected_loop
+from spec.cases.structure import EXECUTION_CONTEXTS
+from spec.truth.oracle import LAYOUT_ONLY, LOG_PROB_MIN_CLAMP, Expected, expected, expected_loop, oracle_key
 from spec.cases.strategies import engine_cases
 
 KEYS = ("log_probs", "entropy", "sum_pi_squared", "values")
@@ -31,7 +34,11 @@ def identical(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
 
 def assert_same_oracle(case: EngineCase) -> None:
     model = model_for(case, "cpu")
-    fast, loop = expected(case, model, draws(case)), expected_loop(case, materialize(case), model)
+    assert_identical(expected(case, model, draws(case)), expected_loop(case, materialize(case), model), case)
+
+
+def assert_identical(fast: Expected, loop: Expected, case: EngineCase) -> None:
+    """Every value, tolerance, condition, tie slack and bound of two expectations of ``case``, bit for bit."""
     for key in KEYS:
         identical(fast.of(key), loop.of(key), key)
     assert fast.distillation.keys() == loop.distillation.keys() == set(case.distillation_keys)
@@ -78,3 +85,39 @@ def test_oracle_reads_the_case_not_a_mutated_batch() -> None:
     batch["input_ids"].values().zero_()
     identical(expected(case, model, draws(case)).log_probs, before, "log_probs after the batch was zeroed")
     assert not all(torch.equal(a, b) for a, b in zip(expected_loop(case, batch, model).log_probs, before))
+
+
+@st.composite
+def layouts_of(draw, case: EngineCase) -> dict:
+    """Values other than ``case``'s for every field of :data:`LAYOUT_ONLY` but the real-rank topology (None off
+    real ranks), and an engine switch other than log_prob_min_clamp."""
+    other = lambda values, now: draw(st.sampled_from([v for v in values if v != now]))  # noqa: E731
+    width = max(case.response_lens)
+    return {"use_remove_padding": not case.use_remove_padding, "pass_cu_seqlens": not case.pass_cu_seqlens,
+            "pad_to_length": other((None, 4, 7, 1024), case.pad_to_length), "sp_size": other((1, 2, 3, 4), case.sp_size),
+            "entropy_chunk_size": other((None, 1, 2, 7), case.entropy_chunk_size),
+            "max_response_len": other((None, width, width + 2), case.max_response_len),
+            "pad_token_id": (case.pad_token_id + 1) % case.vocab,  # every vocabulary has at least 2 ids
+            "context": other(EXECUTION_CONTEXTS, case.context),
+            "engine_config": (*case.engine_config, ("a_switch_the_oracle_never_reads", draw(st.integers(1, 3))))}
+
+
+@settings(max_examples=60)
+@given(data=st.data(), case=st.one_of(engine_cases(), engine_cases(head="value")))
+def test_cases_alike_but_for_the_layout_have_one_oracle_key_and_one_expectation(data, case: EngineCase) -> None:
+    """The oracle's cache key (:func:`oracle_key`, what one example's checks share it by) leaves out only fields the
+    oracle never reads: changing every one of them keeps the key and the expectation, bit for bit."""
+    other = dataclasses.replace(case, **data.draw(layouts_of(case)))
+    assert all(getattr(other, f) != getattr(case, f) for f in LAYOUT_ONLY if f != "topology")
+    assert oracle_key(other) == oracle_key(case)
+    assert_identical(expected(other, model_for(other, "cpu"), draws(other)),
+                     expected(case, model_for(case, "cpu"), draws(case)), case)
+
+
+def test_a_field_the_oracle_reads_moves_its_key() -> None:
+    """The key is not blind to what the oracle reads: the seed, the temperature, a flag it computes, the
+    distillation clamp each give another key (and another expectation)."""
+    case = EngineCase(prompt_lens=(2, 3), response_lens=(2, 2), vocab=16, seed=5, distillation_keys=("student_mass",))
+    for change in ({"seed": 6}, {"temperature": 0.5}, {"calculate_entropy": True}, {"mask_hole_rate": 0.5},
+                   {"engine_config": ((LOG_PROB_MIN_CLAMP, -5.0),)}):
+        assert oracle_key(dataclasses.replace(case, **change)) != oracle_key(case), change

@@ -13,6 +13,9 @@ object, which two checks read for different properties). A run that raised is no
 kept (the next check asking it runs it again and sees the same exception). A run's engine faults (malformed outputs
 the suite noted while making it: :func:`~spec.execute.attribution.note_fault`) are noted again for every check that
 reads it, so a check that fails on them is blamed on the engine alike, whichever check made the run.
+
+The oracle's expectation is kept alike (:meth:`Runs.oracle`): one per oracle key of the example's cases, the
+checks' shapes of one drawn case mostly differing in layout fields the oracle never reads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Callable, TypeVar
 
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
+from ..truth.oracle import oracle_key
 from . import ranks
 from .attribution import faults_noted, note_fault, trial
 from .handoff import Run
@@ -42,6 +46,7 @@ class Runs:
     def __init__(self, shared: bool = False) -> None:
         self.shared = shared
         self._runs: dict[tuple, tuple[Any, tuple]] = {}
+        self._oracles: dict[tuple, Any] = {}
         self.made = self.read = 0  # runs made, and runs read again from here (for the benchmarks)
 
     def execute(self, engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, poison: str = "nan",
@@ -64,6 +69,15 @@ class Runs:
         e.g. a sibling micro-batch, then the case, through one engine object), made once per example by ``make``
         and read by every check that asks it, its engine faults noted again for each as a run's are."""
         return self._get((what, engine.name, repr(case), device, ""), False, lambda _inputs_only: make())
+
+    def oracle(self, case: EngineCase, engine: EngineUnderTest, make: Callable[[], T]) -> T:
+        """The oracle's expectation for ``case`` (``make``), made once per example for every case with its oracle key
+        (:func:`~spec.truth.oracle.oracle_key`: the checks' shapes of one drawn case mostly differ in fields the
+        oracle never reads) and the engine's head input (the model it is computed from)."""
+        key = ("oracle", oracle_key(case), getattr(engine, "head_input", None))
+        if key not in self._oracles:
+            self._oracles[key] = make()
+        return self._oracles[key]
 
     def _get(self, call: tuple, inputs_only: bool, make: Callable[[bool], Any]) -> Any:
         # a whole run also answers a call for the model inputs alone (they are the same first step)

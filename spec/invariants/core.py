@@ -235,7 +235,8 @@ class Ctx:
         """The oracle, from the case's own draws (an engine that mutates its input cannot move the
         expectation) and a CPU model (the engine's head input: logits, or the fused head's exact product);
         no engine run needed."""
-        return expected(self.case, model_for(self.case, "cpu", self.engine), draws(self.case))
+        return self.runs.oracle(self.case, self.engine,
+                                lambda: expected(self.case, model_for(self.case, "cpu", self.engine), draws(self.case)))
 
     def oracle(self, key: str, case: EngineCase | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Output ``key``'s per-sequence expectation and tolerance at the precision the engine declares for it on

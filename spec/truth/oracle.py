@@ -32,6 +32,7 @@ mistake beyond bf16's rounding (a temperature applied twice, a wrong label, a ca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ from tensordict import TensorDict
 from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
-__all__ = ["Expected", "expected", "expected_loop", "topk_terms", "LOG_PROB_MIN_CLAMP", "log_prob_min_clamp",
+__all__ = ["Expected", "expected", "expected_loop", "LAYOUT_ONLY", "oracle_key", "topk_terms", "LOG_PROB_MIN_CLAMP", "log_prob_min_clamp",
            "topk_tie_slack", "OVERLAP_KEYS", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
            "LOW_SAFETY", "unit_roundoff"]
 
@@ -280,6 +281,24 @@ def cancellation_bounds(z: torch.Tensor, probs: torch.Tensor, spq: torch.Tensor 
         lse2 = torch.logsumexp(2 * z, dim=-1)
         out["sum_pi_squared"] = spq * torch.expm1(depth * (lse2.abs() + 2 * lse.abs()))
     return out
+
+
+#: the fields of a case :func:`expected` never reads, each with the value :func:`oracle_key` gives it: how the engine
+#: lays the tokens out and runs (packed or padded, the tail bucket, sequence parallelism and its groups, the entropy
+#: chunk, cu_seqlens handed or not, the pad id, the response width, the execution context). Cases that differ only
+#: there have one expectation (tests/test_oracle.py changes each on drawn cases and compares the oracle bit for bit).
+LAYOUT_ONLY: dict[str, object] = {
+    "use_remove_padding": True, "pass_cu_seqlens": False, "pad_to_length": None, "sp_size": 1, "topology": None,
+    "entropy_chunk_size": None, "max_response_len": None, "pad_token_id": 0, "context": "grad",
+}
+
+
+def oracle_key(case: "EngineCase") -> "EngineCase":
+    """``case`` with every field the oracle never reads at one value (:data:`LAYOUT_ONLY`; of the engine's own
+    switches only ``log_prob_min_clamp``, which the distillation terms read): cases with equal keys have equal
+    :func:`expected` (from the same model), so one example's checks share it (:meth:`spec.execute.memo.Runs.oracle`)."""
+    config = tuple((name, value) for name, value in case.engine_config if name == LOG_PROB_MIN_CLAMP)
+    return dataclasses.replace(case, engine_config=config, **LAYOUT_ONLY)
 
 
 def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
