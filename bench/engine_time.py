@@ -34,7 +34,7 @@ class EngineClock:
         self.seconds: Counter = Counter()
         self.calls: Counter = Counter()
         self.ranks: Counter = Counter()
-        self.tier = OUTSIDE  # the size tier of the running check's case (:func:`tier_of`)
+        self.tier = OUTSIDE  # the size tier of the running check's case (spec.cases.coverage.tier_of)
         self.by_tier: Counter = Counter()  # engine and round-trip seconds by the case's tier
         self.checks_by_tier: Counter = Counter()  # check x example steps by the case's tier
         self.steps_by_tier: Counter = Counter()  # the checks' whole wall seconds (the suite's stages too) by tier
@@ -74,18 +74,10 @@ class EngineClock:
         return self._timed(original, self.ranks)
 
 
-def tier_of(case) -> str:
-    """The size tier a drawn case came from (spec.cases.strategies: a small case has at most 16 tokens a sequence,
-    2 .. 257 ids and at most 5 sequences), read off its structure."""
-    if max(case.seq_lens) > 16:
-        return "long"
-    if case.vocab > 257:
-        return "wide"
-    return "batch" if case.batch_size > 5 else "small"
-
-
 def install(clock: EngineClock) -> None:
     """Wrap the engine-side calls, the round trips, and the runner's per-check step (which names the check)."""
+    from spec.cases.coverage import tier_of
+    from spec.cases.structure import EngineCase
     from spec.execute import attribution, ranks
     from spec.run import runner
 
@@ -95,7 +87,7 @@ def install(clock: EngineClock) -> None:
 
     def named(self, member, case, shared, runs):
         clock.check = member.info.id
-        clock.tier = tier_of(case) if hasattr(case, "seq_lens") else "dense"
+        clock.tier = tier_of(case) if isinstance(case, EngineCase) else "dense"
         clock.checks_by_tier[clock.tier] += 1
         start = time.perf_counter()
         try:

@@ -74,7 +74,7 @@ class Runs:
         """The oracle's expectation for ``case`` (``make``), made once per example for every case with its oracle key
         (:func:`~spec.truth.oracle.oracle_key`: the checks' shapes of one drawn case mostly differ in fields the
         oracle never reads) and the engine's head input (the model it is computed from)."""
-        key = ("oracle", oracle_key(case), getattr(engine, "head_input", None))
+        key = (oracle_key(case), getattr(engine, "head_input", None))
         if key not in self._oracles:
             self._oracles[key] = make()
         return self._oracles[key]

@@ -42,8 +42,8 @@ from tensordict import TensorDict
 from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
-__all__ = ["Expected", "expected", "expected_loop", "LAYOUT_ONLY", "oracle_key", "topk_terms", "LOG_PROB_MIN_CLAMP", "log_prob_min_clamp",
-           "topk_tie_slack", "OVERLAP_KEYS", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
+__all__ = ["Expected", "expected", "expected_loop", "LAYOUT_ONLY", "oracle_key", "topk_terms", "LOG_PROB_MIN_CLAMP",
+           "log_prob_min_clamp", "topk_tie_slack", "OVERLAP_KEYS", "TopKProcessor", "scaled_logits", "EPS", "SAFETY",
            "LOW_SAFETY", "unit_roundoff"]
 
 EPS = torch.finfo(torch.float32).eps
