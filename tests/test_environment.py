@@ -94,3 +94,32 @@ def test_jagged_tensors_cross_the_rank_boundary_as_on_torch_24(monkeypatch) -> N
         made = torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets)
         safe = rank_worker._nested_safe({"x": made})["x"]
     assert safe.is_nested and safe.values().tolist() == list(range(5))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8", "bool"])
+def test_tensors_cross_the_rank_boundary_with_what_a_check_reads(dtype) -> None:
+    """A real-rank reply's CPU tensors travel as raw bytes (spec.execute.pickling): values bit for bit, dtype,
+    shape, strides, storage offset, requires_grad, empty tensors, and jagged rows come back as they left."""
+    import pickle
+
+    import torch
+
+    from spec.execute import pickling
+
+    dt = getattr(torch, dtype)
+    base = (torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 9).to(dt)
+    view = base.t()[2:]  # strided, offset
+    empty = torch.empty(0, 3, dtype=dt)
+    leaf = torch.randn(3, dtype=torch.float32, requires_grad=True)
+    jagged = torch.nested.nested_tensor_from_jagged(base.flatten()[:6], torch.tensor([0, 2, 6]))
+    back = pickle.loads(pickling.dumps({"base": base, "view": view, "empty": empty, "leaf": leaf, "jagged": jagged}))
+    for name, before in {"base": base, "view": view, "empty": empty}.items():
+        after = back[name]
+        assert after.dtype == before.dtype and after.shape == before.shape, name
+        assert after.stride() == before.stride() and after.storage_offset() == before.storage_offset(), name
+        assert torch.equal(after, before), name  # (no NaN drawn: equal is bit for bit here)
+    assert back["leaf"].requires_grad and torch.equal(back["leaf"], leaf)
+    assert [t.tolist() for t in back["jagged"].unbind()] == [t.tolist() for t in jagged.unbind()]
+    sent = base.clone()
+    base.zero_()  # what arrived is the receiver's own copy
+    assert torch.equal(back["base"], sent) and back["base"].any()
