@@ -4,10 +4,10 @@ short summary (the counts, one line per failure, the slowest targets, the report
 Also ``fuzz`` (a campaign over the shared example database), ``list`` (the catalogue) and
 ``engines`` (the built-in engines and their capabilities).
 
-The arguments are parsed before anything heavy is imported: ``--help`` and a bad option answer without
-torch, hypothesis or the suite, which each command imports when it runs (its function-local imports, all
-of lower layers). A usage error (an unknown engine, planted bug, profile or ``--only`` prefix) is one line
-on stderr with the closest names and exit code 2; a failed verdict exits 1, a pass 0.
+The arguments are parsed here, before anything heavy is imported: ``--help`` and a bad option answer without
+torch, hypothesis or the suite. The commands themselves are :mod:`spec.commands`, imported once the arguments are
+parsed. A usage error (an unknown engine, planted bug, profile or ``--only`` prefix) is one line on stderr with the
+closest names and exit code 2; a failed verdict exits 1, a pass 0.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from pathlib import Path
 
 __all__ = ["main"]
 
@@ -93,7 +91,7 @@ def _add_mutate(sub) -> None:
                                "the mutants it killed are carried over, not run again")
 
 
-#: one function per subcommand: adding one is a line here and a branch in main()
+#: one parser per subcommand: adding one is a line here and an entry in spec.commands.COMMANDS
 SUBCOMMANDS = [_add_verify, _add_fuzz, _add_list, _add_engines, _add_mutate]
 
 
@@ -105,217 +103,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Usage(Exception):
-    """A usage error: printed as one line on stderr, exit code 2."""
-
-
-def _usage(error: ValueError) -> _Usage:
-    return _Usage(str(error))
-
-
-def _load_engine(name: str):
-    from .run.registry import UnknownName, load_engine
-
-    try:
-        return load_engine(name)
-    except UnknownName as exc:
-        raise _usage(exc) from None
-
-
-def _load_profile(name: str | None) -> str:
-    from .run.registry import UnknownName, checked_profile
-
-    try:
-        return checked_profile(name)
-    except UnknownName as exc:
-        raise _usage(exc) from None
-
-
-def _prefixes(only: str | None, *, split: bool = True) -> tuple[str, ...]:
-    """``--only``'s prefixes (comma-separated where ``split``), each checked to match some invariant ID."""
-    from .run.registry import UnknownName, check_prefixes
-    from .run.runner import instances
-
-    prefixes = (tuple(p.strip() for p in only.split(",") if p.strip()) if split else (only,)) if only else ()
-    try:
-        check_prefixes(prefixes, [info.id for info, _ in instances()])
-    except UnknownName as exc:
-        raise _usage(exc) from None
-    return prefixes
-
-
-class _Captured:
-    """The process's stderr (file descriptor 2, inherited by the worker processes and their ranks) sent to a
-    temporary file while the targets run, so that what torch, the engine or a worker writes there (a
-    ``logging`` warning, a C++ warning, a Python warning) never breaks the progress line; the progress line
-    goes to the real stderr. :meth:`restore` prints what was written, each line once, after the line."""
-
-    def __init__(self) -> None:
-        import tempfile
-
-        sys.stderr.flush()
-        self.file = tempfile.TemporaryFile()
-        self.real = os.dup(2)
-        os.dup2(self.file.fileno(), 2)
-
-    def write(self, text: str) -> None:
-        os.write(self.real, text.encode())
-        self.open_line = not text.endswith("\n")
-
-    def restore(self) -> None:
-        """The real stderr back (the progress line ended), then what was written meanwhile, each line once."""
-        if getattr(self, "open_line", False):
-            self.write("\n")
-        sys.stderr.flush()
-        os.dup2(self.real, 2)
-        os.close(self.real)
-        said = self.distinct()
-        if said:
-            print(f"written to stderr by torch, the engine or a worker ({len(said)} distinct line(s), each once):",
-                  file=sys.stderr)
-            print("\n".join(f"  {line[:300]}" for line in said[:20]), file=sys.stderr)
-            if len(said) > 20:
-                print(f"  (+{len(said) - 20} more)", file=sys.stderr)
-
-    def distinct(self) -> list[str]:
-        import re
-
-        self.file.seek(0)
-        lines: dict[str, str] = {}
-        for line in self.file.read().decode(errors="replace").splitlines():
-            # glog/torch.logging prefix ("W1203 22:18:57.625000 10764 path:56] ..."): time and pid differ per process
-            key = re.sub(r"^[IWEF]\d{4} [\d:.]+ +\d+ ", "", line.strip())
-            if key:
-                lines.setdefault(key, line.rstrip())
-        self.file.close()
-        return list(lines.values())
-
-
-def _verify(args: argparse.Namespace) -> int:
-    import torch
-    from hypothesis import Verbosity
-
-    from . import report
-    from .cases.coverage import domains as coverage_domains
-    from .invariants import CATALOGUE
-    from .repro import write_reproducers
-    from .run import engine_coverage
-    from .run.parallel import default_workers, recorded_seconds, run_targets
-    from .run.runner import instances
-
-    profile = _load_profile(args.profile)
-    torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
-    device = args.device or ("cuda" if profile == "cuda" else "cpu")
-    only = _prefixes(args.only)
-    engine = _load_engine(args.engine)
-    todo = [(i, m) for i, m in instances() if (not only or i.id.startswith(only))
-            and not (args.no_layout and i.layout)]
-    quiet = {} if profile == "debug" else {"verbosity": Verbosity.quiet}
-    workers = default_workers() if args.workers == "auto" else args.workers
-    safe = report.safe_name(engine.name)
-    stem = Path(args.out) / f"verify-{safe}"
-    start = time.perf_counter()
-    captured = _Captured()
-
-    def progress(done: int, total: int, running: list[str]) -> None:
-        captured.write(f"\r[{done:3d}/{total}] {time.perf_counter() - start:6.1f}s {', '.join(running)[:60]:<60}")
-
-    measuring = engine_coverage.begin(engine)  # the engine's own code reached, in every process
-    try:
-        outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
-                               threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
-                               recorded=recorded_seconds(report.report_paths(stem)[1]), progress=progress)
-        seconds = time.perf_counter() - start
-        reproducers = None
-        if not args.no_repro and any(o.status == "fail" or (args.repro_known and o.known_cases) for o in outcomes):
-            reproducers = write_reproducers(outcomes, engine, Path(args.out) / safe / "repro",
-                                            titles={o.invariant: CATALOGUE[o.invariant].title for o in outcomes
-                                                    if o.invariant in CATALOGUE}, known=args.repro_known)
-        paths = report.write_reports(outcomes, stem, engine=engine.name, profile=profile, device=device,
-                                     reproducers=reproducers, domains=coverage_domains(engine),
-                                     companions=engine.companions())
-        covered = engine_coverage.write_section(measuring.finish(), paths)
-    finally:
-        captured.restore()
-    rerun = ["python", "-m", "spec", "verify", "--engine", args.engine, "--profile", profile]
-    rerun += ["--device", device] if device != "cpu" else []
-    rerun += ["--out", args.out] if args.out != "reports" else []
-    print("\n".join(report.summary(outcomes, engine=engine.name, profile=profile, device=device, seconds=seconds,
-                                   paths=paths, reproducers=reproducers, rerun=rerun)))
-    print(covered)
-    return 1 if report.failed(outcomes) else 0
-
-
-def _fuzz(args: argparse.Namespace) -> int:
-    """A fuzz campaign (spec/fuzz.py) on the database named by $SPEC_EXAMPLE_DB; exit 1 if it found a failure."""
-    from . import fuzz
-    from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
-
-    _load_engine(args.engine)  # an unknown name is a usage error before any worker starts
-    _prefixes(args.only, split=False)  # fuzz takes one prefix
-    try:
-        database = example_database()
-        check_reachable(database)
-    except (DatabaseUnavailable, ValueError) as exc:
-        print(f"fuzz: {exc}", file=sys.stderr)
-        return 2
-    where = describe(database)
-    print(f"fuzz: engine {args.engine}, {args.workers} workers, {args.seconds:.0f}s, database {where}", file=sys.stderr)
-    stats = fuzz.run_campaign(args.engine, workers=args.workers, seconds=args.seconds, only=args.only, device=args.device)
-    paths = fuzz.write_reports(stats, Path(args.out) / f"fuzz-{fuzz.safe_name(args.engine)}", engine=args.engine,
-                          seconds=args.seconds, workers=args.workers, database=where)
-    for s in stats.values():
-        if s.status != "pass":
-            print(f"{'FAIL' if s.status == 'fail' else 'known failure'} {s.target}: {s.counterexample} -> {s.error}")
-    print(f"fuzz: wrote {', '.join(str(p) for p in paths)}")
-    return 1 if fuzz.failed(stats) else 0
-
-
-def _list(args: argparse.Namespace) -> int:
-    from .invariants import CATALOGUE
-
-    if args.markdown:
-        print("| ID | title | contract | modes | needs |\n|---|---|---:|---|---|")
-    for key in sorted(CATALOGUE):
-        info = CATALOGUE[key]
-        if args.markdown:
-            print(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
-                  f"{', '.join(info.needs) or '-'} |")
-        else:
-            print(f"{info.id:<14} [{','.join(info.modes)}] {info.title}")
-    return 0
-
-
-def _engines(args: argparse.Namespace) -> int:
-    from .run.registry import PLANTED, describe_engines
-
-    if args.capabilities:
-        caps = _load_engine(args.capabilities).capabilities()
-        print(f"engine {caps.engine}; CP layouts: {', '.join(layout.value for layout in caps.layouts)}")
-        for feature, state in caps.table():
-            print(f"  {feature:<34} {state}")
-        return 0
-    print("\n".join(describe_engines()))
-    if args.planted:
-        print("\n".join(f"planted:{name}" for name in PLANTED))
-    return 0
-
-
-def _mutate(args: argparse.Namespace) -> int:
-    from . import mutate
-
-    return mutate.main_mutate(args, _load_engine(args.engine))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    commands = {"verify": _verify, "fuzz": _fuzz, "list": _list, "engines": _engines, "mutate": _mutate}
-    try:
-        return commands[args.command](args)
-    except _Usage as exc:
-        print(f"python -m spec {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    # the one deferred import: the commands need torch, hypothesis and the suite; --help and the parser's usage
+    # errors above answer without them
+    from . import commands
+
+    return commands.run(args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("execute", ("spec.execute",), ("protocol", "truth", "cases")),
     ("invariants", ("spec.invariants",), ("protocol", "truth", "cases", "execute")),
     ("run", ("spec.run",), ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants")),
-    ("faces", ("spec.__main__", "spec.report", "spec.fuzz", "spec.detection", "spec.docs", "spec.pytest_plugin",
+    ("faces", ("spec.__main__", "spec.commands", "spec.report", "spec.fuzz", "spec.detection", "spec.docs", "spec.pytest_plugin",
                "spec.mutate", "spec.measured",
                "spec.repro"),
      ("protocol", "truth", "cases", "engines", "planted", "execute", "invariants", "run")),
