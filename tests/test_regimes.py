@@ -292,7 +292,8 @@ def test_micro_batch_cases_draw_every_context_and_shrink_to_grad() -> None:
 
     seen = set()
 
-    @settings(max_examples=60, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @seed(REACH_SEED)  # a constant, not derandomize's hash of this function's source: an edit moves no draw
+    @settings(max_examples=60, database=None, suppress_health_check=list(HealthCheck))
     @given(minibatch_cases())
     def draw(case):
         seen.add(case.context)
@@ -301,7 +302,8 @@ def test_micro_batch_cases_draw_every_context_and_shrink_to_grad() -> None:
     assert seen == set(CONTEXTS)
     shrunk = []
 
-    @settings(max_examples=20, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @seed(REACH_SEED)
+    @settings(max_examples=20, database=None, suppress_health_check=list(HealthCheck))
     @given(minibatch_cases())
     def always_fails(case):
         shrunk.append(case)
