@@ -107,7 +107,8 @@ class _Captured:
 
 def _verify(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
-    torch.set_num_threads(int(os.environ.get("SPEC_TORCH_THREADS", "1")))  # tiny tensors: threads only contend
+    threads = int(os.environ.get("SPEC_TORCH_THREADS", "1"))
+    torch.set_num_threads(threads)  # tiny tensors: threads only contend
     device = args.device or ("cuda" if profile == "cuda" else "cpu")
     only = _prefixes(args.only)
     engine = _load_engine(args.engine)
@@ -126,7 +127,7 @@ def _verify(args: argparse.Namespace) -> int:
     measuring = engine_coverage.begin(engine)  # the engine's own code reached, in every process
     try:
         outcomes = run_targets(engine, todo, workers=workers, profile=profile, device=device, engine_name=args.engine,
-                               threads=int(os.environ.get("SPEC_TORCH_THREADS", "1")), overrides=quiet,
+                               threads=threads, overrides=quiet,
                                recorded=recorded_seconds(report.report_paths(stem)[1]), progress=progress)
         seconds = time.perf_counter() - start
         reproducers = None

@@ -146,7 +146,7 @@ REACH_SEED = 20261205
 
 def _draw_all(strategy, examples: int, note) -> None:
     """``note(case)`` on ``examples`` cases of ``strategy``, drawn from :data:`REACH_SEED`; ``note`` may end the look
-    early by raising :class:`_AllSeen`."""
+    early by raising :class:`_AllSeen` (anything else it raises fails the draw, shrunk by hypothesis)."""
     @seed(REACH_SEED)
     @settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(strategy)
@@ -291,26 +291,16 @@ def test_micro_batch_cases_draw_every_context_and_shrink_to_grad() -> None:
     from spec.cases.microbatch import minibatch_cases
 
     seen = set()
-
-    @seed(REACH_SEED)  # a constant, not derandomize's hash of this function's source: an edit moves no draw
-    @settings(max_examples=60, database=None, suppress_health_check=list(HealthCheck))
-    @given(minibatch_cases())
-    def draw(case):
-        seen.add(case.context)
-
-    draw()
+    _draw_all(minibatch_cases(), 60, lambda case: seen.add(case.context))
     assert seen == set(CONTEXTS)
     shrunk = []
 
-    @seed(REACH_SEED)
-    @settings(max_examples=20, database=None, suppress_health_check=list(HealthCheck))
-    @given(minibatch_cases())
     def always_fails(case):
         shrunk.append(case)
         raise AssertionError("shrink me")
 
     with pytest.raises(AssertionError):
-        always_fails()
+        _draw_all(minibatch_cases(), 20, always_fails)
     assert shrunk[-1].context == "grad"
 
 

@@ -36,16 +36,17 @@ __all__ = ["dumps", "save"]
 _PICKLES_JAGGED = _JaggedTensor is None or hasattr(_JaggedTensor, "_clear_non_serializable_cached_data")
 
 
-def _cpu_storage(data: bytes, dtype: torch.dtype) -> Any:
-    """A CPU ``TypedStorage`` of ``dtype`` holding ``data`` (its raw bytes): what :class:`_Pickler` ships."""
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
+def _cpu_storage(data: bytearray, dtype: torch.dtype) -> Any:
+    """A CPU ``TypedStorage`` of ``dtype`` over ``data`` (its raw bytes, the receiver's own unpickled copy, shared
+    without another copy): what :class:`_Pickler` ships."""
+    raw = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
     return torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
 
 
-def _storage_bytes(storage: Any) -> bytes:
-    """The raw bytes of a CPU ``TypedStorage``."""
+def _storage_bytes(storage: Any) -> bytearray:
+    """A copy of the raw bytes of a CPU ``TypedStorage`` (mutable, so the receiver's storage can share it)."""
     raw = storage._untyped_storage
-    return torch.empty(0, dtype=torch.uint8).set_(raw).numpy().tobytes() if raw.nbytes() else b""
+    return bytearray(torch.empty(0, dtype=torch.uint8).set_(raw).numpy()) if raw.nbytes() else bytearray()
 
 
 class _Pickler(pickle.Pickler):
@@ -75,7 +76,7 @@ def dumps(obj: Any) -> bytes:
     """``pickle.dumps(obj)`` for the other process of a real-rank run: also on torch 2.4 for jagged tensors whose
     shape was read, CPU storages as their raw bytes (see :class:`_Pickler`)."""
     buffer = io.BytesIO()
-    _BoundaryPickler(buffer, pickle.DEFAULT_PROTOCOL).dump(obj)
+    _BoundaryPickler(buffer, 5).dump(obj)  # protocol 5: a bytearray is one opcode (4 rebuilds it from bytes)
     return buffer.getvalue()
 
 
