@@ -15,7 +15,7 @@ import torch
 import impl
 from impl.flags import read_flag
 from spec import protocol
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 
 # The declarations are the protocol's str enums (spec.protocol.PaddedLayout, OutputSpan, HeadInput), written as their
 # values so that this module also loads against a suite without them (tests/test_false_alarms.py then fails).

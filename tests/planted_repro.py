@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.protocol.engine import EngineUnderTest
 from spec.repro import write_reproducer, write_reproducers

@@ -13,7 +13,7 @@ import torch
 
 import impl
 from impl.flags import read_flag
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.protocol import EngineProfile, Feature, PaddedLayout
 from spec.protocol.profile import token_columns
 

@@ -4,8 +4,8 @@ every registered third-party adapter module count at most 60 lines.
 The count (:func:`adapter_lines`): the lines that hold Python code, at least one token other than a comment. A
 blank line, a comment-only line and the lines of a docstring (the first statement of a module, class or function
 when it is a string) do not count; a statement over several lines counts each line. The records module beside an
-adapter (``*_records.py``) is a separate module and not counted; the kit (``kit.py``, ``hf_batch.py``,
-``stubs.py``) is not the adapter. Third-party adapters: every engine of :data:`spec.run.registry.ENGINES` but impl
+adapter in its folder (``records.py``) is a separate module and not counted; the kit (``spec/engines/kit/``) is
+not the adapter. Third-party adapters: every engine of :data:`spec.run.registry.ENGINES` but impl
 and verl's (``verl``, ``verl-*``), whose adapters probe a whole framework.
 """
 

@@ -138,9 +138,9 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
             assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))
 
 
-@pytest.mark.parametrize("module, attr, page", [("spec.engines.torchtitan", "KNOWN_RECORDS", "verl-torchtitan"),
-                                                ("spec.engines.automodel", "KNOWN_RECORDS", "verl-automodel"),
-                                                ("spec.engines.megatron", "MegatronEngine", "verl-megatron")])
+@pytest.mark.parametrize("module, attr, page", [("spec.engines.torchtitan.adapter", "KNOWN_RECORDS", "verl-torchtitan"),
+                                                ("spec.engines.automodel.adapter", "KNOWN_RECORDS", "verl-automodel"),
+                                                ("spec.engines.megatron.adapter", "MegatronEngine", "verl-megatron")])
 def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str, page: str) -> None:
     """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
     condition, an exception type and a message pattern, and a mention in its docs/engines page."""

@@ -16,7 +16,7 @@ import torch
 
 import impl
 from spec.cases import EngineCase
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.execute.attribution import AttributedEngine
 from spec.invariants import CATALOGUE, Ctx
 from spec.invariants import core
@@ -139,7 +139,7 @@ def test_a_float_mask_is_no_mask_under_any_profile() -> None:
 
 
 def test_verl_and_impl_declare_verl_conventions() -> None:
-    from spec.engines.verl import VerlEngine
+    from spec.engines.verl.adapter import VerlEngine
 
     assert VERL_CONVENTIONS == frozenset(Convention)
     assert ImplEngine.profile.conventions == VERL_CONVENTIONS
@@ -155,8 +155,12 @@ def test_every_convention_is_checked_somewhere() -> None:
 def _static_records() -> dict[str, tuple]:
     """The record tables of verl's engines, for a machine without verl (they assemble their records from these when
     built): every version's."""
-    from spec.engines import automodel, megatron, torchtitan, verl, veomni
-    from spec.engines.microbatch_records import MICROBATCH_RECORDS
+    from spec.engines.automodel import adapter as automodel
+    from spec.engines.megatron import adapter as megatron
+    from spec.engines.torchtitan import adapter as torchtitan
+    from spec.engines.veomni import adapter as veomni
+    from spec.engines.verl import adapter as verl
+    from spec.engines.verl.microbatch_records import MICROBATCH_RECORDS
 
     micro = tuple(r for records in MICROBATCH_RECORDS.values() for r in records)
     bugs = tuple(r for records in verl.KNOWN_BUGS.values() for r in records) + micro + verl.fp16_clamp_cast_records() \
@@ -169,7 +173,7 @@ def _static_records() -> dict[str, tuple]:
 def _records():
     """Every registered engine's records and the conventions it declares: the engine's own where it builds here,
     else (verl's engines without verl) the tables they come from, under the class's profile."""
-    from spec.engines import verl
+    from spec.engines.verl import adapter as verl
 
     static = _static_records()
     for name, (make, _) in ENGINES.items():

@@ -308,10 +308,10 @@ def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
     line moved or whose mutant no longer exists is stale): verl's, TRL's, skyrl-train's and OpenRLHF's, where
     installed (the verl091, trl-openrlhf and skyrl CI steps)."""
-    from spec.engines.openrlhf_records import PROFILE as OPENRLHF_PROFILE
-    from spec.engines.skyrl_records import TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
-    from spec.engines.trl_records import PROFILE as TRL_PROFILE
-    from spec.engines.verl import VerlEngine
+    from spec.engines.openrlhf.records import PROFILE as OPENRLHF_PROFILE
+    from spec.engines.skyrl.records import TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
+    from spec.engines.trl.records import PROFILE as TRL_PROFILE
+    from spec.engines.verl.adapter import VerlEngine
     from spec.mutate import mutants_of
 
     profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "skyrl-train": SKYRL_TRAIN_PROFILE,

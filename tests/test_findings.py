@@ -18,7 +18,7 @@ import pytest
 import impl
 from spec.execute.attribution import suite_side
 from spec.detection import detects
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.invariants.settings import BAD_FLAGS, FLAG_DEFAULTS
 from spec.planted import PlantedBug, PlantedEngine, planted_engine

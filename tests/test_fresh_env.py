@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.repro import write_reproducer, write_reproducers
 from spec.repro.fresh_env import files_under, main
@@ -115,14 +115,14 @@ def test_an_adapter_is_carried_as_source(tmp_path) -> None:
     from spec.protocol.engine import ReproSnippet
     from spec.repro.carry import carried, closure
 
-    modules = closure("spec.engines.hf_batch")
-    assert {"spec", "spec.engines", "spec.engines.hf_batch", "impl", "impl.flags"} <= set(modules), sorted(modules)
+    modules = closure("spec.engines.kit.hf_batch")
+    assert {"spec", "spec.engines", "spec.engines.kit.hf_batch", "impl", "impl.flags"} <= set(modules), sorted(modules)
     assert closure("spec.cases.topology_draws") is None  # imports hypothesis: not carried
-    snippet = carried(ReproSnippet("from spec.engines.hf_batch import one_temperature as _build\n", standalone=False))
+    snippet = carried(ReproSnippet("from spec.engines.kit.hf_batch import one_temperature as _build\n", standalone=False))
     assert snippet is not None and snippet.standalone
     script = tmp_path / "carried.py"
     script.write_text("import sys\nsys.modules['hypothesis'] = sys.modules['pytest'] = None\n" + snippet.code + """
-import spec.engines.hf_batch as m
+import spec.engines.kit.hf_batch as m
 assert type(m.__spec__.loader).__name__ == "_Carried", m.__spec__
 print(_build({"temperature": 0.5}))
 """)
@@ -138,8 +138,8 @@ def test_a_carried_file_needs_the_packages_the_suite_ran_with(tmp_path, monkeypa
     from spec.protocol.engine import ReproSnippet
     from spec.repro import carry
 
-    monkeypatch.setitem(carry.PACKAGES, "spec.engines.hf_batch", ("tensordict", "no-such-distribution"))
-    snippet = carry.carried(ReproSnippet("from spec.engines.hf_batch import one_temperature as _build\n",
+    monkeypatch.setitem(carry.PACKAGES, "spec.engines.kit.hf_batch", ("tensordict", "no-such-distribution"))
+    snippet = carry.carried(ReproSnippet("from spec.engines.kit.hf_batch import one_temperature as _build\n",
                                          standalone=False))
     assert snippet is not None and "tensordict==" in snippet.requires and "no-such-distribution" in snippet.requires
     script = tmp_path / "carried.py"

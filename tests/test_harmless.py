@@ -60,7 +60,7 @@ def test_harmless_engines_really_differ_from_impl() -> None:
     """Each harmless engine changes something a check could see (else it would show nothing)."""
     from spec.cases.structure import EngineCase
     from spec.execute.harness import execute
-    from spec.engines.impl import ImplEngine
+    from spec.engines.impl.adapter import ImplEngine
 
     case = EngineCase(prompt_lens=(2, 1), response_lens=(1, 2), vocab=5, pad_to_length=8, pass_cu_seqlens=True,
                       calculate_entropy=True)

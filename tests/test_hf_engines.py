@@ -15,7 +15,8 @@ from spec.run.registry import ENGINES, load_engine
 from spec.execute.harness import execute
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
-from spec.engines import openrlhf_records, trl_records
+from spec.engines.openrlhf import records as openrlhf_records
+from spec.engines.trl import records as trl_records
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "engines"
 HAS = {"trl": importlib.util.find_spec("trl") is not None, "openrlhf": importlib.util.find_spec("openrlhf") is not None}

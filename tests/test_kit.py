@@ -1,4 +1,4 @@
-"""The adapter kit (spec/engines/kit.py): an engine that calls the model inside its forward, strict stubs
+"""The adapter kit (spec/engines/kit/__init__.py): an engine that calls the model inside its forward, strict stubs
 for heavy imports, a third party's engine class, loading a library (stubs, a package without its __init__, one
 ImportError), the declarations stated once (rows_view, in_logits_dtype), response rows back on the sequences, and
 known-failure records that match on structured fields."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
-from spec.engines.hf_batch import sequences_from_response_rows
+from spec.engines.kit.hf_batch import sequences_from_response_rows
 from spec.engines.kit import (ModelNotCalled, ModelOutput, ThirdPartyEngine, import_library, in_logits_dtype,
                               inputs_seen_by_model, refuse_flags, replaying, rows_view)
-from spec.engines.stubs import StrictModule, StubError, import_with_stubs, strict_module
+from spec.engines.kit.stubs import StrictModule, StubError, import_with_stubs, strict_module
 from spec.execute.attribution import AttributedEngine
 from spec.invariants import CATALOGUE, Ctx
 from spec.protocol import Feature, Precision

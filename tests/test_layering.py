@@ -170,10 +170,10 @@ def test_the_layer_check_sees_an_upward_and_a_local_import() -> None:
 def test_the_registry_sits_above_every_adapter() -> None:
     edges = graph()
     adapters = {m for m in edges if layer_of(m) == "engines" and m != "spec.engines"}
-    assert {"spec.engines.impl", "spec.engines.verl", "spec.engines.veomni", "spec.engines.torchtitan",
-            "spec.engines.automodel", "spec.engines.megatron"} <= adapters
-    assert {"spec.engines.impl", "spec.engines.verl", "spec.engines.veomni", "spec.engines.torchtitan",
-            "spec.engines.automodel", "spec.engines.megatron", "spec.planted"} <= edges["spec.run.registry"]
+    assert {"spec.engines.impl.adapter", "spec.engines.verl.adapter", "spec.engines.veomni.adapter", "spec.engines.torchtitan.adapter",
+            "spec.engines.automodel.adapter", "spec.engines.megatron.adapter"} <= adapters
+    assert {"spec.engines.impl.adapter", "spec.engines.verl.adapter", "spec.engines.veomni.adapter", "spec.engines.torchtitan.adapter",
+            "spec.engines.automodel.adapter", "spec.engines.megatron.adapter", "spec.planted"} <= edges["spec.run.registry"]
 
 
 #: keys of verl's private hand-off (its ``output_args`` and fused/flash-attention extras): the adapters map them

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 import impl
 from spec.cases import CONTEXTS, EngineCase
 from spec.cases.strategies import engine_cases, within_limits
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.execute.harness import execute
 from spec.execute.ranks import unavailable
 
@@ -220,7 +220,7 @@ def test_the_runner_counts_every_example_on_every_dimension() -> None:
 
 def test_verl_declares_low_precision_per_key_and_path() -> None:
     pytest.importorskip("verl")
-    from spec.engines.verl import VerlEngine
+    from spec.engines.verl.adapter import VerlEngine
     from spec.protocol import Precision
 
     verl = VerlEngine()

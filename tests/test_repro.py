@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from spec.cases.structure import EngineCase
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.invariants.core import Ctx
 from spec.planted import planted_engine

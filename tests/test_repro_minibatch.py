@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.planted import planted_engine
 from spec.repro.writer import run_reproducer, write_reproducer, write_reproducers

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from spec.engines.impl import ImplEngine
-from spec.engines.megatron import VerlMegatronPacker
+from spec.engines.impl.adapter import ImplEngine
+from spec.engines.megatron.adapter import VerlMegatronPacker
 from spec.invariants import CATALOGUE
 from spec.repro.packing import ReferencePackingEngine
 from spec.repro.writer import run_reproducer, write_reproducer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import impl
 from spec.cases.structure import EngineCase
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.repro.engine_source import planted_engine_snippet
 from spec.repro.writer import write_reproducer, write_reproducers

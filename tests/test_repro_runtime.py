@@ -18,7 +18,7 @@ from pathlib import Path
 
 from spec.cases.microbatch import MiniBatchCase
 from spec.cases.structure import EngineCase
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.planted import planted_engine
 from spec.repro import runtime, write_reproducer
 from spec.repro.templates import RUNTIME_NAME, SUITE_NAME

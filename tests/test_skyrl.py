@@ -12,8 +12,8 @@ import torch
 
 from spec.cases import EngineCase
 from spec.cases.materialize import draws
-from spec.engines import skyrl_records
-from spec.engines.hf_batch import left_aligned
+from spec.engines.skyrl import records as skyrl_records
+from spec.engines.kit.hf_batch import left_aligned
 from spec.execute.harness import execute, model_for
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure

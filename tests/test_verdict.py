@@ -20,14 +20,14 @@ import impl
 from spec.execute.attribution import AttributedEngine, expect_engine_error, recording
 from spec.cases.structure import EngineCase
 from spec.execute.harness import execute
-from spec.engines.impl import ImplEngine
+from spec.engines.impl.adapter import ImplEngine
 from spec.invariants import CATALOGUE
 from spec.protocol.known import ALWAYS, KnownFailure, When
 from spec.planted import helper_bugs as H
 from spec.planted import planted_engine
 from spec.report import failed, markdown, write_reports
 from spec.run.runner import run_invariant
-from spec.engines.verl import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
+from spec.engines.verl.adapter import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
 
 CI = dict(profile="ci")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI step: SkyRL, engines skyrl-train (skyrl-train 0.3.1) and skyrl (skyrl 0.4.0), in one venv .venv-skyrl
 # (docs/engines/skyrl.md). Run from the repository root with CI=true. `spec verify` exits 1 on any failure that is
-# not one of the engine's documented known-failure records (spec/engines/skyrl_records.py).
+# not one of the engine's documented known-failure records (spec/engines/skyrl/records.py).
 # The `skyrl` step of .ci/steps.sh. `--setup`: only install the venv.
 #
 # Both wheels declare Requires-Python ==3.12.* and this CI runs Python 3.11: they are installed with
@@ -9,7 +9,7 @@
 # modules), and of their dependency sets only what those modules import at module level, pure Python and small
 # (numpy, jaxtyping, loguru, packaging, omegaconf; einops and flash-attn 2.8.3's pure-torch bert_padding.py for
 # the unpadded path, .ci/steps/bert_padding.py). transformers, peft, ray, datasets
-# and flash-attn's CUDA package are not installed: spec/engines/skyrl.py stubs those imports (they load models and
+# and flash-attn's CUDA package are not installed: spec/engines/skyrl/adapter.py stubs those imports (they load models and
 # start clusters; the preparation never calls them); skyrl 0.4.0's skyrl/backends/__init__.py (the Tinker API: pydantic
 # models that need Python 3.12) is not run. The two packages install side by side (skyrl_train, skyrl).
 set -euo pipefail

@@ -13,7 +13,7 @@ export CI="${CI:-true}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 setup() {
     venv trl trl==1.16.0 -e '.[test]'
     # OpenRLHF without its dependency set (deepspeed, flash-attn, vllm, ray: CUDA builds); the adapter stubs the
-    # module-level imports that do not import here (spec/engines/openrlhf.py). Its preparation code needs einops
+    # module-level imports that do not import here (spec/engines/openrlhf/adapter.py). Its preparation code needs einops
     # and flash-attn's pure-torch bert_padding.py (.ci/steps/bert_padding.py).
     local key; key=$(_ci_venv_key openrlhf==0.11.2 --no-deps einops==0.8.2 -e '.[test]' "$(cat .ci/steps/bert_padding.py)")
     if ! venv_ready openrlhf "$key"; then

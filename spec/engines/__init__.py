@@ -1,8 +1,9 @@
-"""Engines under test: one adapter per engine, mapping it onto :mod:`spec.protocol`, with every known
-failure of that engine recorded beside it. :mod:`.impl` (this project), :mod:`.verl` (verl's FSDP engines)
-and :mod:`.verl_records` (records shared by verl's engines), :mod:`.veomni`, :mod:`.torchtitan`,
-:mod:`.automodel`, :mod:`.megatron` with the reference packer :mod:`.megatron_packing`; :mod:`.native`
-(engines with their own methods), :mod:`.factory` (``module:attr`` engines) and :mod:`.stubs` (heavy
-module-level imports stubbed), :mod:`.kit` and :mod:`.hf_batch` (the adapter kit). No engine code is copied, no engine patched, every capability probed. May
-import protocol, truth and cases; the registry of names is :mod:`spec.run.registry`.
+"""Engines under test: one folder per engine, holding its adapter (mapping it onto :mod:`spec.protocol`) and every
+known failure of that engine recorded beside it: :mod:`.impl` (this project), :mod:`.verl` (verl's FSDP engine, the
+records, mutants and micro-batch layer records verl's engines share, the base of its native engines),
+:mod:`.veomni`, :mod:`.torchtitan`, :mod:`.automodel`, :mod:`.megatron` (verl's other engines), :mod:`.trl`
+(TRL's logits API and fused head), :mod:`.openrlhf`, :mod:`.skyrl` (skyrl-train and skyrl); :mod:`.kit`, the adapter
+kit every adapter may build on (a third party's engine class, strict stubs of heavy imports, Hugging Face batches,
+``module:attr`` engines). No engine code is copied, no engine patched, every capability probed. May import protocol,
+truth and cases; the registry of names is :mod:`spec.run.registry`.
 """

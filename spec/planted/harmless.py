@@ -17,7 +17,7 @@ import torch
 import impl
 from impl.flags import read_flag
 
-from ..engines.impl import ImplEngine
+from ..engines.impl.adapter import ImplEngine
 
 __all__ = ["HARMLESS", "HarmlessEngine", "harmless_engine", "ContiguousCopies", "PerSequenceLabels", "TailPadIds",
            "CuSeqlensInt64", "RowShapedOutputArgs", "LastLabelPad"]

@@ -27,15 +27,15 @@ PROJECT = ("spec", "impl")
 #: what a carried module may not import: the suite's test dependencies, absent from a fresh environment
 FORBIDDEN = ("hypothesis", "pytest")
 #: what to pip install for each carried adapter (pinned to the versions installed when the file is written)
-PACKAGES = {"spec.engines.trl": ("trl",), "spec.engines.openrlhf": ("openrlhf", "einops"),
-            "spec.engines.veomni": ("verl", "veomni"), "spec.engines.megatron": ("verl", "megatron-core")}
+PACKAGES = {"spec.engines.trl.adapter": ("trl",), "spec.engines.openrlhf.adapter": ("openrlhf", "einops"),
+            "spec.engines.veomni.adapter": ("verl", "veomni"), "spec.engines.megatron.adapter": ("verl", "megatron-core")}
 #: the module a distribution installs, where it is not the distribution's name
 MODULES = {"megatron-core": "megatron.core"}
 #: how .ci/steps.sh installs a carried adapter's package, where it is not a plain ``pip install`` (the header says so)
-NO_DEPS = {"spec.engines.openrlhf": "openrlhf --no-deps: its heavy imports are stubbed; and flash-attn 2.8.3's "
+NO_DEPS = {"spec.engines.openrlhf.adapter": "openrlhf --no-deps: its heavy imports are stubbed; and flash-attn 2.8.3's "
                                      "pure-torch bert_padding.py as the module flash_attn_bert_padding, since flash-attn "
                                      "needs CUDA to build: `python .ci/steps/bert_padding.py` in rl-ioprep copies it",
-           "spec.engines.veomni": "veomni --no-deps, as .ci/steps.sh's verl-engines step installs it"}
+           "spec.engines.veomni.adapter": "veomni --no-deps, as .ci/steps.sh's verl-engines step installs it"}
 _BUILD = re.compile(r"^from ([\w.]+) import (\w+) as _build$", re.MULTILINE)
 
 
@@ -128,7 +128,7 @@ def carried(snippet: ReproSnippet) -> ReproSnippet | None:
 
 
 #: first in a carried file: the packages installed when the suite ran (its header's Needs, pinned), each findable;
-#: without one the adapter would stub it (spec/engines/stubs.py) and the file would run what the suite did not
+#: without one the adapter would stub it (spec/engines/kit/stubs.py) and the file would run what the suite did not
 NEEDS = '''import importlib.util as _iu  # noqa: E402
 for _pin, _module in {installed!r}:
     try:

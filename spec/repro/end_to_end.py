@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch, micro_batch_rows
-from ..engines.impl import ImplEngine
+from ..engines.impl.adapter import ImplEngine
 from ..execute.pickling import save
 from ..invariants.microbatch import refusable_case
 from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet

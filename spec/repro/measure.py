@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..cases.structure import EngineCase
-from ..engines.impl import ImplEngine
+from ..engines.impl.adapter import ImplEngine
 from ..invariants import CATALOGUE
 from ..planted import PLANTED
 from ..run.registry import load_engine

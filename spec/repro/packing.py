@@ -8,8 +8,8 @@ own check written out verbatim (:func:`.imports.written_out`) over every TP x CP
 expected side is plain arithmetic and torch over the batch the case's seed makes (the sequences themselves for a
 round trip, ``arange`` positions, the next tokens, the alignment rule). The packer:
 
-* verl's (``--engine verl-megatron``): the adapter's :class:`~spec.engines.megatron.VerlMegatronPacker` and
-  :func:`~spec.engines.megatron.fake_parallel_state` written out (the faked ``megatron.core.parallel_state`` and the
+* verl's (``--engine verl-megatron``): the adapter's :class:`~spec.engines.megatron.adapter.VerlMegatronPacker` and
+  :func:`~spec.engines.megatron.adapter.fake_parallel_state` written out (the faked ``megatron.core.parallel_state`` and the
   ``torch.distributed.all_gather`` answered from every rank's shard, as plain code), over
   ``verl.models.mcore.util`` imported by name (it needs verl and megatron-core);
 * a packer class the suite defines in a module that imports only the statement (the planted packers,
@@ -26,8 +26,8 @@ import pprint
 from pathlib import Path
 from typing import Any
 
-from ..engines.impl import ImplEngine
-from ..engines.megatron import VerlMegatronPacker
+from ..engines.impl.adapter import ImplEngine
+from ..engines.megatron.adapter import VerlMegatronPacker
 from ..protocol.engine import EngineUnderTest, ShardLayout
 from ..truth.megatron_packing import ReferencePacker
 from .dense import case_fields

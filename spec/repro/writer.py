@@ -24,7 +24,7 @@ import torch
 from ..cases.microbatch import MiniBatchCase
 from ..cases.dropin import DropinCase
 from ..cases.structure import DenseCase, EngineCase
-from ..engines.impl import ImplEngine
+from ..engines.impl.adapter import ImplEngine
 from ..execute.handoff import _settings
 from ..execute.pickling import save
 from ..invariants import CATALOGUE

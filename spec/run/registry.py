@@ -22,17 +22,17 @@ import importlib
 import os
 from typing import Callable, Iterable
 
-from ..engines.automodel import AutomodelEngine
-from ..engines.factory import FactoryEngine, engine_from_path
-from ..engines.impl import ImplEngine
-from ..engines.megatron import MegatronEngine
-from ..engines.openrlhf import OpenRLHFEngine
-from ..engines.skyrl import SkyRLEngine, SkyRLTrainEngine
-from ..engines.torchtitan import TorchTitanEngine
-from ..engines.trl import TrlEngine
-from ..engines.trl_fused import TrlFusedEngine
-from ..engines.veomni import VeOmniEngine
-from ..engines.verl import VerlEngine
+from ..engines.automodel.adapter import AutomodelEngine
+from ..engines.kit.factory import FactoryEngine, engine_from_path
+from ..engines.impl.adapter import ImplEngine
+from ..engines.megatron.adapter import MegatronEngine
+from ..engines.openrlhf.adapter import OpenRLHFEngine
+from ..engines.skyrl.adapter import SkyRLEngine, SkyRLTrainEngine
+from ..engines.torchtitan.adapter import TorchTitanEngine
+from ..engines.trl.adapter import TrlEngine
+from ..engines.trl.fused import TrlFusedEngine
+from ..engines.veomni.adapter import VeOmniEngine
+from ..engines.verl.adapter import VerlEngine
 from ..planted import PLANTED, planted_engine
 from ..planted.harmless import HARMLESS, harmless_engine
 from ..protocol.engine import HELPERS, EngineUnderTest

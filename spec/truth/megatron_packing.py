@@ -15,7 +15,7 @@ Unpacking gathers every rank's shard and returns the valid tokens, nested like `
 
 :class:`ReferencePacker` implements this from the statement above (an index map from each rank's
 rows to the global padded row); the planted packing bugs subclass it. verl's own packer is adapted
-in :mod:`spec.engines.megatron`.
+in :mod:`spec.engines.megatron.adapter`.
 """
 
 from __future__ import annotations

@@ -28,17 +28,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..protocol.known import KnownFailure, When
-from ..protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
-from .verl import (
+from ...protocol.known import KnownFailure, When
+from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
+from ..verl.adapter import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
     LOW_PRECISION_RECORDS,
     fp16_records,
 )
-from .native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
+from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
                      native_surface)
-from .verl_records import (
+from ..verl.records import (
     PER_SAMPLE_ON_VOCAB,
     UNCLAMPED,
     VALUE_MISMATCH,

@@ -18,7 +18,7 @@ import torch
 
 from impl.flags import BatchFlags, read_flag
 
-from ..protocol import sequences_from_responses
+from ...protocol import sequences_from_responses
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
            "LeftRightRows", "model_inputs_of", "left_aligned", "sequences_from_response_rows"]

@@ -6,8 +6,8 @@ Each engine's docs/engines/<name>.md has a minimal counterexample for each recor
 
 from __future__ import annotations
 
-from ..protocol.known import ALWAYS, KnownFailure, When
-from .verl import CANCELLATION, KNOWN_BUGS, MASK_INVARIANTS
+from ...protocol.known import ALWAYS, KnownFailure, When
+from .adapter import CANCELLATION, KNOWN_BUGS, MASK_INVARIANTS
 
 __all__ = ["flag_types", "entropy_cancellation", "loss_mask_attention", "PER_SAMPLE_ON_VOCAB", "UNCLAMPED",
            "MASK_VISIBLE", "VALUE_MISMATCH"]
@@ -35,7 +35,7 @@ def entropy_cancellation(modes: tuple[str, ...] = ()) -> KnownFailure:
 def loss_mask_attention(invariants: frozenset[str] | set[str] = MASK_INVARIANTS, *, reason: str) -> tuple[KnownFailure, ...]:
     """The padded attention mask built from the response-only ``loss_mask`` (verl #6278): the mask rows,
     and every padded output compared against a mask-independent reference (the rule of
-    :data:`spec.engines.verl.MASK_INVARIANTS`)."""
+    :data:`spec.engines.verl.adapter.MASK_INVARIANTS`)."""
     patterns = {"INV-MASK-001": r"attention_mask row \d+ is \[[01, ]*\], expected \[[01, ]*\]",
                 "INV-MASK-003": r"attention_mask sums to \d+, total_nnz is \d+"}
     return tuple(KnownFailure(inv, reason + (" (seen end to end through the micro-batch layer)" if inv in _END_TO_END

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from ..protocol.engine import EngineUnderTest, Feature, ReproSnippet
+from ...protocol.engine import EngineUnderTest, Feature, ReproSnippet
 
 __all__ = ["FactoryEngine", "engine_from_path"]
 

@@ -5,11 +5,11 @@ FSDP's ``prepare_model_inputs`` / ``prepare_model_outputs`` and add their own in
 (``_apply_veomni_input_transforms``: varlen flash-attention kwargs from the packed position ids, the
 VL image/video masks, VeOmni's sequence-parallel slicing; fused kernels: ``labels``/``shift_labels``/
 ``return_log_probs``; router replay). The object is built without its constructor, exactly like the
-FSDP adapter (:class:`spec.engines.verl.VerlEngine`, reused here); the extra attributes VeOmni reads
+FSDP adapter (:class:`spec.engines.verl.adapter.VerlEngine`, reused here); the extra attributes VeOmni reads
 are set to "off": ``_router_replay = None``, a model type that is not a VL type.
 
 ``veomni`` itself installs CPU-only from the package index (``pip install --no-deps veomni``); when it
-does not import, its module-level imports are stubbed (:mod:`spec.engines.stubs`) and the varlen
+does not import, its module-level imports are stubbed (:mod:`spec.engines.kit.stubs`) and the varlen
 kwargs come from a mock (the report says which).
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..protocol.engine import Feature
-from ..protocol.known import as_records
+from ...protocol.engine import Feature
+from ...protocol.known import as_records
 from dataclasses import replace
 
-from .verl import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE, VerlEngine, VerlEngineObject
-from .stubs import StubReport, import_with_stubs
+from ..verl.adapter import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE, VerlEngine, VerlEngineObject
+from ..kit.stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
 
@@ -77,7 +77,7 @@ class VeOmniEngine(VerlEngine):
         self.stubs = load_veomni()
         impl = self.stubs.module
         self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
-        # FSDP's precise records (spec/engines/verl.py), plus VeOmni's own (none today)
+        # FSDP's precise records (spec/engines/verl/adapter.py), plus VeOmni's own (none today)
         self.known_failures = (*as_records(self.known_failures),
                                *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
 

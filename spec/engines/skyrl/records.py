@@ -8,11 +8,11 @@ mRoPE positions (its profile's ``positions``), and verl's int32 mask and untouch
 
 from __future__ import annotations
 
-from ..protocol import PaddedLayout
-from ..protocol.known import KnownFailure
-from ..protocol.profile import EngineProfile
-from .trl_records import LOW_PRECISION, MISMATCH, ORACLE_INVARIANTS
-from .verl_records import UNCLAMPED
+from ...protocol import PaddedLayout
+from ...protocol.known import KnownFailure
+from ...protocol.profile import EngineProfile
+from ..trl.records import LOW_PRECISION, MISMATCH, ORACLE_INVARIANTS
+from ..verl.records import UNCLAMPED
 
 __all__ = ["RECORDS", "LIBRARY_RECORDS", "TRAIN_PROFILE", "PROFILE"]
 

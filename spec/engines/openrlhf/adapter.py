@@ -27,11 +27,11 @@ from functools import lru_cache
 
 import torch
 
-from ..protocol import Feature, sequences_from_rows
-from .hf_batch import BatchFlags, one_temperature
-from .kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
-from .openrlhf_records import PROFILE, RECORDS
-from .stubs import strict_module
+from ...protocol import Feature, sequences_from_rows
+from ..kit.hf_batch import BatchFlags, one_temperature
+from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
+from .records import PROFILE, RECORDS
+from ..kit.stubs import strict_module
 
 __all__ = ["OpenRLHFEngine"]
 

@@ -31,12 +31,12 @@ from unittest import mock
 
 import torch
 
-from ..protocol.known import KnownFailure, When
-from ..truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
-from ..protocol.engine import EngineUnderTest, Feature, ShardLayout
-from .microbatch_records import MICROBATCH_RECORDS
-from .stubs import import_verl_module
-from .verl import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, verl_microbatch_layer
+from ...protocol.known import KnownFailure, When
+from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
+from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
+from ..verl.microbatch_records import MICROBATCH_RECORDS
+from ..kit.stubs import import_verl_module
+from ..verl.adapter import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, verl_microbatch_layer
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 

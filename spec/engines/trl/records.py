@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..protocol.engine import EngineUnderTest
-from ..protocol.known import KnownFailure, When
-from .verl_records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
+from ...protocol.engine import EngineUnderTest
+from ...protocol.known import KnownFailure, When
+from ..verl.records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
 
 __all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE",
            "FUSED_UNREACHABLE", "LOW_PRECISION", "ORACLE_INVARIANTS",
@@ -131,5 +131,5 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 #: trl's profile: the default one with the surface and its unreachable branches (no conventions declared)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE},
                   equivalent_mutants=EQUIVALENT_MUTANTS)
-#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl_fused.py)
+#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl/fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..protocol import Feature, OutputSpan
-from .hf_batch import BatchFlags, model_inputs_of, one_temperature, samples, sequences_from_response_rows
-from .kit import ThirdPartyEngine, in_logits_dtype, refuse_flags, replaying, rows_view
-from .skyrl_records import PROFILE, RECORDS, TRAIN_PROFILE
+from ...protocol import Feature, OutputSpan
+from ..kit.hf_batch import BatchFlags, model_inputs_of, one_temperature, samples, sequences_from_response_rows
+from ..kit import ThirdPartyEngine, in_logits_dtype, refuse_flags, replaying, rows_view
+from .records import PROFILE, RECORDS, TRAIN_PROFILE
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
 COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in both versions

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..protocol.known import KnownFailure
-from ..protocol.engine import InputsView, verl_fsdp_view
-from .verl import (NO_DTENSOR, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
+from ...protocol.known import KnownFailure
+from ...protocol.engine import InputsView, verl_fsdp_view
+from ..verl.adapter import (NO_DTENSOR, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
                    fused_padded_dense_slices)
-from .native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
+from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
                      native_surface)
-from .verl_records import entropy_cancellation, flag_types, loss_mask_attention
+from ..verl.records import entropy_cancellation, flag_types, loss_mask_attention
 
 __all__ = ["AutomodelEngine"]
 

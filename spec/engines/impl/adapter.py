@@ -8,9 +8,9 @@ from typing import Any, Callable
 import impl
 import impl.microbatch
 
-from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
-from ..protocol.microbatch import MicroBatchLayer, layer_from
-from ..protocol.profile import VERL_CONVENTIONS
+from ...protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
+from ...protocol.microbatch import MicroBatchLayer, layer_from
+from ...protocol.profile import VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
 

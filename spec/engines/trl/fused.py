@@ -1,6 +1,6 @@
 """Hugging Face TRL 1.16's GRPO fused LM head as an engine under test (``trl-fused``).
 
-TRL's batches as in :mod:`spec.engines.trl`; the scoring patches a stand-in model (the kit's
+TRL's batches as in :mod:`spec.engines.trl.adapter`; the scoring patches a stand-in model (the kit's
 :class:`~spec.engines.kit.HiddenStatesModel`: the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head
 protocol, ``HeadInput.HIDDEN``) with ``add_fused_lm_head`` and runs ``GRPOTrainer._get_per_token_logps_and_entropies``
 (padded) or the fused forward with the collator's labels (packed). docs/engines/trl.md.
@@ -12,10 +12,10 @@ from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
 
-from ..protocol import HeadInput
-from .kit import HiddenStatesModel, require
-from .trl import TrlEngine, TrlObject
-from .trl_records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
+from ...protocol import HeadInput
+from ..kit import HiddenStatesModel, require
+from .adapter import TrlEngine, TrlObject
+from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..protocol.engine import EngineUnderTest
-from ..protocol.known import KnownFailure, When
-from .trl_records import MISMATCH
-from .verl_records import CANCELLATION, UNCLAMPED
+from ...protocol.engine import EngineUnderTest
+from ...protocol.known import KnownFailure, When
+from ..trl.records import MISMATCH
+from ..verl.records import CANCELLATION, UNCLAMPED
 
 __all__ = ["RECORDS"]
 

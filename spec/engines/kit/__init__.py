@@ -4,7 +4,7 @@
   ``forward`` (OpenRLHF's ``Actor.forward``). The suite runs the model between its two steps, so such a forward
   runs twice: once with a model that records what it is handed and stops the forward (the input step), once
   with a model that returns the harness's output (the output step).
-* :func:`stub_imports`: heavy module-level imports stubbed strictly (:mod:`spec.engines.stubs`): a stub's name
+* :func:`stub_imports`: heavy module-level imports stubbed strictly (:mod:`spec.engines.kit.stubs`): a stub's name
   that nobody declared raises when the code under test calls it or tests its truth, so a stub cannot change
   the code under test unnoticed.
 * :class:`ThirdPartyEngine`: the engine class of a library that offers one LM head and no engine settings:
@@ -14,8 +14,8 @@
 * :func:`refuse_flags`: the micro-batch flags a library has no option for, refused with a clear error;
   :func:`require`: a library imported, or an ImportError saying how to install it.
 * :func:`import_library` (:meth:`ThirdPartyEngine.load`): a library's modules imported with its heavy imports
-  stubbed (:func:`spec.engines.stubs.library_imports`), packages imported without their ``__init__``
-  (:func:`spec.engines.stubs.without_init`), flash-attn's pure-torch ``bert_padding`` installed first where asked
+  stubbed (:func:`spec.engines.kit.stubs.library_imports`), packages imported without their ``__init__``
+  (:func:`spec.engines.kit.stubs.without_init`), flash-attn's pure-torch ``bert_padding`` installed first where asked
   (:func:`install_bert_padding`); whatever fails, one ImportError naming the wheel and the CI step installing it.
 * :func:`rows_view`: the hand-off of an engine that hands the model dense rows and scores them shifted by one
   (OpenRLHF's and SkyRL's forward); :func:`in_logits_dtype`: the precision of an engine computing in the logits'
@@ -36,7 +36,7 @@ from unittest import mock
 
 import torch
 
-from ..protocol import EngineUnderTest, Feature, InputsView, Precision
+from ...protocol import EngineUnderTest, Feature, InputsView, Precision
 from .stubs import StubReport, import_with_stubs, library_imports, without_init
 
 __all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
@@ -107,9 +107,9 @@ def replaying(output: Any) -> Callable[..., ModelOutput]:
 def stub_imports(module_name: str, packages: tuple[str, ...],
                  values: Mapping[str, Mapping[str, object]] | None = None) -> Any:
     """``module_name`` imported with the modules of ``packages`` it imports at module level stubbed where they do
-    not import here, strictly (:class:`spec.engines.stubs.StrictModule`): ``values[module][name]`` declares what
+    not import here, strictly (:class:`spec.engines.kit.stubs.StrictModule`): ``values[module][name]`` declares what
     the code under test may use (``{"transformers": {"is_npu_available": lambda: False}}``); any other name raises
-    :class:`spec.engines.stubs.StubError` when used. Returns the module."""
+    :class:`spec.engines.kit.stubs.StubError` when used. Returns the module."""
     report: StubReport = import_with_stubs(module_name, packages, {k: dict(v) for k, v in (values or {}).items()},
                                            strict=True)
     return report.module
@@ -133,9 +133,9 @@ def install_bert_padding(engine: str) -> None:
 def import_library(engine: str, modules: tuple[str, ...], heavy: tuple[str, ...], *, wheel: str, ci_step: str,
                    without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True) -> tuple[Any, ...]:
     """The library of ``--engine engine``: ``modules`` imported in order (``"module"`` or ``"module:attribute"``,
-    :func:`spec.engines.stubs.library_imports`), the packages of ``heavy`` stubbed where they do not import here
-    (``strict``: :class:`spec.engines.stubs.StrictModule` stubs, else ``MagicMock``), the packages ``without``
-    imported without their ``__init__`` (:func:`spec.engines.stubs.without_init`), flash-attn's ``bert_padding``
+    :func:`spec.engines.kit.stubs.library_imports`), the packages of ``heavy`` stubbed where they do not import here
+    (``strict``: :class:`spec.engines.kit.stubs.StrictModule` stubs, else ``MagicMock``), the packages ``without``
+    imported without their ``__init__`` (:func:`spec.engines.kit.stubs.without_init`), flash-attn's ``bert_padding``
     installed first if ``bert_padding`` (:func:`install_bert_padding`). Any ImportError or AttributeError on the
     way becomes one ImportError: ``--engine engine needs <wheel> (<ci_step>): <why>``. Cached once it succeeds."""
     if bert_padding:

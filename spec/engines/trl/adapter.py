@@ -13,7 +13,7 @@ are completion-only (``OutputSpan.RESPONSE``) in GRPO's layout (``PaddedLayout.L
 TRL hands the model no ``position_ids`` (a RoPE model is shift-invariant); the stand-in model has absolute positions,
 so the adapter hands it each sample's own positions in the same layout. The fused head gets the stand-in's
 ``hidden_states`` and ``lm_head_weight`` (the fused-head protocol, ``HeadInput.HIDDEN``). Built on the adapter kit
-(:mod:`spec.engines.kit`, :mod:`spec.engines.hf_batch`). docs/engines/trl.md.
+(:mod:`spec.engines.kit`, :mod:`spec.engines.kit.hf_batch`). docs/engines/trl.md.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ..protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
-from .hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
-from .kit import ThirdPartyEngine, refuse_flags, require
-from .trl_records import PROFILE, LOGITS_RECORDS
+from ...protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
+from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
+from ..kit import ThirdPartyEngine, refuse_flags, require
+from .records import PROFILE, LOGITS_RECORDS
 
 __all__ = ["TrlEngine", "TrlObject"]
 

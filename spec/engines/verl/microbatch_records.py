@@ -8,7 +8,7 @@ for each.
 
 from __future__ import annotations
 
-from ..protocol.known import KnownFailure, When
+from ...protocol.known import KnownFailure, When
 
 __all__ = ["MICROBATCH_RECORDS", "MROPE", "SOME_KEY_OF_ONE_SHAPE", "COUNT_OVER_GROUPS", "DYNAMIC_SEVERAL",
            "GROUP_OVER_BUDGET"]

@@ -12,11 +12,11 @@ import inspect
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from ..protocol.known import KnownFailure
-from ..protocol.engine import EngineUnderTest, Feature, Precision
+from ...protocol.known import KnownFailure
+from ...protocol.engine import EngineUnderTest, Feature, Precision
 from .microbatch_records import MICROBATCH_RECORDS
-from .stubs import import_verl_module
-from .verl import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
+from ..kit.stubs import import_verl_module
+from .adapter import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
                    VERL_LOGITS_UNREACHABLE, verl_microbatch_layer, verl_precision)
 
 __all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",
@@ -40,7 +40,7 @@ NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UN
 NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
 #: the reason of an engine's ``if not self.engine_config.entropy_checkpointing`` (its other side)
 CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entropy under torch.utils.checkpoint (the "
-                        "FSDP engine's cases draw it, spec/engines/verl.py; NativeVerlEngine.build leaves it False)")
+                        "FSDP engine's cases draw it, spec/engines/verl/adapter.py; NativeVerlEngine.build leaves it False)")
 
 
 class NativeVerlEngine(EngineUnderTest):
@@ -106,7 +106,7 @@ class NativeVerlEngine(EngineUnderTest):
         return {**super().strategy_limits(), **self.LIMITS}  # the features it lacks, then LIMITS
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
-        """The FSDP engine's rule (:func:`spec.engines.verl.verl_precision`): log_probs and entropy in the logits'
+        """The FSDP engine's rule (:func:`spec.engines.verl.adapter.verl_precision`): log_probs and entropy in the logits'
         dtype, the packed chunked entropy in float32, fused kernels' values in the model's float32."""
         return verl_precision(key, case)
 

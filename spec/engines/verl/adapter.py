@@ -55,15 +55,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..cases.structure import DISTILLATION_KEYS
-from ..truth.oracle import LOG_PROB_MIN_CLAMP
-from ..protocol.known import KnownFailure, When
+from ...cases.structure import DISTILLATION_KEYS
+from ...truth.oracle import LOG_PROB_MIN_CLAMP
+from ...protocol.known import KnownFailure, When
 
-from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
-from ..protocol.microbatch import MicroBatchLayer, layer_from
-from ..protocol.profile import VERL_CONVENTIONS, Convention
+from ...protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
+from ...protocol.microbatch import MicroBatchLayer, layer_from
+from ...protocol.profile import VERL_CONVENTIONS, Convention
 from .microbatch_records import MICROBATCH_RECORDS
-from .verl_mutants import VERL_EQUIVALENT_MUTANTS
+from .mutants import VERL_EQUIVALENT_MUTANTS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
            "known_key", "verl_microbatch_layer", "verl_precision", "LOW_PRECISION_RECORDS", "fp16_records",
@@ -159,7 +159,7 @@ LOW_PRECISION_CHUNKED_ENTROPY = LOW_PRECISION & When(
     lambda c: bool(c.use_remove_padding and c.entropy_chunk_size))
 
 #: what verl computes in the logits' own dtype, as a consumer sees it (the FSDP engine; TorchTitan and Automodel carry
-#: them too, spec.engines.verl_records): outputs in that dtype (INV-DEV-001), entropy_from_logits's cancellation in
+#: them too, spec.engines.verl.records): outputs in that dtype (INV-DEV-001), entropy_from_logits's cancellation in
 #: it (INV-VAL-002, bounded), and the packed chunked float32 entropy against the unchunked one (INV-KEYS-003,
 #: INV-CHUNK-001, within twice that bound)
 LOW_PRECISION_RECORDS: tuple[KnownFailure, ...] = (

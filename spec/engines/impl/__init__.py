@@ -1,0 +1,1 @@
+"""This project's engine (``impl/``) under test: its adapter (:mod:`.adapter`)."""

@@ -1,0 +1,1 @@
+"""verl's Megatron packing under test (``--engine verl-megatron``): its adapter and records (:mod:`.adapter`)."""

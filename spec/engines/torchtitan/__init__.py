@@ -1,0 +1,1 @@
+"""verl's TorchTitan engine under test (``--engine verl-torchtitan``): its adapter and records (:mod:`.adapter`)."""
