@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from spec.cases.structure import EngineCase
-from spec.engines.verl.adapter import CANCELLATION, SUM_PI_SQUARED_CANCELLATION
+from spec.engines.kit.records import CANCELLATION
+from spec.engines.verl.records import SUM_PI_SQUARED_CANCELLATION
 from spec.invariants.core import measure_bounds
 from spec.protocol.known import KnownFailure, within_bound
 from spec.truth.oracle import EPS, cancellation_bounds

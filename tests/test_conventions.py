@@ -159,7 +159,7 @@ def _static_records() -> dict[str, tuple]:
     from spec.engines.megatron import adapter as megatron
     from spec.engines.torchtitan import adapter as torchtitan
     from spec.engines.veomni import adapter as veomni
-    from spec.engines.verl import adapter as verl
+    from spec.engines.verl import records as verl
     from spec.engines.verl.microbatch_records import MICROBATCH_RECORDS
 
     micro = tuple(r for records in MICROBATCH_RECORDS.values() for r in records)
@@ -173,7 +173,8 @@ def _static_records() -> dict[str, tuple]:
 def _records():
     """Every registered engine's records and the conventions it declares: the engine's own where it builds here,
     else (verl's engines without verl) the tables they come from, under the class's profile."""
-    from spec.engines.verl import adapter as verl
+    from spec.engines.verl import records as verl
+    from spec.engines.verl.adapter import VerlEngine
 
     static = _static_records()
     for name, (make, _) in ENGINES.items():
@@ -184,7 +185,7 @@ def _records():
         else:
             yield name, tuple(as_records(engine.known_failures)), engine.profile.conventions
     for version, records in verl.KNOWN_BUGS.items():
-        yield f"verl {version}", records, verl.VerlEngine.profile.conventions
+        yield f"verl {version}", records, VerlEngine.profile.conventions
 
 
 def test_every_registered_engine_is_checked() -> None:

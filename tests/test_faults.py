@@ -20,7 +20,7 @@ import torch
 import impl
 from spec.cases.structure import EngineCase
 from spec.engines.impl.adapter import ImplEngine
-from spec.engines.verl.adapter import LOW_PRECISION_RECORDS, STUDENT_MASS_LOW_PRECISION, verl_precision
+from spec.engines.verl.records import LOW_PRECISION_RECORDS, STUDENT_MASS_LOW_PRECISION, verl_precision
 from spec.execute import ranks
 from spec.execute.attribution import EngineFault, check_outputs, recording
 from spec.execute.harness import execute

@@ -234,3 +234,26 @@ def test_spec_readme_names_every_module_of_the_layout() -> None:
     on_disk |= {"invariants/", "planted/"}
     assert not on_disk - named, f"modules missing from spec/README.md's layer table: {sorted(on_disk - named)}"
     assert not {n for n in named if not (SPEC / n).exists()}, "spec/README.md names modules that do not exist"
+
+
+#: the engine folders whose adapters build on another engine's folder: verl's other engines on verl's (the records,
+#: surface and micro-batch layer they share with its FSDP engine)
+BUILDS_ON = {"veomni": {"verl"}, "torchtitan": {"verl"}, "automodel": {"verl"}, "megatron": {"verl"}}
+
+
+def test_an_engine_folder_imports_only_the_kit_and_itself() -> None:
+    """Everything about an engine is in its folder (spec/engines/<engine>/): it imports the adapter kit
+    (spec/engines/kit/, the records several engines share included) and its own modules, never another engine's
+    (verl's other engines aside: :data:`BUILDS_ON`), and the kit imports no engine. Adding an engine touches its
+    folder and the registry."""
+    edges = graph()
+    bad = []
+    for module, targets in sorted(edges.items()):
+        if not module.startswith("spec.engines.") or module.count(".") < 2:
+            continue
+        folder = module.split(".")[2]
+        allowed = {folder, "kit"} | BUILDS_ON.get(folder, set()) if folder != "kit" else {"kit"}
+        for target in sorted(targets):
+            if target.startswith("spec.engines.") and target.split(".")[2] not in allowed:
+                bad.append(f"{module} -> {target}")
+    assert not bad, "an engine folder imports another engine's:\n" + "\n".join(bad)

@@ -27,7 +27,7 @@ from spec.planted import helper_bugs as H
 from spec.planted import planted_engine
 from spec.report import failed, markdown, write_reports
 from spec.run.runner import run_invariant
-from spec.engines.verl.adapter import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
+from spec.engines.verl.records import KNOWN_BUGS, MROPE_EQUAL_OR_SINGLE
 
 CI = dict(profile="ci")
 

@@ -4,7 +4,7 @@
   invariant that applies to it; its documented known failures aside.
 * A verl that builds the padded mask from the response-only ``loss_mask`` (0.7.1, verl
   issue #6278) must fail, and exactly on "the mask failure": the invariants of
-  ``spec.engines.verl.adapter.MASK_INVARIANTS`` that apply to it (run, not skipped, not a known
+  ``spec.engines.verl.records.MASK_INVARIANTS`` that apply to it (run, not skipped, not a known
   failure), each in padded mode only. The same instances pass once only the mask is
   replaced by the full-length one (a counterfactual engine below; verl is not patched).
 
@@ -35,7 +35,8 @@ from spec.run.registry import load_engine  # noqa: E402
 from spec.invariants import CATALOGUE  # noqa: E402
 from spec.cases.materialize import materialize  # noqa: E402
 from spec.run.runner import run_invariant  # noqa: E402
-from spec.engines.verl.adapter import MASK_INVARIANTS, VerlEngine  # noqa: E402
+from spec.engines.verl.adapter import VerlEngine  # noqa: E402
+from spec.engines.verl.records import MASK_INVARIANTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "verl-conformance.md"
@@ -131,7 +132,7 @@ def test_installed_versions_are_the_pinned_ones(engine: VerlEngine, mask_bug: bo
 
 
 def _all_records():
-    from spec.engines.verl.adapter import KNOWN_BUGS
+    from spec.engines.verl.records import KNOWN_BUGS
 
     return [r for records in KNOWN_BUGS.values() for r in records]
 

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import impl
 
 from ..engines.impl.adapter import ImplEngine
-from ..engines.verl.adapter import KNOWN_BUGS as VERL_KNOWN
-from ..engines.verl.adapter import LOW_PRECISION_RECORDS, SUM_PI_SQUARED_CANCELLATION, verl_precision
+from ..engines.verl.records import KNOWN_BUGS as VERL_KNOWN
+from ..engines.verl.records import LOW_PRECISION_RECORDS, SUM_PI_SQUARED_CANCELLATION, verl_precision
 from ..protocol.engine import ShardLayout
 from ..protocol.known import KnownFailure
 from . import companion_bugs as CB

@@ -11,7 +11,7 @@ its budget, or a refusal on every rank where no one count fits every rank's grou
 
 Without an accelerator a layer whose module asks ``get_device_name()`` for the device of its collective's tensors
 (verl's ``seqlen_balancing``, which answers "cuda" on a CPU machine) gets "cpu" there, the device of the gloo
-group, as the suite's adapter does (:func:`spec.engines.verl.adapter._cpu_collectives`); nothing else is changed.
+group, as the suite's adapter does (:func:`spec.engines.verl.microbatch_layer._cpu_collectives`); nothing else is changed.
 """
 
 from __future__ import annotations

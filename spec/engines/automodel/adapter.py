@@ -16,11 +16,11 @@ from typing import Any
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import InputsView, verl_fsdp_view
-from ..verl.adapter import (NO_DTENSOR, LOW_PRECISION_RECORDS, fp16_clamp_cast_records,
-                   fused_padded_dense_slices)
 from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
-                     native_surface)
-from ..verl.records import entropy_cancellation, flag_types, loss_mask_attention
+                           native_surface)
+from ..verl.records import (LOW_PRECISION_RECORDS, entropy_cancellation, flag_types, fp16_clamp_cast_records,
+                            fused_padded_dense_slices, loss_mask_attention)
+from ..verl.surface import NO_DTENSOR
 
 __all__ = ["AutomodelEngine"]
 

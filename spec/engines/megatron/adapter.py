@@ -36,7 +36,8 @@ from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_align
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
 from ..verl.microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
-from ..verl.adapter import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, verl_microbatch_layer
+from ..verl.microbatch_layer import verl_microbatch_layer
+from ..verl.surface import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 

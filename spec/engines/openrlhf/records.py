@@ -7,8 +7,7 @@ from dataclasses import replace
 
 from ...protocol.engine import EngineUnderTest
 from ...protocol.known import KnownFailure, When
-from ..trl.records import MISMATCH
-from ..verl.records import CANCELLATION, UNCLAMPED
+from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
 
 __all__ = ["RECORDS"]
 

@@ -30,20 +30,17 @@ import torch
 
 from ...protocol.known import KnownFailure, When
 from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
-from ..verl.adapter import (
+from ..kit.records import UNCLAMPED, VALUE_MISMATCH
+from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
+                           native_surface)
+from ..verl.records import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
     LOW_PRECISION_RECORDS,
-    fp16_records,
-)
-from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
-                     native_surface)
-from ..verl.records import (
     PER_SAMPLE_ON_VOCAB,
-    UNCLAMPED,
-    VALUE_MISMATCH,
     entropy_cancellation,
     flag_types,
+    fp16_records,
     loss_mask_attention,
 )
 

@@ -6,18 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...protocol.engine import EngineUnderTest
-from ...protocol.known import KnownFailure, When
-from ..verl.records import CANCELLATION, UNCLAMPED, VALUE_MISMATCH
+from ...protocol.known import KnownFailure
+from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
 
-__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE",
-           "FUSED_UNREACHABLE", "LOW_PRECISION", "ORACLE_INVARIANTS",
-           "MISMATCH"]
-
-#: the checks that compare log-probs / entropy with the oracle
-ORACLE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006")
-#: a value of the consumer's response view differs from the oracle's (INV-SLICE-006), or any other output's
-MISMATCH = VALUE_MISMATCH + r"|response_view of \w+ \(B, R\): at \(\d+, \d+\) got .* expected .* \(\|diff\|"
-LOW_PRECISION = When("logits in bfloat16 or float16", lambda case: case.logits_dtype != "float32")
+__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
 
 IN_LOGITS_DTYPE = ("selective_log_softmax and entropy_from_logits compute in the logits' dtype (a per-row "
                    "log_softmax in bf16/fp16; outputs bf16/fp16): up to 0.06 nats of log-prob error in bf16, and "
@@ -40,11 +32,11 @@ _UNCLAMPED = tuple(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED,
                    for inv in ("INV-VAL-001", "INV-TEMP-006", "INV-SLICE-006"))
 
 LOGITS_RECORDS: tuple[KnownFailure, ...] = (
-    *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION) for inv in ORACLE_INVARIANTS),
+    *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS) for inv in ORACLE_INVARIANTS),
     *_UNCLAMPED)
 
 FUSED_RECORDS: tuple[KnownFailure, ...] = (
-    *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION) for inv in ORACLE_INVARIANTS),
+    *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS) for inv in ORACLE_INVARIANTS),
     *_UNCLAMPED,
     KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False))
 

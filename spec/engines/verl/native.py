@@ -16,8 +16,10 @@ from ...protocol.known import KnownFailure
 from ...protocol.engine import EngineUnderTest, Feature, Precision
 from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
-from .adapter import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
-                   VERL_LOGITS_UNREACHABLE, verl_microbatch_layer, verl_precision)
+from .microbatch_layer import verl_microbatch_layer
+from .records import verl_precision
+from .surface import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
+                      VERL_LOGITS_UNREACHABLE)
 
 __all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",
            "native_lines"]
@@ -106,7 +108,7 @@ class NativeVerlEngine(EngineUnderTest):
         return {**super().strategy_limits(), **self.LIMITS}  # the features it lacks, then LIMITS
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
-        """The FSDP engine's rule (:func:`spec.engines.verl.adapter.verl_precision`): log_probs and entropy in the logits'
+        """The FSDP engine's rule (:func:`spec.engines.verl.records.verl_precision`): log_probs and entropy in the logits'
         dtype, the packed chunked entropy in float32, fused kernels' values in the model's float32."""
         return verl_precision(key, case)
 
