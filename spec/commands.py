@@ -22,6 +22,7 @@ from .cases.coverage import domains as coverage_domains
 from .invariants import CATALOGUE
 from .repro import write_reproducers
 from .run import engine_coverage
+from .protocol.errors import UsageError
 from .run.database import DatabaseUnavailable, check_reachable, describe, example_database
 from .run.parallel import default_workers, recorded_seconds, run_targets
 from .run.registry import PLANTED, UnknownName, check_prefixes, checked_profile, describe_engines, load_engine
@@ -30,12 +31,8 @@ from .run.runner import instances
 __all__ = ["run"]
 
 
-class _Usage(Exception):
-    """A usage error: printed as one line on stderr, exit code 2."""
-
-
-def _usage(error: ValueError) -> _Usage:
-    return _Usage(str(error))
+def _usage(error: ValueError) -> UsageError:
+    return UsageError(str(error))
 
 
 def _load_engine(name: str):
@@ -210,6 +207,6 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command; a usage error is one line on stderr and exit code 2."""
     try:
         return COMMANDS[args.command](args)
-    except _Usage as exc:
+    except UsageError as exc:
         print(f"python -m spec {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Mapping
 from hypothesis import Verbosity, settings
 
 from .execute import probe, ranks
+from .protocol.errors import MutantTimeout
 from .run.engine_coverage import Measurement, off_path_nodes, regions
 from .run.profiles import load_profile
 from .run.runner import instances, run_invariant
@@ -236,13 +237,8 @@ def coverage_map(engine: Any, pairs: list, device: str, overrides: dict, seconds
     return measurement.line_contexts
 
 
-class _Timeout(BaseException):
-    """A target ran past ``--timeout`` under a mutant (one that loops forever): a BaseException, so that hypothesis
-    does not take it for a failing example and replay it (with no alarm left) while shrinking."""
-
-
 def _alarm(signum, frame):  # noqa: ARG001
-    raise _Timeout()
+    raise MutantTimeout()
 
 
 def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: dict, seconds: int) -> str:
@@ -255,7 +251,7 @@ def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: di
             signal.alarm(seconds)
             try:
                 outcome = run_invariant(info, engine, mode, device, shrink=False, **overrides)
-            except _Timeout:
+            except MutantTimeout:
                 ranks.shutdown()  # a rank may still be inside the mutant's call
                 return f"{key} (timeout)"
             finally:

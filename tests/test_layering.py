@@ -257,3 +257,25 @@ def test_an_engine_folder_imports_only_the_kit_and_itself() -> None:
             if target.startswith("spec.engines.") and target.split(".")[2] not in allowed:
                 bad.append(f"{module} -> {target}")
     assert not bad, "an engine folder imports another engine's:\n" + "\n".join(bad)
+
+
+def _exception_classes(tree: ast.Module) -> list[str]:
+    """The classes ``tree`` defines (at any depth) whose bases name an exception (``...Error``, ``Exception``,
+    ``BaseException``, a ``...Fault``/``...Failure`` or a class this check already found)."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+            if any(b.endswith(("Error", "Exception", "Fault", "Failure")) or b in found for b in bases):
+                found.append(node.name)
+    return found
+
+
+def test_every_exception_of_the_suite_is_in_its_errors_module() -> None:
+    """The suite's exceptions are declared in one module, spec/protocol/errors.py (the reproducers' runtimes in
+    spec/repro keep their own: a reproducer runs without the suite)."""
+    elsewhere = {str(p.relative_to(SPEC.parent)): names for p in sorted(SPEC.rglob("*.py"))
+                 if p.relative_to(SPEC).parts[0] != "repro" and p != SPEC / "protocol" / "errors.py"
+                 and (names := _exception_classes(ast.parse(p.read_text())))}
+    assert not elsewhere, f"exception classes outside spec/protocol/errors.py: {elsewhere}"
+    assert _exception_classes(ast.parse("class A(ValueError): pass\nclass B(A): pass\nclass C: pass\n")) == ["A", "B"]

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable
 from ..protocol.engine import Feature
 from ..protocol.profile import profile_of
 from .microbatch import MiniBatchCase
-from .structure import CONTEXTS, EXECUTION_CONTEXTS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
+from .structure import (CONTEXTS, EXECUTION_CONTEXTS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
+                        TEMPERATURE_FLOOR, DenseCase, EngineCase)
 
 __all__ = ["dimensions", "domains", "DIMENSIONS", "MB_DIMENSIONS", "FEATURES", "EXCLUDED_PAIRS", "PAIRS", "VOCAB_BANDS", "temperature_range", "tier_of", "vocab_band"]
 
@@ -81,8 +82,8 @@ FEATURES: dict[str, tuple[Callable[[EngineCase], bool], Feature | None]] = {
     "no grad": (lambda c: c.context != "grad", None),
     "bf16/fp16 logits": (lambda c: c.logits_dtype != "float32", None),
     "eos = pad": (lambda c: c.eos_token_id is not None and c.eos_token_id == c.pad_token_id, None),
-    "wide vocab": (lambda c: c.vocab > 257, None),
-    "long rows": (lambda c: max(c.seq_lens) > 2048, None),
+    "wide vocab": (lambda c: c.vocab > SMALL_VOCAB, None),
+    "long rows": (lambda c: max(c.seq_lens) > LONG_ROW, None),
     "batch >= 8": (lambda c: c.batch_size >= 8, None),
 }
 
@@ -116,7 +117,7 @@ _NEEDS = {("sp size", v): Feature.SP for v in ("2", "3", "4")} | {
 def temperature_range(t: float) -> str:
     if t == 1.0:
         return "1"
-    if t <= 1e-8:
+    if t <= TEMPERATURE_FLOOR:
         return "at/below the 1e-8 clamp"
     if t < 0.1:
         return "(1e-8, 0.1)"
@@ -125,15 +126,15 @@ def temperature_range(t: float) -> str:
 
 def tier_of(case: EngineCase) -> str:
     """The size tier a case is in (``spec.cases.strategies``), read off its sizes."""
-    if case.vocab > 257:  # the small and long tiers' vocabularies are at most 257
+    if case.vocab > SMALL_VOCAB:  # the small and long tiers' vocabularies are at most SMALL_VOCAB
         return "wide"
-    if max(case.seq_lens) > 2048:
+    if max(case.seq_lens) > LONG_ROW:
         return "long"
     return "batch" if case.batch_size >= 8 else "small"
 
 
 def vocab_band(vocab: int) -> str:
-    if vocab <= 257:
+    if vocab <= SMALL_VOCAB:
         return VOCAB_BANDS[0]
     return VOCAB_BANDS[1] if vocab <= 32_768 else VOCAB_BANDS[2] if vocab <= 65_536 else VOCAB_BANDS[3]
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..protocol.profile import POSITIONS, EngineProfile
-from .structure import CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, ROUTED_DTYPES, DenseCase, EngineCase
+from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
+                        TEMPERATURE_FLOOR, DenseCase, EngineCase)
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
@@ -67,7 +68,7 @@ EXPERT_COUNTS = (8, 1, 2, 60, 64, 128, 160, 256, 257, 384, 512)
 MOE_LAYERS = (1, 2, 3, 4)
 MOE_TOPK = (1, 2, 4, 6, 8)
 #: the largest float below, at and below the contract's 1e-8 temperature clamp
-_CLAMPED_TEMPERATURES = (1e-8, 5e-9, 1e-10)
+_CLAMPED_TEMPERATURES = (TEMPERATURE_FLOOR, 5e-9, 1e-10)
 _LOGITS_BUDGET = {"long": 2 ** 20, "wide": 2 ** 21}
 
 
@@ -223,15 +224,15 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         batch = draw(st.integers(8, 64))
     else:
         batch = draw(st.integers(1, 4 if tier == "long" else 3 if tier == "wide" else max_batch))
-    length = {"long": 2048, "wide": 8}.get(tier, max_len)
+    length = {"long": LONG_ROW, "wide": 8}.get(tier, max_len)
     if tier == "long" and not draw(_others_long()):
         length = max_len
     prompts = draw(seq_lengths(batch, max_len=length))
     responses = draw(seq_lengths(batch, max_len=length))
     if tier == "long":  # one sequence of 2,049 .. 4,096 tokens (integer draws favour small values)
         at = draw(st.integers(0, batch - 1))
-        prompts = prompts[:at] + (draw(st.integers(1025, 2048)),) + prompts[at + 1:]
-        responses = responses[:at] + (draw(st.integers(1024, 2048)),) + responses[at + 1:]
+        prompts = prompts[:at] + (draw(st.integers(LONG_ROW // 2 + 1, LONG_ROW)),) + prompts[at + 1:]
+        responses = responses[:at] + (draw(st.integers(LONG_ROW // 2, LONG_ROW)),) + responses[at + 1:]
     if tier == "wide":
         vocab = draw(_wide_vocab())
     elif tier == "long":

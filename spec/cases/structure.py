@@ -13,8 +13,14 @@ from ..truth.rules import TEMPERATURE_FLOOR
 from .topology import Topology
 
 __all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES",
-           "TEMPERATURE_FLOOR", "CONTEXTS", "EXECUTION_CONTEXTS"]
+           "TEMPERATURE_FLOOR", "CONTEXTS", "EXECUTION_CONTEXTS", "SMALL_VOCAB", "LONG_ROW"]
 
+#: The size tiers' limits (spec/cases/strategies.py draws them, spec/cases/coverage.py reads a case's tier off them):
+#: the small and long tiers' vocabularies are at most ``SMALL_VOCAB`` ids (both sides of 256); a wider one is the wide
+#: tier's. A row of more than ``LONG_ROW`` tokens (a rotary table's, a 2,048-token buffer's edge) is the long tier's,
+#: each side of its long sequence at most ``LONG_ROW`` tokens.
+SMALL_VOCAB = 257
+LONG_ROW = 2048
 #: The dtypes a model may return its logits in.
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 #: dtypes a router-replay routed_experts tensor comes in (int16: verl's agent loop; uint8 up to 256 experts)

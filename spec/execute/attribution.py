@@ -25,12 +25,13 @@ suite's own code on engine output that was well formed.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from . import coverage_hook
+from ..protocol.errors import EngineFault, SuiteError
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
            "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
@@ -39,16 +40,6 @@ __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side",
 ENGINE = "engine"
 SUITE = "suite"
 _ATTR = "_spec_origin"
-
-
-class SuiteError(RuntimeError):
-    """The suite itself failed on an example (its model, processor, oracle or a check crashed)."""
-
-
-class EngineFault(AssertionError):
-    """A failed check on what the engine handed back or how its ranks behaved: a malformed output (values fewer
-    than the offsets claim), an exception raised while the suite read one of the engine's objects, a rank that
-    died, hung or disconnected. An :class:`AssertionError`: the verdict on the engine, never a suite error."""
 
 
 def is_engine_fault(exc: BaseException) -> bool:
@@ -205,28 +196,27 @@ def trial() -> Iterator[None]:
         raise
 
 
-def suite_side(fn: Callable, where: str) -> Callable:
-    """``fn`` (a suite callable handed to the engine), with its exceptions tagged as the suite's."""
+def _tagged(fn: Callable, where: str, side: str, context: Callable[[], Any] = nullcontext) -> Callable:
+    """``fn`` run inside ``context()``, its exceptions tagged as ``side``'s (:data:`SUITE` or :data:`ENGINE`)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with context():
+                return fn(*args, **kwargs)
         except BaseException as exc:
-            _note(SUITE, where, exc)
+            _note(side, where, exc)
             raise
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
+
+
+def suite_side(fn: Callable, where: str) -> Callable:
+    """``fn`` (a suite callable handed to the engine), with its exceptions tagged as the suite's."""
+    return _tagged(fn, where, SUITE)
 
 
 def _engine_side(fn: Callable, where: str) -> Callable:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with coverage_hook.engine_code():  # the engine's code: measured where spec verify measures it
-                return fn(*args, **kwargs)
-        except BaseException as exc:
-            _note(ENGINE, where, exc)
-            raise
-    call.__wrapped__ = fn  # type: ignore[attr-defined]
-    return call
+    # the engine's code: measured where spec verify measures it
+    return _tagged(fn, where, ENGINE, coverage_hook.engine_code)
 
 
 def engine_side(fn: Callable, where: str) -> Callable:

@@ -53,8 +53,8 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
+from ..protocol.errors import RankFailure, RankFault
 from . import probe
-from .attribution import EngineFault
 from .handoff import Run, attach_views, model_for, snapshot, view_outputs
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, dumps, on_device, task_timeout, worker_main
@@ -69,15 +69,6 @@ PRELOAD = ("torch", "spec.execute.rank_worker")
 _STARTUP_TIMEOUT = 180.0
 #: seconds the other ranks get to answer once one rank reported an error
 _ERROR_GRACE = 3.0
-
-
-class RankFailure(RuntimeError):
-    """A worker died or hung; the message holds each rank's traceback."""
-
-
-class RankFault(RankFailure, EngineFault):
-    """A rank died, hung or disconnected while it ran an example (the engine's calls): a failed check on that example
-    (an :class:`~spec.execute.attribution.EngineFault`), with each rank's traceback; the pool is replaced."""
 
 
 def start_method() -> str:

@@ -48,6 +48,8 @@ from hypothesis.database import (
     ReadOnlyDatabase,
 )
 
+from ..protocol.errors import DatabaseUnavailable
+
 __all__ = ["ENV", "MEMORY", "REDIS_TTL", "default_directory", "example_database", "replay_database", "describe", "check_reachable",
            "DatabaseUnavailable", "KeepFailures"]
 
@@ -66,10 +68,6 @@ def default_directory() -> Path:
         return storage_directory("examples", intent_to_write=False).path
     except TypeError:  # hypothesis before 6.131: storage_directory(*names) returns the path itself
         return Path(storage_directory("examples"))
-
-
-class DatabaseUnavailable(RuntimeError):
-    """The configured database cannot be reached (a writer must not lose what it finds)."""
 
 
 def _setting(url: str | None) -> str:

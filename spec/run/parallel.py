@@ -240,6 +240,132 @@ class _Slot:
             return ""
 
 
+class _ParallelRun:
+    """One ``spec verify -n N`` run's state, seen from the parent: the worker slots, the tasks waiting (longest
+    first), the outcomes settled so far and the worker that owns the rank pool. :meth:`run` drives it."""
+
+    def __init__(self, engine_name: str, targets: list[Target], tasks: list[list[int]], *, workers: int,
+                 profile: str, device: str, threads: int, overrides: dict, recorded: dict[str, float] | None,
+                 progress: Callable[[int, int, list[str]], None] | None, startup_timeout: float,
+                 on_ranks: frozenset[int]):
+        self.engine_name, self.targets, self.tasks, self.device = engine_name, targets, tasks, device
+        self.progress, self.startup_timeout = progress, startup_timeout
+        self.tasks_on_ranks = frozenset(i for i, task in enumerate(tasks) if any(n in on_ranks for n in task))
+        self.waiting = schedule(targets, recorded, tasks)  # longest first; each idle worker takes the first it may run
+        self.outcomes: list[Outcome | None] = [None] * len(targets)
+        self.done = 0
+        self.ready: set[int] = set()
+        #: the worker that owns the rank pool, once one took a real-rank target
+        self.rank_owner: int | None = None
+        self.ctx = _context(device)
+        self.results = self.ctx.Queue()
+        self.args = (engine_name, profile, device, threads, overrides)
+        self.folder = tempfile.mkdtemp(prefix="spec-verify-")
+        self.slots: dict[int, _Slot] = {}
+        self.next_index = 0
+        for _ in range(max(1, min(workers, len(tasks)))):
+            self.start_worker()
+
+    def start_worker(self) -> None:
+        self.slots[self.next_index] = _Slot(self.ctx, self.next_index, self.args, self.results, self.folder)
+        self.next_index += 1
+
+    def report(self) -> None:
+        if self.progress is not None:
+            running = [_label(self.targets, self.tasks[s.current]) for s in self.slots.values() if s.current is not None]
+            self.progress(self.done, len(self.targets), running)
+
+    def settle(self, position: int, outcome: Outcome) -> None:
+        if self.outcomes[position] is None:
+            self.outcomes[position] = outcome
+            self.done += 1
+
+    def feed(self, slot: _Slot) -> None:
+        if self.rank_owner is not None and self.rank_owner not in self.slots:  # it died: the next worker starts a pool
+            self.rank_owner = None
+        n = next_for(self.waiting, self.tasks_on_ranks, self.rank_owner, slot.index)
+        if n is not None:
+            task = self.waiting.pop(n)
+            if task in self.tasks_on_ranks:
+                self.rank_owner = slot.index
+            slot.give(task, self.tasks[task], self.targets)
+
+    def feed_idle(self) -> None:
+        for slot in list(self.slots.values()):
+            if slot.current is None and slot.index in self.ready:
+                self.feed(slot)
+
+    def error(self, position: int, message: str) -> Outcome:
+        t = self.targets[position]
+        return Outcome(t.invariant, self.engine_name, t.mode, self.device, "error", error=message,
+                       layout=t.info().layout)
+
+    def bury(self, slot: _Slot) -> None:
+        """A worker that died: the targets it was running reported as suite errors, a fresh worker for those left."""
+        slot.process.join()
+        why = _died(slot.process.exitcode)
+        if slot.current is not None:  # the targets it was running are reported, the others go on
+            for position in self.tasks[slot.current]:
+                self.settle(position, self.error(position, f"suite error: worker process {why} while running "
+                                                 f"this target\n{slot.traceback() or '(no traceback)'}"))
+        elif slot.index not in self.ready:
+            raise RuntimeError(f"spec verify: worker {slot.index} {why} before it was ready\n{slot.traceback()}")
+        del self.slots[slot.index]
+        if self.waiting:  # a fresh worker for the targets left
+            self.start_worker()
+        self.feed_idle()
+        self.report()
+
+    def answer(self, index: int, kind: str, positions: list[int], payload: Any) -> None:
+        """A worker's message: ready, or a task's outcomes (or the traceback it raised)."""
+        slot = self.slots.get(index)
+        if slot is None:
+            return
+        if kind == _READY:
+            self.ready.add(index)
+        elif kind in (_DONE, _CRASH):
+            slot.current = None
+            for n, position in enumerate(positions):
+                self.settle(position, outcome_from_dict(*payload[n]) if kind == _DONE
+                            else self.error(position, f"suite error: the worker raised\n{payload}"))
+        if slot.current is None:
+            self.feed(slot)
+        self.feed_idle()  # a worker left idle (only real-rank targets waited) may take one now
+        self.report()
+
+    def run(self) -> list[Outcome]:
+        started = time.monotonic()
+        try:
+            while self.done < len(self.targets):
+                try:
+                    message = self.results.get(timeout=0.5)
+                except queue_module.Empty:
+                    for slot in [s for s in self.slots.values() if not s.process.is_alive()]:
+                        self.bury(slot)
+                    if not self.ready and time.monotonic() - started > self.startup_timeout:
+                        raise RuntimeError(f"spec verify: no worker was ready within {self.startup_timeout:.0f} s")
+                    continue
+                self.answer(*message)
+        finally:
+            self.close()
+        return [o for o in self.outcomes if o is not None]
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.tasks.put(None)
+        deadline = time.monotonic() + 30.0
+        for slot in self.slots.values():
+            slot.process.join(max(0.1, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                slot.process.terminate()
+                slot.process.join(5.0)
+            slot.tasks.cancel_join_thread()
+        self.results.cancel_join_thread()
+        for path in Path(self.folder).glob("*"):
+            path.unlink(missing_ok=True)
+        os.rmdir(self.folder)
+
+
 def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profile: str, device: str = "cpu",
                  threads: int = 1, overrides: dict | None = None, recorded: dict[str, float] | None = None,
                  progress: Callable[[int, int, list[str]], None] | None = None,
@@ -254,107 +380,10 @@ def run_parallel(engine_name: str, targets: list[Target], *, workers: int, profi
     that import torch, the suite and the engine); the other workers take the next task that needs none.
 
     ``progress(done, total, running)`` is called whenever a task starts or finishes."""
-    overrides = dict(overrides or {})
     tasks = tasks if tasks is not None else [[n] for n in range(len(targets))]
-    tasks_on_ranks = frozenset(i for i, task in enumerate(tasks) if any(n in on_ranks for n in task))
-    waiting = schedule(targets, recorded, tasks)  # longest first; each idle worker takes the first it may run
-    outcomes: list[Outcome | None] = [None] * len(targets)
-    workers = max(1, min(workers, len(tasks)))
-    ctx = _context(device)
-    results = ctx.Queue()
-    args = (engine_name, profile, device, threads, overrides)
-    folder = tempfile.mkdtemp(prefix="spec-verify-")
-    slots = {i: _Slot(ctx, i, args, results, folder) for i in range(workers)}
-    next_index = workers
-    done = 0
-    started = time.monotonic()
-    ready: set[int] = set()
-
-    def report() -> None:
-        if progress is not None:
-            running = [_label(targets, tasks[s.current]) for s in slots.values() if s.current is not None]
-            progress(done, len(targets), running)
-
-    def settle(position: int, outcome: Outcome) -> None:
-        nonlocal done
-        if outcomes[position] is None:
-            outcomes[position] = outcome
-            done += 1
-
-    rank_slot: list[int] = []  # the worker that owns the rank pool, once one took a real-rank target
-
-    def feed(slot: _Slot) -> None:
-        if rank_slot and rank_slot[0] not in slots:  # it died: the next worker starts a pool
-            rank_slot.clear()
-        n = next_for(waiting, tasks_on_ranks, rank_slot[0] if rank_slot else None, slot.index)
-        if n is not None:
-            task = waiting.pop(n)
-            if task in tasks_on_ranks:
-                rank_slot[:] = [slot.index]
-            slot.give(task, tasks[task], targets)
-
-    def feed_idle() -> None:
-        for slot in list(slots.values()):
-            if slot.current is None and slot.index in ready:
-                feed(slot)
-
-    def error(position: int, message: str) -> Outcome:
-        t = targets[position]
-        return Outcome(t.invariant, engine_name, t.mode, device, "error", error=message, layout=t.info().layout)
-
-    try:
-        while done < len(targets):
-            try:
-                index, kind, positions, payload = results.get(timeout=0.5)
-            except queue_module.Empty:
-                for slot in [s for s in slots.values() if not s.process.is_alive()]:
-                    slot.process.join()
-                    why = _died(slot.process.exitcode)
-                    if slot.current is not None:  # the targets it was running are reported, the others go on
-                        for position in tasks[slot.current]:
-                            settle(position, error(position, f"suite error: worker process {why} while running "
-                                                   f"this target\n{slot.traceback() or '(no traceback)'}"))
-                    elif slot.index not in ready:
-                        raise RuntimeError(f"spec verify: worker {slot.index} {why} before it was ready\n"
-                                           f"{slot.traceback()}")
-                    del slots[slot.index]
-                    if waiting:  # a fresh worker for the targets left
-                        slots[next_index] = _Slot(ctx, next_index, args, results, folder)
-                        next_index += 1
-                    feed_idle()
-                    report()
-                if not ready and time.monotonic() - started > startup_timeout:
-                    raise RuntimeError(f"spec verify: no worker was ready within {startup_timeout:.0f} s")
-                continue
-            slot = slots.get(index)
-            if slot is None:
-                continue
-            if kind == _READY:
-                ready.add(index)
-            elif kind in (_DONE, _CRASH):
-                slot.current = None
-                for n, position in enumerate(positions):
-                    settle(position, outcome_from_dict(*payload[n]) if kind == _DONE
-                           else error(position, f"suite error: the worker raised\n{payload}"))
-            if slot.current is None:
-                feed(slot)
-            feed_idle()  # a worker left idle (only real-rank targets waited) may take one now
-            report()
-    finally:
-        for slot in slots.values():
-            slot.tasks.put(None)
-        deadline = time.monotonic() + 30.0
-        for slot in slots.values():
-            slot.process.join(max(0.1, deadline - time.monotonic()))
-            if slot.process.is_alive():
-                slot.process.terminate()
-                slot.process.join(5.0)
-            slot.tasks.cancel_join_thread()
-        results.cancel_join_thread()
-        for path in Path(folder).glob("*"):
-            path.unlink(missing_ok=True)
-        os.rmdir(folder)
-    return [o for o in outcomes if o is not None]
+    return _ParallelRun(engine_name, targets, tasks, workers=workers, profile=profile, device=device, threads=threads,
+                        overrides=dict(overrides or {}), recorded=recorded, progress=progress,
+                        startup_timeout=startup_timeout, on_ranks=on_ranks).run()
 
 
 def run_targets(engine, pairs: list[tuple[InvariantInfo, str]], *, workers: int, profile: str, device: str = "cpu",

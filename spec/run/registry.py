@@ -36,6 +36,7 @@ from ..engines.verl.adapter import VerlEngine
 from ..planted import PLANTED, planted_engine
 from ..planted.harmless import HARMLESS, harmless_engine
 from ..protocol.engine import HELPERS, EngineUnderTest
+from ..protocol.errors import UnknownName
 from .profiles import PROFILES, load_profile
 
 __all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names",
@@ -68,10 +69,6 @@ def describe_engines() -> list[str]:
     """One line per registered engine, for ``python -m spec engines``."""
     return [f"{name:<16} {what}" for name, (_, what) in ENGINES.items()] + \
         [f"planted:<bug>    impl with one planted bug ({len(PLANTED)}: python -m spec engines --planted)"]
-
-
-class UnknownName(ValueError):
-    """A name the user typed that names nothing; the message is one line, with the closest names."""
 
 
 def did_you_mean(word: str, choices: Iterable[str], *, n: int = 3) -> str:

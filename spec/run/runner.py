@@ -24,6 +24,7 @@ from ..protocol.engine import EngineUnderTest
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import convention_skip, honour_engine, mode_reason
+from ..protocol.errors import BudgetSpent, StreamDone
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "run_group", "runs_on_ranks", "SEED_CASES",
@@ -44,14 +45,6 @@ def shrink_deadline() -> float:
     smallest failure so far (``SPEC_SHRINK_DEADLINE``, default 120)."""
     return float(os.environ.get("SPEC_SHRINK_DEADLINE", "120"))
 
-
-class _BudgetSpent(BaseException):
-    """Ends a target's hypothesis run (a BaseException: hypothesis does not catch it) once its fault budget or its
-    shrink deadline is spent; carries the smallest failing example's exception so far."""
-
-    def __init__(self, why: str, failure: BaseException):
-        super().__init__(why)
-        self.why, self.failure = why, failure
 
 #: The seeds' worked examples (verl PRs #6345, #6386), pinned on every invariant.
 SEED_CASES = (
@@ -378,10 +371,6 @@ class _Pinned:
         return "pinned(" + ", ".join(repr(c) for c in self.cases if c is not None) + ")"
 
 
-class _StreamDone(BaseException):
-    """Every member of a group has failed: nothing is left to check on further examples."""
-
-
 #: the check context's cached values that one case's checks share (the oracle, the read positions, the micro-batch);
 #: the engine's runs are shared by call, the reruns of variants too (:class:`~spec.execute.memo.Runs`)
 SHARED = ("expected", "read", "batch")
@@ -420,7 +409,7 @@ class StreamRun:
             if case is not None:
                 self.check(member, case, shared.setdefault(repr(case), {}), runs)
         if not self.active:
-            raise _StreamDone()
+            raise StreamDone()
 
     def check(self, member: TargetRun, case: Any, shared: dict, runs: Runs) -> None:
         ctx = member.context(self.attributed, case, shared, runs)
@@ -477,15 +466,15 @@ class StreamRun:
             if _fault(exc, ranks.RankFault) is not None:
                 self.bounds["faults"] += 1
                 if self.bounds["faults"] >= allowed:
-                    raise _BudgetSpent(f"fault budget spent: {self.bounds['faults']} examples ended in a rank fault "
+                    raise BudgetSpent(f"fault budget spent: {self.bounds['faults']} examples ended in a rank fault "
                                        f"(SPEC_FAULT_BUDGET={allowed}); shrinking stopped", exc) from exc
         restarted = ranks.restarts() - self.restarts_before
         if self.failures and restarted > allowed:  # ranks left hanging in a collective by a failure: each restarts
-            raise _BudgetSpent(f"the rank pool was restarted {restarted} times (more than SPEC_FAULT_BUDGET="
+            raise BudgetSpent(f"the rank pool was restarted {restarted} times (more than SPEC_FAULT_BUDGET="
                                f"{allowed}); shrinking stopped", self.failures[0])
         if self.alone and self.failures and self.first_failure \
                 and now - self.start - self.first_failure[0] > self.deadline_s:
-            raise _BudgetSpent(f"shrink deadline spent: {self.deadline_s:g} s after the first failure "
+            raise BudgetSpent(f"shrink deadline spent: {self.deadline_s:g} s after the first failure "
                                f"(SPEC_SHRINK_DEADLINE); shrinking stopped", self.failures[0])
 
     def run(self, strategy, pinned: list[_Pinned], key: bytes, parent: settings, *, shrink: bool, seed: int | None,
@@ -506,9 +495,9 @@ class StreamRun:
             wrapped._hypothesis_internal_database_key = hashlib.sha384(b"db/" + key).digest()[:20]
             try:
                 settings(parent, phases=phases, **overrides)(wrapped)()
-            except _StreamDone:
+            except StreamDone:
                 break
-            except _BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
+            except BudgetSpent as stop:  # the smallest failure so far, reported as it is, with why the run stopped
                 self.bounds["stopped"] = stop.why
                 if self.alone:
                     _record_failure(self.members[0].outcome, stop.failure)

@@ -11,13 +11,11 @@ The suite's ``pass_cu_seqlens`` setting maps onto its TransformerEngine attentio
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import InputsView, verl_fsdp_view
-from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
-                           native_surface)
+from ..verl.native import NativeVerlEngine, native_profile
 from ..verl.records import (LOW_PRECISION_RECORDS, entropy_cancellation, flag_types, fp16_clamp_cast_records,
                             fused_padded_dense_slices, loss_mask_attention)
 from ..verl.surface import NO_DTENSOR
@@ -61,12 +59,10 @@ class AutomodelEngine(NativeVerlEngine):
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = replace(NativeVerlEngine.profile, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
-                      unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, "624->633", "660->663"),
-                                   **native_lines(module, NO_DTENSOR, "610->611", "653->654"),
-                                   f"{module}:592->593": "gap: a model whose forward returns the logits tensor itself "
-                                   "(NeMo AutoModel's own model classes); the adapter's stand-in returns an output "
-                                   "with .logits"})
+    profile = native_profile(NativeVerlEngine.profile, module, lm_class, ("624->633", "660->663"), {
+        "610->611": NO_DTENSOR, "653->654": NO_DTENSOR,
+        "592->593": "gap: a model whose forward returns the logits tensor itself (NeMo AutoModel's own model classes); "
+                    "the adapter's stand-in returns an output with .logits"})
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}

@@ -37,6 +37,7 @@ from unittest import mock
 import torch
 
 from ...protocol import EngineUnderTest, Feature, InputsView, Precision
+from ...protocol.errors import ModelNotCalled, StopForward
 from .stubs import StubReport, import_with_stubs, library_imports, without_init
 
 __all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
@@ -52,15 +53,6 @@ def require(module_name: str, how: str) -> Any:
         raise ImportError(f"this adapter needs {module_name}: {how} ({exc})") from exc
 
 
-class ModelNotCalled(RuntimeError):
-    """The engine's forward returned without calling the model (so it handed the model nothing)."""
-
-
-class _Stop(BaseException):
-    """Stops the engine's forward at the model call (a BaseException: an engine's ``except Exception`` cannot
-    swallow it)."""
-
-
 class _Recorder:
     def __init__(self, positional: tuple[str, ...]):
         self.positional, self.inputs = positional, None
@@ -70,7 +62,7 @@ class _Recorder:
             raise TypeError(f"the model was called with {len(args)} positional arguments; name them: "
                             f"inputs_seen_by_model(..., positional=(...))")
         self.inputs = {**dict(zip(self.positional, args)), **kwargs}
-        raise _Stop
+        raise StopForward
 
 
 def inputs_seen_by_model(forward: Callable[[Callable[..., Any]], Any],
@@ -81,7 +73,7 @@ def inputs_seen_by_model(forward: Callable[[Callable[..., Any]], Any],
     recorder = _Recorder(positional)
     try:
         forward(recorder)
-    except _Stop:
+    except StopForward:
         return recorder.inputs
     raise ModelNotCalled("the engine's forward returned without calling the model")
 

@@ -12,20 +12,17 @@ right-aligned, into nested ones (:func:`sequences_from_response_rows`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from impl.flags import BatchFlags, read_flag
 
 from ...protocol import sequences_from_responses
+from ...protocol.errors import OneTemperatureError
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows", "model_inputs_of", "left_aligned", "sequences_from_response_rows"]
-
-
-class OneTemperatureError(NotImplementedError):
-    """The library takes one temperature per trainer; the micro-batch holds distinct per-sample ones."""
+           "LeftRightRows", "left_aligned", "sequences_from_response_rows"]
 
 
 def samples(mb, key: str) -> list[torch.Tensor]:
@@ -78,26 +75,6 @@ def from_shifted_row(values: torch.Tensor, mb) -> torch.Tensor:
     token nothing) as a nested tensor over the sequences, with 0 at the last token (which no consumer reads)."""
     return torch.nested.nested_tensor_from_jagged(torch.cat([values[0], values.new_zeros(1)]).float(),
                                                   mb["input_ids"].offsets())
-
-
-class _Stop(Exception):
-    pass
-
-
-def model_inputs_of(forward: Callable[[Callable[..., Any]], Any]) -> dict[str, Any]:
-    """What an engine's own ``forward`` hands the model (for an engine that calls the model itself): ``forward(model)``
-    runs with a model that records its ``input_ids`` / ``attention_mask`` / ``position_ids`` and stops it there."""
-    seen: dict[str, Any] = {}
-
-    def model(input_ids, attention_mask=None, position_ids=None, **_):
-        seen.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        raise _Stop
-
-    try:
-        forward(model)
-    except _Stop:
-        return seen
-    raise RuntimeError("the engine's forward returned without calling the model")
 
 
 def left_aligned(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

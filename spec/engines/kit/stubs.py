@@ -27,12 +27,10 @@ import warnings
 from dataclasses import dataclass, field
 from unittest import mock
 
+from ...protocol.errors import StubError
+
 __all__ = ["StubReport", "StubError", "StrictModule", "Undeclared", "import_with_stubs", "import_verl_module",
            "module_level_imports", "strict_module", "library_imports", "without_init"]
-
-
-class StubError(RuntimeError):
-    """The code under test used a name of a stubbed module that nobody declared a value for."""
 
 
 class Undeclared:

@@ -6,7 +6,7 @@ responses (``PaddedLayout.LEFT_RIGHT``), 0.4.0 left-pads whole rows (``PaddedLay
 (``use_sample_packing`` / ``remove_microbatch_padding``), divides the logits by the temperature in place, scores
 ``logprobs_from_logits`` and ``chunked_entropy_from_logits``, re-pads and keeps ``[:, -num_actions - 1:-1]`` (the
 worker slices the entropy so): response-only outputs, 0.4.0's right-aligned. ``forward`` calls the model itself, so
-it runs twice (``model_inputs_of``, ``replaying``). The kit's loader (``ThirdPartyEngine.load``) imports the modules
+it runs twice (``inputs_seen_by_model``, ``replaying``). The kit's loader (``ThirdPartyEngine.load``) imports the modules
 with transformers, peft, ray, datasets and flash-attn's CUDA package stubbed, flash-attn's ``bert_padding`` installed;
 0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run.
 docs/engines/skyrl.md.
@@ -17,8 +17,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ...protocol import Feature, OutputSpan
-from ..kit.hf_batch import BatchFlags, model_inputs_of, one_temperature, samples, sequences_from_response_rows
-from ..kit import ThirdPartyEngine, in_logits_dtype, refuse_flags, replaying, rows_view
+from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
+from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
 from .records import PROFILE, RECORDS, TRAIN_PROFILE
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
@@ -45,7 +45,7 @@ class SkyRLObject:
         args = {"sequences": seqs.to(device), "attention_mask": mask.to(device), "packed": f.use_remove_padding,
                 "num_actions": max(map(len, responses)), "temperature": one_temperature(mb),
                 "entropy": f.calculate_entropy}
-        return model_inputs_of(lambda model: self._forward(model, args)), args
+        return inputs_seen_by_model(lambda model: self._forward(model, args)), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         a = output_args

@@ -30,9 +30,9 @@ import torch
 
 from ...protocol.known import KnownFailure, When
 from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
+from ...truth.rules import TEMPERATURE_FLOOR
 from ..kit.records import UNCLAMPED, VALUE_MISMATCH
-from ..verl.native import (CHECKPOINTED_ENTROPY, NATIVE_OFF_PATH, NATIVE_UNREACHABLE, NativeVerlEngine, native_lines,
-                           native_surface)
+from ..verl.native import NativeVerlEngine, native_profile
 from ..verl.records import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
@@ -67,7 +67,7 @@ FP16_OVERFLOW = ("divides float16 logits by the raw temperature (no clamp, no ca
                  "contract clamps at 1e-8 and scales in float32)")
 #: float16 logits at a temperature at or below the 1e-8 clamp (a float temperature keeps the logits' dtype)
 FP16_TINY_TEMPERATURE = When("float16 logits and a temperature at or below 1e-8 (logits / T overflows float16)",
-                             lambda case: case.logits_dtype == "float16" and min(case.temperatures()) <= 1e-8)
+                             lambda case: case.logits_dtype == "float16" and min(case.temperatures()) <= TEMPERATURE_FLOOR)
 
 KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, TEMPERATURE, raises=(RuntimeError, AssertionError),
@@ -122,10 +122,9 @@ class TorchTitanEngine(NativeVerlEngine):
     packages = ("torchtitan",)
     lm_class = "TorchTitanEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = replace(NativeVerlEngine.profile, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
-                      unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, "819->828", "836->839"),
-                                   f"{module}:776->777": "needs context parallelism: a CP device mesh "
-                                   "(parallel_dims.cp_enabled; prepare_context_parallel_input shards over it)"})
+    profile = native_profile(NativeVerlEngine.profile, module, lm_class, ("819->828", "836->839"), {
+        "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
+                    "prepare_context_parallel_input shards over it)"})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
                "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {

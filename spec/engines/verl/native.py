@@ -9,11 +9,13 @@ a thin engine object; nothing of verl's code is copied and verl is not patched.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import EngineUnderTest, Feature, Precision
+from ...protocol.profile import EngineProfile
 from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from .microbatch_layer import verl_microbatch_layer
@@ -22,7 +24,7 @@ from .surface import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, V
                       VERL_LOGITS_UNREACHABLE)
 
 __all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",
-           "native_lines"]
+           "native_lines", "native_profile"]
 
 
 def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
@@ -43,6 +45,16 @@ NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
 #: the reason of an engine's ``if not self.engine_config.entropy_checkpointing`` (its other side)
 CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entropy under torch.utils.checkpoint (the "
                         "FSDP engine's cases draw it, spec/engines/verl/adapter.py; NativeVerlEngine.build leaves it False)")
+
+
+def native_profile(base: EngineProfile, module: str, lm_class: str, checkpointed: tuple[str, ...],
+                   own: Mapping[str, str]) -> EngineProfile:
+    """A native engine's profile: ``base`` with its surface (:func:`native_surface`), the shared off-path functions,
+    and as unreachable the shared branches, the lines of its ``checkpointed`` entropy (:data:`CHECKPOINTED_ENTROPY`)
+    and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason)."""
+    return replace(base, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
+                   unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, *checkpointed),
+                                **{f"{module}:{line}": why for line, why in own.items()}})
 
 
 class NativeVerlEngine(EngineUnderTest):
