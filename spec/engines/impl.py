@@ -10,7 +10,7 @@ import impl.microbatch
 
 from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
-from ..protocol.profile import VERL_CONVENTIONS
+from ..protocol.profile import MEDIA, VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
 
@@ -106,6 +106,7 @@ class ImplEngine(EngineUnderTest):
                               "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
                               "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE,
         conventions=VERL_CONVENTIONS,  # a drop-in keeps verl's conventions
+        media=MEDIA,  # multi_modal_inputs handed to the model (impl.multimodal)
         refuses={"pad_mode": "impl prepares nested (no_padding) micro-batches only: UnsupportedConfigError",
                  "bucket_distillation": "a static bucket would misalign the teacher tensors: UnsupportedConfigError"})
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
