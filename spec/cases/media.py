@@ -79,10 +79,10 @@ def draw_media(case: EngineCase, ids: torch.Tensor, gen: torch.Generator) -> tup
 
 
 def media_stack(draws: MediaDraws, case: EngineCase, device: torch.device | str = "cpu") -> NonTensorStack:
-    """The ``multi_modal_inputs`` entry of the micro-batch: one ``NonTensorData`` dict per sample (a text-only sample's
-    is ``{}``, or ``None`` in a case of odd seed: verl's agent loop hands either), as verl's ``get_tensordict`` stores a
-    list of dicts."""
-    empty = None if int(case.seed) % 2 else {}
+    """The ``multi_modal_inputs`` entry of the micro-batch: one ``NonTensorData`` dict per sample, as verl's
+    ``get_tensordict`` stores a list of dicts. A text-only sample's is, by the seed (mod 3), ``{}``, ``None`` (verl's
+    agent loop hands either) or a processor's keys holding ``None``."""
+    empty = ({}, None, {key: None for key in MEDIA_KEYS["image"]})[int(case.seed) % 3]
     items = [{k: v.to(device) for k, v in d.items()} if d else empty for d in draws.per_sample]
     return NonTensorStack.from_list([NonTensorData(item) for item in items])
 

@@ -61,7 +61,8 @@ from ..protocol.known import KnownFailure, When
 
 from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
-from ..protocol.profile import VERL_CONVENTIONS, Convention
+from ..protocol.profile import MEDIA, VERL_CONVENTIONS, Convention
+from .verl_mm import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .microbatch_records import MICROBATCH_RECORDS
 from .verl_mutants import VERL_EQUIVALENT_MUTANTS
 
@@ -710,9 +711,10 @@ class VerlEngine(EngineUnderTest):
     name = "verl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
-    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
+    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE + VERL_MM_SURFACE,
+                      unreachable={**VERL_UNREACHABLE, **VERL_MM_UNREACHABLE},
                       off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES,
-                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS)
+                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS, media=MEDIA)  # images: spec/engines/verl_mm.py
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

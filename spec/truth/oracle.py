@@ -382,7 +382,7 @@ def _sample_media(micro_batch: TensorDict, i: int) -> dict:
     if "multi_modal_inputs" not in micro_batch.keys():
         return {}
     item = micro_batch.get("multi_modal_inputs").tolist()[i]
-    return {key: value.cpu() for key, value in (item or {}).items()}
+    return {key: value.cpu() for key, value in (item or {}).items() if value is not None}
 
 
 def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
