@@ -98,8 +98,8 @@ class SampleLengths:
     def _check_lengths(self) -> None:
         if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
             raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
-        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
-            raise ValueError("prompt and response lengths must be >= 1")
+        if min(self.prompt_lens) < 1 or min(self.response_lens) < 0:
+            raise ValueError("prompt lengths must be >= 1 and response lengths >= 0 (an aborted rollout's is 0)")
 
     @property
     def batch_size(self) -> int:

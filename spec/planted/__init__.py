@@ -312,6 +312,9 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="a padded micro-batch with images"),
     PlantedBug("media_grids_sorted", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaGridsSorted,
                quiet="images of unequal grids out of size order"),
+    PlantedBug("slice_empty_response_as_one", ("INV-EDGE-001",),
+               helpers=(("no_padding_2_padding", H.slice_empty_response_as_one),),
+               quiet="a zero-length response (an aborted rollout)"),
     PlantedBug("media_sliced_not_selected", ("INV-MB-008", "INV-MB-015"), microbatch=MM.media_sliced_not_selected,
                quiet="a vision-language mini-batch the balancing reorders"),
 )}
