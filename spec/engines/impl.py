@@ -62,6 +62,8 @@ IMPL_UNREACHABLE: dict[str, str] = {
     "impl.padding:93->96": "gap: a dense (not nested) tensor handed to no_padding_2_padding",
     "impl.padding:242->244": "gap: nested 'prompts' whose lengths differ from the masks' (a split that disagrees)",
     "impl.padding:left_right_2_no_padding": _ERR + "; gap: the mRoPE (B, 4, S) positions of a padded batch",
+    "impl.multimodal:39->40": "gap: extract_multi_modal_inputs called with indices (a caller's selection; the "
+    "preparation hands every sample's entry)",
     "impl.sequence_parallel:RowPlan.make": _ERR, "impl.sequence_parallel:RowPlan.unshard": _ERR
     + "; gap: the sp > 1 unshard without an all-gather", "impl.sequence_parallel:RowPlan.shard": "gap: a pad-free "
     "row under sequence parallelism",
@@ -102,7 +104,7 @@ class ImplEngine(EngineUnderTest):
     name = "impl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): every function of impl/ and impl.microbatch
     profile = replace(EngineUnderTest.profile, surface=tuple(
-        f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "outputs", "padding",
+        f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "multimodal", "outputs", "padding",
                               "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
                               "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE,
         conventions=VERL_CONVENTIONS,  # a drop-in keeps verl's conventions
