@@ -9,6 +9,7 @@ from .errors import (BatchMismatchError, FlagTypeError, LayoutWarning, NestedLay
                      TemperatureError, UnsupportedConfigError)
 from .flags import BatchFlags
 from .inputs import prepare_model_inputs
+from .multimodal import extract_multi_modal_inputs
 from .logits import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from .microbatch import (calculate_workload, ceildiv, chunk_tensordict, concat_nested_tensors, concat_tensordict,
                          get_reverse_idx, get_seqlen_balanced_partitions, index_select_tensor_dict,
@@ -25,7 +26,7 @@ __all__ = [
     "prepare_model_inputs", "prepare_model_outputs", "prepare_value_outputs",
     "build_attention_mask_from_nested", "no_padding_2_padding", "left_right_2_no_padding",
     "response_from_nested", "response_to_nested",
-    "logprobs_from_logits", "entropy_from_logits", "sum_pi_squared_from_logits",
+    "logprobs_from_logits", "entropy_from_logits", "sum_pi_squared_from_logits", "extract_multi_modal_inputs",
     "PrepError", "NestedLayoutError", "BatchMismatchError", "ShapeError", "TemperatureError",
     "UnsupportedConfigError", "FlagTypeError", "LayoutWarning",
     # the micro-batch layer (impl.microbatch)

@@ -10,6 +10,7 @@ from tensordict import TensorDictBase
 from .batch import MicroBatchView
 from .errors import TemperatureError, UnsupportedConfigError
 from .layout import dense_from_jagged
+from .multimodal import multi_modal_model_inputs
 from .sequence_parallel import RowPlan
 from .settings import EngineSettings
 
@@ -73,6 +74,8 @@ def prepare_model_inputs(micro_batch: TensorDictBase,
         output_args["input_ids_rmpad_rolled"] = rolled
         output_args["temperature"] = view.temperature
 
+    # images and videos: the whole micro-batch's, on every rank (the model embeds them before any slicing)
+    model_inputs.update(multi_modal_model_inputs(micro_batch, layout.batch_size, layout.values.device))
     if view.flags.use_fused_kernels:
         model_inputs["temperature"] = view.scalar_temperature
         model_inputs["return_dict"] = True

@@ -48,6 +48,8 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "sum_pi_squared": ("no", "yes"),
     "distillation": ("no", "yes"),
     "head": ("lm", "value"),
+    "media": ("none", "image", "video", "image and video"),
+    "media per sample": ("no media", "every sample", "some samples text-only"),
 }
 
 #: the drawn dimensions of a micro-batch case (spec.cases.microbatch), each value needing the micro-batch layer
@@ -59,6 +61,7 @@ MB_DIMENSIONS: dict[str, tuple[str, ...]] = {
     "micro-batch: sp size": ("1", "2", "4"),
     "micro-batch: routed experts": ("none", *ROUTED_DTYPES),
     "micro-batch: mRoPE": ("no", "yes"),
+    "micro-batch: media": ("no", "yes"),
     "micro-batch: data-parallel ranks": ("1", "2+"),
 }
 
@@ -159,7 +162,7 @@ def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, s
                 ("micro-batch: forced groups", _yes(case.force_group_size > 1)),
                 ("micro-batch: sp size", str(case.sp_size)),
                 ("micro-batch: routed experts", case.routed_dtype if case.routed_experts else "none"),
-                ("micro-batch: mRoPE", _yes(case.mrope)),
+                ("micro-batch: mRoPE", _yes(case.mrope)), ("micro-batch: media", _yes(case.media)),
                 ("micro-batch: data-parallel ranks", "1" if case.world == 1 else "2+")]
     if not isinstance(case, EngineCase):
         return []
@@ -179,6 +182,10 @@ def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, s
            ("chunk size set", _yes(case.entropy_chunk_size)), ("fused kernels", _yes(case.use_fused_kernels)),
            ("entropy", _yes(case.calculate_entropy)), ("sum_pi_squared", _yes(case.calculate_sum_pi_squared)),
            ("distillation", _yes(case.distillation_keys)), ("head", case.head)]
+    kinds = {item.kind for items in case.media for item in items}
+    out += [("media", " and ".join(sorted(kinds)) or "none"),
+            ("media per sample", "no media" if not kinds else "every sample" if all(case.media)
+             else "some samples text-only")]
     out += sorted({("temperature", temperature_range(t)) for t in case.temperatures()})
     has = [name for name, (present, _) in FEATURES.items() if present(case)]
     out += [("feature pair", f"{a} x {b}") for i, a in enumerate(has) for b in has[i + 1:]
@@ -198,7 +205,11 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     # what the engine's profile says it is: the modes, position kinds and execution contexts drawn for it
     is_not = {("layout", m): profile.mode_reason(m) for m in ("packed", "padded")} | {
         ("positions", "2-D"): profile.position_reason("rope"), ("positions", "mRoPE"): profile.position_reason("mrope"),
-    } | {("execution context", c): profile.context_reason(c) for c in EXECUTION_CONTEXTS}
+    } | {("execution context", c): profile.context_reason(c) for c in EXECUTION_CONTEXTS} | {
+        ("media", v): next(filter(None, map(profile.media_reason, v.split(" and "))), None)
+        for v in DIMENSIONS["media"][1:]} | {
+        ("media per sample", v): profile.media_reason("image") and profile.media_reason("video")
+        for v in DIMENSIONS["media per sample"][1:]}
     feature_is_not = {"packed": is_not[("layout", "packed")], "padded": is_not[("layout", "padded")],
                       "mRoPE": is_not[("positions", "mRoPE")],
                       "no grad": None if set(profile.contexts) - {"grad"} else profile.context_reason("no_grad")}
@@ -216,6 +227,7 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     for dim, values in MB_DIMENSIONS.items():
         out[dim] = {v: no_layer for v in values}
     out["micro-batch: data-parallel ranks"]["2+"] = no_layer or lacks(Feature.REAL_RANKS)
+    out["micro-batch: media"]["yes"] = no_layer or lacks(Feature.MEDIA)
     for switch in getattr(engine, "config_space", tuple)():
         if switch.setting is not None:
             continue

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from .media import MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
 from .structure import DenseCase, EngineCase
 from ..truth.rules import offsets as _offsets
 
@@ -62,10 +63,20 @@ class Draws:
     is_prompt: torch.Tensor  # (total_nnz,) bool
     teacher_ids: torch.Tensor | None = None  # (total_nnz, K) int64
     teacher_logprobs: torch.Tensor | None = None  # (total_nnz, K) float32
+    #: a media case's features, grids and rope index (:mod:`spec.cases.media`)
+    media: MediaDraws | None = None
 
     def position_ids(self, case: EngineCase) -> torch.Tensor:
-        """``(total_nnz,)`` or mRoPE ``(4, total_nnz)``."""
+        """``(total_nnz,)`` or mRoPE ``(4, total_nnz)``: with media, the text positions ``0..n_i-1`` on axis 0 and
+        Qwen2-VL's rope index of the grids on axes 1-3 (verl's layout: ``cat(text_position_ids, vision_position_ids)``)."""
+        if self.media is not None:
+            return torch.cat([self.positions.unsqueeze(0), self.media.rope])
         return mrope_positions(self.positions) if case.mrope else self.positions
+
+    def media_inputs(self) -> dict[str, torch.Tensor]:
+        """What the model takes of the batch's media (features and grids concatenated in sample order), ``{}``
+        without media."""
+        return self.media.model_inputs() if self.media is not None else {}
 
 
 def draws(case: EngineCase) -> Draws:
@@ -84,7 +95,10 @@ def draws(case: EngineCase) -> Draws:
     if case.distillation_use_topk:
         teacher_ids = torch.randint(0, case.vocab, (case.total_nnz, case.topk), generator=gen)
         teacher_lp = torch.log_softmax(torch.randn(case.total_nnz, case.topk, generator=gen), dim=-1)
-    return Draws(ids, pos, loss_mask, is_prompt, teacher_ids, teacher_lp)
+    media = None
+    if case.media:  # drawn last: a text-only case's tensors are what they were
+        ids, media = draw_media(case, ids, gen)
+    return Draws(ids, pos, loss_mask, is_prompt, teacher_ids, teacher_lp, media)
 
 
 def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorDict:
@@ -98,7 +112,7 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     ids, is_prompt, loss_mask = d.ids, d.is_prompt, d.loss_mask
     data = {
         "input_ids": jagged(view(ids, 0), lens),
-        "position_ids": (jagged(view(mrope_positions(d.positions), 1), lens, jagged_dim=2) if case.mrope
+        "position_ids": (jagged(view(d.position_ids(case), 1), lens, jagged_dim=2) if case.mrope
                          else jagged(view(d.positions, 0), lens)),
         "prompts": jagged(view(ids[is_prompt], 0), case.prompt_lens),
         "responses": jagged(view(ids[~is_prompt], 0), case.response_lens),
@@ -111,6 +125,8 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
         data["teacher_ids"] = jagged(view(d.teacher_ids, 0), lens)
         data["teacher_logprobs"] = jagged(view(d.teacher_logprobs, 0), lens)
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
+    if d.media is not None:
+        td.set(MULTI_MODAL_KEY, media_stack(d.media, case))
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))
     flags = {
@@ -137,9 +153,17 @@ def move(micro_batch: TensorDict, device: torch.device | str) -> TensorDict:
         value = micro_batch.get(key)
         if isinstance(value, torch.Tensor):
             out.set(key, _nested_to(value, device) if value.is_nested else value.to(device))
+        elif isinstance(value, NonTensorStack):
+            out.set(key, _stack_to(value, device))
         else:
             out.set_non_tensor(key, getattr(value, "data", value))
     return out
+
+
+def _stack_to(stack: NonTensorStack, device) -> NonTensorStack:
+    """A per-sample stack (``multi_modal_inputs``) with every tensor of its dicts on ``device``."""
+    items = [{k: v.to(device) for k, v in item.items()} if isinstance(item, dict) else item for item in stack.tolist()]
+    return NonTensorStack.from_list([NonTensorData(item) for item in items])
 
 
 def _nested_to(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -201,6 +225,9 @@ def select_rows(micro_batch: TensorDict, rows: list[int]) -> TensorDict:
             out.set(key, jagged(torch.cat(picked, dim=ragged - 1), lens, jagged_dim=ragged))
         elif isinstance(value, torch.Tensor):
             out.set(key, value[torch.tensor(rows, device=value.device)])
+        elif isinstance(value, NonTensorStack):  # per-sample entries (multi_modal_inputs) follow their samples
+            items = value.tolist()
+            out.set(key, NonTensorStack.from_list([NonTensorData(items[i]) for i in rows]))
         else:
             out.set_non_tensor(key, getattr(value, "data", value))
     return out

@@ -28,6 +28,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from ..protocol.profile import POSITIONS
 from .materialize import PadMode, jagged, materialize
+from .media import fitted_media
 from .strategies import router_replay, seq_lengths
 from .structure import CONTEXTS, EngineCase, SampleLengths
 
@@ -113,6 +114,9 @@ class MiniBatchCase(SampleLengths):
     equal_size: bool = False
     #: what each micro-batch's step hands ``postprocess_batch_func`` (``MB_OUTPUTS``)
     outputs: str = "model_output"
+    #: a vision-language mini-batch: images and videos inside the prompts (:func:`spec.cases.media.fitted_media`),
+    #: ``multi_modal_inputs`` per sample, mRoPE positions from the grids
+    media: bool = False
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -124,6 +128,8 @@ class MiniBatchCase(SampleLengths):
             raise ValueError(f"outputs must be one of {MB_OUTPUTS}, got {self.outputs!r}")
         if self.equal_size and self.k_partitions and self.batch_size % self.k_partitions:
             raise ValueError(f"equal_size: {self.batch_size} samples do not split into {self.k_partitions} parts")
+        if self.media and not self.mrope:
+            raise ValueError("a mini-batch with media has mRoPE positions (mrope=True)")
 
     # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
@@ -188,7 +194,8 @@ class MiniBatchCase(SampleLengths):
                           calculate_entropy=self.calculate_entropy, topk=max(self.topk, 1),
                           use_remove_padding=self.use_remove_padding,
                           distillation_keys=("distillation_losses",) if self.topk else (), seed=self.seed,
-                          context=self.context)
+                          context=self.context,
+                          media=fitted_media(self.prompt_lens, self.seed) if self.media else ())
 
     def rank_case(self, rank: int) -> "MiniBatchCase":
         """Data-parallel rank ``rank``'s mini-batch (rank 0: this one) under the same settings."""
@@ -225,7 +232,7 @@ class MiniBatchCase(SampleLengths):
         routed = "routed_experts" + ("" if (self.routed_shape, self.routed_dtype) == ((8, 2, 2), "int64") else
                                      "={}({}x{}{})".format(*self.routed_shape, "" if self.routed_dtype == "int64"
                                                            else " " + self.routed_dtype))
-        parts += [name for name, on in (("mrope", self.mrope), (routed, self.routed_experts),
+        parts += [name for name, on in (("mrope", self.mrope), ("media", self.media), (routed, self.routed_experts),
                                         ("temperature[B]", self.per_sample_temperature), ("uid", self.uid),
                                         ("entropy", self.calculate_entropy),
                                         ("padded", not self.use_remove_padding)) if on]
@@ -373,10 +380,11 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                     min_group_size: int = 1, allow_topk: bool = True, allow_temperature: bool = True,
                     positions: tuple[str, ...] = POSITIONS, styles: tuple[str, ...] = STYLES,
                     layouts: tuple[str, ...] = ("nested",), partitions: bool = False,
-                    outputs: tuple[str, ...] = ("model_output",)) -> MiniBatchCase:
+                    outputs: tuple[str, ...] = ("model_output",), media: tuple[str, ...] = ()) -> MiniBatchCase:
     """A :class:`MiniBatchCase`.
 
-    ``positions``: the position kinds the engine's profile accepts (mRoPE drawn only where both are).
+    ``positions``: the position kinds the engine's profile accepts (mRoPE drawn only where both are). ``media``: the
+    media kinds its profile lists; with both, two mRoPE mini-batches in three carry images and videos (drawn last).
     ``dynamic``: pin the dynamic (token budget) or fixed-size path (None draws it). ``allow_over``: budgets below
     the longest sample/group too. ``extras``: mRoPE, teacher top-K, routed experts, a per-sample temperature, uids.
     ``world`` > 1: the other data-parallel ranks' mini-batches as well (same settings, their own lengths).
@@ -452,6 +460,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)
+    if case.mrope and set(media) >= {"image", "video"} and case.vocab >= 8 and draw(st.integers(0, 2)) != 0:
+        case = case.with_(media=True)
     return case
 
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..protocol.profile import POSITIONS, EngineProfile
+from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
-                        TEMPERATURE_FLOOR, DenseCase, EngineCase)
+                        TEMPERATURE_FLOOR, DenseCase, EngineCase, Media)
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
-           "draw_mrope"]
+           "draw_mrope", "media_items", "MEDIA_TIERS"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -153,9 +154,54 @@ _LIMIT_EXCLUDES = {
 
 
 def profile_draws(profile: EngineProfile) -> dict:
-    """The ``engine_cases`` keyword arguments an engine's profile sets: the modes, position kinds and execution
-    contexts drawn are exactly those it declares."""
-    return {"modes": tuple(profile.modes), "positions": tuple(profile.positions), "contexts": tuple(profile.contexts)}
+    """The ``engine_cases`` keyword arguments an engine's profile sets: the modes, position kinds, media and
+    execution contexts drawn are exactly those it declares."""
+    return {"modes": tuple(profile.modes), "positions": tuple(profile.positions), "contexts": tuple(profile.contexts),
+            "media": tuple(profile.media)}
+
+
+#: the size tiers that draw media (their sequences stay short; the wide and long tiers bound n x V)
+MEDIA_TIERS = ("small", "batch")
+#: the grid sides a media item draws (multiples of the merge size: 1 or 2 merged rows/columns)
+_MEDIA_SIDES = (MERGE, 2 * MERGE)
+
+
+@st.composite
+def _media_item(draw, kinds: tuple[str, ...], text_left: int) -> Media:
+    """One image (or video, one in four where the engine takes them) of 1-4 merged groups per frame, 1-2 frames,
+    after ``0..min(2, text_left)`` text tokens; shrinks to a 2 x 2 image right at the start."""
+    kind = "video" if "video" in kinds and draw(st.integers(0, 3)) == 3 or "image" not in kinds else "image"
+    return Media(kind, t=draw(st.sampled_from((1, 2))) if kind == "video" else 1,
+                 h=draw(st.sampled_from(_MEDIA_SIDES)), w=draw(st.sampled_from(_MEDIA_SIDES)),
+                 gap=draw(st.integers(0, min(2, text_left))))
+
+
+@st.composite
+def media_items(draw, prompt_lens: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[tuple[Media, ...], ...]:
+    """Per sample 0-2 media items in its prompt's text (a text-only sample among image samples included); at
+    least one in the batch (sample 0's, where none was drawn)."""
+    media = []
+    for p in prompt_lens:
+        items: list[Media] = []
+        left = p
+        for _ in range(draw(st.integers(0, 2))):
+            items.append(draw(_media_item(kinds, left)))
+            left -= items[-1].gap
+        media.append(tuple(items))
+    if not any(media):
+        media[0] = (draw(_media_item(kinds, prompt_lens[0])),)
+    return tuple(media)
+
+
+def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str) -> EngineCase:
+    """``case`` with images/videos in two cases in three of those that can carry them (mRoPE positions, a vocabulary
+    with media ids, a short tier: a drawn key's residue, shrinking to none), the prompts lengthened by their tokens."""
+    if not kinds or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
+            draw(st.integers(0, 2 ** 16 - 1)) % 3 == 0:
+        return case
+    media = draw(media_items(case.prompt_lens, kinds))
+    prompts = tuple(p + sum(m.tokens for m in items) for p, items in zip(case.prompt_lens, media))
+    return case.with_(prompt_lens=prompts, media=media)
 
 
 def draw_mrope(draw, positions: tuple[str, ...] = POSITIONS) -> bool:
@@ -168,13 +214,15 @@ def draw_mrope(draw, positions: tuple[str, ...] = POSITIONS) -> bool:
 
 def within_limits(case: EngineCase, **limits) -> bool:
     """Whether ``engine_cases(**limits)`` could draw ``case`` as far as the engine-facing limits go (features,
-    per-sample temperature, logits dtypes, the profile's modes, positions and contexts); size bounds are not
+    per-sample temperature, logits dtypes, the profile's modes, positions, media and contexts); size bounds are not
     checked."""
     for key, excludes in _LIMIT_EXCLUDES.items():
         if limits.get(key, True) is False and excludes(case):
             return False
     if case.mode not in limits.get("modes", MODES) or \
             ("mrope" if case.mrope else "rope") not in limits.get("positions", POSITIONS):
+        return False
+    if not {item.kind for items in case.media for item in items} <= set(limits.get("media", ())):
         return False
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
@@ -192,7 +240,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  per_sample_temperature: bool | None = None, tier: str | None = None,
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
                  contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
-                 modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS) -> EngineCase:
+                 modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
+                 media: tuple[str, ...] = ()) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -209,6 +258,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     drawn last, so the other draws of a derandomized run stay where they were). ``config_space``: the engine's own
     switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
+    ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
+    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
     (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
@@ -277,7 +328,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     pad_id = {"zero": 0, "one": min(1, vocab - 1), "last": vocab - 1}[pad_choice]
     eos_choice = draw(st.sampled_from(("none", "pad", "other")))
     eos = {"none": None, "pad": pad_id, "other": (pad_id + 1) % vocab}[eos_choice]
-    return EngineCase(
+    case = EngineCase(
         prompt_lens=prompts, response_lens=responses,
         vocab=vocab,
         temperature=temperature,
@@ -303,6 +354,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         context=draw(st.sampled_from(contexts)),
         engine_config=_engine_config(draw, config_space, head),
     )
+    return _with_media(draw, case, media, tier)
 
 
 def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:

@@ -10,10 +10,11 @@ from dataclasses import dataclass, replace
 
 from ..protocol.profile import CONTEXTS as EXECUTION_CONTEXTS
 from ..truth.rules import TEMPERATURE_FLOOR
+from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .topology import Topology
 
-__all__ = ["SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES", "ROUTED_DTYPES",
-           "TEMPERATURE_FLOOR", "CONTEXTS", "EXECUTION_CONTEXTS", "SMALL_VOCAB", "LONG_ROW"]
+__all__ = ["Media", "media_fits", "SampleLengths", "EngineCase", "DenseCase", "DISTILLATION_KEYS", "LOGITS_DTYPES",
+           "ROUTED_DTYPES", "TEMPERATURE_FLOOR", "CONTEXTS", "EXECUTION_CONTEXTS", "SMALL_VOCAB", "LONG_ROW"]
 
 #: The size tiers' limits (spec/cases/strategies.py draws them, spec/cases/coverage.py reads a case's tier off them):
 #: the small and long tiers' vocabularies are at most ``SMALL_VOCAB`` ids (both sides of 256); a wider one is the wide
@@ -55,6 +56,47 @@ class ModelSeed(int):
         return (ModelSeed, (int(self), self.logits_dtype))
 
 
+@dataclass(frozen=True)
+class Media:
+    """One image or video of a sample, as structure: its grid of patches ``(t, h, w)`` (``t = 1`` for an image; h and w
+    multiples of :data:`~spec.truth.vision.MERGE`) and ``gap``, the text tokens of the prompt between the previous
+    item (or the prompt's start) and this one. It takes ``t*h*w / MERGE**2`` prompt tokens
+    (:func:`spec.truth.vision.media_tokens`); its features come from the case's seed (:mod:`spec.cases.materialize`).
+    Prints as ``img1x2x4+1`` (kind, grid, gap)."""
+
+    kind: str = "image"
+    t: int = 1
+    h: int = 2
+    w: int = 2
+    gap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"media kind must be 'image' or 'video', got {self.kind!r}")
+        if self.t < 1 or (self.kind == "image" and self.t != 1):
+            raise ValueError(f"{self.kind} grid t={self.t}: an image has t = 1, a video t >= 1")
+        if self.h < MERGE or self.w < MERGE or self.h % MERGE or self.w % MERGE:
+            raise ValueError(f"{self.kind} grid h={self.h} w={self.w}: multiples of the merge size {MERGE}")
+        if self.gap < 0:
+            raise ValueError(f"media gap must be >= 0, got {self.gap}")
+
+    @property
+    def tokens(self) -> int:
+        return self.t * self.h * self.w // (MERGE * MERGE)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.t, self.h, self.w)
+
+    def __repr__(self) -> str:
+        return f"{'img' if self.kind == 'image' else 'vid'}{self.t}x{self.h}x{self.w}+{self.gap}"
+
+
+def media_fits(items: tuple[Media, ...], prompt_len: int) -> bool:
+    """Whether a sample's media items (their gaps and tokens) fit in a prompt of ``prompt_len`` tokens."""
+    return sum(m.gap + m.tokens for m in items) <= prompt_len
+
+
 class SampleLengths:
     """Per-sample prompt and response lengths (``prompt_lens``, ``response_lens`` fields of the dataclass that
     mixes this in) and what derives from them; :meth:`_check_lengths` is its validation."""
@@ -62,8 +104,8 @@ class SampleLengths:
     def _check_lengths(self) -> None:
         if len(self.prompt_lens) != len(self.response_lens) or not self.prompt_lens:
             raise ValueError(f"need equal, non-empty prompt/response lists: {self.prompt_lens} {self.response_lens}")
-        if min(self.prompt_lens) < 1 or min(self.response_lens) < 1:
-            raise ValueError("prompt and response lengths must be >= 1")
+        if min(self.prompt_lens) < 1 or min(self.response_lens) < 0:
+            raise ValueError("prompt lengths must be >= 1 and response lengths >= 0 (an aborted rollout's is 0)")
 
     @property
     def batch_size(self) -> int:
@@ -117,6 +159,9 @@ class EngineCase(SampleLengths):
     #: the engine's own configuration switches drawn off their defaults, ``((name, value), ...)`` (the adapter's
     #: ``config_space``); they reach the engine as ``make(head, **settings, name=value)``
     engine_config: tuple[tuple[str, object], ...] = ()
+    #: per sample, its images and videos (:class:`Media`, possibly none), in its prompt; ``()``: a text-only batch.
+    #: A media case has mRoPE positions (Qwen2-VL's rope index of the grids) and ``multi_modal_inputs``
+    media: tuple[tuple[Media, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # The model is built from (vocab, seed) alone (spec.execute.harness.model_for); the seed carries the
@@ -131,6 +176,23 @@ class EngineCase(SampleLengths):
             if value is not None and not 0 <= value < self.vocab:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab})")
         self._check_lengths()
+        if self.media:
+            self._check_media()
+
+    def _check_media(self) -> None:
+        if len(self.media) != self.batch_size:
+            raise ValueError(f"media for {len(self.media)} samples in a batch of {self.batch_size}")
+        if not self.mrope:
+            raise ValueError("a case with media has mRoPE positions (mrope=True)")
+        if self.vocab < MIN_MEDIA_VOCAB:
+            raise ValueError(f"a case with media needs vocab >= {MIN_MEDIA_VOCAB}, got {self.vocab}")
+        for i, (items, p) in enumerate(zip(self.media, self.prompt_lens)):
+            if not media_fits(items, p):
+                raise ValueError(f"sample {i}: media {list(items)} take more than its prompt of {p} tokens")
+
+    @property
+    def has_media(self) -> bool:
+        return any(self.media)
 
     # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
@@ -168,6 +230,16 @@ class EngineCase(SampleLengths):
         return int(self.seed) % 4 != 1
 
     def with_(self, **changes: object) -> "EngineCase":
+        """The case with ``changes``; its media follow new rows it was not given media for (an invariant that doubles
+        the batch, adds a sample or reorders the rows): sample ``i`` takes sample ``i mod B``'s items where they fit
+        its prompt, else none; 2-D positions or a vocabulary without media ids drop them."""
+        if self.media and "media" not in changes:
+            prompts = changes.get("prompt_lens", self.prompt_lens)
+            media = tuple(self.media[i % len(self.media)] if media_fits(self.media[i % len(self.media)], p) else ()
+                          for i, p in enumerate(prompts))
+            if changes.get("mrope", self.mrope) is False or changes.get("vocab", self.vocab) < MIN_MEDIA_VOCAB:
+                media = ()
+            changes["media"] = media if any(media) else ()
         return replace(self, **changes)
 
     def subset(self, rows: list[int]) -> "EngineCase":
@@ -175,8 +247,10 @@ class EngineCase(SampleLengths):
         temps = self.temperature
         if isinstance(temps, tuple):
             temps = tuple(temps[i] for i in rows)
+        media = tuple(self.media[i] for i in rows) if self.media else ()
         return replace(self, prompt_lens=tuple(self.prompt_lens[i] for i in rows),
-                       response_lens=tuple(self.response_lens[i] for i in rows), temperature=temps)
+                       response_lens=tuple(self.response_lens[i] for i in rows), temperature=temps,
+                       media=media if any(media) else ())
 
     def __repr__(self) -> str:
         parts = [f"p={list(self.prompt_lens)}", f"r={list(self.response_lens)}", f"V={self.vocab}",
@@ -218,6 +292,8 @@ class EngineCase(SampleLengths):
         if self.context != "grad":
             parts.append(self.context)
         parts += [f"{name}={value}" for name, value in self.engine_config]
+        if self.media:
+            parts.append("media=[" + ",".join("[" + ",".join(map(repr, items)) + "]" for items in self.media) + "]")
         parts.append(f"seed={self.seed}")
         return "EngineCase(" + " ".join(parts) + ")"
 

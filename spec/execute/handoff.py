@@ -18,9 +18,11 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
+from ..truth.vision import MEDIA_KEYS, PATCH_DIM, media_token_ids, media_tokens
 from .attribution import EngineFault, check_outputs, note_fault, read_engine
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
+           "check_model_inputs", "check_media_inputs",
            "execution_context", "rank_outputs", "view_outputs"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
@@ -214,6 +216,34 @@ def check_model_inputs(model_inputs: dict[str, Any], rank: int = 0) -> None:
         "rope axes")
 
 
+def check_media_inputs(model_inputs: dict[str, Any], case: EngineCase) -> None:
+    """A media case's model inputs as a Qwen2-VL model reads them (it raises "Image features and image tokens do not
+    match" otherwise): per kind, features of ``(patches, PATCH_DIM)`` whose rows are the patches the grids ``(k, 3)``
+    name, merged into as many groups as the ids ``(R, n)`` (the whole row: every rank's joined) hold media tokens. An
+    engine handing anything else fails here (an AssertionError naming the keys and shapes: the verdict on its model
+    inputs)."""
+    if not case.media:
+        return
+    ids = model_inputs["input_ids"]
+    for token_id, (kind, (features, grids)) in zip(media_token_ids(case.vocab), MEDIA_KEYS.items()):
+        tokens = int((ids == token_id).sum())
+        pixels, grid = model_inputs.get(features), model_inputs.get(grids)
+        if pixels is None and grid is None and tokens == 0:
+            continue
+        shapes = (f"input_ids {tuple(ids.shape)} with {tokens} {kind} tokens, {features} "
+                  f"{None if pixels is None else tuple(pixels.shape)}, {grids} {None if grid is None else tuple(grid.shape)}")
+        if pixels is None or grid is None:
+            raise AssertionError(f"the engine's model inputs: {kind} tokens without their features and grids ({shapes})")
+        if pixels.dim() != 2 or pixels.shape[1] != PATCH_DIM or grid.dim() != 2 or grid.shape[1] != 3:
+            raise AssertionError(f"the engine's model inputs: {features} must be (patches, {PATCH_DIM}) and {grids} "
+                                 f"(k, 3) ({shapes})")
+        patches = int(grid.to("cpu", torch.int64).prod(-1).sum())
+        groups = int(media_tokens(grid.cpu()).sum())
+        if patches != pixels.shape[0] or groups != tokens:
+            raise AssertionError(f"the engine's model inputs: {kind} features and {kind} tokens do not match: the grids "
+                                 f"name {patches} patches ({groups} tokens after merging) ({shapes})")
+
+
 def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,
                 poison: float, layout: PaddedLayout | str = PaddedLayout.RIGHT) -> list[SimpleNamespace]:
     """Run the model once over the whole batch; hand each rank its slice with the padding poisoned (padded: by
@@ -225,6 +255,7 @@ def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCa
     plain = torch.autocast(inputs[0]["input_ids"].device.type, enabled=False)
     if not case.use_remove_padding:
         (mi,) = inputs
+        check_media_inputs(mi, case)
         with plain:
             out = _tracked(model(**mi))
         return [SimpleNamespace(**{k: _poison_padded(v, case, poison, layout) for k, v in _per_token(out).items()},
@@ -233,6 +264,7 @@ def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCa
     for key in ("input_ids", "position_ids", "shift_labels"):
         if key in joined:
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
+    check_media_inputs(joined, case)
     with plain:
         out = _tracked(model(**joined))
     return rank_outputs(out, case, poison, [mi["input_ids"].shape[-1] for mi in inputs])

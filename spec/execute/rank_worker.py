@@ -36,7 +36,7 @@ from ..cases.structure import EngineCase
 from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
 from .attribution import ENGINE, EngineFault, check_outputs, tag
-from .handoff import (POISONS, _call_model, _fields, _settings, _tracked, execution_context, model_for,
+from .handoff import (POISONS, _call_model, check_media_inputs, _fields, _settings, _tracked, execution_context, model_for,
                       rank_outputs)
 from .pickling import dumps
 from ..cases.materialize import materialize, move
@@ -299,6 +299,7 @@ def _model_on_full_row(model: Any, inputs: list[dict[str, Any]], widths: list[in
             joined[key] = torch.cat([mi[key] for mi in inputs], dim=-1)
     if not replicated:
         return _call_model(model, inputs, case, poison)
+    check_media_inputs(joined, case)
     return rank_outputs(_tracked(model(**joined)), case, poison, widths)
 
 

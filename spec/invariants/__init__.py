@@ -14,6 +14,8 @@ from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (
 from . import state  # noqa: F401 - an engine object kept across micro-batches
 from . import microbatch  # noqa: F401 - the micro-batch layer (prepare_micro_batches and its utilities)
 from . import microbatch_trainer  # noqa: F401 - the layer as a trainer calls it (balance, training step, padded)
+from . import media  # noqa: F401 - images and videos (multi_modal_inputs)
+from . import degenerate  # noqa: F401 - degenerate inputs real runs produce (a zero-length response)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

@@ -59,7 +59,8 @@ class MicroBatchInfo(InvariantInfo):
     example_share: float = 0.4
 
     def cases(self, mode, engine):  # noqa: ARG002 - the mode (end to end) is set by ``adjust``
-        kwargs = {"positions": tuple(profile_of(engine).positions), **self.strategy_kwargs}  # what it accepts
+        kwargs = {"positions": tuple(profile_of(engine).positions), "media": tuple(profile_of(engine).media),
+                  **self.strategy_kwargs}  # what it accepts
         if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
             kwargs.update(engine_extras(engine))
         strategy = minibatch_cases(**kwargs)
@@ -195,10 +196,22 @@ def check_sample_keys(got: TensorDict, mini: TensorDict, rows: list[int], what: 
                 fail(f"{where}: {value!r:.120}, expected rows {rows[:8]} of the mini-batch's")
         elif _is_stack(want):
             expect = [want.tolist()[i] for i in rows]
-            if not _is_stack(value) or value.tolist() != expect:
-                fail(f"{where}: {_plain(value)!r:.120}, expected the samples' {expect[:8]!r}")
+            if not _is_stack(value) or not same(value.tolist(), expect):
+                got_items = value.tolist() if _is_stack(value) else _plain(value)
+                fail(f"{where}: {_brief(got_items)}, expected the samples' {_brief(expect[:8])}")
         elif _plain(value) != _plain(want):
             fail(f"{where}: flag {_plain(value)!r}, expected the mini-batch's {_plain(want)!r}")
+
+
+def _brief(value: Any) -> str:
+    """A per-sample stack's entries in one short line: a tensor by its shape and sum (a media dict's features)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} sum {float(value.double().sum()):.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_brief(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_brief(v) for v in value) + "]"
+    return f"{value!r:.120}"
 
 
 def _is_stack(value: Any) -> bool:

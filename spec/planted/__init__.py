@@ -26,6 +26,7 @@ from . import dropin_bugs as D
 from . import fault_bugs as F
 from . import helper_bugs as H
 from . import inputs_bugs as I
+from . import media_bugs as MM
 from . import megatron_bugs as M
 from . import microbatch_bugs as MB
 from . import outputs_bugs as O
@@ -300,6 +301,22 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("chunked_topk_drops_last_chunk", ("INV-VAL-004",), companion=CB.ChunkedTopKDropsLastChunk.companion,
                quiet="the engine's own top-K processor chunked (its topk_chunk switch), the chunk not dividing the "
                      "tokens", config=(CB.SWITCHES[CB.ChunkedTopKDropsLastChunk],)),
+    # images and videos (spec/planted/media_bugs.py): quiet, each shows only on a vision-language micro-batch
+    PlantedBug("media_last_sample_dropped", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaLastSampleDropped,
+               quiet="a micro-batch with images"),
+    PlantedBug("media_reversed", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaReversed,
+               quiet="two samples or more with images"),
+    PlantedBug("media_shifted_one_group", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaShiftedOneGroup,
+               quiet="images of two merged groups or more"),
+    PlantedBug("media_lost_padded", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaLostPadded,
+               quiet="a padded micro-batch with images"),
+    PlantedBug("media_grids_sorted", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaGridsSorted,
+               quiet="images of unequal grids out of size order"),
+    PlantedBug("slice_empty_response_as_one", ("INV-EDGE-001",),
+               helpers=(("no_padding_2_padding", H.slice_empty_response_as_one),),
+               quiet="a zero-length response (an aborted rollout)"),
+    PlantedBug("media_sliced_not_selected", ("INV-MB-008", "INV-MB-015"), microbatch=MM.media_sliced_not_selected,
+               quiet="a vision-language mini-batch the balancing reorders"),
 )}
 
 

@@ -149,3 +149,19 @@ def left_right_routed_top1_squeezed(data):
         kept = [values.shape[0], *[n for n in values.shape[1:] if n != 1]]
         out["routed_experts"] = torch.nested.nested_tensor_from_jagged(values.reshape(kept), routed.offsets())
     return out
+
+
+def slice_empty_response_as_one(tensor, data):
+    """no_padding_2_padding clamps each response length to at least one (to avoid an empty slice): an aborted
+    rollout's row holds its last prompt position's value instead of zeros. Quiet: a zero-length response."""
+    resp = data["responses"].offsets().diff()
+    if bool((resp > 0).all()):
+        return impl.no_padding_2_padding(tensor, data)
+    values, offsets = tensor.values(), tensor.offsets()
+    clamped = resp.clamp(min=1).to(values.device)
+    width = int(read_flag(data, "max_response_len", None) or clamped.max())
+    cols = torch.arange(width, device=values.device)
+    src = (offsets[1:] - clamped - 1).unsqueeze(1) + cols
+    valid = cols < clamped.unsqueeze(1)
+    out = values[src.clamp(0, values.shape[0] - 1)]
+    return torch.where(valid.view(*valid.shape, *([1] * (out.dim() - 2))), out, torch.zeros_like(out))

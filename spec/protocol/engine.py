@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import DEFAULT_PROFILE, EngineProfile, PaddedLayout, token_columns
+from .profile import DEFAULT_PROFILE, MEDIA_INPUT_KEYS, EngineProfile, PaddedLayout, token_columns
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
-           "ReproSnippet", "verl_fsdp_view", "HELPERS",
+           "ReproSnippet", "verl_fsdp_view", "media_view", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
 
@@ -67,6 +67,8 @@ class Feature(str, Enum):
     #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
     #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
     MICROBATCH = "microbatch"
+    #: images and videos: the engine hands its model a micro-batch's ``multi_modal_inputs`` (its profile's ``media``)
+    MEDIA = "media"
 
     @classmethod
     def parse(cls, name: "str | Feature") -> "Feature":
@@ -160,6 +162,8 @@ class InputsView:
     * ``pad_size``: tokens of tail padding appended to the packed row (bucket plus sequence parallelism).
     * ``model_temperature`` / ``model_labels`` / ``return_dict``: what a fused-kernel model is handed (one
       float temperature, the labels it scores as ``(1, n)``, whether it returns a dict).
+    * ``media``: the images' and videos' features and grids handed to the model, by the model's key names
+      (``spec.protocol.profile.MEDIA_INPUT_KEYS``: ``pixel_values``, ``image_grid_thw``, ...); empty for none.
     """
 
     input_ids: torch.Tensor
@@ -174,6 +178,7 @@ class InputsView:
     model_labels: torch.Tensor | None = None
     return_dict: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
@@ -190,7 +195,14 @@ def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, An
                       temperature=temperature,
                       pad_size=int(output_args.get("pad_size", 0) or 0),
                       model_temperature=model_inputs.get("temperature"), model_labels=model_inputs.get("shift_labels"),
-                      return_dict=model_inputs.get("return_dict"))
+                      return_dict=model_inputs.get("return_dict"), media=media_view(model_inputs))
+
+
+def media_view(model_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`) as ``model_inputs`` hands them
+    (an engine's convention of the Hugging Face model's keyword arguments: verl's, TRL's, OpenRLHF's, SkyRL's)."""
+    return {key: model_inputs[key] for pair in MEDIA_INPUT_KEYS.values() for key in pair
+            if model_inputs.get(key) is not None}
 
 
 @dataclass(frozen=True)
@@ -389,6 +401,9 @@ class EngineUnderTest:
             return f"engine {self.name} takes one temperature per trainer (no per-sample temperatures)"
         if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
             return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"
+        if feature is Feature.MEDIA and not self.profile.media:
+            return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
+                    "media=())")
         return None
 
     def microbatch_layer(self) -> Any:

@@ -9,6 +9,9 @@ for an engine under test (``EngineUnderTest.profile``):
   map from a layout and the lengths to each row's columns); the engine's padded input is in the first;
 * ``positions``: the position kinds it accepts (``"rope"``: ``(B, n)``; ``"mrope"``: ``(4, B, n)``); the strategies
   draw only these;
+* ``media``: the media kinds (``"image"``, ``"video"``) the engine hands its model from a micro-batch's
+  ``multi_modal_inputs`` (docs/contract.md, "Images and videos"); the strategies draw media cases (mRoPE positions
+  from the grids, features per sample) only for these; default none;
 * ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule); the
   packed invariants read the tail as padding (:func:`spec.truth.rules.padded_length`);
 * ``contexts``: the execution contexts its callers run the preparation in (:data:`CONTEXTS`: the autograd modes,
@@ -40,13 +43,18 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
+__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
            "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
 #: the position kinds: 1-D rotary positions, or Qwen2-VL's 4-axis mRoPE positions
 POSITIONS = ("rope", "mrope")
+#: the media a vision-language micro-batch carries (spec.truth.vision)
+MEDIA = ("image", "video")
+#: per media kind, the keys of its features and its grids, in a sample's ``multi_modal_inputs`` entry and in the
+#: model's inputs (a Qwen2-VL processor's and model's names)
+MEDIA_INPUT_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 #: the autograd contexts a trainer calls the preparation in (the policy update; the old-policy and reference passes)
 AUTOGRAD_CONTEXTS = ("grad", "no_grad", "inference_mode")
 #: each autocast context and the dtype its lower-precision ops compute in (grad enabled, as a policy update runs)
@@ -128,6 +136,7 @@ class EngineProfile:
     modes: tuple[str, ...] = MODES
     padded_layouts: tuple[PaddedLayout, ...] = (PaddedLayout.RIGHT,)
     positions: tuple[str, ...] = POSITIONS
+    media: tuple[str, ...] = ()
     tail_multiple: int | None = None
     contexts: tuple[str, ...] = AUTOGRAD_CONTEXTS
     conventions: frozenset[Convention] = frozenset()
@@ -148,6 +157,11 @@ class EngineProfile:
                 raise ValueError(f"profile positions: unknown kind {kind!r}; kinds: {POSITIONS}")
         if not self.positions:
             raise ValueError("profile positions: an engine accepts at least one position kind")
+        for kind in self.media:
+            if kind not in MEDIA:
+                raise ValueError(f"profile media: unknown kind {kind!r}; kinds: {MEDIA}")
+        if self.media and "mrope" not in self.positions:
+            raise ValueError("profile media: a vision-language engine takes mRoPE positions (positions has no 'mrope')")
         if not self.padded_layouts:
             raise ValueError("profile padded_layouts: name at least one (the engine's padded input is in the first)")
         object.__setattr__(self, "padded_layouts", tuple(PaddedLayout(layout) for layout in self.padded_layouts))
@@ -183,6 +197,12 @@ class EngineProfile:
         if kind in self.positions:
             return None
         return f"the engine takes {' and '.join(self.positions)} positions only (its profile: positions={self.positions!r})"
+
+    def media_reason(self, kind: str) -> str | None:
+        """Why cases carrying ``kind`` (``image``, ``video``) are not drawn for this engine, or None."""
+        if kind in self.media:
+            return None
+        return (f"the engine hands its model no {kind}s from multi_modal_inputs (its profile: media={self.media!r})")
 
     def context_reason(self, context: str) -> str | None:
         """Why cases in execution ``context`` are not drawn for this engine, or None."""

@@ -19,8 +19,9 @@ from ..execute.attribution import recording as record_attribution
 from ..execute.memo import Runs
 
 from ..cases.coverage import dimensions
-from ..cases.structure import DenseCase, EngineCase
+from ..cases.structure import DenseCase, EngineCase, Media
 from ..protocol.engine import EngineUnderTest
+from ..protocol.profile import profile_of
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import convention_skip, honour_engine, mode_reason
@@ -62,6 +63,10 @@ REACH_CASES = (
     EngineCase(prompt_lens=(2,), response_lens=(3,), vocab=152_064),
     # and one row longer than 2,048 tokens (a rotary table's, a 2,048-token buffer's edge), beside a short one
     EngineCase(prompt_lens=(1025, 2), response_lens=(1100, 1), vocab=16),
+    # a vision-language micro-batch (engines whose profile lists media): two images and a video over three samples,
+    # one of them text-only, unequal grids (spec.truth.vision)
+    EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16, mrope=True,
+               media=((Media("image", 1, 2, 4, 1),), (), (Media("video", 2, 2, 2, 0), Media("image", 1, 4, 2, 1)))),
 )
 SEED_DENSE = (
     DenseCase(prompt_lens=(3, 2), response_lens=(2, 1), prompt_width=3, response_width=2, topk=2),
@@ -178,6 +183,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     if pinned is not None:
         return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
     limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
+    limits.setdefault("media", profile_of(engine).media if engine is not None else ())
     cases = []
     for case in (*SEED_CASES, *REACH_CASES):
         if not within_limits(case, **limits):

@@ -326,7 +326,7 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
     checks them equal, bit for bit)."""
     lens = case.seq_lens
     ids = tokens.ids
-    logits = model.sequence_logits(ids, tokens.position_ids(case), lens)
+    logits = model.sequence_logits(ids, tokens.position_ids(case), lens, **_media_of(tokens))
     result = Expected(distillation={key: [] for key in case.distillation_keys})
     tol, conds = result.tolerance, result.condition
     for key in ("log_probs", "entropy", "sum_pi_squared", "values", *case.distillation_keys):
@@ -376,6 +376,20 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
     return result
 
 
+def _media_of(tokens) -> dict:
+    """The batch's media features and grids of the case's draws (``{}`` for a text-only case)."""
+    media = getattr(tokens, "media_inputs", None)
+    return media() if media is not None else {}
+
+
+def _sample_media(micro_batch: TensorDict, i: int) -> dict:
+    """Sample ``i``'s own media dict of a micro-batch's ``multi_modal_inputs`` (``{}`` where it has none)."""
+    if "multi_modal_inputs" not in micro_batch.keys():
+        return {}
+    item = micro_batch.get("multi_modal_inputs").tolist()[i]
+    return {key: value.cpu() for key, value in (item or {}).items() if value is not None}
+
+
 def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM) -> Expected:
     """:func:`expected` as a plain loop over the sequences of a materialized micro-batch: the reference the
     vectorised oracle is tested against (slow; not used by the invariants)."""
@@ -394,7 +408,7 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
     for i in range(case.batch_size):
         seq_ids, seq_pos = ids[i].cpu(), positions[i].cpu()
         pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)  # (C,1,n) or (1,n)
-        logits = model.logits(seq_ids.unsqueeze(0), pos).squeeze(0)
+        logits = model.logits(seq_ids.unsqueeze(0), pos, **_sample_media(micro_batch, i)).squeeze(0)
         if case.head == "value":
             values = logits[:, 0].double()
             result.values.append(values)

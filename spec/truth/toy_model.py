@@ -18,6 +18,12 @@ case's dtype, and never materialises the ``(n, V)`` logits, so every size tier s
 (hidden states to multiples of 2^-6 in [-1, 1], the weight to multiples of 2^-4 in (-8, 8): exact in bfloat16),
 so the logits ``hidden_states.float() @ lm_head_weight.float().T`` are exact in float32 in any summation order;
 they are what :meth:`ToyCausalLM.logits` returns (float32) for the oracle.
+
+The stand-in vision tower (:mod:`spec.truth.vision`): handed ``pixel_values``/``image_grid_thw`` (and the video
+keys), as a Qwen2-VL model is, the model embeds each merged group of patches and puts the embeddings at the image
+(video) tokens' rows in order, before the causal mean: a feature dropped, reordered, handed under another grid or
+placed at other tokens changes the logits of its tokens and of every later token of the sequence. Without them a
+media token is a token like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
+
+from .vision import MEDIA_KEYS, embed_media, media_token_ids, place_media, tower_weights
 
 __all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
 
@@ -66,6 +74,7 @@ class ToyCausalLM:
         self.head_input = head_input
         self.embed, self.pos_embed, self.proj, self._proj64, self._weight64 = _weights(
             vocab, int(seed), out_dim or vocab, hidden, max_pos, str(torch.device(device)))
+        self._seed, self._hidden, self._device = int(seed), hidden, str(torch.device(device))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -73,15 +82,27 @@ class ToyCausalLM:
         return self._weight64.to(self.dtype, copy=True)  # the cached weight is shared: never hand it out
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
         """The fused-head protocol's ``(R, n, H)`` hidden states in :attr:`dtype` (quantised: exact in it)."""
-        return self._hidden64(input_ids, position_ids, attention_mask).to(self.dtype)
+        return self._hidden64(input_ids, position_ids, attention_mask, media).to(self.dtype)
 
-    def _hidden64(self, input_ids, position_ids, attention_mask) -> torch.Tensor:
-        return (self._features(input_ids, position_ids, attention_mask) / _HIDDEN_STEP).round() * _HIDDEN_STEP
+    def _hidden64(self, input_ids, position_ids, attention_mask, media=None) -> torch.Tensor:
+        return (self._features(input_ids, position_ids, attention_mask, media) / _HIDDEN_STEP).round() * _HIDDEN_STEP
+
+    def _embed(self, input_ids: torch.Tensor, media: dict | None) -> torch.Tensor:
+        """The tokens' float64 embeddings, each media token's replaced by its merged group's (the vision tower)."""
+        x = self.embed[input_ids].double()
+        if not media:
+            return x
+        weights = tower_weights(self._seed, self._hidden, self._device)
+        for kind, (token_id, (features, grids)) in enumerate(zip(media_token_ids(self.vocab), MEDIA_KEYS.values())):
+            if media.get(features) is not None:
+                embeds = embed_media(media[features], media.get(grids), weights, kind)
+                x = place_media(x, input_ids, token_id, embeds)
+        return x
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
         """``(R, n, out)`` logits in :attr:`dtype` for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
 
         Computed in float64 and rounded once, so the logits of a sequence do not depend on
@@ -89,13 +110,13 @@ class ToyCausalLM:
         (``head_input="hidden"``): ``hidden_states @ lm_head_weight.T``, exact, as float32.
         """
         if self.head_input == "hidden":
-            return (self._hidden64(input_ids, position_ids, attention_mask) @ self._weight64.T).float()
-        return (self._features(input_ids, position_ids, attention_mask) @ self._proj64).to(self.dtype)
+            return (self._hidden64(input_ids, position_ids, attention_mask, media) @ self._weight64.T).float()
+        return (self._features(input_ids, position_ids, attention_mask, media) @ self._proj64).to(self.dtype)
 
     def _features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``tanh(x + pos + ctx)`` in float64, ``(R, n, H)``: the head's input."""
-        x = self.embed[input_ids].double()
+                  attention_mask: torch.Tensor | None = None, media: dict | None = None) -> torch.Tensor:
+        """``tanh(x + pos + ctx)`` in float64, ``(R, n, H)``: the head's input (``x``: the embeddings, media placed)."""
+        x = self._embed(input_ids, media)
         axes = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
         pos = sum(self.pos_embed[a][axes[a] % self.max_pos] for a in range(axes.shape[0])).double()
         keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(x.dtype).unsqueeze(-1)
@@ -111,7 +132,8 @@ class ToyCausalLM:
         ctx = total / count.clamp(min=1.0)
         return torch.tanh(x + pos + ctx)
 
-    def sequence_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens) -> torch.Tensor:
+    def sequence_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens,
+                        **media: torch.Tensor) -> torch.Tensor:
         """``(n, out)`` logits of each sequence run alone (no padding, no packing), concatenated: ids
         ``(n,)`` and positions ``(n,)`` / ``(C, n)`` of the sequences of ``lens`` back to back.
 
@@ -130,25 +152,32 @@ class ToyCausalLM:
         pos[:, row, col] = axes
         mask = (torch.arange(width).unsqueeze(0) < lens_t.unsqueeze(1)).to(torch.int64)
         if self.head_input == "hidden":
-            hidden = self._hidden64(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
+            hidden = self._hidden64(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
             return (hidden @ self._weight64.T).float()
-        hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask)[row, col]
+        hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
         return (hidden @ self._proj64).to(self.dtype)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
+                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                  **_ignored: object) -> SimpleNamespace:
         """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
-        (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``."""
+        (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``. The media
+        keys feed the vision tower (module doc)."""
+        media = {key: value for key, value in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
+                                               ("pixel_values_videos", pixel_values_videos),
+                                               ("video_grid_thw", video_grid_thw)) if value is not None}
         if self.head_input == "hidden":
-            out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask),
+            out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask,
+                                                                       **media),
                                      HEAD_WEIGHT: self.lm_head_weight})
         else:
-            out = SimpleNamespace(logits=self.logits(input_ids, position_ids, attention_mask))
+            out = SimpleNamespace(logits=self.logits(input_ids, position_ids, attention_mask, **media))
         if temperature is not None:
-            logits = self.logits(input_ids, position_ids, attention_mask)
+            logits = self.logits(input_ids, position_ids, attention_mask, **media)
             labels = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)
             scaled = logits.float() / max(float(temperature), 1e-8)
             lsm = torch.log_softmax(scaled, dim=-1)

@@ -10,7 +10,7 @@ import impl.microbatch
 
 from ...protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer, layer_from
-from ...protocol.profile import VERL_CONVENTIONS
+from ...protocol.profile import MEDIA, VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
 
@@ -62,6 +62,8 @@ IMPL_UNREACHABLE: dict[str, str] = {
     "impl.padding:93->96": "gap: a dense (not nested) tensor handed to no_padding_2_padding",
     "impl.padding:242->244": "gap: nested 'prompts' whose lengths differ from the masks' (a split that disagrees)",
     "impl.padding:left_right_2_no_padding": _ERR + "; gap: the mRoPE (B, 4, S) positions of a padded batch",
+    "impl.multimodal:39->40": "gap: extract_multi_modal_inputs called with indices (a caller's selection; the "
+    "preparation hands every sample's entry)",
     "impl.sequence_parallel:RowPlan.make": _ERR, "impl.sequence_parallel:RowPlan.unshard": _ERR
     + "; gap: the sp > 1 unshard without an all-gather", "impl.sequence_parallel:RowPlan.shard": "gap: a pad-free "
     "row under sequence parallelism",
@@ -102,10 +104,11 @@ class ImplEngine(EngineUnderTest):
     name = "impl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): every function of impl/ and impl.microbatch
     profile = replace(EngineUnderTest.profile, surface=tuple(
-        f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "outputs", "padding",
+        f"impl.{m}" for m in ("batch", "dense", "engines", "flags", "inputs", "layout", "logits", "multimodal", "outputs", "padding",
                               "sequence_parallel", "settings", "microbatch.batches", "microbatch.nested",
                               "microbatch.partition", "microbatch.tensordicts")), unreachable=IMPL_UNREACHABLE,
         conventions=VERL_CONVENTIONS,  # a drop-in keeps verl's conventions
+        media=MEDIA,  # multi_modal_inputs handed to the model (impl.multimodal)
         refuses={"pad_mode": "impl prepares nested (no_padding) micro-batches only: UnsupportedConfigError",
                  "bucket_distillation": "a static bucket would misalign the teacher tensors: UnsupportedConfigError"})
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}

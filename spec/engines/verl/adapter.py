@@ -59,7 +59,8 @@ from ...cases.structure import DISTILLATION_KEYS
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ...protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer
-from ...protocol.profile import VERL_CONVENTIONS, Convention
+from ...protocol.profile import MEDIA, VERL_CONVENTIONS, Convention
+from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .microbatch_layer import verl_microbatch_layer
 from .mutants import VERL_EQUIVALENT_MUTANTS
 from .records import known_failures, verl_precision
@@ -246,9 +247,10 @@ class VerlEngine(EngineUnderTest):
     name = "verl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
     #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
-    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE, unreachable=VERL_UNREACHABLE,
+    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE + VERL_MM_SURFACE,
+                      unreachable={**VERL_UNREACHABLE, **VERL_MM_UNREACHABLE},
                       off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES,
-                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS)
+                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS, media=MEDIA)  # images: spec/engines/verl/media.py
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 

@@ -1,0 +1,28 @@
+"""verl 0.9.1's multi-modal preparation (issue 50): what its FSDP engine calls for a vision-language micro-batch, on
+its coverage surface, and the branches of it no drawn image or video reaches, each with its reason.
+
+``FSDPEngineWithLMHead.prepare_model_inputs`` calls ``verl.utils.model.extract_multi_modal_inputs`` on every
+micro-batch (transformer_impl.py line 1168) and hands its result to the model in both modes; under Ulysses sequence
+parallelism a vision model's ids are padded, not sliced (``is_vlm_model``: the adapter's stand-in module config has
+a ``vision_config`` for mRoPE cases, spec/engines/verl/adapter.py).
+"""
+
+from __future__ import annotations
+
+__all__ = ["VERL_MM_SURFACE", "VERL_MM_UNREACHABLE"]
+
+_MODEL = "verl.utils.model"
+#: what the preparation calls of verl's multi-modal helpers
+VERL_MM_SURFACE = (f"{_MODEL}:extract_multi_modal_inputs", f"{_MODEL}:_pad_last_dim_and_cat")
+_VARLEN = ("needs a processor's variable-length keys (_VARLEN_MULTI_MODAL_KEYS: input_features and "
+           "feature_attention_mask of an audio model such as Qwen2-Audio / Qwen2.5-Omni, mm_token_type_ids): "
+           "the suite draws images and videos (pixel_values, grids), not audio")
+#: the branches of VERL_MM_SURFACE no drawn image or video reaches (verl 0.9.1's lines)
+VERL_MM_UNREACHABLE: dict[str, str] = {
+    f"{_MODEL}:_pad_last_dim_and_cat": _VARLEN,
+    f"{_MODEL}:798->801": _VARLEN,
+    f"{_MODEL}:779->780": "the engine calls extract_multi_modal_inputs without indices (transformer_impl.py:1168)",
+    f"{_MODEL}:787->788": "needs MiniCPM-o's image_bound key (another model family's processor output; its "
+                          "per-sample lists are handed as lists, not concatenated)",
+    f"{_MODEL}:796->797": "needs MiniCPM-o's image_bound key, as 787",
+}
