@@ -34,7 +34,8 @@ from . import coverage_hook
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
            "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
-           "read_engine", "is_engine_fault", "note_fault", "faults_noted", "trial"]
+           "read_engine", "is_engine_fault", "note_fault", "faults_noted", "trial", "MissingDependency",
+           "missing_module"]
 
 ENGINE = "engine"
 SUITE = "suite"
@@ -43,6 +44,30 @@ _ATTR = "_spec_origin"
 
 class SuiteError(RuntimeError):
     """The suite itself failed on an example (its model, processor, oracle or a check crashed)."""
+
+
+class MissingDependency(SuiteError):
+    """The engine's own call could not import a module its library needs (``ModuleNotFoundError: tyro``): the
+    environment lacks it. An environment error, never the engine's failed check or rejection (:func:`missing_module`
+    finds it anywhere in the exception's chain)."""
+
+    def __init__(self, module: str, where: str, cause: BaseException):
+        self.module = module
+        super().__init__(f"environment: {where} needs the module {module!r}, which is not installed here "
+                         f"(pip install {module.split('.')[0]}, or the distribution that provides it): "
+                         f"{describe(cause)}")
+
+
+def missing_module(exc: BaseException) -> str | None:
+    """The module a ``ModuleNotFoundError`` in ``exc``'s cause/context chain could not find, or None."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, ModuleNotFoundError) and link.name:
+            return link.name
+        link = link.__cause__ or link.__context__
+    return None
 
 
 class EngineFault(AssertionError):
@@ -222,6 +247,12 @@ def _engine_side(fn: Callable, where: str) -> Callable:
         try:
             with coverage_hook.engine_code():  # the engine's code: measured where spec verify measures it
                 return fn(*args, **kwargs)
+        except ImportError as exc:
+            module = missing_module(exc)
+            if module is None:
+                _note(ENGINE, where, exc)
+                raise
+            raise MissingDependency(module, where, exc) from exc  # the environment's, not the engine's
         except BaseException as exc:
             _note(ENGINE, where, exc)
             raise
