@@ -18,13 +18,14 @@ import torch
 from spec.cases import EngineCase
 from spec.engines import stubs
 from spec.engines.kit import HiddenStatesModel, ThirdPartyEngine, import_library
-from spec.execute.attribution import AttributedEngine
+from spec.execute.attribution import AttributedEngine, EngineFault
 from spec.invariants import CATALOGUE, Ctx
 from spec.invariants import core
 from spec.planted import PLANTED
 from spec.protocol import EngineProfile, KnownFailure
 from spec.report import summary_line
 from spec.run.registry import UnknownName, load_engine
+from spec.run import runner
 from spec.run.runner import run_invariant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,3 +265,8 @@ def test_every_failing_fact_is_reported_and_excused_only_by_name() -> None:
 
 def test_the_held_out_bug_class_is_planted() -> None:
     assert PLANTED["entropy_rounded_behind_log_probs"].caught_by == ("INV-DEV-001",)
+
+
+def test_a_fault_among_several_facts_is_still_the_engines_fault() -> None:
+    exc = core.Failures([AssertionError("output 'entropy' differs"), EngineFault("rank 1: values short")])
+    assert runner._blame(exc, "fail") == "engine fault"  # a malformed output, even beside another fact

@@ -242,6 +242,10 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def _fault(exc: BaseException, kind: type = EngineFault) -> BaseException | None:
     """The ``kind`` (an :class:`EngineFault`) behind ``exc``: itself, or one a check's assertion re-raised with
     context (a real-rank check names the SP group: ``raise AssertionError(...) from fault``)."""
+    for part in getattr(exc, "parts", None) or ():  # a check that reported several facts: a fault among them
+        found = _fault(part, kind)
+        if found is not None:
+            return found
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
