@@ -35,7 +35,7 @@ import torch
 
 from .vision import MEDIA_KEYS, embed_media, media_token_ids, place_media, tower_weights
 
-__all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
+__all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES", "rope_positions"]
 
 #: the most position axes (mRoPE sections) the model embeds: positions are (R, n) or (C, R, n), C <= this
 POSITION_AXES = 4
@@ -58,6 +58,18 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
     # the fused head's (V, H) LM-head weight: the projection quantised, exact in every logits dtype
     weight64 = ((proj64.T / _WEIGHT_STEP).round() * _WEIGHT_STEP).clamp(-_WEIGHT_MAX, _WEIGHT_MAX)
     return embed, pos_embed, proj, proj64, weight64
+
+
+def rope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions a RoPE model handed no ``position_ids`` works with: Hugging Face's models take ``arange`` over
+    each row (their cache positions), and rotary attention depends only on the distance between two tokens, so a
+    row's tokens are seen at their distance from its first attended token: ``cumsum(mask) - 1`` (0 before it) for a
+    padded row, ``arange`` over a row without a mask (a packed row is then one sequence: its boundaries were in the
+    positions the engine did not hand)."""
+    if attention_mask is None:
+        return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    keep = (attention_mask != 0).to(torch.int64)
+    return (keep.cumsum(-1) - 1).clamp(min=0)
 
 
 class ToyCausalLM:
@@ -157,7 +169,7 @@ class ToyCausalLM:
         hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
         return (hidden @ self._proj64).to(self.dtype)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
@@ -166,10 +178,13 @@ class ToyCausalLM:
         """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
         (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``. The media
-        keys feed the vision tower (module doc)."""
+        keys feed the vision tower (module doc). Without ``position_ids`` it computes them as a RoPE model does
+        (:func:`rope_positions`)."""
         media = {key: value for key, value in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
                                                ("pixel_values_videos", pixel_values_videos),
                                                ("video_grid_thw", video_grid_thw)) if value is not None}
+        if position_ids is None:
+            position_ids = rope_positions(input_ids, attention_mask)
         if self.head_input == "hidden":
             out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask,
                                                                        **media),

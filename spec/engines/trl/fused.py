@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, require
 from .adapter import TrlEngine, TrlObject
+from .config import FUSED_SWITCHES
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
@@ -23,7 +24,8 @@ __all__ = ["TrlFusedEngine"]
 class TrlFusedObject(TrlObject):
     def scores(self, output, a, entropy):
         model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
-        self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"))
+        self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"),
+                                     cast_lm_head_to_fp32=bool(self.config.get("cast_lm_head_to_fp32")))
         if a["packed"]:
             out = model(input_ids=None, labels=a["labels"], fused_lm_head=True)
             return out.log_probs, out.entropy if entropy else None
@@ -39,5 +41,8 @@ class TrlFusedEngine(TrlEngine):
     profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE)
     head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
 
-    def engine_object(self):
-        return TrlFusedObject()
+    def engine_object(self, **config):
+        return TrlFusedObject(**config)
+
+    def config_space(self):
+        return FUSED_SWITCHES
