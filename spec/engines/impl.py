@@ -10,6 +10,8 @@ import impl.microbatch
 
 from ..protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
+from ..protocol.step import StepLayer
+from .impl_step import impl_step_layer
 from ..protocol.profile import VERL_CONVENTIONS
 
 __all__ = ["ImplEngine"]
@@ -119,6 +121,10 @@ class ImplEngine(EngineUnderTest):
     def microbatch_layer(self) -> MicroBatchLayer | None:
         """``impl.microbatch``: a drop-in with verl 0.9.1's names."""
         return layer_from("impl", [impl.microbatch])
+
+    def step_layer(self) -> StepLayer:
+        """impl's training step (spec/engines/impl_step.py): impl.step's losses over impl's micro-batch layer."""
+        return impl_step_layer()
 
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""

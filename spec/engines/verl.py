@@ -61,8 +61,10 @@ from ..protocol.known import KnownFailure, When
 
 from ..protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ..protocol.microbatch import MicroBatchLayer, layer_from
+from ..protocol.step import StepLayer
 from ..protocol.profile import VERL_CONVENTIONS, Convention
 from .microbatch_records import MICROBATCH_RECORDS
+from .verl_step import STEP_RECORDS, verl_step_layer
 from .verl_mutants import VERL_EQUIVALENT_MUTANTS
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl", "KNOWN_BUGS", "MASK_INVARIANTS",
@@ -744,6 +746,8 @@ class VerlEngine(EngineUnderTest):
         caps = self.caps
         records = [*KNOWN_BUGS["*"], *KNOWN_BUGS.get(caps.version, ()), *MICROBATCH_RECORDS.get("*", ()),
                    *MICROBATCH_RECORDS.get(caps.version, ()), *fp16_clamp_cast_records()]
+        if self.step_layer() is not None:  # the training step's records (spec/engines/verl_step.py)
+            records.extend(STEP_RECORDS)
         missing = [flag for flag, has in (("calculate_sum_pi_squared", caps.sum_pi_squared),
                                           ("distillation_use_topk", caps.processor)) if not has]
         if missing:
@@ -956,6 +960,12 @@ class VerlEngine(EngineUnderTest):
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
         return VerlEngineObject(eng, self.caps, self._ulysses)
+
+    def step_layer(self) -> StepLayer | None:
+        """verl's training step: its cut, loss functions and restore (spec/engines/verl_step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = verl_step_layer()
+        return self._step
 
     def microbatch_layer(self) -> MicroBatchLayer | None:
         if not hasattr(self, "_microbatch"):

@@ -14,6 +14,7 @@ from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (
 from . import state  # noqa: F401 - an engine object kept across micro-batches
 from . import microbatch  # noqa: F401 - the micro-batch layer (prepare_micro_batches and its utilities)
 from . import microbatch_trainer  # noqa: F401 - the layer as a trainer calls it (balance, training step, padded)
+from . import step  # noqa: F401 - the whole training step: cut, loss aggregation, gradient (issue 49)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]
