@@ -26,6 +26,7 @@ from ..protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_
 from .hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from .kit import ThirdPartyEngine, refuse_flags, require
 from .trl_records import PROFILE, LOGITS_RECORDS
+from .trl_step import trl_step_layer
 
 __all__ = ["TrlEngine", "TrlObject"]
 
@@ -87,6 +88,12 @@ class TrlEngine(ThirdPartyEngine):
 
     def engine_object(self):
         return TrlObject()
+
+    def step_layer(self):
+        """GRPO's step: every loss_type through GRPOTrainer._compute_loss (spec/engines/trl_step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = trl_step_layer()
+        return self._step
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],

@@ -90,6 +90,8 @@ class PerToken(str, Enum):
     """The per-token loss before aggregation, as the step's inputs make it (spec/truth/step_oracle.py evaluates it)."""
 
     RATIO = "ratio"  #: -A * exp(log_prob - old_log_prob) (PPO/GRPO inside the clip range)
+    #: -A * exp(the sequence's mean masked (log_prob - old_log_prob)) (GSPO/LUSPO's sequence-level ratio, unclipped)
+    SEQUENCE_RATIO = "sequence_ratio"
     VALUE = "value"  #: 0.5 * (value - return)^2 (a critic inside its value clip range)
     NLL = "nll"  #: -log_prob (SFT)
 

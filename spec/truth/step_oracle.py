@@ -68,6 +68,11 @@ def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs) -> torch.Tens
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, x.labels.unsqueeze(-1)).squeeze(-1)
     if kind is PerToken.NLL:
         return -log_probs
+    if kind is PerToken.SEQUENCE_RATIO:
+        mask = x.mask.to(z.dtype)
+        total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * (log_probs - x.old_log_probs))
+        count = torch.zeros(x.batch_size, dtype=z.dtype).index_add_(0, x.sample, mask).clamp(min=1.0)
+        return -x.advantages * torch.exp(total / count)[x.sample]
     return -x.advantages * torch.exp(log_probs - x.old_log_probs)
 
 
