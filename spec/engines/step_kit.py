@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from tensordict import TensorDict
+
+from ..cases.step import select_rows
 
 from ..protocol.step import Aggregation, Cut, CutPlan, Divisor, LossDeclaration, PerToken, Weighting
 
-__all__ = ["AGG_LOSS_MODES", "TOKEN_MEAN", "agg_loss_losses", "HORIZONS", "with_plan", "cut_with"]
+__all__ = ["AGG_LOSS_MODES", "TOKEN_MEAN", "agg_loss_losses", "HORIZONS", "with_plan", "cut_with", "consecutive_cut",
+           "concatenated", "sequence_values"]
 
 TOKEN_MEAN = Aggregation("token-mean", Weighting.TOKEN, (Divisor.TOKENS,))
 AGG_LOSS_MODES = (
@@ -66,3 +70,36 @@ def cut_with(prepare: Callable[..., Any]) -> Callable[[list[TensorDict], CutPlan
             out.append((list(micro), idx))
         return out
     return cut
+
+def consecutive_cut(minis: list[TensorDict], plan: CutPlan) -> list:
+    """Each rank's share in consecutive chunks of ``plan.micro_batch_size`` samples, in order (TRL's
+    ``split_tensor_dict``, SkyRL's ``BatchIterator``): no indices, the order kept."""
+    out = []
+    for mini in minis:
+        size = int(mini.batch_size[0])
+        out.append(([select_rows(mini, list(range(a, min(a + plan.micro_batch_size, size))))
+                     for a in range(0, size, plan.micro_batch_size)], None))
+    return out
+
+
+def concatenated(output_lst: list[dict], indices, mini: TensorDict) -> dict:  # noqa: ARG001 - the order is kept
+    """The micro-batches' nested outputs joined in micro-batch order (a cut that keeps the order needs no restore)."""
+    out = {}
+    for key in output_lst[0]["model_output"]:
+        parts = [o["model_output"][key] for o in output_lst]
+        lengths = torch.cat([p.offsets().diff() for p in parts])
+        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        out[key] = torch.nested.nested_tensor_from_jagged(torch.cat([p.values() for p in parts]), offsets)
+    return out
+
+
+def sequence_values(mb: TensorDict, key: str) -> torch.Tensor:
+    """A step key (nested over each response) placed over the full sequences at the positions that score the response
+    tokens, so that :func:`response_view` reads it back as the completion columns, as it reads the log-probs."""
+    ids, value = mb.get("input_ids"), mb.get(key)
+    lengths, responses = ids.offsets().diff(), value.offsets().diff()
+    rows = torch.repeat_interleave(torch.arange(lengths.numel()), responses)
+    cols = torch.arange(int(responses.sum())) - value.offsets()[:-1][rows]
+    values = torch.zeros(int(lengths.sum()), dtype=value.values().dtype)
+    values[(ids.offsets()[1:] - responses - 1)[rows] + cols] = value.values()
+    return torch.nested.nested_tensor_from_jagged(values, ids.offsets())

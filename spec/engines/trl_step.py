@@ -24,14 +24,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from types import SimpleNamespace
+
 import torch
 from tensordict import TensorDict
 
-from ..cases.step import select_rows
 from ..protocol.engine import response_view
 from ..protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken, Scope,
                              StepLayer, Weighting)
 from .kit import require
+from .step_kit import concatenated, consecutive_cut, sequence_values
 
 __all__ = ["trl_step_layer", "GRPO_LOSSES"]
 
@@ -52,16 +53,6 @@ GRPO_LOSSES = (
                  "vespo": "dapo's aggregation; a Gamma weight of the sequence ratio per token"}),
     LossDeclaration("luspo", PerToken.SEQUENCE_RATIO, (Aggregation("luspo", Weighting.TOKEN, (Divisor.SEQUENCES,)),)),
 )
-
-
-def _cut(minis: list[TensorDict], plan: CutPlan) -> list:
-    """Each process's share in consecutive chunks of ``per_device_train_batch_size`` (split_tensor_dict's order)."""
-    out = []
-    for mini in minis:
-        size = int(mini.batch_size[0])
-        out.append(([select_rows(mini, list(range(a, min(a + plan.micro_batch_size, size))))
-                     for a in range(0, size, plan.micro_batch_size)], None))
-    return out
 
 
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
@@ -91,7 +82,7 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
     grpo = require("trl.trainer.grpo_trainer", HOW).GRPOTrainer
     log_probs, completion_mask = response_view(outputs["log_probs"], mb)
     width = log_probs.shape[1]
-    padded = {key: response_view(_sequence_values(mb, key), mb, width)[0]
+    padded = {key: response_view(sequence_values(mb, key), mb, width)[0]
               for key in ("response_mask", "old_log_probs", "advantages")}
     batch = log_probs.shape[0]
     inputs = {"prompt_ids": torch.zeros(batch, 1, dtype=torch.int64), "prompt_mask": torch.ones(batch, 1,
@@ -103,28 +94,6 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
     return grpo._compute_loss(_trainer(setting, facts, log_probs), None, inputs)
 
 
-def _sequence_values(mb: TensorDict, key: str) -> torch.Tensor:
-    """A step key (nested over each response) placed over the full sequences at the positions that score the response
-    tokens, so that :func:`response_view` reads it back as the completion columns, as it reads the log-probs."""
-    ids, value = mb.get("input_ids"), mb.get(key)
-    lengths, responses = ids.offsets().diff(), value.offsets().diff()
-    rows = torch.repeat_interleave(torch.arange(lengths.numel()), responses)
-    cols = torch.arange(int(responses.sum())) - value.offsets()[:-1][rows]
-    values = torch.zeros(int(lengths.sum()), dtype=value.values().dtype)
-    values[(ids.offsets()[1:] - responses - 1)[rows] + cols] = value.values()
-    return torch.nested.nested_tensor_from_jagged(values, ids.offsets())
-
-
-def _restore(output_lst: list[dict], indices, mini: TensorDict) -> dict:  # noqa: ARG001 - the order is kept
-    out = {}
-    for key in output_lst[0]["model_output"]:
-        parts = [o["model_output"][key] for o in output_lst]
-        lengths = torch.cat([p.offsets().diff() for p in parts])
-        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-        out[key] = torch.nested.nested_tensor_from_jagged(torch.cat([p.values() for p in parts]), offsets)
-    return out
-
-
 def trl_step_layer() -> StepLayer | None:
     """TRL's GRPO step (None where TRL's GRPO trainer does not import)."""
     try:
@@ -132,6 +101,6 @@ def trl_step_layer() -> StepLayer | None:
     except ImportError:
         return None
     return StepLayer("trl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
-                     losses=GRPO_LOSSES, functions={"cut": _cut, "facts": _facts, "loss": _loss, "restore": _restore},
+                     losses=GRPO_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss, "restore": concatenated},
                      dp_sizes=(1, 2), equal_micro_batches=True)
 
