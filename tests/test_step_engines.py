@@ -44,7 +44,8 @@ def test_verl_seq_mean_token_sum_norm_default_scale_is_the_micro_batch_width() -
         _check(engine, default)
     _check(engine, default.with_(horizon=16))  # a constant loss_scale_factor: the cut changes nothing
     for mode in ("token-mean", "seq-mean-token-mean"):
-        _check(engine, TWO_MICRO_BATCHES.with_(loss="value", mode=mode, dp=1))
+        _check(engine, TWO_MICRO_BATCHES.with_(loss="value", mode=mode))
+        _check(engine, TWO_MICRO_BATCHES.with_(loss="distillation", mode=mode, topk=2))
 
 
 @pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl-openrlhf step's venv)")

@@ -46,6 +46,8 @@ class StepCase(SampleLengths):
     use_remove_padding: bool = True
     holes: float = 0.0
     vocab: int = 16
+    #: the teacher's top-K (a distillation loss), 0: none
+    topk: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -73,7 +75,8 @@ class StepCase(SampleLengths):
         """The mini-batch's samples as one engine case (temperature 1, no extras): what the preparation sees."""
         return EngineCase(self.prompt_lens, self.response_lens, vocab=self.vocab, temperature=1.0,
                           use_remove_padding=self.use_remove_padding, mask_hole_rate=self.holes, seed=self.seed,
-                          eos_token_id=None, head="value" if self.loss == "value" else "lm")
+                          eos_token_id=None, head="value" if self.loss == "value" else "lm",
+                          distillation_keys=("distillation_losses",) if self.topk else (), topk=self.topk or 2)
 
     def with_(self, **changes: object) -> "StepCase":
         return replace(self, **changes)
@@ -90,6 +93,8 @@ class StepCase(SampleLengths):
             parts.append(f"holes={self.holes}")
         if self.vocab != 16:
             parts.append(f"V={self.vocab}")
+        if self.topk:
+            parts.append(f"topk={self.topk}")
         return "StepCase(" + " ".join(parts + [f"seed={self.seed}"]) + ")"
 
 
@@ -123,7 +128,7 @@ def step_cases(draw, layer: StepLayer, modes: tuple[str, ...] = ("packed", "padd
     holes = draw(st.sampled_from((0.0, 0.3)))
     return StepCase(prompts, responses, dp=dp, cut=cut.value, micro_batch_size=mbs, max_token_len=budget,
                     loss=loss.name, mode=mode.name, horizon=horizon, use_remove_padding=packed, holes=holes,
-                    seed=draw(st.integers(0, 2 ** 16)))
+                    topk=loss.topk, seed=draw(st.integers(0, 2 ** 16)))
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
@@ -147,7 +152,9 @@ def _response_draws(case: StepCase) -> dict[str, torch.Tensor]:
         old = z[:, 0] + shift
     else:
         old = torch.log_softmax(z, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1) + shift
-    return {"features": features[at], "labels": labels, "mask": mask,
+    teacher = {} if d.teacher_ids is None else {"teacher_ids": d.teacher_ids[at],
+                                                "teacher_logprobs": d.teacher_logprobs[at].to(torch.float64)}
+    return {**teacher, "features": features[at], "labels": labels, "mask": mask,
             "advantages": torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1,
             "old": old, "returns": torch.randn(n, generator=gen, dtype=torch.float64)}
 
@@ -160,7 +167,8 @@ def step_inputs(case: StepCase) -> StepInputs:
     as32 = lambda t: t.to(torch.float32).to(torch.float64)  # noqa: E731 - what the float32 keys hold
     return StepInputs(features=r["features"], labels=r["labels"], sample=sample, mask=r["mask"],
                       advantages=as32(r["advantages"]), old_log_probs=as32(r["old"]), returns=as32(r["returns"]),
-                      batch_size=case.batch_size, response_width=max(case.response_lens))
+                      batch_size=case.batch_size, response_width=max(case.response_lens),
+                      teacher_ids=r.get("teacher_ids"), teacher_logprobs=r.get("teacher_logprobs"))
 
 
 def materialize_step(case: StepCase) -> TensorDict:

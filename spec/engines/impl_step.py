@@ -45,6 +45,9 @@ def impl_loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) 
                                     **kwargs)
     if setting.loss == "sft":
         return impl.step.sft_loss(per_token, mask, **kwargs)
+    if setting.loss == "distillation":  # the processor's per-token forward KL, clamped at 0 (top-K can go negative)
+        kl = impl.no_padding_2_padding(outputs["distillation_losses"], mb)
+        return impl.step.agg_loss(kl.clamp_min(0.0), mask, **kwargs)
     return impl.step.policy_loss(per_token, _padded(mb, "old_log_probs", width), _padded(mb, "advantages", width),
                                  mask, **kwargs)
 

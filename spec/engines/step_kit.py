@@ -37,9 +37,11 @@ HORIZONS = (None, 16)
 
 
 def agg_loss_losses() -> tuple[LossDeclaration, ...]:
-    """The actor's policy loss and the critic's value loss in every mode, and SFT's token mean."""
+    """The actor's policy loss, the critic's value loss and the top-K forward-KL distillation loss in every mode, and
+    SFT's token mean."""
     return (LossDeclaration("policy", PerToken.RATIO, AGG_LOSS_MODES, horizons=HORIZONS),
             LossDeclaration("value", PerToken.VALUE, AGG_LOSS_MODES, head="value", horizons=HORIZONS),
+            LossDeclaration("distillation", PerToken.TOPK_FORWARD_KL, AGG_LOSS_MODES, horizons=HORIZONS, topk=2),
             LossDeclaration("sft", PerToken.NLL, (TOKEN_MEAN,),
                             undrawn={m.name: "SFT's loss normalises by batch_num_tokens only (a token mean)"
                                      for m in AGG_LOSS_MODES[1:]}))

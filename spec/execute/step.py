@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from ..cases.step import StepCase, materialize_step, select_rows
 from ..protocol.step import StepLayer
+from ..truth.oracle import TopKProcessor
 from ..truth.step_model import StepModel
 from .attribution import engine_side
 
@@ -67,6 +68,15 @@ def _rows(micro: list[TensorDict], indices, offset: int) -> list[list[int]]:
     return rows
 
 
+def _processor(engine: Any, case: StepCase):
+    """A distillation step's top-K processor: the engine's own (its companion), else the suite's stand-in."""
+    if not case.topk:
+        return None
+    whole = case.engine_case()
+    own = engine.logits_processor(whole) if hasattr(engine, "logits_processor") else None
+    return own if own is not None else TopKProcessor(whole.distillation_keys)
+
+
 def cut_step(engine: Any, case: StepCase, layer: StepLayer | None = None) -> StepRun:
     """The step of ``case`` up to its cut: every rank's mini-batch, micro-batches and the samples each holds, and the
     facts each rank is handed (no engine run, no loss)."""
@@ -93,6 +103,7 @@ def run_step(engine: Any, case: StepCase, layer: StepLayer | None = None) -> Ste
     head = layer.loss(case.loss).head
     run = cut_step(engine, case, layer)
     model = StepModel(case.vocab, seed=case.seed, out_dim=1 if head == "value" else None)
+    processor = _processor(engine, case)
     for rank, (micro, indices) in enumerate(zip(run.micro_batches, run.indices)):
         model.zero_grad()
         obj = engine.make(head)  # one engine object per rank, kept across its micro-batches as a trainer keeps it
@@ -100,7 +111,7 @@ def run_step(engine: Any, case: StepCase, layer: StepLayer | None = None) -> Ste
         for mb in micro:
             inputs, output_args = engine_side(obj.prepare_model_inputs, "prepare_model_inputs")(mb)
             raw = engine_side(obj.prepare_model_outputs, "prepare_model_outputs")(model(**inputs), output_args, mb,
-                                                                                None)
+                                                                                processor)
             outputs = engine.view_outputs(raw).per_sequence
             loss = fns["loss"](outputs, mb, run.facts[rank], case.setting)
             loss.backward()

@@ -68,7 +68,8 @@ def pinned_steps(layer, modes: tuple[str, ...]) -> list[StepCase]:
             for horizon in (loss.horizons if Divisor.HORIZON in agg.divisors else (None,)):
                 cases.append(StepCase(prompts, responses, dp=dp, cut=cut.value, micro_batch_size=1,
                                       max_token_len=5 if cut is Cut.TOKENS else 0, loss=loss.name, mode=agg.name,
-                                      horizon=horizon, use_remove_padding=modes[0] == "packed", holes=0.3, seed=1))
+                                      horizon=horizon, use_remove_padding=modes[0] == "packed", holes=0.3,
+                                      topk=loss.topk, seed=1))
     return cases
 
 

@@ -94,6 +94,8 @@ class PerToken(str, Enum):
     SEQUENCE_RATIO = "sequence_ratio"
     VALUE = "value"  #: 0.5 * (value - return)^2 (a critic inside its value clip range)
     NLL = "nll"  #: -log_prob (SFT)
+    #: max(0, sum_j exp(p_j) (p_j - q_j)) over the teacher's top-K ids (verl's forward_kl_topk distillation, clamped at 0)
+    TOPK_FORWARD_KL = "topk_forward_kl"
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class LossDeclaration:
     horizons: tuple[int | None, ...] = (None,)
     #: modes the library offers that the suite does not draw, each with why
     undrawn: Mapping[str, str] = field(default_factory=dict)
+    #: the teacher's top-K the loss reads (distillation: the engine's top-K processor computes its per-token terms)
+    topk: int = 0
 
     def mode(self, name: str) -> Aggregation:
         for mode in self.modes:

@@ -48,6 +48,9 @@ class StepInputs:
     returns: torch.Tensor
     batch_size: int
     response_width: int
+    #: the teacher's top-K ids and log-probs at each scoring row ``(n, K)`` (distillation only)
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs) -> torch.Tens
     kind = PerToken(kind)
     if kind is PerToken.VALUE:
         return 0.5 * (z[:, 0] - x.returns) ** 2
+    if kind is PerToken.TOPK_FORWARD_KL:
+        student = torch.log_softmax(z, dim=-1).gather(-1, x.teacher_ids)
+        teacher = x.teacher_logprobs
+        return (teacher.exp() * (teacher - student)).sum(-1).clamp_min(0.0)
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, x.labels.unsqueeze(-1)).squeeze(-1)
     if kind is PerToken.NLL:
         return -log_probs
