@@ -67,11 +67,12 @@ def a_sample_without_loss_tokens(case: Any) -> bool:
 #: verl 0.9.1's forward_kl_topk metrics take student_mass[response_mask].min() of a micro-batch without loss tokens
 EMPTY_MICRO_BATCH_RECORDS = tuple(
     KnownFailure(invariant, "compute_forward_kl_topk's metrics take the min of the micro-batch's masked student_mass, "
-                 "which is empty when no response token of the micro-batch counts: the step raises (docs/verl-"
-                 "conformance.md)", raises=RuntimeError, matches=r"min\(\): Expected reduction dim",
-                 when=When("a distillation step with a sample whose response mask is all 0", a_sample_without_loss_tokens),
-                 certain=False)
+                 "which is empty when no response token of the micro-batch counts: the step raises "
+                 "(docs/findings/F25-verl-distillation-empty-micro-batch.md; verl PR #7887, open)", raises=RuntimeError,
+                 matches=r"min\(\): Expected reduction dim", certain=False,
+                 when=When("a distillation step with a sample whose response mask is all 0", a_sample_without_loss_tokens))
     for invariant in ("INV-STEP-001", "INV-STEP-003", "INV-STEP-004"))
+
 #: every record of verl's step
 STEP_RECORDS = WIDTH_RECORDS + EMPTY_MICRO_BATCH_RECORDS
 
