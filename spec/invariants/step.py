@@ -57,19 +57,27 @@ class StepInfo(InvariantInfo):
 
 
 def pinned_steps(layer, modes: tuple[str, ...]) -> list[StepCase]:
-    """Every aggregation mode of every loss the layer offers (each horizon), on two samples whose responses differ in
-    length, cut into two micro-batches (or over two ranks where the layer has them), with holes in the loss mask."""
+    """Every aggregation mode of every loss the layer offers (each horizon), on two samples per rank whose responses
+    differ in length, cut into two micro-batches per rank (over two ranks where the layer has them), with holes in the
+    loss mask, each its own seed; and, where the layer cuts by a token budget over ranks, one case whose ranks need
+    different micro-batch counts (rank 0's samples of 3 and 5 tokens under a budget of 5, rank 1's of 2 and 2)."""
     cut = Cut.COUNT if Cut.COUNT in layer.cuts else Cut.TOKENS
     dp = 2 if 2 in layer.dp_sizes else 1
     prompts, responses = (2, 1) * dp, (1, 4) * dp
+    packed = modes[0] == "packed"
     cases = []
     for loss in layer.losses:
         for agg in loss.modes:
             for horizon in (loss.horizons if Divisor.HORIZON in agg.divisors else (None,)):
                 cases.append(StepCase(prompts, responses, dp=dp, cut=cut.value, micro_batch_size=1,
                                       max_token_len=5 if cut is Cut.TOKENS else 0, loss=loss.name, mode=agg.name,
-                                      horizon=horizon, use_remove_padding=modes[0] == "packed", holes=0.3,
-                                      topk=loss.topk, seed=1))
+                                      horizon=horizon, use_remove_padding=packed, holes=0.3, topk=loss.topk,
+                                      seed=1 + len(cases)))
+    if Cut.TOKENS in layer.cuts and dp == 2:
+        first = layer.losses[0]
+        cases.append(StepCase((2, 2, 1, 1), (1, 3, 1, 1), dp=2, cut=Cut.TOKENS.value, max_token_len=5, loss=first.name,
+                              mode=first.modes[0].name, horizon=first.horizons[0] if Divisor.HORIZON in
+                              first.modes[0].divisors else None, use_remove_padding=packed, topk=first.topk, seed=0))
     return cases
 
 
