@@ -129,3 +129,25 @@ def test_impl_passes_each_step_check_on_a_two_rank_token_budget_case(invariant) 
     case = StepCase((2, 1, 3, 1), (3, 1, 2, 4), dp=2, cut="tokens", max_token_len=7, loss="policy",
                     mode="seq-mean-token-sum-norm", holes=0.3, seed=3)
     CATALOGUE[invariant].check(Ctx(ImplEngine(), case, "cpu", "any"))
+
+
+def test_per_token_losses_by_hand() -> None:
+    """Uniform logits over 4 ids (every log-prob -log 4): each per-token form against its value worked by hand."""
+    import math
+
+    n = 2
+    z = torch.zeros(n, 4, dtype=torch.float64)
+    lp = -math.log(4)
+    x = StepInputs(features=torch.zeros(n, 1, dtype=torch.float64), labels=torch.tensor([1, 3]),
+                   sample=torch.tensor([0, 0]), mask=torch.tensor([1, 1]),
+                   advantages=torch.tensor([0.5, -2.0], dtype=torch.float64),
+                   old_log_probs=torch.full((n,), lp, dtype=torch.float64),
+                   returns=torch.tensor([2.0, -1.0], dtype=torch.float64), batch_size=1, response_width=2,
+                   teacher_ids=torch.tensor([[0, 1], [2, 3]]),
+                   teacher_logprobs=torch.full((n, 2), math.log(0.5), dtype=torch.float64))
+    from spec.truth.step_oracle import per_token_loss
+
+    expect = {PerToken.NLL: [math.log(4)] * 2, PerToken.RATIO: [-0.5, 2.0], PerToken.SEQUENCE_RATIO: [-0.5, 2.0],
+              PerToken.VALUE: [2.0, 0.5], PerToken.TOPK_FORWARD_KL: [math.log(2)] * 2}
+    for kind, want in expect.items():
+        assert per_token_loss(kind, z, x).tolist() == pytest.approx(want), kind
