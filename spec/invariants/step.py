@@ -117,24 +117,31 @@ def outputs_do_not_depend_on_the_cut(ctx: Ctx) -> None:
     run = _step(ctx)
     whole = case.engine_case()
     want = expected(whole, model_for(whole, "cpu"), draws(whole))
-    key = "values" if whole.head == "value" else "log_probs"
+    keys = ["values"] if whole.head == "value" else ["log_probs", *whole.distillation_keys]
     read = read_positions(whole.prompt_lens, whole.response_lens, getattr(ctx.engine, "output_span",
                                                                           OutputSpan.SEQUENCE))
     for rank, outputs in enumerate(run.outputs):
-        if key not in outputs:
-            fail(f"rank {rank}: output {key!r} missing after the step's restore (keys {sorted(outputs)})", key=key)
-        got = outputs[key]
-        rows = case.rank_rows(rank)
-        if not isinstance(got, torch.Tensor) or not got.is_nested or int(got.size(0)) != len(rows):
-            fail(f"rank {rank}: {key!r} after the restore is {getattr(got, 'shape', type(got).__name__)}, expected "
-                 f"nested over its {len(rows)} samples", key=key)
-        for local, (sample, seq) in enumerate(zip(rows, got.unbind())):
-            if seq.shape[0] != case.seq_lens[sample]:
-                fail(f"rank {rank}: {key!r} of sample {sample}: {seq.shape[0]} tokens, expected "
-                     f"{case.seq_lens[sample]} (another sample's? micro-batches {_cut_text(run)})", key=key)
-            at = read[sample]
-            close(seq[at], want.of(key)[sample][at], f"rank {rank}: {key!r} of sample {sample} (micro-batches "
-                  f"{_cut_text(run)})", atol=want.tolerance[key][sample][at])
+        for key in keys:
+            _restored(ctx, run, rank, outputs, key, want, read)
+
+
+def _restored(ctx: Ctx, run: StepRun, rank: int, outputs: dict, key: str, want, read) -> None:
+    """Rank ``rank``'s restored output ``key``: nested over its samples, each the oracle's where a consumer reads."""
+    case = ctx.case
+    if key not in outputs:
+        fail(f"rank {rank}: output {key!r} missing after the step's restore (keys {sorted(outputs)})", key=key)
+    got = outputs[key]
+    rows = case.rank_rows(rank)
+    if not isinstance(got, torch.Tensor) or not got.is_nested or int(got.size(0)) != len(rows):
+        fail(f"rank {rank}: {key!r} after the restore is {getattr(got, 'shape', type(got).__name__)}, expected "
+             f"nested over its {len(rows)} samples", key=key)
+    for sample, seq in zip(rows, got.unbind()):
+        if seq.shape[0] != case.seq_lens[sample]:
+            fail(f"rank {rank}: {key!r} of sample {sample}: {seq.shape[0]} tokens, expected "
+                 f"{case.seq_lens[sample]} (another sample's? micro-batches {_cut_text(run)})", key=key)
+        at = read[sample]
+        close(seq[at], want.of(key)[sample][at], f"rank {rank}: {key!r} of sample {sample} (micro-batches "
+              f"{_cut_text(run)})", atol=want.tolerance[key][sample][at])
 
 
 @step_invariant(
