@@ -69,9 +69,11 @@ class MicroBatchInfo(InvariantInfo):
 
     def skip_reason_for(self, engine) -> str | None:
         layer = engine.microbatch_layer()
-        if layer is None:
-            return engine.lacks("microbatch")
-        return layer.lacks(self.functions)
+        reason = engine.lacks("microbatch") if layer is None else layer.lacks(self.functions)
+        step = getattr(engine, "step_layer", None)
+        if reason and step is not None and step() is not None:  # its own cut and restore, by its own names
+            reason += "; the engine's own cut, padding and restore are checked by INV-STEP-* (its step_layer)"
+        return reason
 
     def pinned(self, mode: str, engine=None) -> list[MiniBatchCase]:
         kwargs = self.strategy_kwargs
