@@ -51,3 +51,16 @@ def test_the_end_to_end_reproducer_agrees(tmp_path) -> None:
     assert why is None, why
     code, out = run_reproducer(path)
     assert code == 0 and "PASS: INV-MB-015" in out, out
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+@pytest.mark.parametrize("invariant", ["INV-STEP-001", "INV-STEP-002", "INV-STEP-003", "INV-STEP-004"])
+def test_the_step_reads_only_consumer_positions(invariant, mode) -> None:
+    """The training step's checks pass the harmless engine (last-token outputs 0) on two ranks of two micro-batches,
+    a distillation step included (its per-token distillation terms zeroed at the last token too)."""
+    from spec.cases.step import StepCase
+
+    for loss, topk in (("policy", 0), ("distillation", 2)):
+        case = StepCase((2, 1, 3, 1), (3, 1, 2, 4), dp=2, cut="count", micro_batch_size=1, loss=loss,
+                        mode="seq-mean-token-mean", use_remove_padding=mode == "packed", holes=0.3, topk=topk, seed=3)
+        CATALOGUE[invariant].check(Ctx(harmless_engine("unread_outputs_zeroed"), case, "cpu", "any"))
