@@ -421,6 +421,11 @@ class EngineUnderTest:
         """The engine's micro-batch layer (a ``spec.protocol.microbatch.MicroBatchLayer``), or None."""
         return None
 
+    def step_layer(self) -> Any:
+        """The engine's training step (a ``spec.protocol.step.StepLayer``: its cuts, facts, losses and aggregation
+        modes, and its own cut/facts/loss/restore functions), or None (the INV-STEP invariants are skipped)."""
+        return None
+
     def implied_needs(self, needs: tuple[str, ...]) -> str | None:
         """Why an invariant with ``needs`` cannot run here beyond those needs: every invariant that does
         not check the packing runs the engine object (:attr:`Feature.ENGINE`)."""

@@ -152,6 +152,17 @@ class ToyCausalLM:
         One call for the whole batch: the sequences are laid out as the rows of a right-padded batch with
         the full-length mask, whose causal prefix sums are those of each sequence alone (the padding comes
         after every real token), then the head runs on the real tokens' rows only."""
+        if self.head_input == "hidden":
+            return (self._sequence_rows(input_ids, position_ids, lens, self._hidden64, media) @ self._weight64.T).float()
+        return (self.sequence_features(input_ids, position_ids, lens, **media) @ self._proj64).to(self.dtype)
+
+    def sequence_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens,
+                          **media: torch.Tensor) -> torch.Tensor:
+        """``(n, H)`` float64: the head's input of each sequence run alone (:meth:`sequence_logits` before the head;
+        a parameterised head, spec/truth/step_model.py, multiplies it by its own weight)."""
+        return self._sequence_rows(input_ids, position_ids, lens, self._features, media)
+
+    def _sequence_rows(self, input_ids, position_ids, lens, rows_of, media) -> torch.Tensor:
         lens_t = torch.as_tensor([int(n) for n in lens], dtype=torch.int64)
         width = int(lens_t.max())
         row = torch.repeat_interleave(torch.arange(lens_t.shape[0]), lens_t)
@@ -163,11 +174,7 @@ class ToyCausalLM:
         pos = axes.new_zeros((axes.shape[0], lens_t.shape[0], width))
         pos[:, row, col] = axes
         mask = (torch.arange(width).unsqueeze(0) < lens_t.unsqueeze(1)).to(torch.int64)
-        if self.head_input == "hidden":
-            hidden = self._hidden64(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
-            return (hidden @ self._weight64.T).float()
-        hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
-        return (hidden @ self._proj64).to(self.dtype)
+        return rows_of(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,

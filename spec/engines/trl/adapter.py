@@ -25,6 +25,7 @@ from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_te
 from ..kit import ThirdPartyEngine, refuse_flags, require
 from .config import TRL_SWITCHES, completion_scores, padded_positions, padding_free_batch
 from .records import PROFILE, LOGITS_RECORDS
+from .step import trl_step_layer
 
 __all__ = ["TrlEngine", "TrlObject"]
 
@@ -87,6 +88,12 @@ class TrlEngine(ThirdPartyEngine):
 
     def config_space(self):
         return TRL_SWITCHES
+
+    def step_layer(self):
+        """GRPO's step: every loss_type through GRPOTrainer._compute_loss (spec/engines/trl/step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = trl_step_layer()
+        return self._step
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
