@@ -17,6 +17,7 @@ from ..execute.handoff import nested_parts
 from ..execute.memo import Runs
 from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected, unit_roundoff
+from ..truth.failing import fail
 from ..truth.rules import read_positions, shared_temperature
 from ..cases.strategies import dense_cases, engine_cases, profile_draws
 
@@ -277,15 +278,6 @@ def in_context(precision: Precision | None, key: str, context: str, exp: Expecte
     precision = precision or CONTRACT_PRECISION
     coarser = max((precision.scaled_in, dtype), key=unit_roundoff)
     return Precision(returns=precision.returns, scaled_in=coarser)
-
-
-def fail(message: str, **facts: Any) -> None:
-    """Raise the check's AssertionError; ``facts`` (``exc.facts``) say structurally what failed, for known-failure
-    records that match on them rather than on the message (:class:`spec.protocol.known.KnownFailure`): ``key``
-    (the output or model-input key), ``sequence``, ``position`` (a token of that sequence)."""
-    exc = AssertionError(message)
-    exc.facts = facts
-    raise exc
 
 
 def add_facts(exc: BaseException, **facts: Any) -> None:

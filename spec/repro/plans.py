@@ -6,21 +6,23 @@ checked against the float64 reference written out in the file, so a run-vs-run i
 padded, a permutation, halves, a float vs a tensor temperature, sequence parallelism, a bucket, chunking)
 becomes "each of the runs equals the reference": where the two runs disagree, one of them is wrong.
 
-Checks (their code is in :mod:`.templates`), each the property of the invariant that names it:
+Checks (their code is in :mod:`.runtime`), each the property of the invariant that names it:
 
 * on the outputs: ``keys`` (the output keys the flags ask for), ``values`` (every output against the reference,
   per token a consumer reads, within the oracle's tolerance), ``float32`` (the outputs' dtype), ``grad`` (what a
   loss differentiates carries grad), ``response_values`` (the (B, R) log-probs a loss reads), ``slice``
   (``no_padding_2_padding`` of the log-probs against the reference's response slice), ``unchanged`` (the
   micro-batch, the model's logits and ``output_args`` are left as they were);
-* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it): ``mask`` (the
-  padded attention mask marks each sample's tokens where the declared layout puts them), ``mask_dtype`` (int32 on
-  the ids' device), ``inputs`` (the ids and positions the model is handed hold each sample's own), ``labels``
-  (each packed token's label is the next token of its sequence, across shard edges too), ``ids_fill`` /
-  ``positions_fill`` (padded columns hold pad_token_id / 0), ``tail`` / ``tail_fill`` (the packed tail padding's
-  length, pad_size and restarting positions; its ids 0 and temperature 1), ``rolled_row`` (the labels are the
-  whole packed row rolled by one, zeros after), ``token_temperature`` / ``padded_temperature`` (each token's or
-  sample's own temperature handed to the output step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel
+* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it), each the
+  invariant's own check (spec/truth/handoff_checks.py, which the invariant calls too): ``mask`` / ``mask_shape``
+  (the padded attention mask marks each sample's tokens where the declared layout puts them; its shape and sum),
+  ``mask_dtype`` (0/1 integers on the ids' device, int32 where the engine declares it), ``padded_ids`` /
+  ``padded_positions`` / ``packed_inputs`` (the ids and positions the model is handed hold each sample's own),
+  ``labels`` / ``shard_labels`` (each packed token's label is the next token of its sequence, across shard edges
+  too), ``ids_fill`` / ``positions_fill`` (padded columns hold pad_token_id / 0), ``tail`` / ``tail_fill`` (the packed
+  tail padding's length, pad_size and restarting positions; its ids 0 and temperature 1), ``rolled_row`` (the labels
+  are the whole packed row rolled by one, zeros after), ``token_temperature`` / ``padded_temperature`` (each token's
+  or sample's own temperature handed to the output step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel
   model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
 * on the helpers, with per-token tensors the file builds (no run of the case): ``mask_helper``,
   ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks), ``from_nested``,
@@ -146,11 +148,11 @@ PLANS: dict[str, Plan] = {
     # the hand-off invariants read prepare_model_inputs alone (a model fed wrong inputs must not crash first)
     "INV-MASK-001": Plan(("mask",)),
     "INV-MASK-002": Plan(("mask_dtype",)),
-    "INV-MASK-003": Plan(("mask",)),
+    "INV-MASK-003": Plan(("mask_shape",)),
     "INV-LABEL-001": Plan(("labels",)),
-    "INV-INPUT-001": Plan(("inputs",)),
-    "INV-POS-001": Plan(("inputs",)),
-    "INV-POS-002": Plan(("inputs",)),
+    "INV-INPUT-001": Plan(("padded_ids",)),
+    "INV-POS-001": Plan(("padded_positions",)),
+    "INV-POS-002": Plan(("packed_inputs",)),
     "INV-GRAD-001": Plan(("grad", "keys", "values")),
     "INV-MUT-001": Plan(("unchanged",)),
     "INV-MUT-002": Plan(("unchanged",)),
@@ -162,7 +164,7 @@ PLANS: dict[str, Plan] = {
     "INV-POS-003": Plan(("positions_fill",)),
     "INV-PAD-001": Plan(("tail",)),
     "INV-PAD-002": Plan(("tail_fill",)),
-    "INV-LABEL-002": Plan(("labels",)),
+    "INV-LABEL-002": Plan(("shard_labels",)),
     "INV-LABEL-003": Plan(("rolled_row",)),
     "INV-TEMP-004": Plan(("token_temperature",)),
     "INV-TEMP-005": Plan(("padded_temperature",)),

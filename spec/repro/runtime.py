@@ -28,15 +28,19 @@ from tensordict import TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
 #: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
 FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
               "execution_context", "FLAG_DEFAULTS", "BAD_FLAGS", "recode_flags", "bad_settings", "_equal", "_tensors",
-              "padded_length", "layout_width", "layout_columns", "layout_mask", "TopKProcessor", "topk_terms",
-              "Expected", "OVERLAP_KEYS", "topk_tie_slack")
+              "TopKProcessor", "topk_terms",
+              "Expected", "OVERLAP_KEYS", "topk_tie_slack",
+              # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
+              "padded_mask", "padded_mask_shape", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
+              "next_token_labels", "rolled_row", "packed_tail", "tail_fill", "per_token_temperature",
+              "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens", "cu_seqlens_host")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -339,52 +343,38 @@ def check_float32(c, mb, run):
     return None
 
 
+def _parts(run, key):
+    """What every rank's view holds under ``key``, in rank order."""
+    return [v[key] for v in run.views]
+
+
 def check_mask(c, mb, run):
-    if c.use_remove_padding:
-        return None
-    mask = run.views[0]["attention_mask"]
-    if mask is None:
-        return "padded mode: got attention_mask None, expected (B, max_seq_len) int32"
-    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: max n_i
-    if tuple(mask.shape) != (c.batch_size, width):
-        return f"attention_mask: got shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
-    want = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, width)
-    got = mask.detach().to("cpu", torch.int64)
-    for i in range(c.batch_size):
-        if not torch.equal(got[i], want[i]):
-            return (f"attention_mask row {i}: got {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
-                    f"{c.seq_lens[i]}, response length {c.response_lens[i]})")
-    return None
+    """INV-MASK-001 (spec/truth/handoff_checks.py, as the invariant runs it)."""
+    if not c.use_remove_padding:
+        padded_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["attention_mask"])
+
+
+def check_mask_shape(c, mb, run):
+    """INV-MASK-003."""
+    if not c.use_remove_padding:
+        padded_mask_shape(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["attention_mask"])
 
 
 def check_mask_dtype(c, mb, run):
-    """The padded mask as attention kernels take it: int32, on the ids' device."""
-    if c.use_remove_padding:
-        return None
-    mask, ids = run.views[0]["attention_mask"], run.views[0]["input_ids"]
-    if mask is None:
-        return "padded mode: got attention_mask None, expected (B, L) int32"
-    if mask.dtype != torch.int32:
-        return f"attention_mask: got dtype {mask.dtype}, expected torch.int32"
-    if ids is not None and mask.device != ids.device:
-        return f"attention_mask: got it on {mask.device}, expected the ids' device {ids.device}"
-    return None
+    """INV-MASK-002: on the batch's device, int32 where the engine's profile declares it."""
+    if not c.use_remove_padding:
+        view = run.views[0]
+        mask_dtype_device(view["attention_mask"], view["input_ids"], mb["input_ids"].device, INT32_ATTENTION_MASK)
 
 
 def check_labels(c, mb, run):
-    labels = [v["labels"] for v in run.views]
-    if any(lab is None for lab in labels):
-        return None if not c.use_remove_padding else "got no labels handed to the output step, expected the rolled ids"
-    labels = torch.cat([lab.reshape(-1).cpu() for lab in labels])
-    ids = mb["input_ids"].values().cpu()
-    ends = torch.tensor(c.seq_lens).cumsum(0) - 1
-    for k in range(ids.shape[0] - 1):
-        if k in ends.tolist():
-            continue
-        if int(labels[k]) != int(ids[k + 1]):
-            return (f"label at packed position {k}: got {int(labels[k])}, expected {int(ids[k + 1])} (the next "
-                    f"token of its sequence; ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
-    return None
+    """INV-LABEL-001."""
+    next_token_labels(_parts(run, "labels"), mb["input_ids"].values(), c.seq_lens, "inside a sequence")
+
+
+def check_shard_labels(c, mb, run):
+    """INV-LABEL-002, INV-RANK-002."""
+    next_token_labels(_parts(run, "labels"), mb["input_ids"].values(), c.seq_lens, f"sp={c.sp_size}: a shard edge")
 
 
 def _same(a, b):
@@ -442,60 +432,25 @@ def check_slice(c, mb, run):
     return None
 
 
-def _first_row_diff(got, want):
-    bad = (got != want).nonzero()
-    return tuple(int(i) for i in bad[0]) if bad.numel() else None
+def check_padded_ids(c, mb, run):
+    """INV-INPUT-001."""
+    if not c.use_remove_padding:
+        padded_rows(c.prompt_lens, c.response_lens, PADDED_LAYOUT, mb["input_ids"].unbind(), run.views[0]["input_ids"],
+                    "input_ids", "sequence")
 
 
-def check_inputs(c, mb, run):
-    """The ids and positions the model is handed: packed (1, n) / (1, n) or (4, 1, n), the ranks' slices joined;
-    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions at the columns the declared layout
-    puts them (verl's right padding: from column 0)."""
-    views = run.views
-    if any(v.get("input_ids") is None for v in views):
-        return None
-    seq_ids, seq_pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
-    mrope = seq_pos[0].dim() == 2
+def check_padded_positions(c, mb, run):
+    """INV-POS-001."""
+    if not c.use_remove_padding:
+        padded_rows(c.prompt_lens, c.response_lens, PADDED_LAYOUT, mb["position_ids"].unbind(),
+                    run.views[0]["position_ids"], "position_ids", "positions")
+
+
+def check_packed_inputs(c, mb, run):
+    """INV-POS-002, INV-RANK-004."""
     if c.use_remove_padding:
-        ids = torch.cat([v["input_ids"].cpu() for v in views], dim=-1)
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            return f"packed input_ids: got shape {tuple(ids.shape)}, expected (1, n)"
-        want = mb["input_ids"].values().cpu()
-        at = _first_row_diff(ids[0, : want.shape[0]], want)
-        if at is not None or ids.shape[1] < want.shape[0]:
-            return f"packed input_ids: got {ids[0].tolist()}, expected {want.tolist()} first (then any tail padding)"
-        if any(v.get("position_ids") is None for v in views):
-            return "packed position_ids: got None, expected the packed positions"
-        pos = torch.cat([v["position_ids"].cpu() for v in views], dim=-1)
-        want_shape = (4, 1) if mrope else (1,)
-        if tuple(pos.shape[:-1]) != want_shape:
-            return f"packed position_ids: got shape {tuple(pos.shape)}, expected {(*want_shape, 'n')}"
-        want_pos = torch.cat(list(seq_pos), dim=-1).cpu()
-        got_pos = pos[:, 0, : want_pos.shape[-1]] if mrope else pos[0, : want_pos.shape[-1]]
-        at = _first_row_diff(got_pos, want_pos)
-        if at is not None:
-            return f"packed position_ids at {at}: got {got_pos[at].item()}, expected {want_pos[at].item()}"
-        return None
-    ids, pos = views[0]["input_ids"].cpu(), views[0].get("position_ids")
-    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)
-    columns = layout_columns(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: 0 .. n_i - 1
-    if tuple(ids.shape) != (c.batch_size, width):
-        return f"padded input_ids: got shape {tuple(ids.shape)}, expected {(c.batch_size, width)}"
-    for i, seq in enumerate(seq_ids):
-        if not torch.equal(ids[i, columns[i]], seq.cpu()):
-            return (f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} at columns "
-                    f"{columns[i].tolist()} ({PADDED_LAYOUT} padding)")
-    if pos is None:
-        return "padded position_ids: got None, expected (B, L) or (4, B, L)"
-    pos = pos.cpu()
-    want_shape = (4, c.batch_size, width) if mrope else (c.batch_size, width)
-    if tuple(pos.shape) != want_shape:
-        return f"padded position_ids: got shape {tuple(pos.shape)}, expected {want_shape}"
-    for i, sp in enumerate(seq_pos):
-        got = pos[:, i, columns[i]] if mrope else pos[i, columns[i]]
-        if not torch.equal(got, sp.cpu()):
-            return f"padded position_ids of sample {i}: got {got.tolist()}, expected {sp.tolist()}"
-    return None
+        packed_inputs(_parts(run, "attention_mask"), _parts(run, "input_ids"), _parts(run, "position_ids"),
+                      mb["position_ids"].values().dim() > 1, mb["input_ids"].values(), mb["position_ids"].values())
 
 
 def check_grad(c, mb, run):
@@ -519,213 +474,77 @@ def _flag_value(mb, key, default=None):
     return getattr(value, "value", value)
 
 
-def _joined(run, key):
-    parts = [v[key] for v in run.views]
-    if any(p is None for p in parts):
-        return None
-    return torch.cat([p.detach().cpu() for p in parts], dim=-1)
-
-
-def _padding_fill(c, got, fill, key):
-    """Every padding column of a padded (B, L) or (C, B, L) model input holds ``fill`` (the columns the engine's
-    declared layout leaves to padding: verl's right padding unless it says otherwise)."""
-    if got is None:
-        return f"padded {key}: got None, expected (B, L)"
-    got = got.detach().cpu()
-    if got.dim() < 2 or got.shape[-2] != c.batch_size:
-        return f"padded {key}: got shape {tuple(got.shape)}, expected {c.batch_size} rows"
-    pad = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, got.shape[-1]) == 0
-    bad = (got != fill) & pad
-    if bool(bad.any()):
-        at = tuple(int(i) for i in bad.nonzero()[0])
-        i, j = at[-2], at[-1]
-        return (f"padded {key}{list(at)} (column {j}, a padding column of row {i} in the {PADDED_LAYOUT} layout; sequence "
-                f"{i} has {c.prompt_lens[i]} + {c.response_lens[i]} tokens): got {got[at].item()}, "
-                f"expected {fill} (the padding fill); the padding holds {sorted(set(got[..., pad].reshape(-1).tolist()))[:8]}")
-    return None
-
-
 def check_ids_fill(c, mb, run):
-    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["input_ids"], int(_flag_value(mb, "pad_token_id", 0)),
-                                                           "input_ids")
+    """INV-INPUT-002."""
+    if not c.use_remove_padding:
+        padding_fill(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["input_ids"],
+                     int(_flag_value(mb, "pad_token_id", 0)), "input_ids")
 
 
 def check_positions_fill(c, mb, run):
-    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["position_ids"], 0, "position_ids")
-
-
-def _tail_length(c, run):
-    ids = _joined(run, "input_ids")
-    if ids is None:
-        return None, "packed input_ids: got None"
-    ids = ids.reshape(-1)
-    padded = padded_length(c.total_nnz, c.pad_to_length, c.sp_size)
-    if ids.shape[0] != padded:
-        return None, (f"packed row: got {ids.shape[0]} tokens, expected {padded} (total_nnz {c.total_nnz} rounded up to "
-                      f"the bucket {c.pad_to_length}, then to a multiple of sp={c.sp_size})")
-    return ids, None
+    """INV-POS-003."""
+    if not c.use_remove_padding:
+        padding_fill(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["position_ids"], 0, "position_ids")
 
 
 def check_tail(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    ids, problem = _tail_length(c, run)
-    if problem:
-        return problem
-    total, pad = c.total_nnz, ids.shape[0] - c.total_nnz
-    reported = run.views[0]["pad_size"]
-    if int(reported or 0) != pad:
-        return f"pad_size: got {reported!r}, expected {pad} (tokens of tail padding appended to the packed row)"
-    if pad:
-        pos = _joined(run, "position_ids")
-        tail = (pos[0, 0] if pos.dim() == 3 else pos.reshape(-1))[total:]
-        if int(tail[0]) != 0:
-            return (f"tail positions: got {tail.tolist()[:8]}, expected them to restart at 0 (continuing, the pad "
-                    f"joins the last sequence of {c.seq_lens[-1]} tokens)")
-    return None
-
-
-def _token_temperatures(run):
-    temps = [v["temperature"] for v in run.views]
-    if any(not isinstance(t, torch.Tensor) for t in temps):
-        return None, f"the packed hand-off carries temperature {temps[0]!r}, expected one per token (a tensor)"
-    return torch.cat([t.detach().reshape(-1).cpu() for t in temps]), None
+    """INV-PAD-001."""
+    if c.use_remove_padding:
+        packed_tail(_parts(run, "input_ids"), _parts(run, "position_ids"), run.views[0]["pad_size"], c.total_nnz,
+                    c.pad_to_length, c.sp_size, TAIL_MULTIPLE, mb["position_ids"].values().dim() > 1)
 
 
 def check_tail_fill(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    ids, problem = _tail_length(c, run)
-    if problem:
-        return problem
-    temps, problem = _token_temperatures(run)
-    if problem:
-        return problem
-    total = c.total_nnz
-    if bool((ids[total:] != 0).any()):
-        return f"tail ids (packed positions {total}..{ids.shape[0] - 1}): got {ids[total:].tolist()[:8]}, expected zeros"
-    tail = temps[total:]
-    if not torch.equal(tail.float(), torch.ones_like(tail, dtype=torch.float32)):
-        return f"tail temperature (packed positions {total}..): got {tail.tolist()[:8]}, expected ones"
-    return None
-
-
-def _labels(run):
-    parts = [v["labels"] for v in run.views]
-    if any(p is None for p in parts):
-        return None
-    return torch.cat([p.detach().reshape(-1).cpu() for p in parts])
+    """INV-PAD-002."""
+    if c.use_remove_padding:
+        tail_fill(_parts(run, "input_ids"), _parts(run, "temperature"), c.total_nnz, c.pad_to_length, c.sp_size,
+                  TAIL_MULTIPLE)
 
 
 def check_rolled_row(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    labels = _labels(run)
-    if labels is None:
-        return "got no labels handed to the output step, expected the rolled ids"
-    ids = mb["input_ids"].values().cpu()
-    want, total = torch.roll(ids, -1), ids.shape[0]
-    if labels.shape[0] < total:
-        return f"rolled labels: got {labels.shape[0]} for {total} tokens"
-    bad = (labels[:total] != want).nonzero()
-    if bad.numel():
-        k = int(bad[0, 0])
-        return (f"rolled label at packed position {k}: got {int(labels[k])}, expected {int(want[k])} (the packed row "
-                f"{ids.tolist()} rolled left by one, before any tail padding: {want.tolist()}; got {labels[:total].tolist()})")
-    if bool((labels[total:] != 0).any()):
-        return f"labels of the tail padding: got {labels[total:].tolist()[:8]}, expected zeros"
-    return None
+    """INV-LABEL-003."""
+    if c.use_remove_padding:
+        rolled_row(_parts(run, "labels"), mb["input_ids"].values())
+
+
+def _token_temperatures_of(c):
+    return torch.repeat_interleave(torch.tensor(c.temperatures, dtype=torch.float32), torch.tensor(c.seq_lens))
 
 
 def check_token_temperature(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    temps, problem = _token_temperatures(run)
-    if problem:
-        return problem
-    want = torch.repeat_interleave(torch.tensor(c.temperatures, dtype=torch.float32), torch.tensor(c.seq_lens))
-    got = temps[: want.shape[0]].float()
-    if got.shape != want.shape:
-        return f"per-token temperature: got {temps.shape[0]} values, expected {want.shape[0]} (one per packed token)"
-    bad = (~torch.isclose(got, want)).nonzero()
-    if bad.numel():
-        k = int(bad[0, 0])
-        i = int((offsets(c.seq_lens)[1:] <= k).sum())
-        return (f"per-token temperature at packed position {k} (sequence {i}): got {got[k].item():.8g}, expected "
-                f"{want[k].item():.8g} (sequence {i}'s temperature; got {got.tolist()})")
-    return None
+    """INV-TEMP-004."""
+    if c.use_remove_padding:
+        per_token_temperature(_parts(run, "temperature"), _token_temperatures_of(c))
 
 
 def check_padded_temperature(c, mb, run):
-    if c.use_remove_padding:
-        return None
-    got = run.views[0]["temperature"]
-    per_sample = torch.tensor(c.temperatures, dtype=torch.float32)
-    per_token = torch.repeat_interleave(per_sample, torch.tensor(c.seq_lens))
-    if isinstance(got, torch.Tensor):
-        flat = got.detach().cpu().float()
-        for want in (per_sample, per_token):
-            if tuple(flat.shape) == tuple(want.shape) and torch.allclose(flat, want, rtol=1e-6, atol=0):
-                return None
-    return (f"the padded hand-off carries temperature {got!r}, expected each sample's {per_sample.tolist()} (B,) "
-            "(or that per token)")
+    """INV-TEMP-005."""
+    if not c.use_remove_padding:
+        padded_temperature(run.views[0]["temperature"], torch.tensor(c.temperatures, dtype=torch.float32),
+                           _token_temperatures_of(c))
 
 
 def check_fused_inputs(c, mb, run):
-    for r, v in enumerate(run.views):
-        temp = v["model_temperature"]
-        if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) or abs(float(temp) - c.temperatures[0]) > 1e-6:
-            return f"rank {r}: the fused model is handed temperature {temp!r}, expected the float {c.temperatures[0]}"
-        if c.use_remove_padding:
-            if v["labels"] is None:
-                return f"rank {r}: got no labels handed to the output step, expected the rolled ids"
-            labels, rolled = v["model_labels"], v["labels"].reshape(-1)
-            if labels is None or tuple(labels.shape) != (1, rolled.shape[0]) or not torch.equal(labels[0].cpu(), rolled.cpu()):
-                return (f"rank {r}: the fused model's labels (shift_labels): got "
-                        f"{None if labels is None else labels.tolist()}, expected the rolled ids {rolled.tolist()} as (1, n)")
-    return None
+    """INV-FUSED-001."""
+    fused_inputs(_parts(run, "model_temperature"), _parts(run, "model_labels"), _parts(run, "labels"),
+                 c.temperatures[0], c.use_remove_padding)
 
 
 def check_return_dict(c, mb, run):
-    for r, v in enumerate(run.views):
-        if v["return_dict"] is not True:
-            return f"rank {r}: the fused model is handed return_dict={v['return_dict']!r}, expected True"
-    return None
-
-
-def _cu_want(c, run):
-    ids = _joined(run, "input_ids")
-    padded = ids.shape[-1]
-    want = offsets(c.seq_lens)
-    return (want if padded == c.total_nnz else torch.cat([want, torch.tensor([padded])])), padded
+    """INV-FUSED-002."""
+    fused_return_dict(_parts(run, "return_dict"))
 
 
 def check_cu_seqlens(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    want, padded = _cu_want(c, run)
-    for r, v in enumerate(run.views):
-        cu, ids = v["cu_seqlens"], v["input_ids"]
-        if cu is None:
-            return f"rank {r}: got no cu_seqlens handed to the model, expected {want.tolist()}"
-        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != ids.device.type:
-            return f"rank {r}: cu_seqlens: got {cu.dtype} on {cu.device}, expected integers on {ids.device}"
-        if not torch.equal(cu.cpu().long(), want):
-            return (f"rank {r}: cu_seqlens: got {cu.tolist()}, expected {want.tolist()} (the sequences' offsets, plus a "
-                    f"final boundary at {padded} when tail padding was appended)")
-    return None
+    """INV-CU-001."""
+    if c.use_remove_padding:
+        cu_seqlens(_parts(run, "cu_seqlens"), _parts(run, "input_ids"), c.seq_lens)
 
 
 def check_cu_seqlens_cpu(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    want, _ = _cu_want(c, run)
-    for r, v in enumerate(run.views):
-        host = v["cu_seqlens_host"]
-        if host is None or host.device.type != "cpu" or not torch.equal(host.long(), want):
-            return (f"rank {r}: cu_seqlens_cpu: got {None if host is None else host.tolist()}"
-                    f"{'' if host is None else ' on ' + str(host.device)}, expected a CPU copy {want.tolist()}")
-    return None
+    """INV-CU-002."""
+    if c.use_remove_padding:
+        cu_seqlens_host(_parts(run, "cu_seqlens_host"), _parts(run, "input_ids"), c.seq_lens)
 
 
 # ---- the response-slice helpers, on per-token tensors built here ----
@@ -1072,9 +891,10 @@ def check_earlier_kept(c, mb, runs):
     return None
 
 
-CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
-          "mask_dtype": check_mask_dtype,
-          "labels": check_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
+CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_positions,
+          "packed_inputs": check_packed_inputs, "keys": check_keys, "values": check_values, "float32": check_float32,
+          "mask": check_mask, "mask_shape": check_mask_shape, "mask_dtype": check_mask_dtype,
+          "labels": check_labels, "shard_labels": check_shard_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
           "positions_fill": check_positions_fill, "tail": check_tail, "tail_fill": check_tail_fill,
           "rolled_row": check_rolled_row, "token_temperature": check_token_temperature,
           "padded_temperature": check_padded_temperature, "fused_inputs": check_fused_inputs,
@@ -1088,7 +908,8 @@ CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "f
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
           "rejects", "bad_settings"}
 #: checks that read what prepare_model_inputs handed over, and nothing after it
-INPUTS_ONLY = {"inputs", "mask", "mask_dtype", "labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
+INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
+               "shard_labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu"}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
@@ -1128,6 +949,10 @@ def _run_checks(c, mb, result, fresh, label):
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
         except NotStandalone:
             raise
+        except AssertionError as exc:  # the check's own failure (spec/truth/failing.py), not the engine's assertion
+            if origin(exc) is None:
+                return _fail(name, label, str(exc))
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
         except (NameError, UnboundLocalError) as exc:
             if origin(exc) is None:
                 return _own_error(exc)

@@ -12,7 +12,6 @@ file as ``repro_runtime.py``; the file loads both (:data:`LOADER`) and binds its
 from __future__ import annotations
 
 import inspect
-import re
 import shutil
 from pathlib import Path
 
@@ -20,43 +19,22 @@ from ..execute import handoff, harness
 from ..invariants import settings
 from ..protocol.engine import PaddedLayout, ReproSnippet
 from ..protocol.profile import layout_starts
-from ..truth import oracle, rules, toy_model
+from ..protocol.vendor import definitions, source
+from ..truth import failing, handoff_checks, oracle, rules, toy_model
 from . import runtime
+from .vendored import loader, preamble, suite_guard
 
 __all__ = ["suite_blocks", "suite_module", "write_beside", "PREAMBLE", "LOADER", "SHARE", "RUNTIME_NAME", "SUITE_NAME",
            "DISTRIBUTION", "engine_block"]
 
-PREAMBLE = '''from __future__ import annotations
-
-import contextlib
-import math
-import sys
-import threading
-import traceback
-from enum import Enum
-from pathlib import Path
-from types import SimpleNamespace
-
-import numpy as np
-import torch
-from tensordict import TensorDict
-'''
-
-
-def _module_body(module) -> str:
-    """A module's source without its docstring, ``__future__`` import, ``__all__`` and imports (the preamble
-    has them)."""
-    source = inspect.getsource(module)
-    source = re.sub(r'^""".*?"""\n', "", source, count=1, flags=re.S)
-    keep = [line for line in source.splitlines()
-            if not line.startswith(("from __future__", "__all__", "import ", "from "))]
-    return "\n".join(keep).strip() + "\n"
+#: the imports a file opens with (its ``from __future__`` import first)
+PREAMBLE = source(preamble, future=True)
 
 
 def suite_blocks() -> str:
     """The suite's stand-in model, hand-off and processor, as source."""
     parts = ["# ---- the stand-in model (the suite's spec/truth/toy_model.py, written out) ----",
-             "from functools import lru_cache", "", _module_body(toy_model),
+             "from functools import lru_cache", "", definitions(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
     for fn in (PaddedLayout, layout_starts, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
@@ -80,6 +58,9 @@ def suite_blocks() -> str:
                                         for k, v in oracle._DTYPES.items()) + "}", ""]
     for fn in (oracle.unit_roundoff, oracle.topk_tie_slack, rules.response_positions, oracle.Expected):
         parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the checks of what prepare_model_inputs hands over, as the invariants run them "
+              "(spec/truth/failing.py, spec/truth/handoff_checks.py) ----", definitions(failing),
+              definitions(handoff_checks)]
     return "\n".join(parts)
 
 
@@ -102,44 +83,23 @@ def write_beside(folder: Path) -> None:
     shutil.copyfile(inspect.getsourcefile(runtime), folder / f"{RUNTIME_NAME}.py")
 
 
-#: how a reproducer loads the two modules beside it: afresh on every run (several files run in one process each bind
-#: their own engine and case into their runtime)
-LOADER = f'''import importlib.util
-
-
-def _beside(name):
-    """A module written beside this file, loaded afresh."""
-    found = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(name + ".py"))
-    module = importlib.util.module_from_spec(found)
-    sys.modules[name] = module
-    found.loader.exec_module(module)
-    return module
-
-
-# the suite's stand-in model, hand-off, flags, processor and oracle rule, written out from its source
-_suite = _beside({SUITE_NAME!r})
-# the micro-batch builder, one run, the float64 reference, the checks and main (spec/repro/runtime.py, copied)
-_runtime = _beside({RUNTIME_NAME!r})
-'''
+#: how a reproducer loads the two modules beside it (:mod:`.vendored.loader`), and loads them
+LOADER = "\n".join([
+    source(loader), "",
+    "# the suite's stand-in model, hand-off, flags, processor and oracle rule, written out from its source",
+    f"_suite = _beside({SUITE_NAME!r})",
+    "# the micro-batch builder, one run, the float64 reference, the checks and main (spec/repro/runtime.py, copied)",
+    f"_runtime = _beside({RUNTIME_NAME!r})", ""])
 
 #: binds the file's engine, case and the suite's pieces into its runtime (after the file's constants)
 SHARE = "_runtime.share(_suite, globals())"
 
 #: the suite's and impl's top-level packages: both are the distribution ``rl-ioprep``
-DISTRIBUTION = "rl-ioprep"
-
-#: a snippet that imports the suite (an adapter with no standalone snippet): without the suite the file says so and
-#: exits 2, never 1 (an ImportError is no reproduction)
-_SUITE_GUARD = f'''try:  # the engine is built through its adapter, which is the suite's
-    import spec  # noqa: F401
-except ImportError as exc:
-    print(f"NOT STANDALONE: the engine is built through its adapter in the suite ({{exc}}): pip install {DISTRIBUTION}")
-    sys.exit(2)
-'''
+DISTRIBUTION = suite_guard.DISTRIBUTION
 
 
 def engine_block(snippet: ReproSnippet) -> str:
     """The file's engine block: the snippet between its markers, guarded where it imports the suite."""
-    guard = "" if snippet.standalone else _SUITE_GUARD
+    guard = "" if snippet.standalone else source(suite_guard) + "\n"
     return "\n".join(["# ---- engine under test (begin) ----", guard + snippet.code.strip(),
                       "# ---- engine under test (end) ----", ""])
