@@ -27,7 +27,7 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..execute.pickling import save
 from ..invariants.microbatch import dp_count_feasible, dp_lower_count
 from ..protocol.vendor import source
-from .vendored import dp_ranks, launch, layer_call
+from .vendored import dp_ranks, failure, launch, layer_call
 from .minibatch import case_dict, layer_imports, plain_minibatch
 
 __all__ = ["DP_CHECKS", "write_dp_reproducer"]
@@ -66,5 +66,5 @@ def write_dp_reproducer(path: Path, header: str, invariant: str, functions: dict
         header, "from pathlib import Path", "", "# ---- the engine's layer ----", imports, "", f"INVARIANT = {invariant!r}",
         "CASE = " + pprint.pformat(data, width=120, sort_dicts=False),
         f"DEVICE_MODULES = {_device_modules(functions)!r}", "MINIS = Path(__file__).with_suffix('.pt')", "",
-        source(launch), source(layer_call), source(dp_ranks)]))
+        source(failure), source(launch), source(layer_call), source(dp_ranks)]))
     return None

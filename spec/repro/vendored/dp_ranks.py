@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 #: what the file binds for this module: the case, the invariant, the saved mini-batches, the modules whose
-#: get_device_name answers "cpu" without an accelerator, the layer's cut (:mod:`.layer_call`) and the
-#: launcher's functions
-BOUND = ("CASE", "INVARIANT", "MINIS", "DEVICE_MODULES", "cut", "run_ranks", "join_group")
+#: get_device_name answers "cpu" without an accelerator, the layer's cut (:mod:`.layer_call`), the
+#: verdict (:mod:`.failure`) and the launcher's functions
+BOUND = ("CASE", "MINIS", "DEVICE_MODULES", "cut", "verdict", "run_ranks", "join_group")
 
 
 def cpu_collectives():
@@ -87,12 +87,7 @@ def check():
 
 
 def main():
-    problem = check()
-    if problem:
-        print(f"FAIL {INVARIANT}: {problem}")
-        return 1
-    print(f"PASS: {INVARIANT} holds on these ranks' mini-batches")
-    return 0
+    return verdict(check(), "these ranks' mini-batches")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 #: what the file binds for this module: the mini-batch's settings and whole case, the saved mini-batch, the layer's
 #: functions and call, the suite's micro_batch_rows, and the engine-case runtime's names (bound by share)
 BOUND = ("CASE", "WHOLE", "MINI", "INVARIANT", "POISON", "cut", "context", "Wrong", "micro_batch_rows",
-         "postprocess_batch_func", "concat_nested_tensors", "restore_dynamic_batch", "execute", "ToyCausalLM",
+         "postprocess_batch_func", "concat_nested_tensors", "restore_dynamic_batch", "execute", "verdict", "ToyCausalLM",
          "reference", "expected_keys", "read_span", "_first_bad", "origin", "_own_error")
 
 
@@ -89,11 +89,7 @@ def main():
               "model fed what the engine handed it: traceback below), expected outputs (the mini-batch is valid)")
         traceback.print_exc()
         return 1
-    if problem:
-        print(f"FAIL {INVARIANT}: {problem}")
-        return 1
-    print(f"PASS: {INVARIANT} holds on this mini-batch")
-    return 0
+    return verdict(problem, "this mini-batch")
 
 
 if __name__ == "__main__":

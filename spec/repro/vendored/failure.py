@@ -1,10 +1,11 @@
 """What a reproducer's check raises when the engine is wrong: :class:`Wrong` (an AssertionError, as the suite's
-checks raise), by :func:`fail`, the name the suite's own checks written out into the file call. Vendored first."""
+checks raise), by :func:`fail`, the name the suite's own checks written out into the file call; and the file's
+verdict (:func:`verdict`). Vendored first."""
 
 from __future__ import annotations
 
-#: what the file binds for this module: none
-BOUND = ()
+#: what the file binds for this module: the invariant it reproduces
+BOUND = ("INVARIANT",)
 
 
 class Wrong(AssertionError):
@@ -13,3 +14,12 @@ class Wrong(AssertionError):
 
 def fail(message):
     raise Wrong(message)
+
+
+def verdict(problem, checked):
+    """The file's exit code: 1 printing what is wrong (``problem``), else 0 saying the invariant holds on ``checked``."""
+    if problem:
+        print(f"FAIL {INVARIANT}: {problem}")
+        return 1
+    print(f"PASS: {INVARIANT} holds on {checked}")
+    return 0
