@@ -41,7 +41,7 @@ def test_a_real_rank_failure_reproduces_on_ranks_the_file_starts(tmp_path) -> No
         assert "--rank" in text and "init_process_group" in text
         assert not re.search(r"^\s*(import|from)\s+spec\b", text, re.M), path
     codes, out = _run_without_spec([rep.path, twin])
-    assert codes[str(rep.path)] == 1 and "FAIL INV-RANK-002 (labels)" in out and "real ranks" in out, out
+    assert codes[str(rep.path)] == 1 and "FAIL INV-RANK-002 (shard_labels)" in out and "real ranks" in out, out
     assert codes[str(twin)] == 0 and "PASS: INV-RANK-002" in out, out
 
 

@@ -293,6 +293,10 @@ def main_on_ranks():
                 problem = {**CHECKS, **RANK_CHECKS}[name](c, mb, result)
             except AssertionError as exc:  # a check the invariant states in spec/truth/handoff_checks.py failed
                 problem = str(exc)
+            except (RuntimeError, IndexError, ValueError) as exc:  # reading what a rank returned: the engine's fault
+                problem = (f"engine fault: reading what the ranks returned raised {type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:300]} (a malformed output, e.g. values shorter than its "
+                           "offsets claim)")
             if problem:
                 print(f"FAIL {INVARIANT} ({name}) on {run['label']}, sp={_sp()} real ranks (global ranks {SP_GROUP} of "
                       f"{WORLD}): {problem}")
