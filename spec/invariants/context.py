@@ -7,11 +7,8 @@ outputs a loss reads must carry the gradient back to the logits.
 
 from __future__ import annotations
 
+from ..truth.outputs_checks import outputs_carry_grad as carry_grad
 from .core import Ctx, fail, invariant
-
-#: outputs a policy or critic loss differentiates (the distillation terms are the processor's, overlap_count a
-#: count; fused kernels' outputs are the model's own)
-DIFFERENTIABLE = ("log_probs", "entropy", "sum_pi_squared", "values")
 
 
 @invariant("INV-GRAD-001", "with grad enabled and logits requiring grad, log_probs, entropy, sum_pi_squared and "
@@ -22,8 +19,4 @@ def outputs_carry_grad(ctx: Ctx) -> None:
     if not ctx.run.model_outputs or not any(getattr(v, "requires_grad", False)
                                             for v in vars(ctx.run.model_outputs[0]).values()):
         fail("the harness handed the model's outputs without grad in the grad context")
-    for r, outputs in enumerate(ctx.run.rank_outputs):
-        for key in DIFFERENTIABLE:
-            if key in outputs and not outputs[key].requires_grad:
-                fail(f"rank {r}: output {key!r} does not require grad although the model's logits do "
-                     f"(detached from the autograd graph: the loss gets no gradient through it)")
+    carry_grad(ctx.run.rank_outputs)

@@ -8,7 +8,7 @@ from ..cases.structure import TEMPERATURE_FLOOR
 from ..protocol.engine import PaddedLayout
 from ..protocol.profile import Convention, profile_of
 from ..truth import handoff_checks as checks
-from ..truth.rules import distinct_temperatures, full_length_mask, token_temperatures
+from ..truth.rules import distinct_temperatures, token_temperatures
 from .core import Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)
@@ -17,10 +17,6 @@ PACKED = ("packed",)
 
 def _values(ctx: Ctx, key: str) -> torch.Tensor:
     return ctx.inputs_run.micro_batch[key].values()
-
-
-def _lens(ctx: Ctx) -> torch.Tensor:
-    return torch.tensor(ctx.case.seq_lens)
 
 
 def _layout(ctx: Ctx) -> PaddedLayout:
@@ -34,11 +30,6 @@ def _layout(ctx: Ctx) -> PaddedLayout:
            protects="the model attends to every token of each full sequence (a response-only mask gives wrong log-probs, high KL: verl #6278)", modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
     checks.padded_mask(ctx.case.prompt_lens, ctx.case.response_lens, _layout(ctx), ctx.inputs_run.views[0].attention_mask)
-
-
-def _mask_dtype(ctx: Ctx, mask: torch.Tensor, what: str) -> None:
-    """The contract: an integer or bool dtype; int32 only where the engine promises verl's convention."""
-    checks.mask_dtype(mask, what, ctx.promises(Convention.INT32_ATTENTION_MASK), Convention.INT32_ATTENTION_MASK.value)
 
 
 @invariant("INV-MASK-002", "padded attention mask is 0/1 in an integer or bool dtype on the ids' device (int32 "
@@ -65,16 +56,8 @@ def mask_shape_sum(ctx: Ctx) -> None:
            contract=1,
            protects="a trainer building a mask with the helper attends to the full sequences at any width", modes=("any",), needs=("build_attention_mask_from_nested",))
 def mask_helper(ctx: Ctx) -> None:
-    build = ctx.helper("build_attention_mask_from_nested")
-    ids = ctx.batch["input_ids"]
-    lens = _lens(ctx)
-    for width in (None, max(ctx.case.seq_lens) + 2):
-        mask = build(ids) if width is None else build(ids, max_seq_len=width)
-        want = full_length_mask(ctx.case.seq_lens, width or max(lens), torch.int32)  # at the width asked for
-        _mask_dtype(ctx, mask, f"build_attention_mask_from_nested(max_seq_len={width})")
-        if tuple(mask.shape) != (len(lens), width or max(lens)) or not torch.equal(mask.cpu().to(torch.int32), want):
-            fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "
-                 f"({mask.dtype}), expected {want.tolist()}")
+    checks.mask_helper(ctx.helper("build_attention_mask_from_nested"), ctx.batch["input_ids"], ctx.case.seq_lens,
+                       ctx.promises(Convention.INT32_ATTENTION_MASK), Convention.INT32_ATTENTION_MASK.value)
 
 
 def _padded_rows(ctx: Ctx, got: torch.Tensor, key: str, what: str) -> None:

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from ..cases.microbatch import TIE_STYLES, MiniBatchCase, materialize_minibatch
 from .core import Ctx, fail
-from .microbatch import (_plain, _suite_parts, check_nested, check_partition, check_sample_keys, cut, layer,
+from .microbatch import (plain, _suite_parts, check_nested, check_partition, check_sample_keys, cut, layer,
                          mb_invariant, refusable, rows_of)
 
 __all__ = ["balanced_dp_partitions", "training_step_outputs", "padded_minibatch_cut", "metadata_and_padded_helpers"]
@@ -179,13 +179,13 @@ def _metadata(case: MiniBatchCase, mini: TensorDict) -> TensorDict:
     for key in mini.keys():
         value = mini.get(key)
         if not isinstance(value, torch.Tensor) and type(value).__name__ != "NonTensorStack":
-            meta.set_non_tensor(key, _plain(value))
+            meta.set_non_tensor(key, plain(value))
     meta.set_non_tensor("global_step", case.seed)
     return meta
 
 
 def _flags(td: TensorDict) -> dict[str, Any]:
-    return {key: _plain(td.get(key)) for key in td.keys()
+    return {key: plain(td.get(key)) for key in td.keys()
             if not isinstance(td.get(key), torch.Tensor) and type(td.get(key)).__name__ != "NonTensorStack"}
 
 

@@ -19,6 +19,7 @@ from ..execute.attribution import engine_side, expect_engine_error
 from ..execute.harness import Run, execute, processor_for
 from ..cases.materialize import PadMode, materialize, materialize_dense
 from ..protocol.profile import profile_of
+from ..truth import slice_checks
 from .core import Ctx, fail, invariant, same
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
@@ -274,9 +275,6 @@ def settings_rejected(ctx: Ctx) -> None:
         expect_engine_error(build_and_call, f"engine settings {bad}")
 
 
-_DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
-
-
 @invariant("INV-DTYPE-001", "the response-slice helpers are exact for bool, int and float per-token tensors "
            "(bool masks included, with trailing dims): no_padding_2_padding pads with 0/False, "
            "response_to_nested inverts it", contract=2, modes=("any",),
@@ -284,30 +282,9 @@ _DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
            protects="masks and ids sliced to the response shape keep their dtype and values (bool masks stay bool)")
 def slice_dtypes(ctx: Ctx) -> None:
     case = ctx.case
-    gen = torch.Generator().manual_seed(case.seed)
-    starts = torch.tensor((0, *case.seq_lens)).cumsum(0)
-    mask = ctx.batch["response_mask"]
-    for dtype in _DTYPES:
-        for trailing in ((), (3,)):
-            base = torch.randint(0, 4, (case.total_nnz, *trailing), generator=gen)
-            values = (base > 1) if dtype == torch.bool else base.to(dtype)
-            want = torch.zeros(case.batch_size, case.response_width, *trailing, dtype=dtype)
-            for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
-                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
-            nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
-            got = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
-            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
-                fail(f"no_padding_2_padding of a {dtype} tensor {tuple(values.shape)} gave {got.dtype} "
-                     f"{got.tolist()}, expected {want.tolist()}")
-            back = ctx.helper("response_to_nested")(got, mask)
-            direct = ctx.helper("response_from_nested")(nested, mask)
-            for name, value in (("response_to_nested", back), ("response_from_nested", direct)):
-                rows = [t.cpu() for t in value.unbind()]
-                for i, r in enumerate(case.response_lens):
-                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) \
-                            or not torch.equal(rows[i], want[i, :r]):
-                        fail(f"{name} of a {dtype} tensor {tuple(values.shape)}: row {i} is {rows[i].tolist()}, "
-                             f"expected {want[i, :r].tolist()}")
+    slice_checks.slice_dtypes(ctx.helper("no_padding_2_padding"), ctx.helper("response_to_nested"),
+                              ctx.helper("response_from_nested"), ctx.batch, ctx.batch["response_mask"], case.seed,
+                              case.prompt_lens, case.response_lens, case.response_width, ctx.device)
 
 
 def _per_token(case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

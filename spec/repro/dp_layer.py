@@ -26,7 +26,8 @@ import torch
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..execute.pickling import save
 from ..invariants.microbatch import dp_count_feasible, dp_lower_count
-from ..protocol.vendor import source
+from ..protocol.vendor import definitions, source
+from ..truth import closeness, microbatch_checks
 from .vendored import dp_ranks, failure, launch, layer_call
 from .minibatch import case_dict, layer_imports, plain_minibatch
 
@@ -63,8 +64,10 @@ def write_dp_reproducer(path: Path, header: str, invariant: str, functions: dict
             # from the structure: whether one count fits every rank (True), none can (False), the bounds cannot tell
             "feasible": dp_count_feasible(case), "lower_count": dp_lower_count(case)}
     path.write_text("\n".join([
-        header, "from pathlib import Path", "", "# ---- the engine's layer ----", imports, "", f"INVARIANT = {invariant!r}",
+        header, "from pathlib import Path", "from typing import Any", "", "import torch", "",
+        "# ---- the engine's layer ----", imports, "", f"INVARIANT = {invariant!r}",
         "CASE = " + pprint.pformat(data, width=120, sort_dicts=False),
         f"DEVICE_MODULES = {_device_modules(functions)!r}", "MINIS = Path(__file__).with_suffix('.pt')", "",
-        source(failure), source(launch), source(layer_call), source(dp_ranks)]))
+        source(failure), "# ---- the invariant's checks (spec/truth/closeness.py, microbatch_checks.py), written out ----",
+        definitions(closeness), definitions(microbatch_checks), source(launch), source(layer_call), source(dp_ranks)]))
     return None

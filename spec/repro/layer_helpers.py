@@ -19,8 +19,9 @@ import inspect
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..execute.handoff import nested_parts
 from ..invariants.core import held, same
-from ..invariants.microbatch import (NESTED_KEYS, _chunk_count, _halves, _is_stack, _items, _offsets, _plain, _select,
-                                     _selection, _short, _snapshot, _suite_parts, check_nested, check_sample_keys)
+from ..invariants.microbatch import NESTED_KEYS, _chunk_count, _halves, _select, _selection, _snapshot, _suite_parts
+from ..protocol.vendor import definitions
+from ..truth import closeness, microbatch_checks
 
 __all__ = ["HELPER_CHECKS", "helper_case_data", "readings"]
 
@@ -44,8 +45,9 @@ def helper_case_data(case: MiniBatchCase) -> dict[str, Any]:
 
 
 def readings() -> str:
-    """The suite's own readings, verbatim (pure torch/tensordict): what a consumer reads of a nested tensor or a
-    TensorDict, and the invariants' comparisons (their ``fail`` is the file's, :mod:`.vendored.layer_call`)."""
-    functions = (_items, _short, check_nested, check_sample_keys, _is_stack, _plain, _offsets, _select, nested_parts,
-                 held, same, _snapshot)
-    return "\n\n".join(inspect.getsource(fn) for fn in functions)
+    """The invariants' own checks and readings (pure torch/tensordict; their ``fail`` is the file's,
+    :mod:`.vendored.failure`): spec/truth/closeness.py and microbatch_checks.py, written out, and the invariants'
+    cuts and snapshots of a TensorDict."""
+    functions = (_select, nested_parts, held, same, _snapshot)
+    return "\n\n".join([definitions(closeness), definitions(microbatch_checks),
+                         *(inspect.getsource(fn) for fn in functions)])

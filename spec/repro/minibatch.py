@@ -74,7 +74,7 @@ def case_dict(case: MiniBatchCase) -> dict[str, Any]:
             # the count rules' expectations (INV-MB-004), from the structure: the fewest count when everything
             # fits one budget, and whether some count within the groups meets the rules and the budget
             "num_groups": case.num_groups, "total_nnz": case.total_nnz, "required_count": case.required_count(),
-            "feasible": case.count_feasible()}
+            "feasible": case.count_feasible(), "longest_group": max(case.group_tokens)}
 
 
 def write_minibatch_reproducer(path: Path, header: str, invariant: str, functions: dict[str, Callable[..., Any]],
@@ -98,6 +98,7 @@ def write_minibatch_reproducer(path: Path, header: str, invariant: str, function
         f"INVARIANT = {invariant!r}", f"CHECK = {check!r}",
         "CASE = " + pprint.pformat({**case_dict(case), **extra}, width=120, sort_dicts=False),
         f"MINI = Path(__file__).with_suffix('.pt')", "", "", inspect.getsource(micro_batch_rows), source(failure), source(layer_call),
-        "# ---- the suite's readings (spec/invariants/microbatch.py, spec/invariants/core.py), written out ----",
+        "# ---- the invariants' checks and readings (spec/truth/closeness.py, microbatch_checks.py, "
+        "spec/invariants/microbatch.py, core.py), written out ----",
         readings(), source(checks), source(layer_main)]))
     return None

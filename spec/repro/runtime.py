@@ -40,7 +40,13 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
               "padded_mask", "padded_mask_shape", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
               "next_token_labels", "rolled_row", "packed_tail", "tail_fill", "per_token_temperature",
-              "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens", "cu_seqlens_host")
+              "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens", "cu_seqlens_host",
+              # the checks of what prepare_model_outputs returns (spec/truth/outputs_checks.py), and what they read
+              "read_positions", "expected_keys", "output_keys", "oracle_values", "outputs_device_dtype",
+              "outputs_carry_grad", "mask_helper",
+              # the response slice's checks (spec/truth/slice_checks.py) and the consumers' view they read
+              "slice_shape", "slice_values", "slice_reads_only_responses", "response_from_nested_rows",
+              "response_round_trip", "slice_dtypes", "consumer_response_view", "response_view")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -271,76 +277,45 @@ def reference(c, mb, model):
             for key in exp.tolerance}
 
 
-# ---- the checks: each returns None when right, else what is wrong (got vs expected) ----
-def expected_keys(c):
-    if c.head == "value":
-        return {"values"}
-    keys = set() if c.distillation_only else {"log_probs"}
-    keys |= {"entropy"} if c.calculate_entropy else set()
-    keys |= {"sum_pi_squared"} if c.calculate_sum_pi_squared else set()
-    return keys | set(c.distillation_keys)
+# ---- the checks: each fails (an AssertionError: spec/truth/failing.py) or returns what is wrong, else None ----
+def _wanted_keys(c):
+    return expected_keys(c.head, c.distillation_only, c.calculate_entropy, c.calculate_sum_pi_squared,
+                         c.distillation_keys)
 
 
-def _first_bad(got, want, tol):
-    bad = ~((got == want) | ((got - want).abs() <= tol))
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        return t, int(bad.sum())
-    return None
+def _rank(run, r):
+    return f"(rank {r})" if len(run.rank_outputs) > 1 else ""
 
 
 def check_keys(c, mb, run):
-    """The output keys the flags ask for; with KEYS, those the invariant asserts among them."""
+    """INV-KEYS-001: the output keys the flags ask for; with KEYS, those the invariant asserts among them."""
     for r, outputs in enumerate(run.rank_outputs):
-        got, want = set(outputs), expected_keys(c)
-        if KEYS and set(KEYS) <= got:
-            continue
-        if got != want:
-            return f"rank {r}: got output keys {sorted(got)}, expected {sorted(want)} (what the flags ask for)"
-    return None
+        if not (KEYS and set(KEYS) <= set(outputs)):
+            output_keys(outputs, _wanted_keys(c), f"the outputs{' of rank ' + str(r) if r else ''}")
 
 
 def check_values(c, mb, run):
-    """Every output the invariant asserts (KEYS; none given: every key the reference has) against the reference."""
+    """Every output the invariant asserts (KEYS; none given: every key the reference has) against the reference, at
+    the positions a consumer reads (the oracle-match loop the invariants run: spec/truth/outputs_checks.py)."""
     want = reference(c, mb, run.model)
+    read = read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN)
     for r, outputs in enumerate(run.rank_outputs):
         for key in sorted(k for k in want if not KEYS or k in KEYS):
-            if key not in outputs:
-                continue  # check_keys reports it
-            value = outputs[key]
-            if not (isinstance(value, torch.Tensor) and value.is_nested):
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"rank {r}: {key!r}: got {shape}, expected a nested tensor of {c.batch_size} sequences"
-            seqs = value.unbind()
-            if len(seqs) != c.batch_size:
-                return f"rank {r}: {key!r}: got {len(seqs)} sequences, expected {c.batch_size}"
-            for i, (seq, (exp, tol)) in enumerate(zip(seqs, want[key])):
-                seq = seq.detach().to("cpu", torch.float64)
-                if seq.dim() != 1 or seq.shape[0] != c.seq_lens[i]:
-                    return f"rank {r}: {key!r} of sequence {i}: got shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
-                lo, hi = read_span(c, i)
-                bad = _first_bad(seq[lo:hi], exp[lo:hi], tol[lo:hi])
-                if bad is not None:
-                    t, count = lo + bad[0], bad[1]
-                    return (f"rank {r}: {key!r} of sequence {i} at token {t}: got {seq[t].item():.8g}, expected "
-                            f"{exp[t].item():.8g} (|diff| {abs(seq[t].item() - exp[t].item()):.3g} > allowed "
-                            f"{tol[t].item():.3g}; {count} of the {hi - lo} tokens a consumer reads differ)")
-    return None
+            if key in outputs:  # else check_keys reports it
+                wants, tols = zip(*want[key])
+                oracle_values(key, outputs[key], list(wants), list(tols), c.seq_lens, read, _rank(run, r))
 
 
 def read_span(c, i):
-    """The positions of sequence i's per-token outputs a consumer reads: 0 .. n_i - 2 (the last token scores no
-    token of its sequence), or p_i - 1 .. n_i - 2 for an engine whose outputs cover the scored response tokens only."""
-    lo = c.prompt_lens[i] - 1 if OUTPUT_SPAN == "response" else 0
-    return lo, c.seq_lens[i] - 1
+    """The positions of sequence i's per-token outputs a consumer reads, as a range (spec/truth/rules.py)."""
+    at = read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN)[i]
+    return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
 
 
 def check_float32(c, mb, run):
-    for r, outputs in enumerate(run.rank_outputs):
-        for key, value in sorted(outputs.items()):
-            if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
-                return f"rank {r}: {key!r}: got dtype {value.dtype}, expected torch.float32"
-    return None
+    """INV-DEV-001: on the batch's device, as float32."""
+    for outputs in run.rank_outputs:
+        outputs_device_dtype(outputs, mb["input_ids"].device)
 
 
 def _parts(run, key):
@@ -409,27 +384,20 @@ def check_unchanged(c, mb, run, fresh):
 
 
 def check_slice(c, mb, run):
+    """INV-SLICE-001/002: no_padding_2_padding(log_probs) is (B, R), each response token's log-prob (the reference's)."""
     fn = helper("no_padding_2_padding")
-    if fn is None:
-        return None
     lp = run.rank_outputs[0].get("log_probs")
-    if lp is None:
-        return None
-    got = fn(lp, mb).detach().to("cpu", torch.float64)
-    if tuple(got.shape) != (c.batch_size, c.response_width):
-        return f"no_padding_2_padding(log_probs): got shape {tuple(got.shape)}, expected {(c.batch_size, c.response_width)}"
-    want = reference(c, mb, run.model)["log_probs"]
-    for i, (exp, tol) in enumerate(want):
-        p, r = c.prompt_lens[i], c.response_lens[i]
-        exp_row, tol_row = exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r]  # response token j is scored at p - 1 + j
-        bad = _first_bad(got[i, :r], exp_row, tol_row)
-        if bad is not None:
-            t, count = bad
-            return (f"no_padding_2_padding(log_probs)[{i}, {t}]: got {got[i, t].item():.8g}, expected "
-                    f"{exp_row[t].item():.8g} (the log-prob of response token {t}; {count} of {r} differ)")
-        if bool((got[i, r:] != 0).any()):
-            return f"no_padding_2_padding(log_probs)[{i}, {r}:]: got {got[i, r:].tolist()}, expected zeros past the response"
-    return None
+    if fn is None or lp is None:
+        return
+    sliced = fn(lp, mb)
+    slice_shape(sliced, c.batch_size, c.response_width, c.response_lens, _flag_value(mb, "max_response_len"))
+    slice_values(sliced, *_response_log_probs(c, mb, run))
+
+
+def _response_log_probs(c, mb, run):
+    """The reference's (B, R) log-prob of each response token and its tolerance (the oracle's rule)."""
+    wants, tols = zip(*reference(c, mb, run.model)["log_probs"])
+    return Expected().response_log_probs(c, list(wants), list(tols))
 
 
 def check_padded_ids(c, mb, run):
@@ -454,15 +422,10 @@ def check_packed_inputs(c, mb, run):
 
 
 def check_grad(c, mb, run):
-    # the policy update (grad enabled, the model's logits require grad): what a loss differentiates carries grad
-    if c.context != "grad":
-        return None
-    for r, outputs in enumerate(run.rank_outputs):
-        for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
-            if key in outputs and not outputs[key].requires_grad:
-                return (f"rank {r}: {key!r}: got requires_grad=False, expected True (the model's logits require "
-                        "grad; detached, the loss gets no gradient through it)")
-    return None
+    """INV-GRAD-001: in the policy update (grad enabled, the model's logits require grad) what a loss differentiates
+    carries grad."""
+    if c.context == "grad":
+        outputs_carry_grad(run.rank_outputs)
 
 
 # ---- the hand-off checks (what prepare_model_inputs hands the model and its own output step) ----
@@ -547,7 +510,7 @@ def check_cu_seqlens_cpu(c, mb, run):
         cu_seqlens_host(_parts(run, "cu_seqlens_host"), _parts(run, "input_ids"), c.seq_lens)
 
 
-# ---- the response-slice helpers, on per-token tensors built here ----
+# ---- the response-slice helpers, on per-token tensors built from the seed (spec/truth/slice_checks.py) ----
 def _need(name):
     fn = helper(name)
     if fn is None:
@@ -555,141 +518,49 @@ def _need(name):
     return _side("engine", fn)
 
 
-def _response_ranges(c):
-    """Per sample, the packed-row range whose outputs score its response tokens (e_i - r_i - 1 .. e_i - 2)."""
-    ends = offsets(c.seq_lens)[1:].tolist()
-    return [(e - r - 1, e - 1) for e, r in zip(ends, c.response_lens)]
-
-
-def _poisoned(c, trailing=()):
-    """A nested per-token tensor: random where a response token is scored, NaN everywhere else; and the
-    (B, R, ...) slice a consumer expects of it (zeros past each response)."""
-    gen = torch.Generator().manual_seed(c.seed)
-    values = torch.full((c.total_nnz, *trailing), float("nan"))
-    want = torch.zeros(c.batch_size, c.response_width, *trailing)
-    for i, (start, stop) in enumerate(_response_ranges(c)):
-        chunk = torch.randn(stop - start, *trailing, generator=gen)
-        values[start:stop] = chunk
-        want[i, : stop - start] = chunk
-    return torch.nested.nested_tensor_from_jagged(values, offsets(c.seq_lens)), want
-
-
-def _first_diff(got, want):
-    bad = ~((got == want) | (got.isnan() & want.isnan())) if got.is_floating_point() else got != want
-    return tuple(int(i) for i in bad.nonzero()[0]) if bool(bad.any()) else None
+def _drawn(c):
+    return {"seed": c.seed, "prompt_lens": c.prompt_lens, "response_lens": c.response_lens, "width": c.response_width}
 
 
 def check_slice_reads(c, mb, run):
-    fn = _need("no_padding_2_padding")
-    for trailing in ((), (3,)):
-        nested, want = _poisoned(c, trailing)
-        got = fn(nested, mb).detach().cpu()
-        what = f"no_padding_2_padding of a per-token tensor {(c.total_nnz, *trailing)} (NaN off the response positions)"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        at = _first_diff(got.float(), want)
-        if at is not None:
-            return (f"{what} at {list(at)}: got {got[at].item():.8g}, expected {want[at].item():.8g} ("
-                    f"{'a non-response position read' if got[at].isnan() else 'response token ' + str(at[1]) + ' of sample ' + str(at[0]) if at[1] < c.response_lens[at[0]] else 'an exact zero past the response'})")
-    return None
+    """INV-SLICE-003."""
+    slice_reads_only_responses(_need("no_padding_2_padding"), mb, **_drawn(c))
 
 
 def check_from_nested(c, mb, run):
-    fn = _need("response_from_nested")
-    nested, want = _poisoned(c)
-    rows = [t.detach().cpu() for t in fn(nested, mb["response_mask"]).unbind()]
-    if len(rows) != c.batch_size:
-        return f"response_from_nested: got {len(rows)} rows, expected {c.batch_size}"
-    for i, r in enumerate(c.response_lens):
-        if rows[i].shape != (r,) or not torch.equal(rows[i], want[i, :r]):
-            return (f"response_from_nested row {i}: got {rows[i].tolist()}, expected {want[i, :r].tolist()} (the "
-                    f"values at packed positions {_response_ranges(c)[i][0]}..{_response_ranges(c)[i][1] - 1}: its "
-                    "response tokens' scores)")
-    return None
+    """INV-SLICE-004."""
+    response_from_nested_rows(_need("response_from_nested"), mb["response_mask"], **_drawn(c))
 
 
 def check_round_trip(c, mb, run):
-    nested, want = _poisoned(c)
-    mask = mb["response_mask"]
-    padded = _need("no_padding_2_padding")(nested, mb)
-    back = _need("response_to_nested")(padded, mask)
-    direct = _need("response_from_nested")(nested, mask)
-    if not (isinstance(back, torch.Tensor) and back.is_nested and torch.equal(back.offsets().cpu(), mask.offsets().cpu())):
-        return (f"response_to_nested(no_padding_2_padding(x)): got {type(back).__name__} of shape "
-                f"{tuple(getattr(back, 'shape', ()))}, expected nested over the responses {list(c.response_lens)}")
-    got, exp = back.values().detach().cpu(), direct.values().detach().cpu()
-    if got.shape != exp.shape or not torch.equal(got, exp):
-        at = _first_diff(got, exp) if got.shape == exp.shape else None
-        return (f"response_to_nested(no_padding_2_padding(x)): got {got.tolist()}, expected response_from_nested(x) "
-                f"{exp.tolist()}" + (f" (first difference at flat position {at[0]})" if at else ""))
-    return None
-
-
-SLICE_DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
+    """INV-SLICE-005."""
+    response_round_trip(_need("no_padding_2_padding"), _need("response_to_nested"), _need("response_from_nested"), mb,
+                        mb["response_mask"], **_drawn(c))
 
 
 def check_slice_dtypes(c, mb, run):
-    gen = torch.Generator().manual_seed(c.seed)
-    starts = offsets(c.seq_lens)
-    mask = mb["response_mask"]
-    np2p, to_nested, from_nested = (_need(n) for n in ("no_padding_2_padding", "response_to_nested", "response_from_nested"))
-    for dtype in SLICE_DTYPES:
-        for trailing in ((), (3,)):
-            base = torch.randint(0, 4, (c.total_nnz, *trailing), generator=gen)
-            values = (base > 1) if dtype == torch.bool else base.to(dtype)
-            want = torch.zeros(c.batch_size, c.response_width, *trailing, dtype=dtype)
-            for i, (p, r) in enumerate(zip(c.prompt_lens, c.response_lens)):
-                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
-            nested = torch.nested.nested_tensor_from_jagged(values, starts)
-            got = np2p(nested, mb)
-            what = f"a {dtype} per-token tensor {tuple(values.shape)}"
-            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
-                return f"no_padding_2_padding of {what}: got {got.dtype} {got.tolist()}, expected {dtype} {want.tolist()}"
-            for name, value in (("response_to_nested", to_nested(got, mask)), ("response_from_nested", from_nested(nested, mask))):
-                rows = [t.cpu() for t in value.unbind()]
-                for i, r in enumerate(c.response_lens):
-                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) or not torch.equal(rows[i], want[i, :r]):
-                        return (f"{name} of {what}: row {i} got {rows[i].dtype} {rows[i].tolist()}, expected {dtype} "
-                                f"{want[i, :r].tolist()}")
-    return None
+    """INV-DTYPE-001."""
+    slice_dtypes(_need("no_padding_2_padding"), _need("response_to_nested"), _need("response_from_nested"), mb,
+                 mb["response_mask"], **_drawn(c))
 
 
 def check_mask_helper(c, mb, run):
-    build = _need("build_attention_mask_from_nested")
-    ids = mb["input_ids"]
-    for width in (None, max(c.seq_lens) + 2):
-        mask = build(ids) if width is None else build(ids, max_seq_len=width)
-        w = width or max(c.seq_lens)
-        want = (torch.arange(w).unsqueeze(0) < torch.tensor(c.seq_lens).unsqueeze(1)).to(torch.int32)
-        if mask.dtype != torch.int32 or tuple(mask.shape) != (c.batch_size, w) or not torch.equal(mask.cpu(), want):
-            return (f"build_attention_mask_from_nested(input_ids, max_seq_len={width}): got {mask.dtype} {mask.tolist()}, "
-                    f"expected torch.int32 {want.tolist()} (each row the full sequence length {list(c.seq_lens)})")
-    return None
+    """INV-MASK-004 (spec/truth/handoff_checks.py)."""
+    mask_helper(_need("build_attention_mask_from_nested"), mb["input_ids"], c.seq_lens, INT32_ATTENTION_MASK)
+
+
+#: every framework's consumer view of a per-token output (spec/protocol/engine.py: completion_view and action_view
+#: are response_view)
+VIEW_NAMES = ("response_view", "completion_view", "action_view")
 
 
 def check_response_values(c, mb, run):
-    """The (B, R) log-probs a PPO/GRPO loss reads: each response token's log-prob, against the reference."""
-    want = reference(c, mb, run.model)["log_probs"]
+    """INV-SLICE-006: the (B, R) log-probs a PPO/GRPO loss reads, in every framework's consumer view."""
     lp = run.rank_outputs[0].get("log_probs")
     if lp is None:
         return "got no 'log_probs', expected them (the flags ask for them)"
-    if lp.is_nested:
-        seqs = [t.detach().to("cpu", torch.float64) for t in lp.unbind()]
-    elif lp.dim() >= 1 and lp.shape[0] == c.total_nnz:
-        seqs = list(lp.detach().to("cpu", torch.float64).split(list(c.seq_lens)))
-    else:
-        return f"'log_probs' of shape {tuple(lp.shape)}: neither nested over the sequences nor a packed ({c.total_nnz},) row"
-    for i, (exp, tol) in enumerate(want):
-        p, r = c.prompt_lens[i], c.response_lens[i]
-        got = seqs[i].reshape(-1)[p - 1: p - 1 + r]
-        if got.shape[0] != r:
-            return f"'log_probs' of sequence {i}: got {seqs[i].shape[0]} values, expected {c.seq_lens[i]}"
-        bad = _first_bad(got, exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r])
-        if bad is not None:
-            t, count = bad
-            return (f"response log-prob [{i}, {t}] (the log-prob of response token {t} of sample {i}): got "
-                    f"{got[t].item():.8g}, expected {exp[p - 1 + t].item():.8g} ({count} of {r} differ)")
-    return None
+    views = [(name, response_view) for name in VIEW_NAMES]
+    consumer_response_view(lp, mb, views, *_response_log_probs(c, mb, run), c.response_lens, c.total_nnz)
 
 
 # ---- flags and settings: defaults, other spellings, bad values ----

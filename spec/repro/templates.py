@@ -17,10 +17,12 @@ from pathlib import Path
 
 from ..execute import handoff, harness
 from ..invariants import settings
-from ..protocol.engine import PaddedLayout, ReproSnippet
+from ..protocol import engine as protocol_engine
+from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
 from ..protocol.profile import layout_starts
 from ..protocol.vendor import definitions, source
-from ..truth import failing, handoff_checks, oracle, rules, toy_model
+from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rules, slice_checks,
+                     toy_model)
 from . import runtime
 from .vendored import loader, preamble, suite_guard
 
@@ -58,9 +60,14 @@ def suite_blocks() -> str:
                                         for k, v in oracle._DTYPES.items()) + "}", ""]
     for fn in (oracle.unit_roundoff, oracle.topk_tie_slack, rules.response_positions, oracle.Expected):
         parts += [inspect.getsource(fn), ""]
-    parts += ["# ---- the checks of what prepare_model_inputs hands over, as the invariants run them "
-              "(spec/truth/failing.py, spec/truth/handoff_checks.py) ----", definitions(failing),
-              definitions(handoff_checks)]
+    parts += ["# ---- what a consumer reads (spec/protocol/engine.py, spec/truth/rules.py) ----"]
+    for fn in (OutputSpan, rules.read_positions, rules.full_length_mask, protocol_engine._flag_width,
+               protocol_engine._lengths, protocol_engine._response_index, protocol_engine.response_view):
+        parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the checks, as the invariants run them (spec/truth/failing.py, closeness.py, handoff_checks.py, "
+              "outputs_checks.py, slice_checks.py, microbatch_checks.py) ----", definitions(failing),
+              definitions(closeness), definitions(handoff_checks), definitions(outputs_checks),
+              definitions(slice_checks), definitions(microbatch_checks)]
     return "\n".join(parts)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fail"]
+__all__ = ["fail", "add_facts"]
 
 
 def fail(message: str, **facts: Any) -> None:
@@ -15,3 +15,8 @@ def fail(message: str, **facts: Any) -> None:
     exc = AssertionError(message)
     exc.facts = facts
     raise exc
+
+
+def add_facts(exc: BaseException, **facts: Any) -> None:
+    """Add ``facts`` to a check's failure, keeping those it already carries (the innermost says most)."""
+    exc.facts = {**facts, **getattr(exc, "facts", {})}

@@ -13,12 +13,12 @@ import torch
 
 from ..protocol.engine import PaddedLayout
 from .failing import fail
-from .rules import layout_columns, layout_mask, layout_width, offsets, padded_length
+from .rules import full_length_mask, layout_columns, layout_mask, layout_width, offsets, padded_length
 
 __all__ = ["padded_mask", "padded_mask_shape", "mask_dtype", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
            "next_token_labels", "rolled_row", "joined", "packed_tail", "tail_fill", "token_temperatures_handed",
            "per_token_temperature", "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens_want", "cu_seqlens", "cu_seqlens_host",
-           "MASK_DTYPES"]
+           "mask_helper", "MASK_DTYPES"]
 
 #: the dtypes a padded attention mask may have: 0/1 in an integer or bool dtype (a float mask reads as an additive
 #: bias in Hugging Face models, so 0.0/1.0 is not a 0/1 mask there)
@@ -76,6 +76,19 @@ def mask_dtype_device(mask, ids, device, int32: bool, convention: str = "int32_a
     mask_dtype(mask, "attention_mask", int32, convention)
     if mask.device != ids.device or mask.device.type != torch.device(device).type:
         fail(f"attention_mask on {mask.device}, input_ids on {ids.device}, batch on {device}")
+
+
+def mask_helper(build, ids, seq_lens, int32: bool, convention: str = "int32_attention_mask") -> None:
+    """INV-MASK-004: ``build_attention_mask_from_nested`` gives the full lengths at any width (its own, and two
+    columns wider), 0/1 in an integer or bool dtype (int32 where the engine promises verl's convention)."""
+    for width in (None, max(seq_lens) + 2):
+        mask = build(ids) if width is None else build(ids, max_seq_len=width)
+        want = full_length_mask(seq_lens, width or max(seq_lens), torch.int32)  # at the width asked for
+        mask_dtype(mask, f"build_attention_mask_from_nested(max_seq_len={width})", int32, convention)
+        if tuple(mask.shape) != (len(seq_lens), width or max(seq_lens)) or not torch.equal(mask.cpu().to(torch.int32),
+                                                                                          want):
+            fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "
+                 f"({mask.dtype}), expected {want.tolist()}")
 
 
 def padded_rows(prompt_lens, response_lens, layout, rows, got, key: str, what: str) -> None:

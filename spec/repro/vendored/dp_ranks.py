@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 #: what the file binds for this module: the case, the invariant, the saved mini-batches, the modules whose
 #: get_device_name answers "cpu" without an accelerator, the layer's cut (:mod:`.layer_call`), the
-#: verdict (:mod:`.failure`) and the launcher's functions
-BOUND = ("CASE", "MINIS", "DEVICE_MODULES", "cut", "verdict", "run_ranks", "join_group")
+#: verdict (:mod:`.failure`), the launcher's functions and the invariant's check (spec/truth/microbatch_checks.py)
+BOUND = ("CASE", "MINIS", "DEVICE_MODULES", "cut", "verdict", "run_ranks", "join_group", "dp_same_count")
 
 
 def cpu_collectives():
@@ -68,26 +68,16 @@ def check():
         if feasible is False and value_error:
             return None  # the count every rank needs exceeds a rank's groups: refused on every rank
         return f"rank {rank} raised {text}, expected micro-batches on every rank"
-    if feasible is False:
-        fewest = min(r["num_groups"] for r in CASE["ranks"])
-        return (f"every rank accepted, expected a refusal: the ranks need {CASE['lower_count']} or more micro-batches "
-                f"but a rank has only {fewest} groups")
-    counts = [r["count"] for r in replies]
-    if len(set(counts)) > 1:
-        return (f"ranks got {counts} micro-batches (alone {[r['alone'] for r in replies]}), expected one count on every "
-                "rank (same_micro_num_in_dp)")
-    for rank, (reply, mine) in enumerate(zip(replies, CASE["ranks"])):
-        rows = reply["rows"] or []
-        if sorted(i for part in rows for i in part) != list(range(mine["batch_size"])):
-            return f"rank {rank}: got index lists {str(rows)[:120]}, expected each of its {mine['batch_size']} samples once"
-        over = [t for t in reply["tokens"] if t > mine["budget"]]
-        if over:
-            return f"rank {rank}: micro-batches of {over} tokens, expected at most the budget {mine['budget']}"
+    dp_same_count(replies, feasible, CASE["lower_count"], CASE["ranks"])  # INV-MB-005's own check
     return None
 
 
 def main():
-    return verdict(check(), "these ranks' mini-batches")
+    try:
+        problem = check()
+    except AssertionError as exc:  # the invariant's check failed (the file's fail: :mod:`.failure`)
+        problem = str(exc)
+    return verdict(problem, "these ranks' mini-batches")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import torch
 
 #: what the file binds for this module: the mini-batch's settings and whole case, the saved mini-batch, the layer's
 #: functions and call, the suite's micro_batch_rows, and the engine-case runtime's names (bound by share)
-BOUND = ("CASE", "WHOLE", "MINI", "INVARIANT", "POISON", "cut", "context", "Wrong", "micro_batch_rows",
+BOUND = ("CASE", "WHOLE", "MINI", "INVARIANT", "POISON", "OUTPUT_SPAN", "cut", "context", "micro_batch_rows",
          "postprocess_batch_func", "concat_nested_tensors", "restore_dynamic_batch", "execute", "verdict", "ToyCausalLM",
-         "reference", "expected_keys", "read_span", "_first_bad", "origin", "_own_error")
+         "reference", "read_positions", "check_index_lists", "check_partition", "end_to_end_keys", "end_to_end_outputs",
+         "origin", "_own_error")
 
 
 def subset(whole, rows):
@@ -30,14 +31,12 @@ def subset(whole, rows):
 
 
 def end_to_end(mini):
-    """Every sample's outputs after the cut, the engine and postprocess vs the reference: None, or what is wrong."""
+    """Every sample's outputs after the cut, the engine and postprocess vs the reference, as INV-MB-015 checks them
+    (spec/truth/microbatch_checks.py): a failed check raises."""
     micro, indices = cut(mini)
     rows = micro_batch_rows(micro, indices)
-    if len(rows) != len(micro):
-        return f"{len(micro)} micro-batches but {len(rows)} index lists"
-    flat = sorted(i for part in rows for i in part)
-    if flat != list(range(CASE["batch_size"])):
-        return f"micro-batch indices {rows}: no partition of the {CASE['batch_size']} samples"
+    check_index_lists(micro, rows, indices)
+    check_partition(CASE["batch_size"], rows)
     kept, output_lst = [], []  # one engine object for the whole mini-batch, as a trainer keeps it
     for part, mb in zip(rows, micro):
         run = execute(subset(WHOLE, part), mb, POISON, engines=kept)
@@ -53,34 +52,18 @@ def end_to_end(mini):
     c = SimpleNamespace(**WHOLE)
     model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype)
     want = reference(c, mini, model)
-    sizes = [len(part) for part in rows]
-    keys = expected_keys(c)
-    for key in [k for k in ("log_probs", "entropy") if k in keys] + sorted(keys - {"log_probs", "entropy"}):
-        if key not in outputs:
-            return f"output key {key!r} missing after postprocess (keys {sorted(outputs)})"
-        got = outputs[key]
-        if not isinstance(got, torch.Tensor) or not got.is_nested or int(got.size(0)) != c.batch_size:
-            return (f"{key!r} after postprocess: {getattr(got, 'shape', type(got).__name__)}, expected nested over "
-                    f"{c.batch_size} samples")
-        for i, (seq, (exp, tol)) in enumerate(zip(got.unbind(), want[key])):
-            seq = seq.detach().to("cpu", torch.float64)
-            if seq.shape[0] != c.seq_lens[i]:
-                return f"{key!r} of sample {i}: {seq.shape[0]} tokens, expected {c.seq_lens[i]} (another sample's?)"
-            lo, hi = read_span(c, i)
-            bad = _first_bad(seq[lo:hi], exp[lo:hi], tol[lo:hi])
-            if bad is not None:
-                t = lo + bad[0]
-                return (f"{key!r} of sample {i} (micro-batches of {sizes} samples) at token {t}: got "
-                        f"{seq[t].item():.8g}, expected {exp[t].item():.8g} (allowed {tol[t].item():.3g}; "
-                        f"{bad[1]} of its {hi - lo} tokens differ)")
-    return None
+    keys = end_to_end_keys(c.calculate_entropy, c.distillation_keys)
+    end_to_end_outputs(outputs, keys, {key: [e for e, _ in want[key]] for key in keys},
+                       {key: [t for _, t in want[key]] for key in keys}, c.seq_lens,
+                       read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN), [len(part) for part in rows])
 
 
 def main():
     mini = torch.load(MINI, weights_only=False)
     try:
-        problem = end_to_end(mini)
-    except Wrong as exc:
+        end_to_end(mini)
+        problem = None
+    except AssertionError as exc:  # a failed check (spec/truth/failing.py), or an assertion of the layer's or engine's
         problem = str(exc)
     except Exception as exc:  # noqa: BLE001 - the layer or the engine failed on a valid mini-batch
         if isinstance(exc, NameError) and origin(exc) is None:

@@ -12,7 +12,9 @@ class Wrong(AssertionError):
     """What the engine got wrong on this case: got vs expected."""
 
 
-def fail(message):
+def fail(message, **facts):
+    """The suite's ``fail`` (spec/truth/failing.py), for its checks written out into the file: ``facts`` (what a
+    known-failure record matches on) are the suite's, not the file's."""
     raise Wrong(message)
 
 

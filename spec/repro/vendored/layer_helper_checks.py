@@ -16,7 +16,7 @@ from tensordict import TensorDict
 BOUND = ("CASE", "CHECK", "cut", "context", "micro_batch_rows", "chunk_tensordict", "concat_tensordict",
          "index_select_tensor_dict", "nested_tensor_from_tensor_list", "concat_nested_tensors",
          "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids", "check_sample_keys", "check_nested", "same", "held",
-         "_snapshot", "_select", "_items")
+         "_snapshot", "_select", "items")
 
 
 def check(mini):
@@ -67,7 +67,7 @@ def check(mini):
             want = mini.get(key)
             ragged = getattr(want, "_ragged_idx", 1)
             with context():
-                built = nested_tensor_from_tensor_list([t.clone() for t in _items(want, key)], ragged_idx=ragged)
+                built = nested_tensor_from_tensor_list([t.clone() for t in items(want, key)], ragged_idx=ragged)
             check_nested(built, want, every, f"nested_tensor_from_tensor_list({key!r} items, ragged_idx={ragged})")
             if want.dim() >= 2:
                 halves = [_select(mini, rows).get(key) for rows in CASE["halves"]]
@@ -77,7 +77,7 @@ def check(mini):
         return None
     if CHECK == "from_samples":
         keys = [k for k in ("input_ids", "position_ids", "responses", "teacher_ids", "routed_experts") if k in mini.keys()]
-        per_key = {k: _items(mini.get(k), k) for k in keys}
+        per_key = {k: items(mini.get(k), k) for k in keys}
         dicts = [{**{k: per_key[k][i].clone() for k in keys}, "score": torch.tensor(float(i)), "uid": f"u{i}"}
                  for i in every]
         with context():
