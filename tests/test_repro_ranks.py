@@ -116,7 +116,7 @@ def test_rank_handoff_failures_reproduce_without_the_suite(tmp_path) -> None:
     codes, out = _run(planted, os.pathsep.join((str(site), str(ROOT))))
     for (bug, invariant, check, _), path in zip(HANDOFF, planted):
         assert codes[str(path)] == 1 and f"FAIL {invariant} ({check}) on the case, sp=2 real ranks" in out, (bug, out)
-    assert "pad_size: got 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
+    assert "pad_size 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
     codes, out = _run(twins, str(ROOT))
     for (bug, invariant, check, _), path in zip(HANDOFF, twins):
         assert codes[str(path)] == 0 and f"PASS: {invariant}" in out, (bug, out)

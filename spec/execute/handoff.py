@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
+from ..truth.state_checks import nested_parts
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 from .attribution import EngineFault, check_outputs, note_fault, read_engine
 
@@ -43,14 +44,6 @@ class ThreadedAllGather:
             self.barrier.wait()
             return gathered
         return all_gather
-
-
-def nested_parts(value: Any) -> Any:
-    """A nested tensor as ``("nested", values, offsets)``; anything else as it is (what a copy of a batch
-    keeps, and what :func:`spec.invariants.core.same` compares)."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", value.values(), value.offsets())
-    return value
 
 
 def snapshot(micro_batch: TensorDict) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import CONTRACT_PRECISION, EngineUnderTest, OutputSpan, Precision
 from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profile_of
 from ..execute.harness import Run, execute, model_for
-from ..execute.handoff import nested_parts
 from ..execute.memo import Runs
 from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected, unit_roundoff
@@ -23,6 +22,7 @@ from ..truth.outputs_checks import locate as _locate
 from ..truth.outputs_checks import oracle_values, per_seq
 from ..truth.outputs_checks import sequences as _sequences
 from ..truth.rules import read_positions, shared_temperature
+from ..truth.state_checks import held, same
 from ..cases.strategies import dense_cases, engine_cases, profile_draws
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
@@ -278,39 +278,6 @@ def in_context(precision: Precision | None, key: str, context: str, exp: Expecte
     precision = precision or CONTRACT_PRECISION
     coarser = max((precision.scaled_in, dtype), key=unit_roundoff)
     return Precision(returns=precision.returns, scaled_in=coarser)
-
-
-def held(value: Any) -> Any:
-    """A copy of what a caller holds, to compare with :func:`same` later: tensors cloned (a nested one as its
-    cloned parts), dicts, lists and tuples item by item, anything else as it is."""
-    value = nested_parts(value)
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {key: held(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(held(item) for item in value)
-    return value
-
-
-def same(a: Any, b: Any) -> bool:
-    """Exactly equal: tensors of one shape and dtype with equal elements (NaN equal to NaN in the same place;
-    a nested tensor by its values and offsets), dicts, lists and tuples item by item, anything else by ``==``."""
-    a, b = nested_parts(a), nested_parts(b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape \
-                or a.dtype != b.dtype:
-            return False
-        if torch.equal(a, b):
-            return True
-        return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if a is b:  # one object held twice (an engine's own object in output_args): no method of it is called
-        return True
-    return a == b
 
 
 def read(ctx: "Ctx", i: int, values: torch.Tensor) -> torch.Tensor:

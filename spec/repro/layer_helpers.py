@@ -17,11 +17,9 @@ from typing import Any
 import inspect
 
 from ..cases.microbatch import MiniBatchCase, materialize_minibatch
-from ..execute.handoff import nested_parts
-from ..invariants.core import held, same
 from ..invariants.microbatch import NESTED_KEYS, _chunk_count, _halves, _select, _selection, _snapshot, _suite_parts
 from ..protocol.vendor import definitions
-from ..truth import closeness, microbatch_checks
+from ..truth import closeness, microbatch_checks, state_checks
 
 __all__ = ["HELPER_CHECKS", "helper_case_data", "readings"]
 
@@ -46,8 +44,8 @@ def helper_case_data(case: MiniBatchCase) -> dict[str, Any]:
 
 def readings() -> str:
     """The invariants' own checks and readings (pure torch/tensordict; their ``fail`` is the file's,
-    :mod:`.vendored.failure`): spec/truth/closeness.py and microbatch_checks.py, written out, and the invariants'
+    :mod:`.vendored.failure`): spec/truth/closeness.py, microbatch_checks.py and state_checks.py, written out, and the invariants'
     cuts and snapshots of a TensorDict."""
-    functions = (_select, nested_parts, held, same, _snapshot)
-    return "\n\n".join([definitions(closeness), definitions(microbatch_checks),
+    functions = (_select, _snapshot)
+    return "\n\n".join([definitions(closeness), definitions(microbatch_checks), definitions(state_checks),
                          *(inspect.getsource(fn) for fn in functions)])

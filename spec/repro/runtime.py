@@ -34,7 +34,7 @@ OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
 #: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
 FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
-              "execution_context", "FLAG_DEFAULTS", "BAD_FLAGS", "recode_flags", "bad_settings", "_equal", "_tensors",
+              "execution_context", "BAD_FLAGS", "recode_flags", "bad_settings",
               "TopKProcessor", "topk_terms",
               "Expected", "OVERLAP_KEYS", "topk_tie_slack",
               # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
@@ -46,7 +46,12 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "outputs_carry_grad", "mask_helper",
               # the response slice's checks (spec/truth/slice_checks.py) and the consumers' view they read
               "slice_shape", "slice_values", "slice_reads_only_responses", "response_from_nested_rows",
-              "response_round_trip", "slice_dtypes", "consumer_response_view", "response_view")
+              "response_round_trip", "slice_dtypes", "consumer_response_view", "response_view",
+              # what a call leaves alone (spec/truth/state_checks.py)
+              "held", "batch_items", "micro_batch_unchanged", "model_output_unchanged", "output_args_unchanged",
+              "handoff_as_fresh", "earlier_kept",
+              # the flags and settings (spec/truth/settings_checks.py)
+              "same_run", "defaulted_flags", "flag_value", "slice_without_width", "slice_with_width")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -125,14 +130,6 @@ def _views_out(outputs):
     return view_outputs(outputs) if "view_outputs" in globals() else dict(outputs)
 
 
-def _copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return value
-
-
 #: who raised each exception seen leaving a call (by id): "engine" (the engine's own calls) or "suite" (the
 #: stand-in model, the processor handed to the engine); the innermost call's word stands
 ORIGINS = {}
@@ -195,7 +192,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
     views = [_views_in(mi, args) for mi, args in handed]
     if inputs_only:
         return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
-    args_before = [_copy(args) for args in output_args]
+    args_before = [held(args) for args in output_args]
     model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
     logits_before = [o.logits.detach().clone() for o in model_outputs]
     processors = [_processor(c, r) for r in range(len(engines))]
@@ -306,12 +303,6 @@ def check_values(c, mb, run):
                 oracle_values(key, outputs[key], list(wants), list(tols), c.seq_lens, read, _rank(run, r))
 
 
-def read_span(c, i):
-    """The positions of sequence i's per-token outputs a consumer reads, as a range (spec/truth/rules.py)."""
-    at = read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN)[i]
-    return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
-
-
 def check_float32(c, mb, run):
     """INV-DEV-001: on the batch's device, as float32."""
     for outputs in run.rank_outputs:
@@ -352,35 +343,13 @@ def check_shard_labels(c, mb, run):
     next_token_labels(_parts(run, "labels"), mb["input_ids"].values(), c.seq_lens, f"sp={c.sp_size}: a shard edge")
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.is_nested or b.is_nested:
-            return a.is_nested and b.is_nested and torch.equal(a.offsets(), b.offsets()) and _same(a.values(), b.values())
-        return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all()
-                                                                    if a.is_floating_point() else torch.equal(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and (a == b if not isinstance(a, torch.Tensor) else False)
-
-
 def check_unchanged(c, mb, run, fresh):
-    for key in fresh.keys():
-        if key not in mb.keys():
-            return f"micro-batch key {key!r}: got it removed, expected it unchanged"
-        a, b = mb.get(key), fresh.get(key)
-        a, b = getattr(a, "data", a), getattr(b, "data", b)
-        if not _same(a, b):
-            return f"micro-batch key {key!r}: got it changed by the engine, expected it unchanged"
-    if set(mb.keys()) != set(fresh.keys()):
-        return f"micro-batch keys: got {sorted(mb.keys())}, expected {sorted(fresh.keys())}"
-    for r, (out, before) in enumerate(zip(run.model_outputs, run.logits_before)):
-        if not _same(out.logits, before):
-            return f"rank {r}: model output 'logits': got them modified in place by prepare_model_outputs, expected them unchanged"
-    for r, (args, before) in enumerate(zip(run.output_args, run.args_before)):
-        for key in before:
-            if key not in args or not _same(args[key], before[key]):
-                return f"rank {r}: output_args[{key!r}]: got it changed or removed by prepare_model_outputs, expected it unchanged"
-    return None
+    """INV-MUT-001/002/004 (spec/truth/state_checks.py): the micro-batch (``fresh``: the same built again), the
+    model's logits and output_args as they were before the engine ran."""
+    micro_batch_unchanged(batch_items(fresh), batch_items(mb))
+    model_output_unchanged([{"logits": out.logits} for out in run.model_outputs],
+                           [{"logits": before} for before in run.logits_before])
+    output_args_unchanged(run.output_args, run.args_before)
 
 
 def check_slice(c, mb, run):
@@ -430,11 +399,7 @@ def check_grad(c, mb, run):
 
 # ---- the hand-off checks (what prepare_model_inputs hands the model and its own output step) ----
 def _flag_value(mb, key, default=None):
-    if key not in mb.keys():
-        return default
-    value = mb.get(key)
-    value = getattr(value, "data", value)
-    return getattr(value, "value", value)
+    return flag_value(mb, key) if key in mb.keys() else default
 
 
 def check_ids_fill(c, mb, run):
@@ -563,73 +528,44 @@ def check_response_values(c, mb, run):
     consumer_response_view(lp, mb, views, *_response_log_probs(c, mb, run), c.response_lens, c.total_nnz)
 
 
-# ---- flags and settings: defaults, other spellings, bad values ----
-def _show(value):
-    """A value as printed in a message: a tensor by its dtype, shape and elements (flattened), at most 200 characters."""
-    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
-        return f"nested (values {_show(value[0])}, offsets {value[1].tolist()})"
-    if isinstance(value, torch.Tensor):
-        text = f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)} {value.detach().reshape(-1).tolist()}"
-        return text if len(text) <= 200 else text[:197] + "..."
-    return f"{value!r:.200}"
-
-
+# ---- flags and settings: defaults, other spellings (spec/truth/settings_checks.py), bad values ----
 def _same_run(got, want, what):
-    """``got`` handed the model and its output step what ``want`` did and returned the same outputs."""
-    pairs = [(f"model_inputs of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.inputs, want.inputs))]
-    pairs += [(f"output_args of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.output_args, want.output_args))]
-    pairs.append(("outputs", got.rank_outputs[0], want.rank_outputs[0]))
-    for where, g, w in pairs:
-        a, b = _tensors(g, where), _tensors(w, where)
-        if set(a) != set(b):
-            return f"{what}: {where}: got keys {sorted(a)}, expected {sorted(b)} (as with the flags given)"
-        for key in a:
-            if not _equal(a[key], b[key]):
-                return f"{what}: {key}: got {_show(a[key])}, expected {_show(b[key])} (as with the flags given)"
-    return None
+    same_run(got.inputs, got.output_args, got.rank_outputs[0], want.inputs, want.output_args, want.rank_outputs[0],
+             what)
 
 
-def _sliced_width(mb, run):
+def _sliced(mb, run):
     fn = helper("no_padding_2_padding")
     lp = run.rank_outputs[0].get("log_probs")
     return None if fn is None or lp is None else fn(lp, mb)
 
 
 def check_flags_default(c, mb, run):
-    dropped = [key for key, default in FLAG_DEFAULTS.items() if key in mb.keys() and _flag_value(mb, key) == default]
-    if "max_response_len" in mb.keys() and _flag_value(mb, "max_response_len") == max(c.response_lens):
-        dropped.append("max_response_len")  # its default is max(r_i)
+    """INV-FLAG-001: without the flags at their defaults, the same hand-off and outputs (and the reference's)."""
+    dropped = defaulted_flags(mb, c.response_lens)
     if not dropped:
+        print("NOT EXERCISED: no flag holds its default")
         return None
     bare = mb.copy()
     for key in dropped:
         del bare[key]
     other = execute(c, bare, POISON)
-    what = f"without the flags {dropped} (each at its default)"
-    problem = _same_run(other, run, what) or check_keys(c, bare, other) or check_values(c, bare, other)
-    if problem or "max_response_len" not in dropped:
+    _same_run(other, run, f"without the flags {dropped} (at their defaults)")
+    problem = check_keys(c, bare, other) or check_values(c, bare, other)
+    if problem or "max_response_len" not in dropped or _sliced(mb, run) is None:
         return problem
-    got, want = _sliced_width(bare, run), _sliced_width(mb, run)
-    if got is not None and not _same(got, want):
-        return (f"no_padding_2_padding(log_probs) without max_response_len: got shape {tuple(got.shape)}, expected "
-                f"{tuple(want.shape)} as with it (the flag equalled max(r_i))")
-    return None
+    slice_without_width(_sliced(bare, run), _sliced(mb, run))
 
 
 def check_flags_recoded(c, mb, run):
+    """INV-FLAG-002: the flags spelled as 0/1 ints, numpy scalars, a plain str: the same hand-off and outputs."""
     recoded = mb.copy()
     written = recode_flags(recoded, c.seed % 2)
     other = execute(c, recoded, POISON)
-    problem = _same_run(other, run, "flags spelled as " + ", ".join(f"{k}={v!r}" for k, v in written.items()))
-    if problem:
-        return problem
-    width = _flag_value(mb, "max_response_len")
-    if width is not None:
-        got = _sliced_width(recoded, run)
-        if got is not None and tuple(got.shape) != (c.batch_size, int(width)):
-            return (f"no_padding_2_padding with max_response_len={written['max_response_len']!r}: got shape "
-                    f"{tuple(got.shape)}, expected {(c.batch_size, int(width))}")
-    return None
+    _same_run(other, run, f"flags spelled as {', '.join(f'{k}={v!r}' for k, v in written.items())}")
+    width = flag_value(mb, "max_response_len") if "max_response_len" in mb.keys() else None
+    if width is not None and _sliced(recoded, run) is not None:
+        slice_with_width(_sliced(recoded, run), c.batch_size, int(width), written["max_response_len"])
 
 
 def _rejected(c, mb, what):
@@ -700,66 +636,38 @@ def check_on_cuda(c, mb, run):
     on_cuda.rank_outputs = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()}
                             for o in on_cuda.rank_outputs]
     on_cuda.model = run.model  # the reference reads the CPU copy of the same weights
-    problem = check_keys(c, mb, on_cuda) or check_values(c, mb, on_cuda)
-    return None if problem is None else f"on cuda: {problem}"
+    try:
+        check_keys(c, mb, on_cuda)
+        check_values(c, mb, on_cuda)
+    except AssertionError as exc:  # a failed check of the CUDA run
+        return f"on cuda: {exc}"
+    return None
 
 
-# ---- an engine object kept across micro-batches, as a trainer keeps it ----
-def _held(value):
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", value.values().detach().clone(), value.offsets().clone())
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _held(v) for k, v in value.items()}
-    return value
-
-
-def _kept_same(a, b):
-    if isinstance(a, torch.Tensor) and a.is_nested:
-        a = ("nested", a.values(), a.offsets())
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_kept_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_kept_same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return _same(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else False
-    return a == b
-
-
+# ---- an engine object kept across micro-batches, as a trainer keeps it (spec/truth/state_checks.py) ----
 def run_reused(before, case_run):
     """The micro-batch ``before`` then the case through one engine object; what the first returned, held as it was
     then; the case's run through a fresh engine object."""
     c0, c = SimpleNamespace(**before["case"]), SimpleNamespace(**case_run["case"])
     engines = []
     first = execute(c0, build_micro_batch(before), POISON, engines=engines)
-    kept = {"outputs": _held(first.rank_outputs[0]), "inputs": _held(first.views[0])}
+    kept = {"outputs": held(first.rank_outputs[0]), "inputs": held(first.views[0])}
     second = execute(c, build_micro_batch(case_run), POISON, engines=engines)
     fresh = execute(c, build_micro_batch(case_run), POISON)
     return c, first, kept, second, fresh
 
 
 def check_reused(c, mb, runs):
+    """INV-BATCH-003: the hand-off as a fresh engine's; the outputs the reference's."""
     first, kept, second, fresh = runs
-    for key in VIEW_KEYS:
-        if not _kept_same(second.views[0][key], fresh.views[0][key]):
-            return (f"the model hand-off {key!r} after another micro-batch through the same engine object: got "
-                    f"{_show(second.views[0][key])}, expected a fresh engine's {_show(fresh.views[0][key])}")
+    handoff_as_fresh(second.views[0], fresh.views[0], second.rank_outputs[0], fresh.rank_outputs[0])
     return check_keys(c, mb, second) or check_values(c, mb, second)
 
 
 def check_earlier_kept(c, mb, runs):
+    """INV-MUT-005."""
     first, kept, second, fresh = runs
-    for key in sorted(set(first.rank_outputs[0]) | set(kept["outputs"])):
-        if key not in first.rank_outputs[0] or key not in kept["outputs"] or \
-                not _kept_same(first.rank_outputs[0][key], kept["outputs"][key]):
-            return (f"output {key!r} of the earlier micro-batch: got it changed when the same engine object prepared "
-                    "the next one, expected it as returned (an output buffer reused across calls?)")
-    for key, was in kept["inputs"].items():
-        if not _kept_same(first.views[0][key], was):
-            return (f"model hand-off {key!r} of the earlier micro-batch: got it changed when the same engine object "
-                    "prepared the next one, expected it as handed")
-    return None
+    earlier_kept(first.rank_outputs[0], kept["outputs"], first.views[0], kept["inputs"])
 
 
 CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_positions,

@@ -16,13 +16,12 @@ import shutil
 from pathlib import Path
 
 from ..execute import handoff, harness
-from ..invariants import settings
 from ..protocol import engine as protocol_engine
 from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
 from ..protocol.profile import layout_starts
 from ..protocol.vendor import definitions, source
-from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rules, slice_checks,
-                     toy_model)
+from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rank_checks, rules,
+                     settings_checks, slice_checks, state_checks, toy_model)
 from . import runtime
 from .vendored import loader, preamble, suite_guard
 
@@ -44,11 +43,7 @@ def suite_blocks() -> str:
                handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
                handoff.rank_outputs, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
-    parts += ["# ---- the contract's flags (spec/invariants/settings.py), written out ----",
-              f"FLAG_DEFAULTS = {settings.FLAG_DEFAULTS!r}", f"BOOL_FLAGS = {settings.BOOL_FLAGS!r}",
-              f"BAD_FLAGS = {settings.BAD_FLAGS!r}", ""]
-    for fn in (rules.offsets, rules.padded_length, settings._flag, settings._plain, settings._tensors, settings._equal, settings._plain_value,
-               settings.recode_flags, settings.bad_settings):
+    for fn in (rules.offsets, rules.padded_length):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle._overlap, oracle._overlap_terms, oracle.topk_terms, oracle.TopKProcessor):
@@ -65,9 +60,11 @@ def suite_blocks() -> str:
                protocol_engine._lengths, protocol_engine._response_index, protocol_engine.response_view):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the checks, as the invariants run them (spec/truth/failing.py, closeness.py, handoff_checks.py, "
-              "outputs_checks.py, slice_checks.py, microbatch_checks.py) ----", definitions(failing),
-              definitions(closeness), definitions(handoff_checks), definitions(outputs_checks),
-              definitions(slice_checks), definitions(microbatch_checks)]
+              "outputs_checks.py, slice_checks.py, microbatch_checks.py, rank_checks.py, state_checks.py, "
+              "settings_checks.py) ----",
+              definitions(failing), definitions(closeness), definitions(handoff_checks), definitions(outputs_checks),
+              definitions(slice_checks), definitions(microbatch_checks), definitions(rank_checks),
+              definitions(state_checks), definitions(settings_checks)]
     return "\n".join(parts)
 
 

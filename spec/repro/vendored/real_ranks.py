@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 #: what the file binds for this module: the SP group and world (the writer), the launcher's functions, the suite's
-#: ShardedTopKProcessor, and the engine-case file's names (its runtime's, bound by share)
+#: ShardedTopKProcessor, and the engine-case file's names (its runtime's, and the suite's checks: bound by share)
 BOUND = ("SP_GROUP", "WORLD", "run_ranks", "join_group", "ShardedTopKProcessor", "logits_processor", "_side",
          "ToyCausalLM", "execution_context", "make_engine", "_settings", "_views_in", "check_model_inputs", "_tracked",
          "rank_outputs", "POISONS", "POISON", "_views_out", "RUNS", "build_micro_batch", "CHECK_NAMES", "INPUTS_ONLY",
-         "CHECKS", "INVARIANT", "padded_length", "reference", "read_span")
+         "CHECKS", "INVARIANT", "padded_length", "reference", "read_positions", "OUTPUT_SPAN", "TAIL_MULTIPLE",
+         "rank_pad_and_tail", "rank_shapes", "rank_labels")
 
 
 def _rank_processor(c, rank):
@@ -126,141 +127,52 @@ def rank_main(global_rank, port, out):
     dist.destroy_process_group()
 
 
-# ---- the checks of what each rank handed over (its view: pad_size, labels, temperature, shift_labels) ----
-def _count(tensor):
-    # the tokens a per-token hand-off tensor holds, whatever its shape (-1 when the engine hands none)
-    return -1 if not isinstance(tensor, torch.Tensor) else tensor.numel()
+# ---- the checks of what each rank handed over (its view: pad_size, labels, temperature, shift_labels): the
+# invariants' own (spec/truth/rank_checks.py, written out into repro_suite.py) ----
+def _field(run, key):
+    return [v[key] for v in run.views]
 
 
-def _replicated(run):
-    # every rank was handed the whole padded row (an engine whose model slices after its embedding)
-    ids = [v["input_ids"].detach().cpu() for v in run.views]
-    local = sum(_count(v["labels"]) for v in run.views)
-    return len(ids) > 1 and ids[0].shape[-1] == local and all(torch.equal(x, ids[0]) for x in ids[1:])
+def _padded(c):
+    # the packed row's length: the bucket, the engine's tail rule, then sp (spec/truth/rules.py)
+    return padded_length(c.total_nnz, c.pad_to_length, c.sp_size, TAIL_MULTIPLE)
 
 
-def _rows(run, key):
-    # model input `key` over the whole padded row: the ranks' slices joined (or the row every rank got)
-    parts = [v[key].detach().cpu() for v in run.views]
-    return parts[0] if _replicated(run) else torch.cat(parts, dim=-1)
+def _leaked(c, mb, run):
+    """(sequence, position) of every output value a consumer reads that is not finite where the reference (the
+    sample alone, unpadded) is: what the poisoned tail put there."""
+    want = reference(c, mb, run.model)
+    read = read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN)
 
-
-def _restarts(tail):
-    # tail positions start at 0 and each is 0 or its left neighbour + 1, on every axis (the pad is its own
-    # sequence or sequences, never part of the last real one)
-    if tail.shape[-1] == 0:
-        return True
-    steps = tail[..., 1:]
-    return bool((tail[..., 0] == 0).all()) and bool(((steps == 0) | (steps == tail[..., :-1] + 1)).all())
-
-
-def _mrope(mb):
-    return mb["position_ids"].values().dim() > 1  # (C, total) positions: mRoPE
-
-
-def _share(c):
-    padded = padded_length(c.total_nnz, c.pad_to_length, c.sp_size)
-    return padded, padded - c.total_nnz, padded // c.sp_size
+    def leaked(key, value):
+        bad = []
+        for i, seq in enumerate(value.unbind() if key in want else ()):
+            at = read[i]
+            got, exp = seq.detach().to("cpu", torch.float64)[at], want[key][i][0][at]
+            bad += [(i, int(k)) for k in at[~torch.isfinite(got) & torch.isfinite(exp)]]
+        return bad
+    return leaked
 
 
 def check_rank_pad(c, mb, run):
-    """INV-RANK-003: pad_size = bucket pad + SP pad, each rank (total + pad) / sp tokens, the tail's positions from 0
-    with temperature 1, and outputs of exactly the real tokens, finite where the reference is."""
-    total, sp = c.total_nnz, c.sp_size
-    padded, pad, local = _share(c)
-    why = (f"total_nnz {total} rounded up to the bucket {c.pad_to_length}, then to a multiple of sp={sp}: "
-           f"{padded} tokens, {local} per rank")
-    for r, view in enumerate(run.views):
-        if view["pad_size"] != pad:
-            return f"rank {r}: pad_size: got {view['pad_size']!r}, expected {pad} ({why})"
-        ids, rolled = view["input_ids"], _count(view["labels"])
-        width = ids.shape[-1]
-        if rolled != local or ids.shape[0] != 1 or not (width == local or (_replicated(run) and width == local * sp)):
-            return (f"rank {r}: input_ids {tuple(ids.shape)}, rolled labels ({rolled},): expected {local} tokens = "
-                    f"(total_nnz {total} + pad {pad}) / sp (input_ids may be the whole padded row on every rank)")
-    ids, pos = _rows(run, "input_ids")[0], _rows(run, "position_ids")
-    temps = [v["temperature"] for v in run.views]
-    if any(not isinstance(t, torch.Tensor) for t in temps):
-        return f"the packed hand-off carries temperature {temps[0]!r}, expected one per token (a tensor)"
-    temps = torch.cat([t.detach().reshape(-1).cpu() for t in temps])
-    tail_pos = pos[..., 0, total:] if pos.dim() == 3 else pos[0, total:]
-    if ids.shape[0] != padded or not _restarts(tail_pos) or not torch.equal(temps[total:].float(), torch.ones(pad)):
-        return (f"packed row of {ids.shape[0]} tokens (expected {padded}), tail positions {tail_pos.tolist()}, "
-                f"temperature {temps[total:].tolist()}; expected positions from 0 on every axis (runs 0, 1, 2, ...) "
-                "and ones")
-    offsets = torch.tensor([0, *c.seq_lens]).cumsum(0)
-    want = reference(c, mb, run.model)
-    for r, outputs in enumerate(run.rank_outputs):
-        for key, value in sorted(outputs.items()):
-            if not (isinstance(value, torch.Tensor) and value.is_nested) or \
-                    not torch.equal(value.offsets().cpu(), offsets) or value.values().shape[0] != total:
-                held = value.values().shape[0] if isinstance(value, torch.Tensor) and value.is_nested else "-"
-                return (f"rank {r}: output {key!r} holds {held} tokens (offsets "
-                        f"{value.offsets().tolist() if isinstance(value, torch.Tensor) and value.is_nested else '-'}), "
-                        f"expected the {total} real ones (offsets {offsets.tolist()})")
-            for i, seq in enumerate(value.unbind() if key in want else ()):
-                lo, hi = read_span(c, i)
-                got, exp = seq.detach().to("cpu", torch.float64)[lo:hi], want[key][i][0][lo:hi]
-                bad = (~torch.isfinite(got) & torch.isfinite(exp)).nonzero()
-                if bad.numel():
-                    t = lo + int(bad[0, 0])
-                    return (f"rank {r}: output {key!r} of sequence {i} at token {t}: got {got[t - lo].item()}, expected "
-                            f"{exp[t - lo].item():.8g} (finite: the tail is poisoned, and the sample alone gives a "
-                            "finite value there)")
-    return None
+    """INV-RANK-003."""
+    rank_pad_and_tail(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
+                      _field(run, "temperature"), _field(run, "pad_size"), run.rank_outputs, c.seq_lens, _padded(c),
+                      c.sp_size, c.pad_to_length, mb["position_ids"].values().dim() > 1, _leaked(c, mb, run))
 
 
 def check_rank_shapes(c, mb, run):
-    """INV-RANK-006: each rank's (1, n) ids, (1, n) or (C, 1, n) positions, its labels, temperature (whatever their
-    private shape) and fused shift_labels of its n tokens, n * sp = total_nnz + pad_size, n the same on every rank."""
-    sp, widths = c.sp_size, set()
-    for r, view in enumerate(run.views):
-        width = view["input_ids"].shape[-1]
-        n = width // sp if _replicated(run) else width
-        widths.add(n)
-        pos = view["position_ids"]
-        shapes = {"input_ids": (tuple(view["input_ids"].shape), (1, width)),
-                  "position_ids": (None if pos is None else tuple(pos.shape),
-                                   (mb["position_ids"].values().shape[0], 1, width) if _mrope(mb) else (1, width)),
-                  "labels": ((_count(view["labels"]),), (n,)),
-                  "temperature": ((_count(view["temperature"]),), (n,))}
-        if c.use_fused_kernels:
-            labels = view["model_labels"]
-            shapes["shift_labels"] = (None if labels is None else tuple(labels.shape), (1, n))
-        for key, (got, want) in shapes.items():
-            if got != want:
-                return (f"rank {r}: {key} has shape {got}, expected {want} (the rank's model input and output hold "
-                        f"{n} tokens)")
-        if n * sp != c.total_nnz + int(view["pad_size"] or 0):
-            return (f"rank {r}: {n} tokens x {sp} ranks != total_nnz {c.total_nnz} + pad_size {view['pad_size']} "
-                    f"(expected {_share(c)[2]} tokens per rank, pad_size {_share(c)[1]})")
-    if len(widths) != 1:
-        return f"ranks hold different numbers of tokens {sorted(widths)}"
-    return None
+    """INV-RANK-006."""
+    positions = mb["position_ids"].values()
+    rank_shapes(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
+                _field(run, "temperature"), _field(run, "model_labels"), _field(run, "pad_size"), c.total_nnz,
+                c.sp_size, positions.shape[0] if positions.dim() > 1 else None, c.use_fused_kernels)
 
 
 def check_rank_roll_exact(c, mb, run):
-    """INV-RANK-008: each rank's labels (and fused shift_labels) are exactly its slice of the global packed row
-    rolled left by one (the wrap at each sequence end included), then zeros."""
-    ids = mb["input_ids"].values().cpu()
-    padded, pad, local = _share(c)
-    want = torch.cat([torch.roll(ids, -1), ids.new_zeros(pad)])
-    for r, view in enumerate(run.views):
-        if view["labels"] is None:
-            return f"rank {r}: the engine hands no labels to its output step"
-        got, mine = view["labels"].detach().reshape(-1).cpu(), want[r * local:(r + 1) * local]
-        what = (f"rank {r}'s slice [{r * local}, {(r + 1) * local}) of the global row {ids.tolist()} rolled left by "
-                f"one, then {pad} zeros")
-        if got.shape != mine.shape or not torch.equal(got, mine):
-            wrong = [k for k in range(min(len(got), len(mine))) if got[k] != mine[k]]
-            at = f"; first wrong at local position {wrong[0]} (global {r * local + wrong[0]})" if wrong else ""
-            return f"rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} ({what}{at})"
-        labels = view["model_labels"]
-        if c.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
-                                    or not torch.equal(labels[0].cpu(), mine)):
-            return (f"rank {r}: fused shift_labels {None if labels is None else labels.tolist()}, expected "
-                    f"[{mine.tolist()}] ({what})")
-    return None
+    """INV-RANK-008."""
+    rank_labels(_field(run, "labels"), _field(run, "model_labels"), mb["input_ids"].values(), c.seq_lens, _padded(c),
+                c.sp_size, c.use_fused_kernels, exact=True)
 
 
 #: the checks of what each rank handed over, beside the engine-case runtime's CHECKS
