@@ -56,16 +56,19 @@ def declared_precision(engine: EngineUnderTest, case: EngineCase) -> dict[str, t
 
 def declarations(engine: EngineUnderTest) -> str:
     """What the file's checks read of the engine's declarations, as its assignment lines: its padded layout and output
-    span, whether its profile promises verl's int32 attention mask, its tail multiple (the invariants read the same)."""
+    span, whether its profile promises verl's int32 attention mask, its tail multiple, the settings it refuses (the
+    invariants read the same)."""
     return assignments({
         "PADDED_LAYOUT": PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value,
         "OUTPUT_SPAN": OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value,
         "INT32_ATTENTION_MASK": profile_of(engine).promises(Convention.INT32_ATTENTION_MASK),
-        "TAIL_MULTIPLE": profile_of(engine).tail_multiple}, {
+        "TAIL_MULTIPLE": profile_of(engine).tail_multiple,
+        "REFUSES": sorted(profile_of(engine).refuses)}, {
         "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
         "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
         "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
-        "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this (None: no rule)"})
+        "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this (None: no rule)",
+        "REFUSES": "the settings its profile declares unsupported (INV-FLAG-004/005: each call must refuse them)"})
 
 
 def _plain(value: Any) -> Any:

@@ -14,7 +14,6 @@ are bound into this module by :func:`share`, which the file calls once before ``
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import threading
 import traceback
@@ -28,15 +27,15 @@ from tensordict import TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
 #: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
 FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
               "execution_context", "BAD_FLAGS", "recode_flags", "bad_settings",
-              "TopKProcessor", "topk_terms",
-              "Expected", "OVERLAP_KEYS", "topk_tie_slack",
+              "TopKProcessor",
+              "Expected", "expected_loop",
               # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
               "padded_mask", "padded_mask_shape", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
               "next_token_labels", "rolled_row", "packed_tail", "tail_fill", "per_token_temperature",
@@ -208,70 +207,25 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
                            rank_outputs=[_views_out(o) for o in raw])
 
 
-# ---- the reference: float64, each sequence alone, with the suite's tolerance rule ----
-EPS = torch.finfo(torch.float32).eps
-SAFETY = 32.0
+# ---- the reference: the suite's oracle, float64, each sequence alone, with its tolerance rule ----
+class OracleCase(SimpleNamespace):
+    """The file's case as the oracle reads it (spec/truth/oracle.py reads an EngineCase's ``temperatures()``)."""
 
-
-def _bound(cond, value, vocab):
-    return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
+    def temperatures(self):
+        return tuple(self.per_sample_temperatures)
 
 
 def reference(c, mb, model):
-    """key -> per sequence (expected float64 values, allowed absolute error per token), each key at the precision the
-    engine declares for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the
-    oracle's rule (Expected.at_precision, written out above), as the suite compares it."""
-    ids, positions = mb["input_ids"].unbind(), mb["position_ids"].unbind()
-    exp = Expected(distillation={key: [] for key in c.distillation_keys})
-    low = c.logits_dtype if c.logits_dtype != "float32" else None  # the tie slack of a top-K ranked in it
-
-    def add(key, value, cond, vocab):
-        (exp.distillation[key] if key in exp.distillation else getattr(exp, key)).append(value)
-        exp.tolerance.setdefault(key, []).append(_bound(cond, value, vocab))
-        exp.condition.setdefault(key, []).append(cond.expand_as(value))
-
-    for i in range(c.batch_size):
-        seq_pos = positions[i]
-        pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)
-        logits = model.logits(ids[i].unsqueeze(0), pos).squeeze(0)
-        if c.head == "value":
-            v = logits[:, 0].double()
-            add("values", v, v.abs(), 1)
-            continue
-        temp = torch.tensor(c.temperatures[i], dtype=torch.float32).clamp(min=1e-8)
-        z32 = logits.float() / temp
-        z = z32.double()
-        vocab = z.shape[-1]
-        lsm = torch.log_softmax(z, dim=-1)
-        p = lsm.exp()
-        absz = z.abs()
-        labels = ids[i][1:]
-        lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        cond = absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + (p * absz).sum(-1)[:-1]
-        if not c.distillation_only:
-            add("log_probs", lp, cond, vocab)
-        if c.calculate_entropy:
-            ent = -(p * lsm).sum(-1)
-            add("entropy", ent, (p * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
-        if c.calculate_sum_pi_squared:
-            spq = (p * p).sum(-1)
-            add("sum_pi_squared", spq, (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
-        if c.distillation_use_topk:
-            clamp = dict(getattr(c, "engine_config", None) or ()).get("log_prob_min_clamp")  # a drawn switch of the
-            # engine's own processor: both top-K log-probs clamped below, as the oracle computes it
-            teacher_ids, teacher_lp = mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i]
-            terms = topk_terms(z32, teacher_ids, teacher_lp, clamp)
-            cond = (absz.max(-1).values + 1.0) * (1 + c.topk)
-            for key in c.distillation_keys:
-                add(key, terms[key], cond, vocab)
-            if low is not None:
-                slack = topk_tie_slack(z, teacher_ids, teacher_lp, clamp, low)
-                for key in OVERLAP_KEYS:
-                    if key in c.distillation_keys:
-                        exp.ties.setdefault(low, {}).setdefault(key, []).append(slack[key])
+    """key -> per sequence (expected float64 values, allowed absolute error per token): the suite's oracle on the
+    micro-batch (``expected_loop``, written out into repro_suite.py), each key at the precision the engine declares
+    for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the oracle's rule
+    (``Expected.at_precision``), as the suite compares it."""
+    case = OracleCase(**{k: v for k, v in vars(c).items() if k != "temperatures"},
+                      per_sample_temperatures=c.temperatures)
+    exp = expected_loop(case, mb, model)
     declared = getattr(c, "precision", None) or {}
     return {key: list(zip(*exp.at_precision(key, *declared.get(key, ("float32", "float32")))))
-            for key in exp.tolerance}
+            for key, tols in exp.tolerance.items() if tols}
 
 
 # ---- the checks: each fails (an AssertionError: spec/truth/failing.py) or returns what is wrong, else None ----
@@ -606,6 +560,57 @@ def check_rejects(c, mb, run):
     return _rejected(c, mb, what)
 
 
+def _refused_by(call, what):
+    """None when ``call`` (one of the engine's own calls) raised, else what it did instead."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - classified
+        if origin(exc) in ("engine", None):
+            print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            return None
+        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); expected the engine to raise")
+    return f"{what}: was accepted by the engine (no exception), expected it refused"
+
+
+def check_refused(c, mb, run):
+    """INV-FLAG-004/005: each setting the engine's profile declares unsupported (REFUSES) is refused by every call
+    that reads it: the whole preparation, and prepare_model_outputs alone handed a valid run's model output and
+    output_args (the micro-batch layer's postprocess_batch_func is the suite's to try)."""
+    if not REFUSES:
+        print("NOT EXERCISED: the engine's profile declares no unsupported setting")
+        return None
+    engines = []
+    valid = execute(c, mb, POISON, engines=engines)
+    eng = engines[0]
+    problem = None
+    if "pad_mode" in REFUSES:
+        with execution_context(c):
+            _, output_args = _side("engine", eng.prepare_model_inputs)(mb)
+        for mode in (PadMode.LEFT_RIGHT, PadMode.RIGHT):
+            bad = mb.copy()
+            bad.set_non_tensor("pad_mode", mode)
+            what = f"pad_mode={mode.value}"
+            problem = problem or _refused_by(lambda: _side("engine", eng.prepare_model_inputs)(bad),
+                                             f"prepare_model_inputs with {what}")
+            with execution_context(c):
+                problem = problem or _refused_by(lambda: _side("engine", eng.prepare_model_outputs)(
+                    valid.model_outputs[0], output_args, bad, _processor(c, 0)),
+                    f"prepare_model_outputs (a valid run's model output and output_args) with {what}")
+    if "sum_pi_squared_fused" in REFUSES and c.head == "lm":
+        bad = mb.copy()
+        bad.set_non_tensor("use_fused_kernels", True)
+        bad.set_non_tensor("calculate_sum_pi_squared", True)
+        problem = problem or _rejected(c, bad, "use_fused_kernels with calculate_sum_pi_squared")
+    if "bucket_distillation" in REFUSES and c.head == "lm" and c.use_remove_padding:
+        bad = mb.copy()
+        bad.set_non_tensor("distillation_use_topk", True)
+        bucket = c.total_nnz + 1
+        problem = problem or _refused_by(lambda: _side("engine", make_engine)(c.head, pad_to_length=bucket)
+                                         .prepare_model_inputs(bad), f"pad_to_length={bucket} with distillation_use_topk")
+    return problem
+
+
 def check_bad_settings(c, mb, run):
     for bad in bad_settings(c):
         try:
@@ -681,11 +686,11 @@ CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_posit
           "slice_reads": check_slice_reads, "from_nested": check_from_nested, "round_trip": check_round_trip,
           "slice_dtypes": check_slice_dtypes, "mask_helper": check_mask_helper, "response_values": check_response_values,
           "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
-          "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings,
+          "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings, "refused": check_refused,
           "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda}
 #: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
-          "rejects", "bad_settings"}
+          "rejects", "bad_settings", "refused"}
 #: checks that read what prepare_model_inputs handed over, and nothing after it
 INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
                "shard_labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",

@@ -19,7 +19,7 @@ from ..execute import handoff, harness
 from ..protocol import engine as protocol_engine
 from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
 from ..protocol.profile import layout_starts
-from ..protocol.vendor import definitions, source
+from ..protocol.vendor import assignments, definitions, source
 from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rank_checks, rules,
                      settings_checks, slice_checks, state_checks, toy_model)
 from . import runtime
@@ -54,6 +54,14 @@ def suite_blocks() -> str:
               "_DTYPES = {" + ", ".join(f"{k!r}: torch.{str(v).removeprefix('torch.')}"
                                         for k, v in oracle._DTYPES.items()) + "}", ""]
     for fn in (oracle.unit_roundoff, oracle.topk_tie_slack, rules.response_positions, oracle.Expected):
+        parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the oracle itself, per sequence (spec/truth/oracle.py: expected_loop, the reference the vectorised "
+              "oracle is tested against) ----", "import math", "",
+              assignments({"EPS": oracle.EPS, "SAFETY": oracle.SAFETY, "CANCELLATION_SAFETY": oracle.CANCELLATION_SAFETY,
+                           "TEMPERATURE_FLOOR": rules.TEMPERATURE_FLOOR,
+                           "LOG_PROB_MIN_CLAMP": oracle.LOG_PROB_MIN_CLAMP})]
+    for fn in (oracle._bound, oracle.scaled_logits, oracle.cancellation_bounds, oracle.log_prob_min_clamp,
+               oracle._cancellation_dtypes, oracle.expected_loop):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- what a consumer reads (spec/protocol/engine.py, spec/truth/rules.py) ----"]
     for fn in (OutputSpan, rules.read_positions, rules.full_length_mask, protocol_engine._flag_width,
