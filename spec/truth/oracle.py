@@ -243,6 +243,16 @@ class Expected:
         return out, tol
 
 
+def softmax_terms(z32: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the scaled logits ``z32`` (``(..., V)`` float32): ``z`` in float64, the vocabulary ``V``, log_softmax,
+    softmax, ``|z|`` and each token's ``sum p |z|`` (what the oracle's values and conditions are made of)."""
+    z = z32.double()
+    lsm = torch.log_softmax(z, dim=-1)
+    probs = lsm.exp()
+    absz = z.abs()
+    return z, z.shape[-1], lsm, probs, absz, (probs * absz).sum(-1)
+
+
 def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
     return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
 
@@ -330,12 +340,7 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
         return result
     temps = token_temperatures(case).clamp(min=TEMPERATURE_FLOOR)
     z32 = logits.float() / temps.unsqueeze(-1)
-    z = z32.double()
-    vocab = z.shape[-1]
-    lsm = torch.log_softmax(z, dim=-1)
-    probs = lsm.exp()
-    absz = z.abs()
-    mean_abs = (probs * absz).sum(-1)
+    z, vocab, lsm, probs, absz, mean_abs = softmax_terms(z32)
     # each token's label is the next token of its sequence; a sequence's last token has none (dropped below)
     labels = torch.roll(ids, -1).unsqueeze(-1)
     lp = lsm.gather(-1, labels).squeeze(-1)
@@ -397,12 +402,7 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
             conds["values"].append(values.abs())
             continue
         z32 = scaled_logits(logits, temps[i])
-        z = z32.double()
-        vocab = z.shape[-1]
-        lsm = torch.log_softmax(z, dim=-1)
-        probs = lsm.exp()
-        absz = z.abs()
-        mean_abs = (probs * absz).sum(-1)
+        z, vocab, lsm, probs, absz, mean_abs = softmax_terms(z32)
         labels = seq_ids[1:]
         lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         result.log_probs.append(lp)
