@@ -54,6 +54,8 @@ CASES = (
     ("INV-MB-012", {"nested_tensor_from_tensor_list": buggy_layer.nested_tensor_from_tensor_list}),
     ("INV-MB-013", {"list_of_dict_to_tensordict": buggy_layer.list_of_dict_to_tensordict}),
     ("INV-MB-014", {"maybe_fix_3d_position_ids": buggy_layer.maybe_fix_3d_position_ids}),
+    # a training step's outputs through postprocess_batch_func (INV-MB-017's own check, written out)
+    ("INV-MB-017", {"postprocess_batch_func": buggy_layer.postprocess_batch_func}),
     ("INV-MB-005", DpAlone),  # the reproducer starts its own gloo ranks
 )
 

@@ -32,6 +32,9 @@ HELPER_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
     "INV-MB-012": (("nested_tensor_from_tensor_list", "concat_nested_tensors"), "nested"),
     "INV-MB-013": (("list_of_dict_to_tensordict",), "from_samples"),
     "INV-MB-014": (("maybe_fix_3d_position_ids",), "fix_3d"),
+    "INV-MB-017": (("prepare_micro_batches", "postprocess_batch_func"), "step_outputs"),
+    "INV-MB-018": (("prepare_micro_batches",), "padded_cut"),
+    "INV-MB-019": (("concat_tensordict", "index_select_tensor_dict"), "padded_helpers"),
 }
 
 
@@ -39,7 +42,7 @@ def helper_case_data(case: MiniBatchCase) -> dict[str, Any]:
     """The seed-drawn structure the helper checks use, as plain values (what the suite's invariants draw)."""
     return {"chunks": _chunk_count(case), "parts": [rows for _, rows in _suite_parts(materialize_minibatch(case), case)],
             "selection": _selection(case), "halves": _halves(case.batch_size), "mrope": case.mrope,
-            "nested_keys": list(NESTED_KEYS)}
+            "nested_keys": list(NESTED_KEYS), "seed": int(case.seed), "outputs": case.outputs}
 
 
 def readings() -> str:

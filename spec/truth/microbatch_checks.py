@@ -12,13 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from .closeness import close
 from .failing import fail
 
 __all__ = ["items", "check_nested", "check_sample_keys", "is_stack", "plain", "short", "check_index_lists", "check_partition",
            "micro_batch_samples", "groups_together", "token_budget", "count_rules", "fixed_size", "restore_order",
-           "dp_same_count", "end_to_end_keys", "end_to_end_outputs", "offsets_of"]
+           "dp_same_count", "end_to_end_keys", "end_to_end_outputs", "offsets_of", "step_log_probs", "step_outputs",
+           "training_step_outputs", "padded_cut", "metadata", "flags_of", "padded_helpers"]
 
 
 def items(value: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -283,3 +285,110 @@ def end_to_end_outputs(outputs: dict, keys, wants: dict, tols: dict, seq_lens, r
             at = read[i]  # only what a consumer reads: never a sequence's last token
             close(actual[at], exp[at], f"{key!r} of sample {i} (micro-batches {list(sizes)})"
                   + ("" if at.numel() == 0 or int(at[0]) == 0 else f" (positions {at.tolist()})"), atol=tol[at])
+
+
+def step_log_probs(ids: torch.Tensor) -> torch.Tensor:
+    """A per-token output of the sample's own ids (what a step computes per sample, whatever micro-batch it sat in)."""
+    return -(ids.to(torch.float32) + 1.0) / 7.0
+
+
+def step_outputs(mb: Any, k: int, outputs: str) -> dict[str, Any]:
+    """What micro-batch ``k``'s training step returns: its per-token outputs (not under ``loss_only``), and under
+    ``train`` and ``loss_only`` its loss (a 0-d tensor) and metrics (a scalar per micro-batch, a list per sample)."""
+    ids = mb.get("input_ids")
+    lens = ids.offsets().diff()
+    entry: dict[str, Any] = {}
+    if outputs != "loss_only":
+        entry["model_output"] = {"log_probs": torch.nested.nested_tensor_from_jagged(
+            step_log_probs(ids.values()), ids.offsets())}
+    if outputs != "model_output":
+        entry["loss"] = ids.values().to(torch.float32).mean() + k
+        entry["metrics"] = {"actor/pg_loss": float(k) + 0.25, "actor/response_length": lens.tolist()}
+    return entry
+
+
+def training_step_outputs(post, mini: Any, micro: list, indices, rows: list[list[int]], outputs: str) -> None:
+    """INV-MB-017: ``post`` (the layer's postprocess_batch_func) on the micro-batches' step outputs
+    (:func:`step_outputs`): 'loss' their losses in micro-batch order, 'metrics' each key's values in micro-batch order
+    (a list extends, a scalar appends), 'model_output' the per-token outputs back in mini-batch order, or empty when
+    no micro-batch returned one."""
+    output_lst = [step_outputs(mb, k, outputs) for k, mb in enumerate(micro)]
+    got = post(output_lst=output_lst, indices=indices, data=mini)
+    for key in ("model_output", "loss", "metrics"):
+        if key not in got:
+            fail(f"postprocess_batch_func returned keys {sorted(got)}: {key!r} missing")
+    losses = [o["loss"] for o in output_lst if "loss" in o]
+    got_losses = list(got["loss"])
+    if len(got_losses) != len(losses) or not all(
+            isinstance(g, torch.Tensor) and torch.equal(g, w) for g, w in zip(got_losses, losses)):
+        fail(f"'loss': {[float(g) for g in got_losses][:8]}, expected the {len(losses)} micro-batches' losses "
+             f"{[float(w) for w in losses][:8]} in micro-batch order")
+    want_metrics: dict[str, list] = {}
+    for o in output_lst:
+        for key, value in o.get("metrics", {}).items():
+            want_metrics.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    metrics = {key: list(value) for key, value in dict(got["metrics"]).items()}
+    if metrics != want_metrics:
+        fail(f"'metrics': {({k: v[:8] for k, v in metrics.items()})!r:.300}, expected each key's values in "
+             f"micro-batch order {({k: v[:8] for k, v in want_metrics.items()})!r:.300}")
+    model_output = dict(got["model_output"])
+    if outputs == "loss_only":
+        if model_output:
+            fail(f"'model_output' has keys {sorted(model_output)} although no micro-batch returned one")
+        return
+    if sorted(model_output) != ["log_probs"]:
+        fail(f"'model_output' keys {sorted(model_output)}, expected ['log_probs']")
+    ids = mini.get("input_ids")
+    want = torch.nested.nested_tensor_from_jagged(step_log_probs(ids.values()), ids.offsets())
+    check_nested(model_output["log_probs"], want, list(range(int(ids.size(0)))),
+                 f"'log_probs' after postprocess (micro-batches {[len(r) for r in rows]})")
+
+
+def padded_cut(mini: Any, micro: list, rows: list[list[int]], dynamic: bool, budget: int) -> None:
+    """INV-MB-018: every key's rows of each micro-batch of a padded mini-batch those of its samples; on the dynamic
+    path each micro-batch's attention-mask tokens within ``budget``."""
+    for k, (mb, part) in enumerate(zip(micro, rows)):
+        check_sample_keys(mb, mini, part, f"micro-batch {k}")
+        if dynamic:
+            tokens = int(mb.get("attention_mask").sum())
+            if tokens > budget:
+                fail(f"micro-batch {k} holds {tokens} tokens (attention mask), over the budget {budget}")
+
+
+def metadata(mini: Any, seed: int) -> Any:
+    """The mini-batch's flags alone, as a TensorDict without a batch size (a trainer's meta info)."""
+    meta = TensorDict({}, batch_size=[])
+    for key in mini.keys():
+        value = mini.get(key)
+        if not isinstance(value, torch.Tensor) and not is_stack(value):
+            meta.set_non_tensor(key, plain(value))
+    meta.set_non_tensor("global_step", seed)
+    return meta
+
+
+def flags_of(td: Any) -> dict[str, Any]:
+    return {key: plain(td.get(key)) for key in td.keys()
+            if not isinstance(td.get(key), torch.Tensor) and not is_stack(td.get(key))}
+
+
+def padded_helpers(concat, select, mini: Any, parts: list, part_rows: list[list[int]], seed: int) -> None:
+    """INV-MB-019: ``concat`` (concat_tensordict) of a padded mini-batch's consecutive ``parts`` gives its rows back, of
+    metadata-only TensorDicts their flags; ``select`` (index_select_tensor_dict) with a tensor of indices (from
+    ``seed``) selects those rows, of a metadata-only TensorDict keeps every flag whole, of None gives None."""
+    batch_size = int(mini.batch_size[0])
+    got = concat(parts)
+    check_sample_keys(got, mini, list(range(batch_size)), f"concat of padded parts {[len(r) for r in part_rows]}")
+    meta = metadata(mini, seed)
+    joined = concat([meta, meta.clone()])
+    if flags_of(joined) != flags_of(meta):
+        fail(f"concat of metadata-only TensorDicts: flags {flags_of(joined)!r:.200}, expected {flags_of(meta)!r:.200}")
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(batch_size, generator=gen)[: (seed % batch_size) + 1]
+    picked = select(mini, rows)
+    check_sample_keys(picked, mini, rows.tolist(), f"index_select by the tensor {rows.tolist()[:8]}")
+    kept = select(meta, rows)
+    if kept is None or flags_of(kept) != flags_of(meta):
+        fail(f"index_select of a metadata-only TensorDict: {None if kept is None else flags_of(kept)!r:.200}, "
+             f"expected its flags {flags_of(meta)!r:.200} whole")
+    if select(None, rows) is not None:
+        fail("index_select_tensor_dict(None, indices) returned a TensorDict, expected None")

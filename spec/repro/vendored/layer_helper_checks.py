@@ -16,12 +16,32 @@ from tensordict import TensorDict
 BOUND = ("CASE", "CHECK", "cut", "context", "micro_batch_rows", "chunk_tensordict", "concat_tensordict",
          "index_select_tensor_dict", "nested_tensor_from_tensor_list", "concat_nested_tensors",
          "list_of_dict_to_tensordict", "maybe_fix_3d_position_ids", "check_sample_keys", "check_nested", "same", "held",
-         "_snapshot", "_select", "items")
+         "_snapshot", "_select", "items", "postprocess_batch_func", "check_index_lists", "check_partition",
+         "training_step_outputs", "padded_cut", "padded_helpers")
 
 
 def check(mini):
     B = CASE["batch_size"]
     every = list(range(B))
+    if CHECK in ("step_outputs", "padded_cut"):  # INV-MB-017/018: the layer's cut of the (padded) mini-batch, then
+        if CASE["refusable"]:
+            print("NOT EXERCISED: the layer may refuse this mini-batch (INV-MB-003/004/006)")
+            return None
+        micro, indices = cut(mini)
+        rows = micro_batch_rows(micro, indices)
+        check_index_lists(micro, rows, indices)
+        check_partition(B, rows)
+        if CHECK == "padded_cut":  # every key's rows those of its samples, the attention mask within the budget
+            padded_cut(mini, micro, rows, CASE["use_dynamic_bsz"], CASE["budget"])
+        else:  # a training step's outputs through postprocess_batch_func
+            with context():
+                training_step_outputs(postprocess_batch_func, mini, micro, indices, rows, CASE["outputs"])
+        return None
+    if CHECK == "padded_helpers":  # INV-MB-019: concat and index_select on padded and metadata-only TensorDicts
+        parts = [_select(mini, rows) for rows in CASE["parts"]]
+        with context():
+            padded_helpers(concat_tensordict, index_select_tensor_dict, mini, parts, CASE["parts"], CASE["seed"])
+        return None
     if CHECK == "keys":  # INV-MB-008: every key, layout and flag in every micro-batch; the mini-batch unchanged
         if CASE["refusable"]:
             print("NOT EXERCISED: the layer may refuse this mini-batch (INV-MB-003/004/006)")
