@@ -522,19 +522,29 @@ def check_flags_recoded(c, mb, run):
         slice_with_width(_sliced(recoded, run), c.batch_size, int(width), written["max_response_len"])
 
 
-def _rejected(c, mb, what):
-    """None when the engine's own call raised on ``mb``, else what it did instead (returned outputs, or only the
-    stand-in model or processor choked on what it accepted)."""
+def _says(exc):
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _refused_by(call, what):
+    """None when the engine's own call (``call``) raised, else what happened instead: it returned (no exception), or
+    only the stand-in model or processor failed on what the engine accepted (the suite's attribution:
+    spec/execute/attribution.py)."""
     try:
-        result = execute(c, mb, POISON)
+        result = call()
     except Exception as exc:  # noqa: BLE001 - classified
         if origin(exc) == "engine":
-            print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            print(f"  ok: {what}: the engine raised {_says(exc)}")
             return None
-        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); expected the engine to raise")
-    keys = sorted(result.rank_outputs[0]) if result.rank_outputs else []
-    return f"{what}: got outputs {keys} (no exception), expected the engine to raise a clear exception"
+        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed ({_says(exc)}); "
+                "expected the engine to raise")
+    got = f"outputs {sorted(result.rank_outputs[0])}" if getattr(result, "rank_outputs", None) else "a result"
+    return f"{what}: got {got} (no exception), expected the engine to raise a clear exception"
+
+
+def _rejected(c, mb, what):
+    """The whole run of ``mb`` refused by the engine (:func:`_refused_by`)."""
+    return _refused_by(lambda: execute(c, mb, POISON), what)
 
 
 def check_bad_flags(c, mb, run):
@@ -558,19 +568,6 @@ def check_rejects(c, mb, run):
             else f"bucket={c.pad_to_length} with top-K distillation" if c.distillation_use_topk and c.pad_to_length
             else "this micro-batch")
     return _rejected(c, mb, what)
-
-
-def _refused_by(call, what):
-    """None when ``call`` (one of the engine's own calls) raised, else what it did instead."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - classified
-        if origin(exc) in ("engine", None):
-            print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
-            return None
-        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); expected the engine to raise")
-    return f"{what}: was accepted by the engine (no exception), expected it refused"
 
 
 def check_refused(c, mb, run):
@@ -606,20 +603,19 @@ def check_refused(c, mb, run):
         bad = mb.copy()
         bad.set_non_tensor("distillation_use_topk", True)
         bucket = c.total_nnz + 1
-        problem = problem or _refused_by(lambda: _side("engine", make_engine)(c.head, pad_to_length=bucket)
-                                         .prepare_model_inputs(bad), f"pad_to_length={bucket} with distillation_use_topk")
+        problem = problem or _refused_by(_side("engine", lambda: make_engine(c.head, pad_to_length=bucket)
+                                               .prepare_model_inputs(bad)),
+                                         f"pad_to_length={bucket} with distillation_use_topk")
     return problem
 
 
 def check_bad_settings(c, mb, run):
+    """INV-SET-001: each impossible setting the invariant tries rejected, by the constructor or the first call."""
     for bad in bad_settings(c):
-        try:
-            make_engine(c.head, **bad).prepare_model_inputs(mb)
-        except Exception as exc:  # noqa: BLE001 - a rejection, by the constructor or the first call
-            print(f"  ok: engine settings {bad}: raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
-            continue
-        return (f"engine settings {bad}: got an engine that prepared the micro-batch (no exception), expected it "
-                "rejected by the constructor or the first call")
+        problem = _refused_by(_side("engine", lambda: make_engine(c.head, **bad).prepare_model_inputs(mb)),
+                              f"engine settings {bad}")
+        if problem:
+            return problem
     return None
 
 
