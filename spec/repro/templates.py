@@ -60,7 +60,7 @@ def suite_blocks() -> str:
               assignments({"EPS": oracle.EPS, "SAFETY": oracle.SAFETY, "CANCELLATION_SAFETY": oracle.CANCELLATION_SAFETY,
                            "TEMPERATURE_FLOOR": rules.TEMPERATURE_FLOOR,
                            "LOG_PROB_MIN_CLAMP": oracle.LOG_PROB_MIN_CLAMP})]
-    for fn in (oracle.softmax_terms, oracle._bound, oracle.scaled_logits, oracle.cancellation_bounds, oracle.log_prob_min_clamp,
+    for fn in (oracle._softmax_terms, oracle._bound, oracle.scaled_logits, oracle.cancellation_bounds, oracle.log_prob_min_clamp,
                oracle._cancellation_dtypes, oracle.expected_loop):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- what a consumer reads (spec/protocol/engine.py, spec/truth/rules.py) ----"]

@@ -183,6 +183,16 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits.float() / temp
 
 
+def _softmax_terms(z32: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float64 terms every statistic and tolerance of the scaled logits ``z32`` reads: ``z``, the vocabulary, the
+    log-softmax, the probabilities, ``|z|`` and ``sum_j p_j |z_j|``."""
+    z = z32.double()
+    lsm = torch.log_softmax(z, dim=-1)
+    probs = lsm.exp()
+    absz = z.abs()
+    return z, z.shape[-1], lsm, probs, absz, (probs * absz).sum(-1)
+
+
 @dataclass
 class Expected:
     """Per-sequence expectations (lists indexed by sample), float64, each with its per-token tolerance."""
@@ -241,16 +251,6 @@ class Expected:
             out[i, : stop - start] = log_probs[i][begin: begin + stop - start]
             tol[i, : stop - start] = tolerance[i][begin: begin + stop - start]
         return out, tol
-
-
-def softmax_terms(z32: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the scaled logits ``z32`` (``(..., V)`` float32): ``z`` in float64, the vocabulary ``V``, log_softmax,
-    softmax, ``|z|`` and each token's ``sum p |z|`` (what the oracle's values and conditions are made of)."""
-    z = z32.double()
-    lsm = torch.log_softmax(z, dim=-1)
-    probs = lsm.exp()
-    absz = z.abs()
-    return z, z.shape[-1], lsm, probs, absz, (probs * absz).sum(-1)
 
 
 def _bound(cond: torch.Tensor, value: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -340,7 +340,7 @@ def expected(case: "EngineCase", model: ToyCausalLM, tokens) -> Expected:
         return result
     temps = token_temperatures(case).clamp(min=TEMPERATURE_FLOOR)
     z32 = logits.float() / temps.unsqueeze(-1)
-    z, vocab, lsm, probs, absz, mean_abs = softmax_terms(z32)
+    z, vocab, lsm, probs, absz, mean_abs = _softmax_terms(z32)
     # each token's label is the next token of its sequence; a sequence's last token has none (dropped below)
     labels = torch.roll(ids, -1).unsqueeze(-1)
     lp = lsm.gather(-1, labels).squeeze(-1)
@@ -402,7 +402,7 @@ def expected_loop(case: EngineCase, micro_batch: TensorDict, model: ToyCausalLM)
             conds["values"].append(values.abs())
             continue
         z32 = scaled_logits(logits, temps[i])
-        z, vocab, lsm, probs, absz, mean_abs = softmax_terms(z32)
+        z, vocab, lsm, probs, absz, mean_abs = _softmax_terms(z32)
         labels = seq_ids[1:]
         lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         result.log_probs.append(lp)
