@@ -1,13 +1,15 @@
-"""The runtime of a standalone reproducer: the micro-batch rebuilt with plain torch + tensordict, one run of the
-engine around the suite's stand-in model, the float64 reference (the oracle's tolerance rule), the checks and
-``main``. A real module, imported by nothing of the suite: the writer (:mod:`.writer`) copies this file beside every
+"""The runtime of a standalone reproducer, the file's plumbing: the micro-batch rebuilt with plain torch +
+tensordict, one run of the engine around the suite's stand-in model, the float64 reference (the suite's oracle and
+its tolerance rule), which of the invariants' checks runs on which run, who raised a rejection, and ``main``. The
+checks themselves are the invariants' own (spec/truth/*_checks.py, written into ``repro_suite.py``); this module
+re-states none. A real module, imported by nothing of the suite: the writer (:mod:`.writer`) copies this file beside every
 reproducer it writes, as ``repro_runtime.py``, and the reproducer loads it from its own folder.
 
 It imports only the standard library, numpy, torch and tensordict (``tests/test_repro_runtime.py`` runs it with
 ``spec`` and ``impl`` unimportable). What differs per file it does not hold: the engine (the file's engine block:
 ``make_engine``, ``helper``, and where the engine gives them ``view_inputs``, ``view_outputs``,
-``logits_processor``), the case (:data:`BOUND`'s constants) and the suite's own stand-in model, hand-off, flags and
-oracle rule (``repro_suite.py``, written beside the file from the suite's source by :func:`.templates.suite_module`)
+``logits_processor``), the case (:data:`BOUND`'s constants) and the suite's own stand-in model, hand-off, flags,
+oracle and checks (``repro_suite.py``, written beside the file from the suite's source by :func:`.templates.suite_module`)
 are bound into this module by :func:`share`, which the file calls once before ``main``.
 """
 
