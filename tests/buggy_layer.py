@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from impl.microbatch.batches import postprocess_batch_func as _postprocess
 from impl.microbatch.batches import prepare_micro_batches as _prepare
 from impl.microbatch.batches import rearrange_micro_batches as _rearrange
 from impl.microbatch.batches import restore_dynamic_batch as _restore
@@ -98,3 +99,10 @@ def prepare_micro_batches_alone(data, dp_group=None, *args, **kwargs):
 
 def _flag(data, key):
     return getattr(data.get(key), "data", data.get(key))
+
+
+def postprocess_batch_func(output_lst, indices, data):
+    """The micro-batches' losses come back last first (a training step's logged losses out of order)."""
+    out = _postprocess(output_lst=output_lst, indices=indices, data=data)
+    out["loss"] = list(out["loss"])[::-1]
+    return out

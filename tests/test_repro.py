@@ -44,6 +44,7 @@ BUGS = (
     ("slice_through_float", "INV-DTYPE-001", "any"),  # the helpers on per-token tensors the file builds
     ("entropy_flag_defaults_true", "INV-FLAG-001", "packed"),  # a run without the flags vs the case's run
     ("pad_mode_unchecked", "INV-ERR-001", "any"),  # a rejection: the engine must raise, not return
+    ("outputs_ignore_pad_mode", "INV-FLAG-004", "packed"),  # a refused setting, by prepare_model_outputs alone too
     ("chunk_size_or_none", "INV-SET-001", "packed"),  # an impossible engine setting
     ("mask_cached_by_shape", "INV-BATCH-003", "padded"),  # one engine object kept across two micro-batches
 )
@@ -99,7 +100,11 @@ def test_planted_reproducers_fail(written) -> None:
     for bug, outcome, rep, _ in written:
         assert rep.status == "reproduces", (bug, rep.status, rep.detail)
         code, printed = run_reproducer(rep.path)  # again, from the file on disk
-        assert code == 1 and "expected" in printed, (bug, code, printed)
+        # got vs expected (or what is missing), or the invariant's own message: the file runs the invariant's check
+        # (spec/truth/), the run-vs-run invariants' against the reference (KEYS-002: each run's keys)
+        said = str(outcome.error).splitlines()[0].split("AssertionError: ", 1)[-1][:60]
+        assert code == 1 and any(word in printed for word in ("expected", "missing", said)), \
+            (bug, code, printed, outcome.error)
         # a failed check (``FAIL <ID> (<check>) on ...``), not an exception of the engine's or of the file's own
         assert re.search(r"^FAIL \S+ \(\w+\) on ", printed, re.M), (bug, printed)
 

@@ -54,8 +54,15 @@ CASES = (
     ("INV-MB-012", {"nested_tensor_from_tensor_list": buggy_layer.nested_tensor_from_tensor_list}),
     ("INV-MB-013", {"list_of_dict_to_tensordict": buggy_layer.list_of_dict_to_tensordict}),
     ("INV-MB-014", {"maybe_fix_3d_position_ids": buggy_layer.maybe_fix_3d_position_ids}),
+    # a training step's outputs through postprocess_batch_func (INV-MB-017's own check, written out)
+    ("INV-MB-017", {"postprocess_batch_func": buggy_layer.postprocess_batch_func}),
     ("INV-MB-005", DpAlone),  # the reproducer starts its own gloo ranks
 )
+
+
+def _message(error: str) -> str:
+    """The suite's failure message, without the exception's type and the shrink's additions."""
+    return str(error).splitlines()[0].split("AssertionError: ", 1)[-1][:60]
 
 
 @pytest.mark.parametrize("invariant,replaced", CASES, ids=[c[0] for c in CASES])
@@ -74,7 +81,9 @@ def test_a_layer_failure_reproduces_without_the_suite(invariant, replaced, tmp_p
                          capture_output=True, text=True, cwd=str(tmp_path), timeout=300,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # impl and tests only
     assert run.returncode == 1 and f"FAIL {invariant}" in run.stdout, run.stdout + run.stderr
-    assert "expected" in run.stdout or "missing" in run.stdout, run.stdout  # got vs expected (or what is missing)
+    # got vs expected (or what is missing), or the invariant's own message: the file runs the invariant's check
+    assert "expected" in run.stdout or "missing" in run.stdout or _message(outcome.error) in run.stdout, \
+        (run.stdout, outcome.error)
     twin, why = write_reproducer(tmp_path / "twin.py", invariant=invariant, mode="any", engine=ImplEngine(),
                                  case=outcome.case)
     assert why is None

@@ -41,7 +41,7 @@ def test_a_real_rank_failure_reproduces_on_ranks_the_file_starts(tmp_path) -> No
         assert "--rank" in text and "init_process_group" in text
         assert not re.search(r"^\s*(import|from)\s+spec\b", text, re.M), path
     codes, out = _run_without_spec([rep.path, twin])
-    assert codes[str(rep.path)] == 1 and "FAIL INV-RANK-002 (labels)" in out and "real ranks" in out, out
+    assert codes[str(rep.path)] == 1 and "FAIL INV-RANK-002 (shard_labels)" in out and "real ranks" in out, out
     assert codes[str(twin)] == 0 and "PASS: INV-RANK-002" in out, out
 
 
@@ -116,7 +116,7 @@ def test_rank_handoff_failures_reproduce_without_the_suite(tmp_path) -> None:
     codes, out = _run(planted, os.pathsep.join((str(site), str(ROOT))))
     for (bug, invariant, check, _), path in zip(HANDOFF, planted):
         assert codes[str(path)] == 1 and f"FAIL {invariant} ({check}) on the case, sp=2 real ranks" in out, (bug, out)
-    assert "pad_size: got 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
+    assert "pad_size 2, expected 0" in out and "temperature has shape (3,), expected (2,)" in out, out
     codes, out = _run(twins, str(ROOT))
     for (bug, invariant, check, _), path in zip(HANDOFF, twins):
         assert codes[str(path)] == 0 and f"PASS: {invariant}" in out, (bug, out)

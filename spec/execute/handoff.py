@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..truth.rules import layout_mask
+from ..truth.state_checks import nested_parts
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 from ..truth.vision import MEDIA_KEYS, PATCH_DIM, media_token_ids, media_tokens
 from .attribution import EngineFault, check_outputs, note_fault, read_engine
@@ -45,14 +46,6 @@ class ThreadedAllGather:
             self.barrier.wait()
             return gathered
         return all_gather
-
-
-def nested_parts(value: Any) -> Any:
-    """A nested tensor as ``("nested", values, offsets)``; anything else as it is (what a copy of a batch
-    keeps, and what :func:`spec.invariants.core.same` compares)."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", value.values(), value.offsets())
-    return value
 
 
 def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
@@ -222,7 +215,7 @@ def check_media_inputs(model_inputs: dict[str, Any], case: EngineCase) -> None:
     name, merged into as many groups as the ids ``(R, n)`` (the whole row: every rank's joined) hold media tokens. An
     engine handing anything else fails here (an AssertionError naming the keys and shapes: the verdict on its model
     inputs)."""
-    if not case.media:
+    if not getattr(case, "media", ()):  # a reproducer's case of text-only samples may not name it
         return
     ids = model_inputs["input_ids"]
     for token_id, (kind, (features, grids)) in zip(media_token_ids(case.vocab), MEDIA_KEYS.items()):

@@ -4,24 +4,17 @@ and the configurations the contract makes errors."""
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 from ..execute.attribution import expect_engine_error
 from ..execute.harness import execute
 from ..cases.materialize import PadMode, materialize, select_rows
 from ..protocol.profile import Convention
+from ..truth import state_checks as state
 from ..truth.rules import distinct_temperatures
-from .core import VALUE_FACTS, Ctx, fail, invariant, match_runs, same
+from .core import VALUE_FACTS, Ctx, invariant, match_runs
 from .inputs import _bucketed
 
 PACKED = ("packed",)
-
-
-def _items(td: TensorDict) -> dict[str, object]:
-    """A micro-batch's entries: tensors as they are, flags by their value."""
-    items = {key: td.get(key) for key in td.keys()}
-    return {key: value if isinstance(value, torch.Tensor) else getattr(value, "data", value)
-            for key, value in items.items()}
 
 
 @invariant("INV-SP-001", "sequence-parallel size 2, 3 or 4 changes nothing in the outputs", contract=7,
@@ -92,12 +85,7 @@ def cpu_cuda_agree(ctx: Ctx) -> None:
 @invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10,
            protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)")
 def batch_not_mutated(ctx: Ctx) -> None:
-    before, after = ctx.run.snapshot, _items(ctx.run.micro_batch)
-    if set(before) != set(after):
-        fail(f"micro-batch keys changed: {sorted(before)} -> {sorted(after)}")
-    for key in before:
-        if not same(before[key], after[key]):
-            fail(f"micro-batch {key!r} was modified in place")
+    state.micro_batch_unchanged(ctx.run.snapshot, state.batch_items(ctx.run.micro_batch))
 
 
 @invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged (verl's "
@@ -105,10 +93,9 @@ def batch_not_mutated(ctx: Ctx) -> None:
            protects="the model's output (logits) is the same after prepare_model_outputs, for a reader the engine's "
            "caller keeps (a convention: the contract's caller reads the model output no more, docs/contract.md)")
 def logits_not_mutated(ctx: Ctx) -> None:
-    for r, (out, snap) in enumerate(zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)):
-        for key, before in snap.items():
-            if not same(getattr(out, key), before):
-                fail(f"rank {r}: model output {key!r} was modified in place by prepare_model_outputs")
+    state.model_output_unchanged([{key: getattr(out, key) for key in snap} for out, snap in
+                                  zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)],
+                                 ctx.run.model_output_snapshots)
 
 
 def _expect_error(ctx: Ctx, case, what: str, micro_batch=None) -> None:
@@ -159,9 +146,4 @@ def chunk_invariance(ctx: Ctx) -> None:
 @invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10,
            protects="output_args are intact after prepare_model_outputs (reused e.g. for a second head)")
 def output_args_not_mutated(ctx: Ctx) -> None:
-    for r, (args, snap) in enumerate(zip(ctx.run.output_args, ctx.run.output_args_snapshots)):
-        if set(args) != set(snap):
-            fail(f"rank {r}: output_args keys changed: {sorted(snap)} -> {sorted(args)}")
-        for key, before in snap.items():
-            if not same(before, args[key]):
-                fail(f"rank {r}: output_args[{key!r}] was modified by prepare_model_outputs")
+    state.output_args_unchanged(ctx.run.output_args, ctx.run.output_args_snapshots)

@@ -8,11 +8,8 @@ outputs a loss reads must carry the gradient back to the logits.
 from __future__ import annotations
 
 from ..protocol.profile import profile_of
+from ..truth.outputs_checks import outputs_carry_grad as carry_grad
 from .core import Ctx, EveryFailure, fail, invariant
-
-#: outputs a policy or critic loss differentiates (the distillation terms are the processor's, overlap_count a
-#: count; fused kernels' outputs are the model's own)
-DIFFERENTIABLE = ("log_probs", "entropy", "sum_pi_squared", "values")
 
 
 @invariant("INV-GRAD-001", "with grad enabled and logits requiring grad, log_probs, entropy, sum_pi_squared and "
@@ -26,18 +23,6 @@ def outputs_carry_grad(ctx: Ctx) -> None:
     if not ctx.run.model_outputs or not any(getattr(v, "requires_grad", False)
                                             for v in vars(ctx.run.model_outputs[0]).values()):
         fail("the harness handed the model's outputs without grad in the grad context")
-    metrics = profile_of(ctx.engine).metrics
     facts = EveryFailure()
-    for r, outputs in enumerate(ctx.run.rank_outputs):
-        for key in DIFFERENTIABLE:
-            if key not in outputs:
-                continue
-            with facts.each():
-                if key in metrics and outputs[key].requires_grad:
-                    fail(f"rank {r}: output {key!r} requires grad although the engine's profile declares it a metric "
-                         "only (EngineProfile.metrics): a loss reading it would backpropagate through it", key=key)
-                if key not in metrics and not outputs[key].requires_grad:
-                    fail(f"rank {r}: output {key!r} does not require grad although the model's logits do "
-                         f"(detached from the autograd graph: the loss gets no gradient through it; an output "
-                         f"computed as a metric only is declared so: EngineProfile(metrics={{{key!r}}}))", key=key)
+    carry_grad(ctx.run.rank_outputs, profile_of(ctx.engine).metrics, each=facts.each)
     facts.raise_any()

@@ -16,11 +16,16 @@ from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profi
 from ..execute.harness import Run, execute, model_for
 from ..execute.attribution import origin
 from ..protocol.errors import Failures
-from ..execute.handoff import nested_parts
 from ..execute.memo import Runs
 from ..cases.materialize import draws, materialize
 from ..truth.oracle import Expected, expected, unit_roundoff
+from ..truth.closeness import ATOL, close
+from ..truth.failing import add_facts, fail
+from ..truth.outputs_checks import locate as _locate
+from ..truth.outputs_checks import oracle_values, per_seq
+from ..truth.outputs_checks import sequences as _sequences
 from ..truth.rules import read_positions, shared_temperature
+from ..truth.state_checks import held, same
 from ..cases.strategies import dense_cases, engine_cases, profile_draws
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
@@ -31,10 +36,6 @@ __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_seq
 #: the facts a value check's failure carries (:func:`match_oracle`, :func:`match_runs`): the output key, the
 #: sequence and token position, the error against each precision mechanism's bound
 VALUE_FACTS = ("key", "position", "bounds")
-
-ATOL = 1e-4
-RTOL = 1e-4
-
 
 @dataclass(frozen=True)
 class InvariantInfo:
@@ -291,15 +292,6 @@ def in_context(precision: Precision | None, key: str, context: str, exp: Expecte
     return Precision(returns=precision.returns, scaled_in=coarser)
 
 
-def fail(message: str, **facts: Any) -> None:
-    """Raise the check's AssertionError; ``facts`` (``exc.facts``) say structurally what failed, for known-failure
-    records that match on them rather than on the message (:class:`spec.protocol.known.KnownFailure`): ``key``
-    (the output or model-input key), ``sequence``, ``position`` (a token of that sequence)."""
-    exc = AssertionError(message)
-    exc.facts = facts
-    raise exc
-
-
 class EveryFailure:
     """Collects the failing facts of one example, so a check reports each (every output's dtype, every key of two
     runs), not only the first: ``with facts.each(): ...`` per fact, then :meth:`raise_any`. Only a check's own
@@ -326,49 +318,6 @@ class EveryFailure:
             raise Failures(list(self.parts))
 
 
-def add_facts(exc: BaseException, **facts: Any) -> None:
-    """Add ``facts`` to a check's failure, keeping those it already carries (the innermost says most)."""
-    exc.facts = {**facts, **getattr(exc, "facts", {})}
-
-
-def held(value: Any) -> Any:
-    """A copy of what a caller holds, to compare with :func:`same` later: tensors cloned (a nested one as its
-    cloned parts), dicts, lists and tuples item by item, anything else as it is."""
-    value = nested_parts(value)
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {key: held(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(held(item) for item in value)
-    return value
-
-
-def same(a: Any, b: Any) -> bool:
-    """Exactly equal: tensors of one shape and dtype with equal elements (NaN equal to NaN in the same place;
-    a nested tensor by its values and offsets), dicts, lists and tuples item by item, anything else by ``==``."""
-    a, b = nested_parts(a), nested_parts(b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape \
-                or a.dtype != b.dtype:
-            return False
-        if torch.equal(a, b):
-            return True
-        return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if a is b:  # one object held twice (an engine's own object in output_args): no method of it is called
-        return True
-    return a == b
-
-
-def per_seq(nested: torch.Tensor) -> list[torch.Tensor]:
-    """A nested output as a list of CPU float64 tensors, one per sequence."""
-    return [t.detach().to("cpu", torch.float64) for t in nested.unbind()]
-
-
 def read(ctx: "Ctx", i: int, values: torch.Tensor) -> torch.Tensor:
     """Sequence ``i``'s values of a per-token output (or its expectation/tolerance) at the positions a consumer reads."""
     return values[ctx.read[i]]
@@ -389,47 +338,18 @@ def close_sequence(key: str, actual: torch.Tensor, want: torch.Tensor, what: str
     close(actual[positions], want[positions], what, atol=atol, nan_equal=nan_equal)
 
 
-def _sequences(value, what: str, count: int) -> list[torch.Tensor]:
-    """A nested output (or a list of sequences) as ``count`` CPU float64 sequences; the count is checked
-    before any value (an engine returning too few sequences must not be compared on the ones it has)."""
-    if isinstance(value, torch.Tensor) and not value.is_nested:
-        fail(f"{what}: a dense tensor of shape {tuple(value.shape)}, expected a nested tensor of {count} sequences")
-    seqs = per_seq(value) if isinstance(value, torch.Tensor) else list(value)
-    if len(seqs) != count:
-        fail(f"{what}: {len(seqs)} sequences, expected {count}")
-    return seqs
-
-
 def match_oracle(ctx: "Ctx", key: str, got, what: str = "") -> None:
-    """The oracle-match loop, in one place: output ``key`` (nested) against the oracle, sequence by
-    sequence, each token a consumer reads (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives,
-    at the precision the engine declares for it (:meth:`Ctx.oracle`)."""
+    """The oracle-match loop, in one place (:func:`spec.truth.outputs_checks.oracle_values`, which a reproducer runs
+    too): output ``key`` (nested) against the oracle, sequence by sequence, each token a consumer reads
+    (:attr:`Ctx.read`) within the tolerance :mod:`spec.truth.oracle` derives, at the precision the engine declares
+    for it (:meth:`Ctx.oracle`); a mismatch measured against the known mechanisms' bounds."""
     wants, tols = ctx.oracle(key)
     bounds = {mechanism: per_key[key] for mechanism, per_key in ctx.expected.bounds.items() if per_key.get(key)}
-    seqs = _sequences(got, f"{what or key}", len(wants))
-    for i, (actual, want, tol) in enumerate(zip(seqs, wants, tols)):
-        if actual.dim() != 1 or actual.shape[0] != ctx.case.seq_lens[i]:
-            fail(f"{key!r} of sequence {i} has shape {tuple(actual.shape)}, expected ({ctx.case.seq_lens[i]},)")
-        at = ctx.read[i]
-        try:
-            close(actual[at], want[at], f"{key!r} of sequence {i}{what and ' ' + what}"
-                  + ("" if _dense_from_zero(at) else f" (positions {at.tolist()})"), atol=tol[at])
-        except AssertionError as exc:
-            _locate(exc, key, i, at)
-            measure_bounds(exc, actual[at], want[at], {m: b[i][at] for m, b in bounds.items()})
-            raise
 
+    def measured(exc: AssertionError, i: int, at: torch.Tensor, actual: torch.Tensor) -> None:
+        measure_bounds(exc, actual[at], wants[i][at], {m: b[i][at] for m, b in bounds.items()})
 
-def _locate(exc: BaseException, key: str, sequence: int, at: torch.Tensor) -> None:
-    """The output key, sequence and token position of a value check's failure (``exc.facts``), the position
-    read back from the index :func:`close` found in the positions ``at`` it compared."""
-    index = getattr(exc, "facts", {}).get("index")
-    position = int(at[index[0]]) if index and at.numel() > index[0] else None
-    add_facts(exc, key=key, sequence=sequence, **({"position": position} if position is not None else {}))
-
-
-def _dense_from_zero(positions: torch.Tensor) -> bool:
-    return positions.numel() == 0 or int(positions[0]) == 0
+    oracle_values(key, got, wants, tols, ctx.case.seq_lens, ctx.read, what, measured)
 
 
 def measure_bounds(exc: AssertionError, actual: torch.Tensor, want: torch.Tensor,
@@ -499,27 +419,3 @@ def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:
     if tol.shape[0] >= length:
         return tol[:length]
     return torch.cat([tol, tol.new_full((length - tol.shape[0],), float(tol.max()) if tol.numel() else ATOL)])
-
-
-def close(actual: torch.Tensor, want: torch.Tensor, what: str, *, atol: "float | torch.Tensor" = ATOL,
-          rtol: float = RTOL, nan_equal: bool = False) -> None:
-    """Assert ``actual`` ≈ ``want`` (same shape): ``|actual - want| <= atol + rtol * |want|`` with ``atol``
-    a float or a per-element tensor; NaN is never close, unless ``nan_equal`` (two runs compared: NaN in both at
-    the same place agree); names the first bad index."""
-    actual = actual.detach().to("cpu", torch.float64)
-    want = want.detach().to("cpu", torch.float64)
-    if actual.shape != want.shape:
-        fail(f"{what}: shape {tuple(actual.shape)}, expected {tuple(want.shape)}")
-    if isinstance(atol, torch.Tensor):
-        atol = atol.detach().to("cpu", torch.float64)
-        rtol = 0.0  # the derived tolerance is absolute, per token
-    same = actual == want  # equal infinities
-    if nan_equal:
-        same = same | (actual.isnan() & want.isnan())
-    bad = ~(same | ((actual - want).abs() <= atol + rtol * want.abs()))
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        allowed = float(atol[idx]) if isinstance(atol, torch.Tensor) else atol + rtol * abs(want[idx].item())
-        fail(f"{what}: at {idx} got {actual[idx].item():.8g}, expected {want[idx].item():.8g} "
-             f"(|diff| {abs(actual[idx].item() - want[idx].item()):.3g} > allowed {allowed:.3g}; "
-             f"{int(bad.sum())} of {bad.numel()} values differ)", index=idx)

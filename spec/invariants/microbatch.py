@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from ..cases.materialize import draws
@@ -30,9 +29,11 @@ from ..execute.harness import execute, model_for
 from ..execute.microbatch import dp_micro_batch_counts
 from ..protocol.engine import OutputSpan
 from ..protocol.microbatch import MicroBatchLayer
+from ..truth import microbatch_checks as checks
+from ..truth.microbatch_checks import check_nested, check_sample_keys, is_stack, items, offsets_of, plain
 from ..truth.oracle import expected
 from ..truth.rules import read_positions
-from .core import CATALOGUE, Ctx, InvariantInfo, close, fail, held, same
+from .core import CATALOGUE, Ctx, InvariantInfo, fail, held, same
 
 __all__ = ["MicroBatchInfo", "PINNED"]
 
@@ -139,100 +140,6 @@ def _in_context(fn: Callable[..., Any], case: MiniBatchCase) -> Callable[..., An
     return call
 
 
-def _items(value: torch.Tensor, what: str) -> list[torch.Tensor]:
-    """The samples of a nested tensor by its own values and offsets (what engines read), on its ragged dim."""
-    ragged = getattr(value, "_ragged_idx", 1)
-    values, offsets = value.values(), value.offsets().tolist()
-    axis = ragged - 1
-    if offsets[0] != 0 or offsets[-1] != values.shape[axis]:
-        fail(f"{what}: offsets {offsets[:4]}..{offsets[-1]} do not span the values' {values.shape[axis]} tokens on "
-             f"dim {axis} (shape {tuple(values.shape)})")
-    return [values.narrow(axis, a, b - a) for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-def check_nested(got: Any, want: torch.Tensor, rows: list[int], what: str) -> None:
-    """``got`` holds samples ``rows`` of the nested ``want``: nested, the same ragged dim and non-ragged sizes (mRoPE
-    ``(b, 4, j)``, teacher ``(b, j, K)``, routed experts ``(b, j, L, K)``), offsets from each sample's length, exact
-    values."""
-    if not isinstance(got, torch.Tensor) or not got.is_nested:
-        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        fail(f"{what}: {shape} (dense), expected a nested (jagged) tensor of {len(rows)} samples")
-    ragged = getattr(want, "_ragged_idx", 1)
-    if getattr(got, "_ragged_idx", None) != ragged:
-        fail(f"{what}: ragged at dim {getattr(got, '_ragged_idx', None)}, expected dim {ragged}")
-    if got.dim() != want.dim():
-        fail(f"{what}: {got.dim()}-D, expected {want.dim()}-D like the mini-batch's")
-    if int(got.size(0)) != len(rows):
-        fail(f"{what}: {got.size(0)} samples, expected {len(rows)}")
-    for d in range(1, want.dim()):
-        if d != ragged:
-            size = got.size(d)
-            if not isinstance(size, int) or size != want.size(d):
-                fail(f"{what}: size {size} at dim {d}, expected {want.size(d)} (shape {tuple(got.shape)}, the "
-                     f"mini-batch's {tuple(want.shape)})")
-    mine, theirs = _items(got, what), _items(want, what + " (mini-batch)")
-    for j, row in enumerate(rows):
-        if not torch.equal(mine[j], theirs[row]):
-            fail(f"{what}: sample {j} holds {_short(mine[j])}, expected mini-batch sample {row}'s {_short(theirs[row])}")
-
-
-def _short(t: torch.Tensor) -> str:
-    flat = t.reshape(-1).tolist()
-    return f"{tuple(t.shape)} {flat[:8]}{'...' if len(flat) > 8 else ''}"
-
-
-def check_sample_keys(got: TensorDict, mini: TensorDict, rows: list[int], what: str) -> None:
-    """Every key of the mini-batch, for samples ``rows``: nested keys by :func:`check_nested`, dense per-sample keys
-    row by row, per-sample non-tensor stacks in order, flags (NonTensorData) equal."""
-    missing = sorted(set(mini.keys()) - set(got.keys()))
-    if missing:
-        fail(f"{what}: keys {missing} of the mini-batch are missing (has {sorted(got.keys())})")
-    if tuple(got.batch_size)[:1] != (len(rows),):
-        fail(f"{what}: batch_size {tuple(got.batch_size)}, expected ({len(rows)},)")
-    for key in mini.keys():
-        want, value = mini.get(key), got.get(key)
-        where = f"{what}: {key!r}"
-        if isinstance(want, torch.Tensor) and want.is_nested:
-            check_nested(value, want, rows, where)
-        elif isinstance(want, torch.Tensor):
-            if not isinstance(value, torch.Tensor) or value.is_nested or \
-                    not torch.equal(value, want[torch.tensor(rows, dtype=torch.long)]):
-                fail(f"{where}: {value!r:.120}, expected rows {rows[:8]} of the mini-batch's")
-        elif _is_stack(want):
-            expect = [want.tolist()[i] for i in rows]
-            if not _is_stack(value) or not same(value.tolist(), expect):
-                got_items = value.tolist() if _is_stack(value) else _plain(value)
-                fail(f"{where}: {_brief(got_items)}, expected the samples' {_brief(expect[:8])}")
-        elif _plain(value) != _plain(want):
-            fail(f"{where}: flag {_plain(value)!r}, expected the mini-batch's {_plain(want)!r}")
-
-
-def _brief(value: Any) -> str:
-    """A per-sample stack's entries in one short line: a tensor by its shape and sum (a media dict's features)."""
-    if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)} sum {float(value.double().sum()):.4g}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_brief(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_brief(v) for v in value) + "]"
-    return f"{value!r:.120}"
-
-
-def _is_stack(value: Any) -> bool:
-    return type(value).__name__ == "NonTensorStack"
-
-
-def _plain(value: Any) -> Any:
-    return getattr(value, "data", value)
-
-
-def _lens(micro_batch: TensorDict, what: str) -> list[int]:
-    ids = micro_batch.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or not ids.is_nested:
-        fail(f"{what}: input_ids are not nested ({type(ids).__name__})")
-    return ids.offsets().diff().tolist()
-
-
 def refusable_case(case: MiniBatchCase) -> bool:
     if case.use_dynamic_bsz:
         return case.over_budget or case.count_feasible() is not True
@@ -248,10 +155,11 @@ def refusable(ctx: Ctx) -> bool:
     return refused
 
 
-def cut(ctx: Ctx, case: MiniBatchCase | None = None, **kwargs: Any):
-    """``prepare_micro_batches`` on the case's mini-batch, with the case's count settings; (mini, micro, indices)."""
+def cut(ctx: Ctx, case: MiniBatchCase | None = None, mini: TensorDict | None = None, **kwargs: Any):
+    """``prepare_micro_batches`` on the case's mini-batch (``mini``, default a fresh one), with the case's count
+    settings; (mini, micro, indices)."""
     case = case or ctx.case
-    mini = materialize_minibatch(case, ctx.device)
+    mini = materialize_minibatch(case, ctx.device) if mini is None else mini
     micro, indices = layer(ctx).get("prepare_micro_batches")(
         mini, num_batches_divided_by=case.num_batches_divided_by, min_num_micro_batch=case.min_num_micro_batch,
         use_dynamic_bsz_balance=case.balance, **kwargs)
@@ -262,19 +170,12 @@ def rows_of(case: MiniBatchCase, micro: list, indices) -> list[list[int]]:
     """Which mini-batch samples each micro-batch holds: the returned indices (dynamic path), or consecutive chunks
     of each micro-batch's size (fixed path: no indices, the order is kept)."""
     rows = micro_batch_rows(micro, indices)
-    if len(rows) != len(micro):
-        fail(f"{len(micro)} micro-batches but {len(rows)} index lists")
+    checks.check_index_lists(micro, rows, indices)
     return rows
 
 
 def check_partition(case: MiniBatchCase, rows: list[list[int]]) -> None:
-    flat = sorted(i for part in rows for i in part)
-    if flat != list(range(case.batch_size)):
-        seen = [i for part in rows for i in part]
-        dup = sorted({i for i in seen if seen.count(i) > 1})[:5]
-        lost = sorted(set(range(case.batch_size)) - set(seen))[:5]
-        fail(f"micro-batch indices {rows if len(rows) < 6 else '...'} are no partition of the {case.batch_size} "
-             f"samples: duplicated {dup}, missing {lost}")
+    checks.check_partition(case.batch_size, rows)
 
 
 # -- the invariants ------------------------------------------------------------------------------------------------
@@ -288,13 +189,10 @@ def partition(ctx: Ctx) -> None:
     if refusable(ctx):
         return
     mini, micro, indices = cut(ctx)
-    if indices is None:
-        fail("the dynamic path returned no batch_idx_list: the order cannot be restored")
+    checks.check_index_lists(micro, micro_batch_rows(micro, indices), indices, dynamic=True)
     rows = rows_of(ctx.case, micro, indices)
     check_partition(ctx.case, rows)
-    ids = mini.get("input_ids")
-    for k, (mb, part) in enumerate(zip(micro, rows)):
-        check_nested(mb.get("input_ids"), ids, part, f"micro-batch {k}: 'input_ids'")
+    checks.micro_batch_samples(mini, micro, rows)
 
 
 @mb_invariant(
@@ -310,12 +208,7 @@ def groups_together(ctx: Ctx) -> None:
     _, micro, indices = cut(ctx)
     rows = rows_of(case, micro, indices)
     check_partition(case, rows)
-    where = {i: k for k, part in enumerate(rows) for i in part}
-    g = case.force_group_size
-    for start in range(0, case.batch_size, g):
-        homes = sorted({where[i] for i in range(start, start + g)})
-        if len(homes) > 1:
-            fail(f"group of samples {start}..{start + g - 1} (force_group_size={g}) split across micro-batches {homes}")
+    checks.groups_together(case.batch_size, case.force_group_size, rows)
 
 
 @mb_invariant(
@@ -326,27 +219,8 @@ def groups_together(ctx: Ctx) -> None:
     protects="no micro-batch runs out of memory on the GPU it was sized for, and none is silently truncated")
 def token_budget(ctx: Ctx) -> None:
     case = ctx.case
-    try:
-        _, micro, indices = cut(ctx)
-    except Exception as exc:  # noqa: BLE001 - a refusal is right only for an over-budget sample
-        if case.over_budget and "max_token_len" in str(exc):
-            return
-        if case.over_budget:
-            fail(f"refused a sample over the budget with {type(exc).__name__}: {exc} (the message must name "
-                 "max_token_len)")
-        if case.count_feasible() is not True:
-            ctx.not_exercised("no micro-batch count may meet the count rules within the groups (INV-MB-004)")
-            return
-        fail(f"refused a mini-batch whose every group fits the budget {case.budget} (longest group "
-             f"{max(case.group_tokens)} tokens): {type(exc).__name__}: {str(exc)[:300]}")
-    if case.over_budget:
-        fail(f"accepted a sample (group) of {max(case.group_tokens)} tokens over the budget {case.budget}: "
-             f"{len(micro)} micro-batches")
-    for k, mb in enumerate(micro):
-        total = sum(_lens(mb, f"micro-batch {k}"))
-        if total > case.budget:
-            fail(f"micro-batch {k} holds {total} tokens, over the budget {case.budget} "
-                 f"(max_token_len_per_gpu={case.max_token_len} x sp_size={case.sp_size})")
+    checks.token_budget(lambda: cut(ctx)[1:], case.over_budget, case.count_feasible(), case.budget,
+                        max(case.group_tokens), case.max_token_len, case.sp_size, ctx.not_exercised)
 
 
 @mb_invariant(
@@ -360,27 +234,9 @@ def count_rules(ctx: Ctx) -> None:
     if case.over_budget:
         ctx.not_exercised("a sample over the budget (INV-MB-003)")
         return
-    needed = case.required_count()
-    feasible = case.count_feasible()
-    try:
-        _, micro, indices = cut(ctx)
-    except ValueError as exc:
-        if feasible is not True:
-            return  # refused: no count within the groups meets the rules and the budget
-        fail(f"refused although a count within the {case.num_groups} groups meets the rules and the budget "
-             f"{case.budget} (longest group {max(case.group_tokens)} tokens): {type(exc).__name__}: {str(exc)[:300]}")
-    count = len(micro)
-    sizes = [int(mb.batch_size[0]) if mb.batch_size else 0 for mb in micro]
-    if case.min_num_micro_batch and count < case.min_num_micro_batch:
-        fail(f"{count} micro-batches, fewer than min_num_micro_batch={case.min_num_micro_batch}")
-    if case.num_batches_divided_by and count % case.num_batches_divided_by:
-        fail(f"{count} micro-batches, not a multiple of num_batches_divided_by={case.num_batches_divided_by}")
-    if case.total_nnz <= case.budget and count != max(needed, 1) and needed <= case.num_groups:
-        fail(f"the whole mini-batch ({case.total_nnz} tokens) fits the budget {case.budget}, yet {count} "
-             f"micro-batches (sizes {sizes[:8]}); the count rules ask for {needed}")
-    empty = [k for k, n in enumerate(sizes) if n == 0]
-    if empty and feasible is True:
-        fail(f"micro-batches {empty[:5]} are empty although the {case.num_groups} groups fill {count}")
+    checks.count_rules(lambda: cut(ctx)[1:], case.count_feasible(), case.required_count(), case.num_groups,
+                       case.budget, max(case.group_tokens), case.total_nnz, case.min_num_micro_batch,
+                       case.num_batches_divided_by)
 
 
 @mb_invariant(
@@ -402,19 +258,9 @@ def dp_same_count(ctx: Ctx) -> None:
         if feasible is False:
             return  # the count every rank needs exceeds a rank's groups: refused on every rank
         raise
-    if feasible is False:
-        fail(f"the ranks need {dp_lower_count(case)} or more micro-batches but a rank has only "
-             f"{min(case.rank_case(r).num_groups for r in range(case.world))} groups, yet every rank accepted")
-    counts = [r["count"] for r in replies]
-    if len(set(counts)) > 1:
-        fail(f"ranks got {counts} micro-batches (their own counts would be {[r['alone'] for r in replies]}); "
-             "same_micro_num_in_dp asks for one count on every rank")
-    for rank, reply in enumerate(replies):
-        rank_case = case.rank_case(rank)
-        check_partition(rank_case, reply["rows"])
-        over = [t for t in reply["tokens"] if t > rank_case.budget]
-        if over:
-            fail(f"rank {rank}: micro-batches of {over} tokens, over the budget {rank_case.budget}")
+    ranks_ = [case.rank_case(r) for r in range(case.world)]
+    checks.dp_same_count(replies, feasible, dp_lower_count(case), [
+        {"batch_size": rc.batch_size, "budget": rc.budget, "num_groups": rc.num_groups} for rc in ranks_])
 
 
 @mb_invariant(
@@ -425,26 +271,9 @@ def dp_same_count(ctx: Ctx) -> None:
     "and never drops the remainder of a mini-batch")
 def fixed_size(ctx: Ctx) -> None:
     case = ctx.case
-    try:
-        mini, micro, indices = cut(ctx)
-    except Exception as exc:  # noqa: BLE001 - right only when the size does not divide
-        if not case.fixed_divides and "micro_batch_size" in str(exc):
-            return
-        if not case.fixed_divides:
-            fail(f"refused an indivisible batch with {type(exc).__name__}: {exc} (the message must name "
-                 "micro_batch_size)")
-        raise
-    if not case.fixed_divides:
-        fail(f"B={case.batch_size} is no multiple of micro_batch_size_per_gpu={case.micro_batch_size} x "
-             f"force_group_size={case.force_group_size}, yet {len(micro)} micro-batches came back")
-    if indices is not None:
-        fail(f"the fixed path returned indices {indices!r:.80}: it keeps the order and returns None")
-    size = case.micro_batch_size * case.force_group_size
-    sizes = [int(mb.batch_size[0]) for mb in micro]
-    if sizes != [size] * (case.batch_size // size):
-        fail(f"micro-batch sizes {sizes[:8]}, expected {case.batch_size // size} of {size}")
-    for k, mb in enumerate(micro):
-        check_sample_keys(mb, mini, list(range(k * size, (k + 1) * size)), f"micro-batch {k}")
+    mini = materialize_minibatch(case, ctx.device)
+    checks.fixed_size(lambda: cut(ctx, mini=mini)[1:], mini, case.fixed_divides, case.batch_size, case.micro_batch_size,
+                      case.force_group_size)
 
 
 @mb_invariant(
@@ -458,18 +287,7 @@ def restore_order(ctx: Ctx) -> None:
     mini, micro, indices = cut(ctx)
     rows = rows_of(ctx.case, micro, indices)
     check_partition(ctx.case, rows)
-    restore = layer(ctx).get("restore_dynamic_batch")
-    # what each micro-batch's forward returns per sample: its own input ids (nested), and its first id (dense)
-    parts = [t for mb in micro for t in mb.get("input_ids").unbind()]
-    joined = torch.nested.nested_tensor_from_jagged(torch.cat(parts), _offsets([t.shape[0] for t in parts]))
-    got = restore(joined, indices)
-    check_nested(got, mini.get("input_ids"), list(range(ctx.case.batch_size)), "restored nested outputs")
-    dense = torch.stack([t[0] for t in parts]).to(torch.float32)
-    back = restore(dense, indices)
-    want = torch.stack([t[0] for t in mini.get("input_ids").unbind()]).to(torch.float32)
-    if not isinstance(back, torch.Tensor) or back.shape != want.shape or not torch.equal(back, want):
-        fail(f"restored dense outputs {back.tolist()[:8] if isinstance(back, torch.Tensor) else back!r}, expected "
-             f"{want.tolist()[:8]} (the samples' first ids in mini-batch order)")
+    checks.restore_order(layer(ctx).get("restore_dynamic_batch"), mini, micro, indices)
 
 
 def dp_lower_count(case: MiniBatchCase) -> int:
@@ -499,10 +317,6 @@ def _ffd(case: MiniBatchCase) -> int:
         else:
             bins.append(size)
     return len(bins)
-
-
-def _offsets(lens: list[int]) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int64).cumsum(0), (1, 0))
 
 
 @mb_invariant(
@@ -535,7 +349,7 @@ def _snapshot(td: TensorDict) -> dict[str, Any]:
     for key in td.keys():
         value = td.get(key)
         out[key] = held(value) if isinstance(value, torch.Tensor) else (
-            value.tolist() if _is_stack(value) else _plain(value))
+            value.tolist() if is_stack(value) else plain(value))
     return out
 
 
@@ -581,16 +395,16 @@ def _select(mini: TensorDict, rows: list[int]) -> TensorDict:
         value = mini.get(key)
         if isinstance(value, torch.Tensor) and value.is_nested:
             ragged = getattr(value, "_ragged_idx", 1)
-            items = _items(value, key)
-            picked = [items[i] for i in rows]
+            samples = items(value, key)
+            picked = [samples[i] for i in rows]
             out.set(key, torch.nested.nested_tensor_from_jagged(
-                torch.cat(picked, dim=ragged - 1), _offsets([t.shape[ragged - 1] for t in picked]), jagged_dim=ragged))
+                torch.cat(picked, dim=ragged - 1), offsets_of([t.shape[ragged - 1] for t in picked]), jagged_dim=ragged))
         elif isinstance(value, torch.Tensor):
             out.set(key, value[torch.tensor(rows, dtype=torch.long)])
-        elif _is_stack(value):
+        elif is_stack(value):
             out.set(key, type(value).from_list([value.tolist()[i] for i in rows]))
         else:
-            out.set_non_tensor(key, _plain(value))
+            out.set_non_tensor(key, plain(value))
     return out
 
 
@@ -644,11 +458,11 @@ def nested_builders(ctx: Ctx) -> None:
             continue
         want = mini.get(key)
         ragged = getattr(want, "_ragged_idx", 1)
-        items = _items(want, key)
-        check_nested(build([t.clone() for t in items], ragged_idx=ragged), want, rows,
+        samples = items(want, key)
+        check_nested(build([t.clone() for t in samples], ragged_idx=ragged), want, rows,
                      f"nested_tensor_from_tensor_list({key!r} items, ragged_idx={ragged})")
         if ragged == want.dim() - 1:  # ragged on the items' last dim: the default a dataset collator relies on
-            check_nested(build([t.clone() for t in items]), want, rows,
+            check_nested(build([t.clone() for t in samples]), want, rows,
                          f"nested_tensor_from_tensor_list({key!r} items) (ragged_idx by default)")
         if want.dim() >= 2:
             parts = [_select(mini, r).get(key) for r in _halves(case.batch_size)]
@@ -662,7 +476,7 @@ def _halves(batch: int) -> list[list[int]]:
 
 def _sample_dicts(mini: TensorDict, case: MiniBatchCase) -> list[dict[str, Any]]:
     keys = [k for k in ("input_ids", "position_ids", "responses", "teacher_ids", "routed_experts") if k in mini.keys()]
-    per_key = {k: _items(mini.get(k), k) for k in keys}
+    per_key = {k: items(mini.get(k), k) for k in keys}
     return [{**{k: per_key[k][i].clone() for k in keys}, "score": torch.tensor(float(i)), "uid": f"u{i}"}
             for i in range(case.batch_size)]
 
@@ -754,23 +568,12 @@ def end_to_end(ctx: Ctx) -> None:
     else:
         outputs = _concat_restore(ctx, output_lst, indices)
     want = expected(whole, model_for(whole, "cpu"), draws(whole))
-    keys = ["log_probs"] + (["entropy"] if whole.calculate_entropy else []) + list(whole.distillation_keys)
+    keys = checks.end_to_end_keys(whole.calculate_entropy, whole.distillation_keys)
     read = read_positions(whole.prompt_lens, whole.response_lens, getattr(ctx.engine, "output_span",
                                                                              OutputSpan.SEQUENCE))
-    for key in keys:
-        if key not in outputs:
-            fail(f"output key {key!r} missing after postprocess (keys {sorted(outputs)})")
-        got = outputs[key]
-        if not isinstance(got, torch.Tensor) or not got.is_nested or int(got.size(0)) != case.batch_size:
-            fail(f"{key!r} after postprocess: {getattr(got, 'shape', type(got).__name__)}, expected nested over "
-                 f"{case.batch_size} samples")
-        seqs = _items(got, key)
-        for i, (actual, exp, tol) in enumerate(zip(seqs, want.of(key), want.tolerance[key])):
-            if actual.shape[0] != case.seq_lens[i]:
-                fail(f"{key!r} of sample {i}: {actual.shape[0]} tokens, expected {case.seq_lens[i]} (another sample's?)")
-            at = read[i]  # only what a consumer reads: never a sequence's last token
-            close(actual[at], exp[at], f"{key!r} of sample {i} (micro-batches {[len(r) for r in rows]})"
-                  + ("" if at.numel() == 0 or int(at[0]) == 0 else f" (positions {at.tolist()})"), atol=tol[at])
+    checks.end_to_end_outputs(outputs, keys, {key: want.of(key) for key in keys},
+                              {key: want.tolerance[key] for key in keys}, case.seq_lens, read,
+                              [len(r) for r in rows])
 
 
 def _concat_restore(ctx: Ctx, output_lst: list[dict], indices) -> dict[str, torch.Tensor]:

@@ -8,18 +8,15 @@ from ..cases.structure import EngineCase
 from ..cases.materialize import select_rows
 from ..execute.harness import FUSED_AUX_KEYS, POISONS, execute
 from ..protocol.profile import profile_of
+from ..truth import outputs_checks as checks
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
 from .core import (VALUE_FACTS, Ctx, EveryFailure, fail, invariant, match_oracle, match_runs, per_seq,
                    same)
 
 
 def expected_keys(case: EngineCase) -> set[str]:
-    if case.head == "value":
-        return {"values"}
-    keys = set() if case.distillation_only else {"log_probs"}
-    keys |= {"entropy"} if case.calculate_entropy else set()
-    keys |= {"sum_pi_squared"} if case.calculate_sum_pi_squared else set()
-    return keys | set(case.distillation_keys)
+    return checks.expected_keys(case.head, case.distillation_only, case.calculate_entropy,
+                                case.calculate_sum_pi_squared, case.distillation_keys)
 
 
 def _both_modes(ctx: Ctx):
@@ -32,10 +29,7 @@ def _both_modes(ctx: Ctx):
            "sum_pi_squared and the processor's keys, as the flags ask", contract=3,
            protects="a trainer finds exactly the outputs its flags asked for (no KeyError, no stray keys)")
 def keys_match_flags(ctx: Ctx) -> None:
-    got, want = set(ctx.run.outputs), expected_keys(ctx.case)
-    if got != want:
-        fail(f"{ctx.case.mode} outputs have keys {sorted(got)}, the flags ask for {sorted(want)}"
-             + (f" (missing {sorted(want - got)})" if want - got else ""))
+    checks.output_keys(ctx.run.outputs, expected_keys(ctx.case), f"{ctx.case.mode} outputs")
 
 
 @invariant("INV-KEYS-002", "packed and padded modes return the same set of keys", contract=3,
@@ -157,22 +151,10 @@ def nested_layout(ctx: Ctx) -> None:
 @invariant("INV-DEV-001", "outputs live on the input's device as float32", contract=9,
            protects="outputs are float32 on the batch's device, whatever the logits' dtype", facts=("key",))
 def device_dtype(ctx: Ctx) -> None:
-    """Every output is looked at: each one on the wrong device or in another dtype is a fact of its own (with its
-    key, and its dtype: a record excuses only a dtype the engine declares), so an excused bf16 ``log_probs`` never
-    hides an undeclared bf16 ``entropy`` in the same example."""
-    want = torch.device(ctx.device).type
+    """Every output is looked at (spec.truth.outputs_checks.outputs_device_dtype): an excused bf16 ``log_probs``
+    never hides an undeclared bf16 ``entropy`` in the same example."""
     facts = EveryFailure()
-    for key, value in ctx.run.outputs.items():
-        values = value.values() if value.is_nested else value
-        with facts.each():
-            if values.device.type != want:
-                fail(f"output {key!r} is on {values.device}, the batch is on {ctx.device}", key=key)
-        with facts.each():
-            if values.dtype != torch.float32:  # the key and dtype travel with it: a record excuses only the declared
-                wrong = AssertionError(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
-                wrong.facts = {"key": key}  # type: ignore[attr-defined]
-                wrong.output_dtype = (key, str(values.dtype))  # type: ignore[attr-defined]
-                raise wrong
+    checks.outputs_device_dtype(ctx.run.outputs, ctx.device, each=facts.each)
     facts.raise_any()
 
 

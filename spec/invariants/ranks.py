@@ -27,6 +27,8 @@ from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
 from ..protocol.profile import profile_of
+from ..truth import rank_checks as checks
+from ..truth.rank_checks import restarts as _restarts
 from ..truth.rules import padded_length, token_temperatures
 from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle, match_runs
 from .outputs import leaked
@@ -104,23 +106,19 @@ def _padded_len(case: EngineCase, engine) -> int:
     return padded_length(case.total_nnz, case.pad_to_length, case.sp_size, profile_of(engine).tail_multiple)
 
 
+def _field(run: Run, name: str) -> list:
+    """What every rank's view of the hand-off carries under ``name``, in rank order."""
+    return [getattr(view, name) for view in run.views]
+
+
 def _replicated(run: Run) -> bool:
-    """Every rank was handed the whole padded row (verl's vision-language path, where the model slices
-    after its embedding) rather than its slice."""
-    ids = [view.input_ids.detach().cpu() for view in run.views]
-    local = sum(_count(view.labels) for view in run.views)
-    return len(ids) > 1 and ids[0].shape[-1] == local and all(torch.equal(x, ids[0]) for x in ids[1:])
+    """Every rank was handed the whole padded row rather than its slice (:func:`spec.truth.rank_checks.replicated`)."""
+    return checks.replicated(_field(run, "input_ids"), _field(run, "labels"))
 
 
 def _rows(run: Run, key: str) -> torch.Tensor:
     """Model input ``key`` over the whole padded row: the ranks' slices joined (or the replicated row)."""
-    parts = [getattr(view, key).detach().cpu() for view in run.views]
-    return parts[0] if _replicated(run) else torch.cat(parts, dim=-1)
-
-
-def _count(tensor: torch.Tensor | None) -> int:
-    """Tokens a per-token hand-off tensor holds, whatever its shape (-1 when the engine hands none)."""
-    return -1 if not isinstance(tensor, torch.Tensor) else tensor.numel()
+    return checks.joined_row(_field(run, key), _replicated(run))
 
 
 def _token_temperature(case: EngineCase, rank: int, view) -> torch.Tensor:
@@ -129,21 +127,6 @@ def _token_temperature(case: EngineCase, rank: int, view) -> torch.Tensor:
         fail(f"sp={case.sp_size} rank {rank}: the hand-off carries temperature {view.temperature!r}, expected one "
              "per token")
     return view.temperature.reshape(-1).cpu()
-
-
-def _restarts(tail: torch.Tensor) -> bool:
-    """Tail positions start at 0 and each is 0 or its left neighbour + 1, on every axis: the pad is its own
-    sequence(s), never part of the last real one. One run (impl) or a run per pad (verl restarts at 0 for
-    the sp pad after the bucket pad) are both fine: the contract leaves the count open."""
-    if tail.shape[-1] == 0:
-        return True
-    first_ok = bool((tail[..., 0] == 0).all())
-    steps = tail[..., 1:]
-    return first_ok and bool(((steps == 0) | (steps == tail[..., :-1] + 1)).all())
-
-
-def _input_width_ok(run: Run, width: int, local: int) -> bool:
-    return width == local or (_replicated(run) and width == local * len(run.views))
 
 
 def _check_outputs_equal_across_ranks(run: Run) -> None:
@@ -193,41 +176,13 @@ def critic_ranks_match_single(ctx: Ctx) -> None:
     ranks_match_single(ctx)  # the plain check (rank_invariant returns it unwrapped): this one runs on every group
 
 
-def _scored(case: EngineCase, padded: int) -> torch.Tensor:
-    """Over the padded global row: True where a position's label is read (it scores the next token of its own
-    sequence); each sequence's last token and the tail padding score nothing a consumer reads."""
-    scored = torch.zeros(padded, dtype=torch.bool)
-    scored[: case.total_nnz] = True
-    scored[torch.tensor(case.seq_lens).cumsum(0) - 1] = False
-    return scored
-
-
 def _rank_labels(ctx: Ctx, *, exact: bool) -> None:
     """Each rank's labels (and fused shift_labels) against its slice of the global row rolled by one: at the
     positions whose label is read, or (``exact``) everywhere, the unread wrap and the zero tail included."""
     run = _real(ctx, inputs_only=True)
     case = ctx.case
-    ids = run.micro_batch["input_ids"].values().cpu()
-    padded = _padded_len(case, ctx.engine)
-    want = torch.cat([torch.roll(ids, -1), ids.new_zeros(padded - ids.shape[0])])
-    check = torch.ones(padded, dtype=torch.bool) if exact else _scored(case, padded)
-    local = padded // case.sp_size
-    for r, view in enumerate(run.views):
-        if view.labels is None:
-            fail(f"sp={case.sp_size} rank {r}: the engine hands no labels to its output step")
-        got = view.labels.reshape(-1).cpu()
-        mine, at = want[r * local:(r + 1) * local], check[r * local:(r + 1) * local]
-        what = "its slice of the global row" if exact else "at the positions whose label is read (its slice of the global row"
-        if got.shape != mine.shape or not torch.equal(got[at], mine[at]):
-            edge = [k for k in range(min(len(got), len(mine))) if at[k] and got[k] != mine[k]]
-            fail(f"sp={case.sp_size} rank {r}: rolled labels {got.tolist()}, expected {mine.tolist()} ({what} "
-                 f"{ids.tolist()} rolled by one" + ("" if exact else ")")
-                 + (f"; first wrong at local position {edge[0]})" if edge else ")"))
-        labels = view.model_labels
-        if case.use_fused_kernels and (labels is None or tuple(labels.shape) != (1, local)
-                                       or not torch.equal(labels[0].cpu()[at], mine[at])):
-            fail(f"sp={case.sp_size} rank {r}: fused shift_labels "
-                 f"{None if labels is None else labels.tolist()}, expected [{mine.tolist()}] ({what})")
+    checks.rank_labels(_field(run, "labels"), _field(run, "model_labels"), run.micro_batch["input_ids"].values(),
+                       case.seq_lens, _padded_len(case, ctx.engine), case.sp_size, case.use_fused_kernels, exact)
 
 
 @rank_invariant("INV-RANK-002", "on real ranks each rank's rolled labels (and fused shift_labels) hold, at every position "
@@ -259,37 +214,10 @@ def ranks_global_roll_exact(ctx: Ctx) -> None:
 def ranks_pad_and_tail(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
-    total, padded = case.total_nnz, _padded_len(case, ctx.engine)
-    pad, local = padded - total, padded // case.sp_size
-    for r, view in enumerate(run.views):
-        if view.pad_size != pad:
-            fail(f"sp={case.sp_size} rank {r}: pad_size {view.pad_size!r}, expected {pad} "
-                 f"(total_nnz={total}, bucket={case.pad_to_length})")
-        rolled = (_count(view.labels),)
-        if rolled != (local,) or view.input_ids.shape[0] != 1 or \
-                not _input_width_ok(run, view.input_ids.shape[-1], local):
-            fail(f"sp={case.sp_size} rank {r}: input_ids {tuple(view.input_ids.shape)}, rolled labels {rolled}, "
-                 f"expected {local} tokens = (total_nnz {total} + pad {pad}) / sp (input_ids may be the whole "
-                 "padded row when every rank gets it)")
-    ids = _rows(run, "input_ids")[0]
-    pos = _rows(run, "position_ids")
-    temps = torch.cat([_token_temperature(case, r, view) for r, view in enumerate(run.views)])
-    tail_pos = pos[..., 0, total:] if case.mrope else pos[0, total:]
-    if ids.shape[0] != padded or not _restarts(tail_pos) or not torch.equal(temps[total:], torch.ones(pad)):
-        fail(f"sp={case.sp_size}: packed row of {ids.shape[0]} tokens (expected {padded}), tail positions "
-             f"{tail_pos.tolist()}, temperature {temps[total:].tolist()}; expected positions from 0 on every axis "
-             "(runs 0, 1, 2, ...) and ones")
-    offsets = torch.tensor((0, *case.seq_lens)).cumsum(0)
-    for r, outputs in enumerate(run.rank_outputs):
-        for key, value in outputs.items():
-            if not value.is_nested or not torch.equal(value.offsets().cpu(), offsets) \
-                    or value.values().shape[0] != total:
-                fail(f"sp={case.sp_size} rank {r}: output {key!r} holds {value.values().shape[0]} tokens "
-                     f"(offsets {value.offsets().tolist() if value.is_nested else '-'}), expected the {total} real ones")
-            bad = leaked(ctx, key, value)  # at the positions a consumer reads, not a NaN of the engine's own
-            if bad:
-                fail(f"sp={case.sp_size} rank {r}: output {key!r} is not finite at (sequence, position) {bad[:4]} "
-                     "with the tail poisoned, and finite there when the sample runs alone unpadded")
+    checks.rank_pad_and_tail(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
+                             _field(run, "temperature"), _field(run, "pad_size"), run.rank_outputs, case.seq_lens,
+                             _padded_len(case, ctx.engine), case.sp_size, case.pad_to_length, case.mrope,
+                             lambda key, value: leaked(ctx, key, value))
 
 
 def _mrope_temperatures(case: EngineCase) -> EngineCase:
@@ -360,30 +288,9 @@ def ranks_distillation(ctx: Ctx) -> None:
 def ranks_shape_contract(ctx: Ctx) -> None:
     run = _real(ctx, inputs_only=True)
     case = ctx.case
-    widths = set()
-    for r, view in enumerate(run.views):
-        # the model returns one row per input token, or per token of its slice when every rank is handed
-        # the whole row (verl's vision-language path: the model slices after its embedding)
-        width = view.input_ids.shape[-1]
-        n = width // case.sp_size if _replicated(run) else width
-        widths.add(n)
-        shapes = {"input_ids": (tuple(view.input_ids.shape), (1, width)),
-                  "position_ids": (tuple(view.position_ids.shape), (4, 1, width) if case.mrope else (1, width)),
-                  # the hand-off to the output step: only its token count is part of the contract
-                  "labels": ((_count(view.labels),), (n,)),
-                  "temperature": ((_count(view.temperature),), (n,))}
-        if case.use_fused_kernels:
-            labels = view.model_labels
-            shapes["shift_labels"] = (None if labels is None else tuple(labels.shape), (1, n))
-        for key, (got, want) in shapes.items():
-            if got != want:
-                fail(f"sp={case.sp_size} rank {r}: {key} has shape {got}, expected {want} (the rank's model "
-                     f"input and output hold {n} tokens)")
-        if n * case.sp_size != case.total_nnz + view.pad_size:
-            fail(f"sp={case.sp_size} rank {r}: {n} tokens x {case.sp_size} ranks != total_nnz {case.total_nnz} + "
-                 f"pad_size {view.pad_size}")
-    if len(widths) != 1:
-        fail(f"sp={case.sp_size}: ranks hold different numbers of tokens {sorted(widths)}")
+    checks.rank_shapes(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
+                       _field(run, "temperature"), _field(run, "model_labels"), _field(run, "pad_size"),
+                       case.total_nnz, case.sp_size, 4 if case.mrope else None, case.use_fused_kernels)
 
 
 def _bucket_fused(case: EngineCase) -> EngineCase:

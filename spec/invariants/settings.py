@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -19,99 +18,16 @@ from ..execute.attribution import engine_side, expect_engine_error
 from ..execute.harness import Run, execute, processor_for
 from ..cases.materialize import PadMode, materialize, materialize_dense
 from ..protocol.profile import profile_of
-from .core import Ctx, fail, invariant, same
+from ..truth import settings_checks as checks
+from ..truth import slice_checks
+from ..truth.settings_checks import BAD_FLAGS, BOOL_FLAGS, FLAG_DEFAULTS, bad_settings, recode_flags
+from .core import Ctx, fail, invariant
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
 
-#: every per-batch flag of the contract with its default (pad_mode: NO_PADDING, compared by value)
-FLAG_DEFAULTS: dict[str, Any] = {
-    "use_remove_padding": True, "pad_mode": "no_padding", "use_fused_kernels": False, "pad_token_id": 0,
-    "calculate_entropy": False, "calculate_sum_pi_squared": False, "distillation_use_topk": False,
-    "distillation_only": False,
-}
-BOOL_FLAGS = tuple(k for k, v in FLAG_DEFAULTS.items() if isinstance(v, bool))
-
-
-def _flag(mb: TensorDict, key: str) -> Any:
-    value = mb.get(key)
-    return getattr(value, "data", value)
-
-
-def _plain(value: Any) -> Any:
-    return getattr(value, "value", value)  # a str Enum (verl's DatasetPadMode) by its value
-
-
-def _tensors(obj: Any, where: str) -> dict[str, Any]:
-    """Every tensor (nested as values + offsets) and plain value of a dict or a namespace-like result."""
-    items = obj.items() if isinstance(obj, dict) else vars(obj).items()
-    out = {}
-    for key, value in items:
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            out[f"{where}[{key!r}]"] = (value.values().detach().cpu(), value.offsets().cpu())
-        elif isinstance(value, torch.Tensor):
-            out[f"{where}[{key!r}]"] = value.detach().cpu()
-        else:
-            out[f"{where}[{key!r}]"] = value
-    return out
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.is_floating_point():  # NaN == NaN here: the padding of a model input may hold NaN in both runs
-            return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
-        return torch.equal(a, b)
-    if _plain_value(a) and _plain_value(b):
-        return a == b
-    # an engine's own object (an output_args entry the contract does not define): never compared with ``==`` or
-    # ``bool()``, which an object holding tensors answers ambiguously; only its type is the suite's to compare
-    return type(a) is type(b)
-
-
-def _plain_value(value: Any) -> bool:
-    """A value the suite can compare with ``==``: None, a bool, number, str, bytes, dtype or device, or a tuple or
-    list of them (numpy scalars included)."""
-    if isinstance(value, (tuple, list)):
-        return all(_plain_value(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device,
-                                               np.generic))
-
-
 def same_run(got: Run, want: Run, what: str) -> None:
     """``got`` prepared the same model inputs and output_args and returned the same outputs as ``want``."""
-    pairs = [(f"model_inputs of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.inputs, want.inputs))]
-    pairs += [(f"output_args of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.output_args, want.output_args))]
-    pairs.append(("outputs", got.outputs, want.outputs))
-    for where, g, w in pairs:
-        a, b = _tensors(g, where), _tensors(w, where)
-        if set(a) != set(b):
-            fail(f"{what}: {where} keys {sorted(a)}, expected {sorted(b)}")
-        for key in a:
-            if not _equal(a[key], b[key]):
-                fail(f"{what}: {key} differs ({a[key]!r:.200} vs {b[key]!r:.200})")
-
-
-def recode_flags(mb: TensorDict, style: int) -> dict[str, Any]:
-    """Set every flag of ``mb`` to an equivalent spelling; return what was written.
-
-    ``style`` 0: bools as 0/1 ints, pad_mode as a plain str; 1: numpy bools and numpy int64 ints."""
-    written = {}
-    for key in (*BOOL_FLAGS, "pad_token_id", "max_response_len", "pad_mode"):
-        if key not in mb.keys():
-            continue
-        value = _plain(_flag(mb, key))
-        if key == "pad_mode":
-            new: Any = str(value)
-        elif isinstance(value, bool):
-            new = int(value) if style == 0 else np.bool_(value)
-        else:
-            new = int(value) if style == 0 else np.int64(value)
-        mb.set_non_tensor(key, new)
-        written[key] = new
-    return written
+    checks.same_run(got.inputs, got.output_args, got.outputs, want.inputs, want.output_args, want.outputs, what)
 
 
 @invariant("INV-FLAG-001", "a flag left out of the micro-batch takes the contract's default (same inputs, "
@@ -119,10 +35,7 @@ def recode_flags(mb: TensorDict, style: int) -> dict[str, Any]:
            protects="a trainer that omits a flag gets the contract's default behaviour, not a different mode or extra keys")
 def flags_default(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
-    dropped = [key for key, default in FLAG_DEFAULTS.items()
-               if key in mb.keys() and _plain(_flag(mb, key)) == default]
-    if "max_response_len" in mb.keys() and ctx.case.max_response_len == max(ctx.case.response_lens):
-        dropped.append("max_response_len")  # its default is max(r_i)
+    dropped = checks.defaulted_flags(mb, ctx.case.response_lens)
     if not dropped:
         ctx.not_exercised("no flag holds its default")
         return
@@ -133,11 +46,8 @@ def flags_default(ctx: Ctx) -> None:
     if "max_response_len" in dropped and "no_padding_2_padding" in _helpers(ctx):
         np2p = ctx.helper("no_padding_2_padding")
         if "log_probs" in ctx.run.outputs:
-            got, want = np2p(ctx.run.outputs["log_probs"], mb), np2p(ctx.run.outputs["log_probs"], ctx.run.micro_batch)
-            if not same(got, want):  # NaN equal to NaN in the same place: a NaN both give is the value checks'
-                fail(f"no_padding_2_padding without max_response_len gave shape {tuple(got.shape)} "
-                     f"({'other values' if tuple(got.shape) == tuple(want.shape) else 'another shape'}), "
-                     f"expected {tuple(want.shape)} as with it (the flag equalled max(r_i))")
+            checks.slice_without_width(np2p(ctx.run.outputs["log_probs"], mb),
+                                       np2p(ctx.run.outputs["log_probs"], ctx.run.micro_batch))
 
 
 def _helpers(ctx: Ctx) -> set[str]:
@@ -154,19 +64,8 @@ def flags_encodings(ctx: Ctx) -> None:
              f"flags spelled as {', '.join(f'{k}={v!r}' for k, v in written.items())}")
     if ctx.case.max_response_len is not None and "no_padding_2_padding" in _helpers(ctx) \
             and "log_probs" in ctx.run.outputs:
-        sliced = ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], mb)
-        want = (ctx.case.batch_size, ctx.case.max_response_len)
-        if tuple(sliced.shape) != want:
-            fail(f"no_padding_2_padding with max_response_len={written['max_response_len']!r} gave shape "
-                 f"{tuple(sliced.shape)}, expected {want}")
-
-
-#: every wrong-typed or impossible flag value INV-FLAG-003 hands an engine: each example tries all of them
-BAD_FLAGS: tuple[tuple[str, Any], ...] = (
-    *((key, bad) for key in BOOL_FLAGS for bad in ("False", 2, None)),
-    ("pad_token_id", 1.5), ("pad_token_id", "0"), ("pad_token_id", True),
-    ("max_response_len", 0), ("max_response_len", -1), ("max_response_len", 2.0),
-)
+        checks.slice_with_width(ctx.helper("no_padding_2_padding")(ctx.run.outputs["log_probs"], mb),
+                                ctx.case.batch_size, ctx.case.max_response_len, written["max_response_len"])
 
 
 @invariant("INV-FLAG-003", "a flag of the wrong type or an impossible value (a str, None or 2 for a bool flag, "
@@ -254,13 +153,6 @@ for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
                        "gets tensors computed under another mode")(_unsupported_refused)
 
 
-def bad_settings(case) -> tuple[dict[str, Any], ...]:
-    """Every impossible engine setting INV-SET-001 tries (at the case's sp size, or 2)."""
-    sp = max(case.sp_size, 2)
-    return ({"sp_size": 0, "sp_rank": 0}, {"sp_size": sp, "sp_rank": sp}, {"sp_size": sp, "sp_rank": -1},
-            {"pad_to_length": 0}, {"pad_to_length": -8}, {"entropy_chunk_size": 0}, {"entropy_chunk_size": -1})
-
-
 @invariant("INV-SET-001", "an impossible engine setting (sp_size < 1, sp_rank outside [0, sp_size), a bucket "
            "or entropy chunk size < 1) is rejected, by the constructor or the first call", contract=10,
            modes=("packed",), needs=("sp", "bucket", "chunking"),
@@ -274,9 +166,6 @@ def settings_rejected(ctx: Ctx) -> None:
         expect_engine_error(build_and_call, f"engine settings {bad}")
 
 
-_DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
-
-
 @invariant("INV-DTYPE-001", "the response-slice helpers are exact for bool, int and float per-token tensors "
            "(bool masks included, with trailing dims): no_padding_2_padding pads with 0/False, "
            "response_to_nested inverts it", contract=2, modes=("any",),
@@ -284,30 +173,9 @@ _DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
            protects="masks and ids sliced to the response shape keep their dtype and values (bool masks stay bool)")
 def slice_dtypes(ctx: Ctx) -> None:
     case = ctx.case
-    gen = torch.Generator().manual_seed(case.seed)
-    starts = torch.tensor((0, *case.seq_lens)).cumsum(0)
-    mask = ctx.batch["response_mask"]
-    for dtype in _DTYPES:
-        for trailing in ((), (3,)):
-            base = torch.randint(0, 4, (case.total_nnz, *trailing), generator=gen)
-            values = (base > 1) if dtype == torch.bool else base.to(dtype)
-            want = torch.zeros(case.batch_size, case.response_width, *trailing, dtype=dtype)
-            for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
-                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
-            nested = torch.nested.nested_tensor_from_jagged(values.to(ctx.device), starts.to(ctx.device))
-            got = ctx.helper("no_padding_2_padding")(nested, ctx.batch)
-            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
-                fail(f"no_padding_2_padding of a {dtype} tensor {tuple(values.shape)} gave {got.dtype} "
-                     f"{got.tolist()}, expected {want.tolist()}")
-            back = ctx.helper("response_to_nested")(got, mask)
-            direct = ctx.helper("response_from_nested")(nested, mask)
-            for name, value in (("response_to_nested", back), ("response_from_nested", direct)):
-                rows = [t.cpu() for t in value.unbind()]
-                for i, r in enumerate(case.response_lens):
-                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) \
-                            or not torch.equal(rows[i], want[i, :r]):
-                        fail(f"{name} of a {dtype} tensor {tuple(values.shape)}: row {i} is {rows[i].tolist()}, "
-                             f"expected {want[i, :r].tolist()}")
+    slice_checks.slice_dtypes(ctx.helper("no_padding_2_padding"), ctx.helper("response_to_nested"),
+                              ctx.helper("response_from_nested"), ctx.batch, ctx.batch["response_mask"], case.seed,
+                              case.prompt_lens, case.response_lens, case.response_width, ctx.device)
 
 
 def _per_token(case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

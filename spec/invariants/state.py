@@ -16,7 +16,8 @@ from typing import Any
 from ..cases.structure import EngineCase
 from ..execute.harness import Run, execute
 from .batch import two_or_more
-from .core import VALUE_FACTS, Ctx, fail, held, invariant, match_runs, same
+from ..truth import state_checks as checks
+from .core import VALUE_FACTS, Ctx, held, invariant, match_runs
 
 __all__ = ["sibling"]
 
@@ -85,14 +86,7 @@ def _sibling_then_case(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
            adjust=_one_rank)
 def reused_engine_is_fresh(ctx: Ctx) -> None:
     _, _, second = _after_sibling(ctx)
-    fresh, reused = _view_fields(ctx.run), _view_fields(second)
-    for name, want in fresh.items():
-        if not same(reused[name], want):
-            fail(f"model hand-off {name!r} after another micro-batch through the same engine object differs from a "
-                 "fresh engine's (a cache or a value kept from the earlier call)")
-    if set(second.outputs) != set(ctx.run.outputs):
-        fail(f"output keys after another micro-batch through the same engine object {sorted(second.outputs)}, a fresh "
-             f"engine's {sorted(ctx.run.outputs)}")
+    checks.handoff_as_fresh(_view_fields(second), _view_fields(ctx.run), second.outputs, ctx.run.outputs)
     match_runs(ctx, second.outputs, ctx.run.outputs, "after another micro-batch through the same engine object "
                "vs a fresh engine")
 
@@ -103,12 +97,4 @@ def reused_engine_is_fresh(ctx: Ctx) -> None:
            adjust=_one_rank)
 def earlier_results_kept(ctx: Ctx) -> None:
     first, kept, _ = _after_sibling(ctx)
-    for key in sorted(set(first.outputs) | set(kept["outputs"])):
-        if key not in first.outputs or key not in kept["outputs"] or not same(first.outputs[key],
-                                                                               kept["outputs"][key]):
-            fail(f"output {key!r} of the earlier micro-batch changed when the same engine object prepared the next "
-                 "one (an output buffer reused across calls)")
-    for name, before in kept["inputs"].items():
-        if not same(_view_fields(first)[name], before):
-            fail(f"model hand-off {name!r} of the earlier micro-batch changed when the same engine object prepared "
-                 "the next one (an input buffer reused across calls)")
+    checks.earlier_kept(first.outputs, kept["outputs"], _view_fields(first), kept["inputs"])

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 from .profile import DEFAULT_PROFILE, MEDIA_INPUT_KEYS, EngineProfile, PaddedLayout, token_columns
+from .vendor import source
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
@@ -471,19 +472,8 @@ class EngineUnderTest:
             eval(literal, {})  # noqa: S307 - only literals may be written into the file
         except Exception:  # noqa: BLE001 - arguments that are not literals: not reproducible by import
             return None
-        code = (f"from {module} import {name} as _build\n"
-                f"_ENGINE = _build(*{literal})\n\n\n"
-                "def make_engine(head, **settings):\n"
-                "    return _ENGINE.make(head, **settings)\n\n\n"
-                "def helper(name):\n"
-                "    return _ENGINE.helper(name)\n\n\n"
-                "def view_inputs(model_inputs, output_args):\n"
-                "    view = _ENGINE.view_inputs(model_inputs, output_args)\n"
-                "    return {k: v for k, v in vars(view).items() if k != 'extra'}\n\n\n"
-                "def view_outputs(outputs):\n"
-                "    return _ENGINE.view_outputs(outputs).per_sequence\n\n\n"
-                "def logits_processor(case, sp_size, sp_rank):\n"
-                "    return _ENGINE.logits_processor(case, sp_size, sp_rank)\n")
+        code = "\n".join([f"from {module} import {name} as _build", f"_ENGINE = _build(*{literal})", "",
+                          source("spec.protocol.adapter_repro")])
         return ReproSnippet(code, requires=module.split(".")[0], standalone=False)
 
     def __repr__(self) -> str:

@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 
 from ..protocol.engine import ReproSnippet
+from ..protocol.vendor import source
+from .vendored import carried_modules
 
 __all__ = ["carried", "closure"]
 
@@ -82,30 +84,6 @@ def closure(module: str) -> dict[str, tuple[bool, str]] | None:
     return dict(sorted(out.items()))
 
 
-HOOK = '''import importlib.abc as _abc  # noqa: E402
-import importlib.util as _util  # noqa: E402
-import sys as _sys  # noqa: E402
-
-
-class _Carried(_abc.MetaPathFinder, _abc.Loader):
-    """Serves the carried modules (_CARRIED) before anything installed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name in _CARRIED:
-            return _util.spec_from_loader(name, self, is_package=_CARRIED[name][0])
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        exec(compile(_CARRIED[module.__name__][1], f"<carried {module.__name__}>", "exec"), module.__dict__)
-
-
-_sys.meta_path.insert(0, _Carried())
-'''
-
-
 def carried(snippet: ReproSnippet) -> ReproSnippet | None:
     """``snippet`` (the default, importing an adapter of ``spec.engines``) with that adapter carried as source; None
     where it is not such a snippet or the adapter cannot be carried."""
@@ -116,29 +94,18 @@ def carried(snippet: ReproSnippet) -> ReproSnippet | None:
     if sources is None:
         return None
     lines = sum(len(src.splitlines()) for _, src in sources.values())
-    code = (f"# {match.group(1)} (the adapter) and the {len(sources) - 1} modules of this project it imports, carried "
-            f"as source ({lines} lines): nothing of the suite need be installed\n"
-            "_CARRIED = {\n" + "".join(f"    {name!r}: ({package!r}, {src!r}),\n"
-                                       for name, (package, src) in sources.items())
-            + "}\n" + HOOK + "\n" + snippet.code)
     pins = _pins(match.group(1))
     installed = [(pin, MODULES.get(dist, dist.replace("-", "_"))) for dist, pin in pins if "==" in pin]
-    return ReproSnippet(NEEDS.format(installed=installed) + code, requires=_requires(match.group(1), pins),
-                        standalone=True)
-
-
-#: first in a carried file: the packages installed when the suite ran (its header's Needs, pinned), each findable;
-#: without one the adapter would stub it (spec/engines/kit/stubs.py) and the file would run what the suite did not
-NEEDS = '''import importlib.util as _iu  # noqa: E402
-for _pin, _module in {installed!r}:
-    try:
-        _found = _iu.find_spec(_module)
-    except ModuleNotFoundError:
-        _found = None
-    if _found is None:
-        raise ModuleNotFoundError(f"No module named {{_module!r}}: this reproducer needs {{_pin}} (its header's Needs), "
-                                  "installed when the suite ran it; without it the adapter would run stubs", name=_module)
-'''
+    code = "\n".join([
+        source(carried_modules),
+        "# first: the packages installed when the suite ran (its header's Needs, pinned), each findable; without one",
+        "# the adapter would stub it (spec/engines/kit/stubs.py) and the file would run what the suite did not",
+        f"_require_installed({installed!r})",
+        f"# {match.group(1)} (the adapter) and the {len(sources) - 1} modules of this project it imports, carried as "
+        f"source ({lines} lines): nothing of the suite need be installed",
+        "_CARRIED = {", *(f"    {name!r}: ({package!r}, {src!r})," for name, (package, src) in sources.items()), "}",
+        "_serve_carried()", "", snippet.code])
+    return ReproSnippet(code, requires=_requires(match.group(1), pins), standalone=True)
 
 
 def _pins(module: str) -> list[tuple[str, str]]:

@@ -19,7 +19,9 @@ from typing import Any
 
 from ..cases.structure import DenseCase
 from ..protocol.engine import HELPERS, EngineUnderTest
+from ..protocol.vendor import source
 from .imports import function_imports, written_out
+from .vendored import check_main, dense_ctx, failure
 
 __all__ = ["case_fields", "write_dense_reproducer"]
 
@@ -60,48 +62,7 @@ def write_dense_reproducer(path: Path, header: str, invariant: str, check: Any, 
         "from tensordict import TensorDict", "", "# ---- the engine's helpers ----", imports, "",
         f"INVARIANT = {invariant!r}", f"HELPERS = {names!r}",
         "CASE = " + pprint.pformat(case_fields(case), width=120, sort_dicts=False), "",
-        _PRELUDE, "# ---- the invariant's check and what it calls (the suite's, verbatim) ----", code, "",
-        f"CHECK = {check.__name__}", _MAIN]))
+        source(failure), source(dense_ctx),
+        "# ---- the invariant's check and what it calls (the suite's, verbatim) ----", code, "",
+        f"CHECK = {check.__name__}", "CAUGHT = Wrong", "CHECKED = 'this batch'", "", source(check_main)]))
     return None
-
-
-_PRELUDE = r'''
-class Wrong(Exception):
-    """What the engine got wrong on this case: got vs expected."""
-
-
-def fail(message):
-    raise Wrong(message)
-
-
-def replace(case, **changes):
-    return SimpleNamespace(**{**vars(case), **changes})
-
-
-class Ctx:
-    """What the check reads: the case, the device, the engine's helpers."""
-
-    def __init__(self):
-        self.case = SimpleNamespace(**CASE)
-        self.device = "cpu"
-        self.engine = SimpleNamespace(lacks=lambda name: None if name in HELPERS else f"no {name}")
-
-    def helper(self, name):
-        return globals()[name]
-'''
-
-_MAIN = r'''
-
-def main():
-    try:
-        CHECK(Ctx())
-    except Wrong as exc:
-        print(f"FAIL {INVARIANT}: {exc}")
-        return 1
-    print(f"PASS: {INVARIANT} holds on this batch")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-'''

@@ -21,7 +21,9 @@ import sys
 
 from ..planted import PlantedEngine
 from ..protocol.engine import ReproSnippet
+from ..protocol.vendor import source
 from .imports import alias, modules_code
+from .vendored import own_processor, planted_engine
 
 __all__ = ["planted_engine_snippet", "written_modules"]
 
@@ -140,9 +142,6 @@ def planted_engine_snippet(engine: object) -> ReproSnippet | None:
         "_HELPERS = {" + ", ".join(f"{name!r}: {r}" for name, r in helpers.items()) + "}  # the planted ones", "", "",
         # the companion's switches configure the processor, not the engine (as PlantedEngine.make drops them)
         "_PROCESSOR_SWITCHES = " + repr(tuple(sw.name for sw in bug.config) if companion is not None else ()), "", "",
-        "def make_engine(head, **settings):",
-        "    return _CLASSES[head](**{k: v for k, v in settings.items() if k not in _PROCESSOR_SWITCHES})", "", "",
-        "def helper(name):", f"    return _HELPERS.get(name) or getattr({IMPORTED}, name, None)", "",
-        *([] if own is None else ["", "def logits_processor(case, sp_size, sp_rank):  # the engine's own companion",
-                                  f"    return {own}.{companion.__name__}(case, sp_size, sp_rank)", ""])])
+        source(planted_engine),
+        *([] if own is None else [f"_OWN_PROCESSOR = {own}.{companion.__name__}", "", source(own_processor)])])
     return ReproSnippet(code, requires="rl-ioprep", standalone=True)

@@ -16,12 +16,15 @@ from __future__ import annotations
 import __future__
 import importlib.util
 import inspect
-import math
 import re
 import sys
 import textwrap
 import types
 from typing import Any, Callable, Iterable
+
+from ..protocol.vendor import literal
+from ..protocol.vendor import source as vendored_source
+from .vendored import written_modules
 
 __all__ = ["alias", "function_imports", "factory_layer_imports", "inline_module", "modules_code", "written_out"]
 
@@ -66,14 +69,9 @@ def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[s
     return done, None
 
 
-_MODULE_HELPER = ("def _module(name, source):  # the suite's own definition, written out (it imports nothing else of "
-                  "the suite)\n    import types\n    mod = sys.modules[name] = types.ModuleType(name)\n"
-                  "    exec(compile(source, name, 'exec'), mod.__dict__)\n    return mod\n\n")
-
-
 def modules_code(modules: dict[str, str]) -> list[str]:
-    return ["import sys", _MODULE_HELPER] + [f"{alias} = _module({alias!r}, {source!r})"
-                                           for alias, source in modules.items()]
+    return [vendored_source(written_modules)] + [f"{alias} = _module({alias!r}, {source!r})"
+                                                 for alias, source in modules.items()]
 
 
 def function_imports(functions: dict[str, Callable[..., Any] | None]) -> tuple[str | None, str | None]:
@@ -153,15 +151,6 @@ def _plain(obj: Any) -> bool:
         isinstance(x, (bool, int, float, str)) for x in obj))
 
 
-def _literal(obj: Any) -> str:
-    """``repr`` that reads back (a non-finite float as ``float('nan')``)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return f"float({str(obj)!r})"
-    if isinstance(obj, tuple):
-        return "(" + "".join(_literal(x) + ", " for x in obj) + ")"
-    return repr(obj)
-
-
 def _import_line(name: str, obj: Any) -> str | None:
     """An import binding ``name`` to ``obj`` (a module, or an object its module exports by that name), or None."""
     if isinstance(obj, types.ModuleType):
@@ -195,7 +184,7 @@ def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -
             if (inspect.isfunction(obj) or inspect.isclass(obj)) and _suite(obj.__module__):
                 todo.append(obj)
             elif _plain(obj):
-                constants[name] = _literal(obj)
+                constants[name] = literal(obj)
             elif _suite(getattr(obj, "__module__", "") or ""):
                 return None, f"{fn.__name__} reaches the suite's {name} ({type(obj).__name__}), not written out"
             elif (line := _import_line(name, obj)) is not None:

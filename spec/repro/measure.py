@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,9 @@ from .packing import ReferencePackingEngine
 from .writer import write_reproducer, write_reproducers
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the script that runs the files (run by its path: it imports nothing of the suite), and the ``sitecustomize`` that
+#: hides spec and impl from a file that imports neither (copied, never imported here: it would hide them from us)
+RUN_FILES, NEITHER_SITE = Path(__file__).with_name("run_files.py"), Path(__file__).with_name("neither_site.py")
 IMPL_SWITCHES = {switch.name for switch in ImplEngine().config_space()}
 ENGINE_BEGIN, ENGINE_END = "# ---- engine under test (begin) ----", "# ---- engine under test (end) ----"
 
@@ -42,32 +46,6 @@ EXAMPLES = {"sum_pi_squared_missing_padded": 30, "inplace_div_without_grad": 30}
 EXAMPLES.update(dict.fromkeys(("chunk_drops_tail", "last_partial_chunk_untempered", "rank_sp_rank_from_global_rank",
                                "restore_skipped_without_grad", "chunked_topk_drops_last_chunk"), 40))
 
-#: runs each file given on the command line; with --no-spec first, ``spec`` cannot be imported; prints "EXIT code path"
-RUNNER = """
-import contextlib, io, re, runpy, sys
-args = sys.argv[1:]
-if args and args[0] == "--no-spec":
-    sys.modules["spec"] = None  # any import of the suite fails
-    args = args[1:]
-for path in args:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            runpy.run_path(path, run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException as exc:  # noqa: BLE001 - a broken file: reported as 3
-            print("ERROR", type(exc).__name__, exc)
-            code = 3
-    # how it failed: an exception of the engine's the file caught ("FAIL <ID> ...: got <Error>: ...", "the packer
-    # raised <Error>"), else a failed check ("FAIL <ID> (<check>) on ...: ...", "FAIL <ID>: got ..., expected ...")
-    raised = re.search(r"^FAIL \\S+[^\\n]*?(got|raised) \\w*(Error|Exception)\\b", out.getvalue(), re.M)
-    how = "raised" if raised else "check"
-    print("EXIT", code, how, path, flush=True)
-"""
-
-
 def _outside_engine_imports_spec(text: str) -> bool:
     if ENGINE_BEGIN in text:
         head, rest = text.split(ENGINE_BEGIN, 1)
@@ -75,9 +53,6 @@ def _outside_engine_imports_spec(text: str) -> bool:
     return bool(re.search(r"^\s*(import|from)\s+spec\b", text, re.M))
 
 
-#: a file that imports neither (its engine written out: spec/repro/engine_source.py) runs with neither importable,
-#: in its process and the ranks it starts (this ``sitecustomize`` on their PYTHONPATH)
-NEITHER = "import sys\nsys.modules['spec'] = None\nsys.modules['impl'] = None\n"
 #: an import of either package: at a line's start, or in a module written out as a string literal (after its "\\n")
 _IMPORTS_EITHER = re.compile(r"(^|\\n)\s*(import|from)\s+(spec|impl)\b", re.M)
 
@@ -88,9 +63,9 @@ def _run_files(paths: list[Path], no_spec: bool, timeout: float, neither: bool =
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     if neither:
         site = Path(tempfile.mkdtemp(prefix="repro-neither-"))
-        (site / "sitecustomize.py").write_text(NEITHER)
+        shutil.copyfile(NEITHER_SITE, site / "sitecustomize.py")
         env["PYTHONPATH"] = str(site)
-    cmd = [sys.executable, "-c", RUNNER, *(["--no-spec"] if no_spec else []), *map(str, paths)]
+    cmd = [sys.executable, str(RUN_FILES), *(["--no-spec"] if no_spec else []), *map(str, paths)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(paths[0].parent), timeout=timeout)
         out = done.stdout

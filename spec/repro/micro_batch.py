@@ -16,9 +16,11 @@ import torch
 
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
-from ..protocol.engine import EngineUnderTest
+from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
+from ..protocol.profile import Convention, profile_of
+from ..protocol.vendor import assignments
 
-__all__ = ["batch_data", "case_data", "declared_precision", "INLINE_LIMIT"]
+__all__ = ["batch_data", "case_data", "declarations", "declared_precision", "INLINE_LIMIT"]
 
 #: up to this many tensor elements per run the values are written into the file; beyond, into a .pt beside it
 INLINE_LIMIT = 4096
@@ -50,6 +52,23 @@ def declared_precision(engine: EngineUnderTest, case: EngineCase) -> dict[str, t
     declared = {key: engine.precision(key, case) for key in keys}
     return {key: (p.returns, p.scaled_in) for key, p in declared.items()
             if p is not None and (p.returns, p.scaled_in) != ("float32", "float32")}
+
+
+def declarations(engine: EngineUnderTest) -> str:
+    """What the file's checks read of the engine's declarations, as its assignment lines: its padded layout and output
+    span, whether its profile promises verl's int32 attention mask, its tail multiple, the settings it refuses (the
+    invariants read the same)."""
+    return assignments({
+        "PADDED_LAYOUT": PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value,
+        "OUTPUT_SPAN": OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value,
+        "INT32_ATTENTION_MASK": profile_of(engine).promises(Convention.INT32_ATTENTION_MASK),
+        "TAIL_MULTIPLE": profile_of(engine).tail_multiple,
+        "REFUSES": sorted(profile_of(engine).refuses)}, {
+        "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
+        "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
+        "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
+        "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this (None: no rule)",
+        "REFUSES": "the settings its profile declares unsupported (INV-FLAG-004/005: each call must refuse them)"})
 
 
 def _plain(value: Any) -> Any:

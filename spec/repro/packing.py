@@ -31,7 +31,9 @@ from ..engines.megatron.adapter import VerlMegatronPacker
 from ..protocol.engine import EngineUnderTest, ShardLayout
 from ..truth.megatron_packing import ReferencePacker
 from .dense import case_fields
+from ..protocol.vendor import source
 from .imports import alias, inline_module, modules_code, written_out
+from .vendored import check_main, failure, packing_ctx
 
 __all__ = ["MEG_REQUIRES", "ReferencePackingEngine", "packer_requires", "write_packing_reproducer"]
 
@@ -69,8 +71,8 @@ def _packer_code(packer: Any, modules: dict[str, str]) -> tuple[str | None, str 
         if why:
             return None, why
         util = packer.util.__name__
-        return (f"{code}\n\nimport importlib\n\n# the engine's own module, as the adapter calls it\n"
-                f"PACKER = {cls.__name__}(importlib.import_module({util!r}))"), None
+        return "\n".join([code, "", "import importlib", "", "# the engine's own module, as the adapter calls it",
+                          f"PACKER = {cls.__name__}(importlib.import_module({util!r}))"]), None
     if cls.__init__ is not object.__init__ or "<" in cls.__qualname__ or "." in cls.__qualname__:
         return None, f"the packer {cls.__qualname__} is not built without arguments from a module-level class"
     _, why = inline_module(cls.__module__, modules)
@@ -105,42 +107,9 @@ def write_packing_reproducer(path: Path, header: str, invariant: str, check: Any
         f"INVARIANT = {invariant!r}",
         "CASE = " + pprint.pformat(case_fields(case), width=120, sort_dicts=False),
         f"LAYOUTS = {layouts!r}  # the CP layouts the engine offers (the suite ran each)", "",
-        _PRELUDE, "# ---- the invariant's check and what it calls (the suite's, verbatim) ----", code, "",
-        f"CHECK = {check.__name__}", _MAIN]))
+        source(failure), source(packing_ctx),
+        "# ---- the invariant's check and what it calls (the suite's, verbatim) ----", code, "",
+        f"CHECK = {check.__name__}",
+        "CAUGHT = AssertionError  # the check's, or the packer's own (every CP rank must re-assemble the same)",
+        "CHECKED = 'this case'", "", source(check_main)]))
     return None
-
-
-_PRELUDE = r'''
-class Wrong(AssertionError):
-    """What the packer got wrong on this case: got vs expected (an AssertionError, as the suite's checks raise)."""
-
-
-def fail(message):
-    raise Wrong(message)
-
-
-class Ctx:
-    """What the check reads: the case, the device, the packer and its layouts."""
-
-    def __init__(self):
-        self.case = SimpleNamespace(**CASE)
-        self.device = "cpu"
-        self.engine = SimpleNamespace(packer=PACKER, layouts=tuple(ShardLayout(v) for v in LAYOUTS))
-'''
-
-_MAIN = r'''
-
-def main():
-    try:
-        CHECK(Ctx())
-    except AssertionError as exc:  # the check's, or the packer's own (every CP rank must re-assemble the same)
-        print(f"FAIL {INVARIANT}: {exc}")
-        return 1
-    print(f"PASS: {INVARIANT} holds on this case")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-'''
-

@@ -6,32 +6,39 @@ checked against the float64 reference written out in the file, so a run-vs-run i
 padded, a permutation, halves, a float vs a tensor temperature, sequence parallelism, a bucket, chunking)
 becomes "each of the runs equals the reference": where the two runs disagree, one of them is wrong.
 
-Checks (their code is in :mod:`.templates`), each the property of the invariant that names it:
+Checks (:mod:`.runtime` runs them), each the property of the invariant that names it, and each, where the invariant
+states it, the invariant's own check (spec/truth/*_checks.py, written into ``repro_suite.py``: the same function the
+invariant calls):
 
-* on the outputs: ``keys`` (the output keys the flags ask for), ``values`` (every output against the reference,
-  per token a consumer reads, within the oracle's tolerance), ``float32`` (the outputs' dtype), ``grad`` (what a
-  loss differentiates carries grad), ``response_values`` (the (B, R) log-probs a loss reads), ``slice``
-  (``no_padding_2_padding`` of the log-probs against the reference's response slice), ``unchanged`` (the
+* on the outputs (spec/truth/outputs_checks.py, slice_checks.py, state_checks.py): ``keys`` (the output keys the flags
+  ask for), ``values`` (every output against the reference, the suite's oracle, per token a consumer reads, within
+  the oracle's tolerance), ``float32`` (the outputs' device and dtype), ``grad`` (what a loss differentiates carries
+  grad), ``response_values`` (the (B, R) log-probs a loss reads, in every framework's consumer view), ``slice``
+  (``no_padding_2_padding`` of the log-probs: its shape and the reference's response slice), ``unchanged`` (the
   micro-batch, the model's logits and ``output_args`` are left as they were);
-* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it): ``mask`` (the
-  padded attention mask marks each sample's tokens where the declared layout puts them), ``mask_dtype`` (int32 on
-  the ids' device), ``inputs`` (the ids and positions the model is handed hold each sample's own), ``labels``
-  (each packed token's label is the next token of its sequence, across shard edges too), ``ids_fill`` /
-  ``positions_fill`` (padded columns hold pad_token_id / 0), ``tail`` / ``tail_fill`` (the packed tail padding's
-  length, pad_size and restarting positions; its ids 0 and temperature 1), ``rolled_row`` (the labels are the
-  whole packed row rolled by one, zeros after), ``token_temperature`` / ``padded_temperature`` (each token's or
-  sample's own temperature handed to the output step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel
-  model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
-* on the helpers, with per-token tensors the file builds (no run of the case): ``mask_helper``,
-  ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks), ``from_nested``,
-  ``round_trip``, ``slice_dtypes``;
+* on what ``prepare_model_inputs`` hands over (run alone, as the suite's input invariants run it;
+  spec/truth/handoff_checks.py): ``mask`` / ``mask_shape`` (the padded attention mask marks each sample's tokens where
+  the declared layout puts them; its shape and sum), ``mask_dtype`` (0/1 integers on the ids' device, int32 where the
+  engine declares it), ``padded_ids`` / ``padded_positions`` / ``packed_inputs`` (the ids and positions the model is
+  handed hold each sample's own), ``labels`` / ``shard_labels`` (each packed token's label is the next token of its
+  sequence, across shard edges too), ``ids_fill`` / ``positions_fill`` (padded columns hold pad_token_id / 0),
+  ``tail`` / ``tail_fill`` (the packed tail padding's length, pad_size and restarting positions; its ids 0 and
+  temperature 1), ``rolled_row`` (the labels are the whole packed row rolled by one, zeros after),
+  ``token_temperature`` / ``padded_temperature`` (each token's or sample's own temperature handed to the output
+  step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
+* on the helpers, with per-token tensors built from the seed (no run of the case; spec/truth/slice_checks.py):
+  ``mask_helper``, ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks),
+  ``from_nested``, ``round_trip``, ``slice_dtypes``;
 * run against run: ``flags_default`` (the flags at their defaults left out), ``flags_recoded`` (0/1 ints, numpy
-  scalars, a plain str), each the same hand-off and outputs as the case's run (and the reference); ``on_cuda``
-  (a CUDA run against the reference; exit 2 without a GPU); ``reused`` / ``earlier_kept`` (one engine object
-  through the run before, then the case: what a fresh one gives, and the earlier results left as returned);
+  scalars, a plain str), each the same hand-off and outputs as the case's run (spec/truth/settings_checks.py) and the
+  reference; ``on_cuda`` (a CUDA run against the reference; exit 2 without a GPU); ``reused`` / ``earlier_kept``
+  (one engine object through the run before, then the case: what a fresh one gives, and the earlier results left as
+  returned; spec/truth/state_checks.py);
 * rejections, "the call raises a clear exception, never returns a silently wrong tensor": ``bad_flags``,
-  ``bad_settings``, ``rejects_pad_mode``, ``rejects`` (the case itself is invalid); only the engine's own
-  exception counts, not the stand-in model's or the processor's.
+  ``bad_settings`` (the values the invariants try: spec/truth/settings_checks.py), ``rejects_pad_mode``, ``rejects``
+  (the case itself is invalid), ``refused`` (each setting the engine's profile declares unsupported, by the
+  preparation and by prepare_model_outputs alone); only the engine's own exception counts, not the stand-in model's
+  or the processor's.
 
 Invariants without a plan have no standalone reproducer: the file written for them says so, and the
 report lists them.
@@ -134,6 +141,9 @@ PLANS: dict[str, Plan] = {
     **{inv: VALUES for inv in ("INV-VAL-004", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-KEYS-001", "INV-LEAK-001",
                                "INV-LAYOUT-001")},
     "INV-LEAK-002": Plan(("keys", "values"), poison="huge"),
+    # fused kernels with top-K distillation: the keys the flags ask for (the terms a fused kernel computes) and their
+    # values against the reference
+    "INV-FUSED-003": Plan(("keys", "values")),
     "INV-DEV-001": Plan(("keys", "values", "float32")),
     "INV-KEYS-002": Plan(("keys", "values"), _both_modes),
     "INV-KEYS-003": Plan(("keys", "values"), _both_modes),
@@ -146,11 +156,11 @@ PLANS: dict[str, Plan] = {
     # the hand-off invariants read prepare_model_inputs alone (a model fed wrong inputs must not crash first)
     "INV-MASK-001": Plan(("mask",)),
     "INV-MASK-002": Plan(("mask_dtype",)),
-    "INV-MASK-003": Plan(("mask",)),
+    "INV-MASK-003": Plan(("mask_shape",)),
     "INV-LABEL-001": Plan(("labels",)),
-    "INV-INPUT-001": Plan(("inputs",)),
-    "INV-POS-001": Plan(("inputs",)),
-    "INV-POS-002": Plan(("inputs",)),
+    "INV-INPUT-001": Plan(("padded_ids",)),
+    "INV-POS-001": Plan(("padded_positions",)),
+    "INV-POS-002": Plan(("packed_inputs",)),
     "INV-GRAD-001": Plan(("grad", "keys", "values")),
     "INV-MUT-001": Plan(("unchanged",)),
     "INV-MUT-002": Plan(("unchanged",)),
@@ -162,7 +172,7 @@ PLANS: dict[str, Plan] = {
     "INV-POS-003": Plan(("positions_fill",)),
     "INV-PAD-001": Plan(("tail",)),
     "INV-PAD-002": Plan(("tail_fill",)),
-    "INV-LABEL-002": Plan(("labels",)),
+    "INV-LABEL-002": Plan(("shard_labels",)),
     "INV-LABEL-003": Plan(("rolled_row",)),
     "INV-TEMP-004": Plan(("token_temperature",)),
     "INV-TEMP-005": Plan(("padded_temperature",)),
@@ -182,6 +192,9 @@ PLANS: dict[str, Plan] = {
     "INV-FLAG-002": Plan(("flags_recoded",)),
     "INV-FLAG-003": Plan(("bad_flags",)),
     "INV-SET-001": Plan(("bad_settings",)),
+    # a setting the engine's profile declares unsupported: refused by the preparation and prepare_model_outputs alone
+    "INV-FLAG-004": Plan(("refused",)),
+    "INV-FLAG-005": Plan(("refused",)),
     "INV-ERR-001": Plan(("rejects_pad_mode",)),
     "INV-ERR-002": Plan(("rejects",)),
     "INV-ERR-003": Plan(("rejects",)),

@@ -1,20 +1,21 @@
-"""The runtime of a standalone reproducer: the micro-batch rebuilt with plain torch + tensordict, one run of the
-engine around the suite's stand-in model, the float64 reference (the oracle's tolerance rule), the checks and
-``main``. A real module, imported by nothing of the suite: the writer (:mod:`.writer`) copies this file beside every
+"""The runtime of a standalone reproducer, the file's plumbing: the micro-batch rebuilt with plain torch +
+tensordict, one run of the engine around the suite's stand-in model, the float64 reference (the suite's oracle and
+its tolerance rule), which of the invariants' checks runs on which run, who raised a rejection, and ``main``. The
+checks themselves are the invariants' own (spec/truth/*_checks.py, written into ``repro_suite.py``); this module
+re-states none. A real module, imported by nothing of the suite: the writer (:mod:`.writer`) copies this file beside every
 reproducer it writes, as ``repro_runtime.py``, and the reproducer loads it from its own folder.
 
 It imports only the standard library, numpy, torch and tensordict (``tests/test_repro_runtime.py`` runs it with
 ``spec`` and ``impl`` unimportable). What differs per file it does not hold: the engine (the file's engine block:
 ``make_engine``, ``helper``, and where the engine gives them ``view_inputs``, ``view_outputs``,
-``logits_processor``), the case (:data:`BOUND`'s constants) and the suite's own stand-in model, hand-off, flags and
-oracle rule (``repro_suite.py``, written beside the file from the suite's source by :func:`.templates.suite_module`)
+``logits_processor``), the case (:data:`BOUND`'s constants) and the suite's own stand-in model, hand-off, flags,
+oracle and checks (``repro_suite.py``, written beside the file from the suite's source by :func:`.templates.suite_module`)
 are bound into this module by :func:`share`, which the file calls once before ``main``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import threading
 import traceback
@@ -28,15 +29,30 @@ from tensordict import TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
 #: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
 FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
-              "execution_context", "FLAG_DEFAULTS", "BAD_FLAGS", "recode_flags", "bad_settings", "_equal", "_tensors",
-              "padded_length", "layout_width", "layout_columns", "layout_mask", "TopKProcessor", "topk_terms",
-              "Expected", "OVERLAP_KEYS", "topk_tie_slack")
+              "execution_context", "BAD_FLAGS", "recode_flags", "bad_settings",
+              "TopKProcessor",
+              "Expected", "expected_loop",
+              # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
+              "padded_mask", "padded_mask_shape", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
+              "next_token_labels", "rolled_row", "packed_tail", "tail_fill", "per_token_temperature",
+              "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens", "cu_seqlens_host",
+              # the checks of what prepare_model_outputs returns (spec/truth/outputs_checks.py), and what they read
+              "read_positions", "expected_keys", "output_keys", "oracle_values", "outputs_device_dtype",
+              "outputs_carry_grad", "mask_helper",
+              # the response slice's checks (spec/truth/slice_checks.py) and the consumers' view they read
+              "slice_shape", "slice_values", "slice_reads_only_responses", "response_from_nested_rows",
+              "response_round_trip", "slice_dtypes", "consumer_response_view", "response_view",
+              # what a call leaves alone (spec/truth/state_checks.py)
+              "held", "batch_items", "micro_batch_unchanged", "model_output_unchanged", "output_args_unchanged",
+              "handoff_as_fresh", "earlier_kept",
+              # the flags and settings (spec/truth/settings_checks.py)
+              "same_run", "defaulted_flags", "flag_value", "slice_without_width", "slice_with_width")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -115,14 +131,6 @@ def _views_out(outputs):
     return view_outputs(outputs) if "view_outputs" in globals() else dict(outputs)
 
 
-def _copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return value
-
-
 #: who raised each exception seen leaving a call (by id): "engine" (the engine's own calls) or "suite" (the
 #: stand-in model, the processor handed to the engine); the innermost call's word stands
 ORIGINS = {}
@@ -185,7 +193,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
     views = [_views_in(mi, args) for mi, args in handed]
     if inputs_only:
         return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
-    args_before = [_copy(args) for args in output_args]
+    args_before = [held(args) for args in output_args]
     model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
     logits_before = [o.logits.detach().clone() for o in model_outputs]
     processors = [_processor(c, r) for r in range(len(engines))]
@@ -201,534 +209,229 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
                            rank_outputs=[_views_out(o) for o in raw])
 
 
-# ---- the reference: float64, each sequence alone, with the suite's tolerance rule ----
-EPS = torch.finfo(torch.float32).eps
-SAFETY = 32.0
+# ---- the reference: the suite's oracle, float64, each sequence alone, with its tolerance rule ----
+class OracleCase(SimpleNamespace):
+    """The file's case as the oracle reads it (spec/truth/oracle.py reads an EngineCase's ``temperatures()``)."""
 
-
-def _bound(cond, value, vocab):
-    return SAFETY * EPS * (cond + (1.0 + value.abs()) * math.log2(vocab + 1))
+    def temperatures(self):
+        return tuple(self.per_sample_temperatures)
 
 
 def reference(c, mb, model):
-    """key -> per sequence (expected float64 values, allowed absolute error per token), each key at the precision the
-    engine declares for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the
-    oracle's rule (Expected.at_precision, written out above), as the suite compares it."""
-    ids, positions = mb["input_ids"].unbind(), mb["position_ids"].unbind()
-    exp = Expected(distillation={key: [] for key in c.distillation_keys})
-    low = c.logits_dtype if c.logits_dtype != "float32" else None  # the tie slack of a top-K ranked in it
-
-    def add(key, value, cond, vocab):
-        (exp.distillation[key] if key in exp.distillation else getattr(exp, key)).append(value)
-        exp.tolerance.setdefault(key, []).append(_bound(cond, value, vocab))
-        exp.condition.setdefault(key, []).append(cond.expand_as(value))
-
-    for i in range(c.batch_size):
-        seq_pos = positions[i]
-        pos = seq_pos.unsqueeze(-2) if seq_pos.dim() == 2 else seq_pos.unsqueeze(0)
-        logits = model.logits(ids[i].unsqueeze(0), pos).squeeze(0)
-        if c.head == "value":
-            v = logits[:, 0].double()
-            add("values", v, v.abs(), 1)
-            continue
-        temp = torch.tensor(c.temperatures[i], dtype=torch.float32).clamp(min=1e-8)
-        z32 = logits.float() / temp
-        z = z32.double()
-        vocab = z.shape[-1]
-        lsm = torch.log_softmax(z, dim=-1)
-        p = lsm.exp()
-        absz = z.abs()
-        labels = ids[i][1:]
-        lp = lsm[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        cond = absz[:-1].gather(-1, labels.unsqueeze(-1)).squeeze(-1) + (p * absz).sum(-1)[:-1]
-        if not c.distillation_only:
-            add("log_probs", lp, cond, vocab)
-        if c.calculate_entropy:
-            ent = -(p * lsm).sum(-1)
-            add("entropy", ent, (p * (lsm + ent.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
-        if c.calculate_sum_pi_squared:
-            spq = (p * p).sum(-1)
-            add("sum_pi_squared", spq, (2 * p * (p - spq.unsqueeze(-1)).abs() * absz).sum(-1), vocab)
-        if c.distillation_use_topk:
-            clamp = dict(getattr(c, "engine_config", None) or ()).get("log_prob_min_clamp")  # a drawn switch of the
-            # engine's own processor: both top-K log-probs clamped below, as the oracle computes it
-            teacher_ids, teacher_lp = mb["teacher_ids"].unbind()[i], mb["teacher_logprobs"].unbind()[i]
-            terms = topk_terms(z32, teacher_ids, teacher_lp, clamp)
-            cond = (absz.max(-1).values + 1.0) * (1 + c.topk)
-            for key in c.distillation_keys:
-                add(key, terms[key], cond, vocab)
-            if low is not None:
-                slack = topk_tie_slack(z, teacher_ids, teacher_lp, clamp, low)
-                for key in OVERLAP_KEYS:
-                    if key in c.distillation_keys:
-                        exp.ties.setdefault(low, {}).setdefault(key, []).append(slack[key])
+    """key -> per sequence (expected float64 values, allowed absolute error per token): the suite's oracle on the
+    micro-batch (``expected_loop``, written out into repro_suite.py), each key at the precision the engine declares
+    for it on this run's path (c.precision: key -> (returns, scaled_in); float32 where absent), by the oracle's rule
+    (``Expected.at_precision``), as the suite compares it."""
+    case = OracleCase(**{k: v for k, v in vars(c).items() if k != "temperatures"},
+                      per_sample_temperatures=c.temperatures)
+    exp = expected_loop(case, mb, model)
     declared = getattr(c, "precision", None) or {}
     return {key: list(zip(*exp.at_precision(key, *declared.get(key, ("float32", "float32")))))
-            for key in exp.tolerance}
+            for key, tols in exp.tolerance.items() if tols}
 
 
-# ---- the checks: each returns None when right, else what is wrong (got vs expected) ----
-def expected_keys(c):
-    if c.head == "value":
-        return {"values"}
-    keys = set() if c.distillation_only else {"log_probs"}
-    keys |= {"entropy"} if c.calculate_entropy else set()
-    keys |= {"sum_pi_squared"} if c.calculate_sum_pi_squared else set()
-    return keys | set(c.distillation_keys)
+# ---- the checks: each fails (an AssertionError: spec/truth/failing.py) or returns what is wrong, else None ----
+def _wanted_keys(c):
+    return expected_keys(c.head, c.distillation_only, c.calculate_entropy, c.calculate_sum_pi_squared,
+                         c.distillation_keys)
 
 
-def _first_bad(got, want, tol):
-    bad = ~((got == want) | ((got - want).abs() <= tol))
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        return t, int(bad.sum())
-    return None
+def _rank(run, r):
+    return f"(rank {r})" if len(run.rank_outputs) > 1 else ""
 
 
 def check_keys(c, mb, run):
-    """The output keys the flags ask for; with KEYS, those the invariant asserts among them."""
+    """INV-KEYS-001: the output keys the flags ask for; with KEYS, those the invariant asserts among them."""
     for r, outputs in enumerate(run.rank_outputs):
-        got, want = set(outputs), expected_keys(c)
-        if KEYS and set(KEYS) <= got:
-            continue
-        if got != want:
-            return f"rank {r}: got output keys {sorted(got)}, expected {sorted(want)} (what the flags ask for)"
-    return None
+        if not (KEYS and set(KEYS) <= set(outputs)):
+            output_keys(outputs, _wanted_keys(c), f"the outputs{' of rank ' + str(r) if r else ''}")
 
 
 def check_values(c, mb, run):
-    """Every output the invariant asserts (KEYS; none given: every key the reference has) against the reference."""
+    """Every output the invariant asserts (KEYS; none given: every key the reference has) against the reference, at
+    the positions a consumer reads (the oracle-match loop the invariants run: spec/truth/outputs_checks.py)."""
     want = reference(c, mb, run.model)
+    read = read_positions(c.prompt_lens, c.response_lens, OUTPUT_SPAN)
     for r, outputs in enumerate(run.rank_outputs):
         for key in sorted(k for k in want if not KEYS or k in KEYS):
-            if key not in outputs:
-                continue  # check_keys reports it
-            value = outputs[key]
-            if not (isinstance(value, torch.Tensor) and value.is_nested):
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"rank {r}: {key!r}: got {shape}, expected a nested tensor of {c.batch_size} sequences"
-            seqs = value.unbind()
-            if len(seqs) != c.batch_size:
-                return f"rank {r}: {key!r}: got {len(seqs)} sequences, expected {c.batch_size}"
-            for i, (seq, (exp, tol)) in enumerate(zip(seqs, want[key])):
-                seq = seq.detach().to("cpu", torch.float64)
-                if seq.dim() != 1 or seq.shape[0] != c.seq_lens[i]:
-                    return f"rank {r}: {key!r} of sequence {i}: got shape {tuple(seq.shape)}, expected ({c.seq_lens[i]},)"
-                lo, hi = read_span(c, i)
-                bad = _first_bad(seq[lo:hi], exp[lo:hi], tol[lo:hi])
-                if bad is not None:
-                    t, count = lo + bad[0], bad[1]
-                    return (f"rank {r}: {key!r} of sequence {i} at token {t}: got {seq[t].item():.8g}, expected "
-                            f"{exp[t].item():.8g} (|diff| {abs(seq[t].item() - exp[t].item()):.3g} > allowed "
-                            f"{tol[t].item():.3g}; {count} of the {hi - lo} tokens a consumer reads differ)")
-    return None
-
-
-def read_span(c, i):
-    """The positions of sequence i's per-token outputs a consumer reads: 0 .. n_i - 2 (the last token scores no
-    token of its sequence), or p_i - 1 .. n_i - 2 for an engine whose outputs cover the scored response tokens only."""
-    lo = c.prompt_lens[i] - 1 if OUTPUT_SPAN == "response" else 0
-    return lo, c.seq_lens[i] - 1
+            if key in outputs:  # else check_keys reports it
+                wants, tols = zip(*want[key])
+                oracle_values(key, outputs[key], list(wants), list(tols), c.seq_lens, read, _rank(run, r))
 
 
 def check_float32(c, mb, run):
-    for r, outputs in enumerate(run.rank_outputs):
-        for key, value in sorted(outputs.items()):
-            if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
-                return f"rank {r}: {key!r}: got dtype {value.dtype}, expected torch.float32"
-    return None
+    """INV-DEV-001: on the batch's device, as float32."""
+    for outputs in run.rank_outputs:
+        outputs_device_dtype(outputs, mb["input_ids"].device)
+
+
+def _parts(run, key):
+    """What every rank's view holds under ``key``, in rank order."""
+    return [v[key] for v in run.views]
 
 
 def check_mask(c, mb, run):
-    if c.use_remove_padding:
-        return None
-    mask = run.views[0]["attention_mask"]
-    if mask is None:
-        return "padded mode: got attention_mask None, expected (B, max_seq_len) int32"
-    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: max n_i
-    if tuple(mask.shape) != (c.batch_size, width):
-        return f"attention_mask: got shape {tuple(mask.shape)}, expected {(c.batch_size, width)}"
-    want = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, width)
-    got = mask.detach().to("cpu", torch.int64)
-    for i in range(c.batch_size):
-        if not torch.equal(got[i], want[i]):
-            return (f"attention_mask row {i}: got {got[i].tolist()}, expected {want[i].tolist()} (sequence length "
-                    f"{c.seq_lens[i]}, response length {c.response_lens[i]})")
-    return None
+    """INV-MASK-001 (spec/truth/handoff_checks.py, as the invariant runs it)."""
+    if not c.use_remove_padding:
+        padded_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["attention_mask"])
+
+
+def check_mask_shape(c, mb, run):
+    """INV-MASK-003."""
+    if not c.use_remove_padding:
+        padded_mask_shape(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["attention_mask"])
 
 
 def check_mask_dtype(c, mb, run):
-    """The padded mask as attention kernels take it: int32, on the ids' device."""
-    if c.use_remove_padding:
-        return None
-    mask, ids = run.views[0]["attention_mask"], run.views[0]["input_ids"]
-    if mask is None:
-        return "padded mode: got attention_mask None, expected (B, L) int32"
-    if mask.dtype != torch.int32:
-        return f"attention_mask: got dtype {mask.dtype}, expected torch.int32"
-    if ids is not None and mask.device != ids.device:
-        return f"attention_mask: got it on {mask.device}, expected the ids' device {ids.device}"
-    return None
+    """INV-MASK-002: on the batch's device, int32 where the engine's profile declares it."""
+    if not c.use_remove_padding:
+        view = run.views[0]
+        mask_dtype_device(view["attention_mask"], view["input_ids"], mb["input_ids"].device, INT32_ATTENTION_MASK)
 
 
 def check_labels(c, mb, run):
-    labels = [v["labels"] for v in run.views]
-    if any(lab is None for lab in labels):
-        return None if not c.use_remove_padding else "got no labels handed to the output step, expected the rolled ids"
-    labels = torch.cat([lab.reshape(-1).cpu() for lab in labels])
-    ids = mb["input_ids"].values().cpu()
-    ends = torch.tensor(c.seq_lens).cumsum(0) - 1
-    for k in range(ids.shape[0] - 1):
-        if k in ends.tolist():
-            continue
-        if int(labels[k]) != int(ids[k + 1]):
-            return (f"label at packed position {k}: got {int(labels[k])}, expected {int(ids[k + 1])} (the next "
-                    f"token of its sequence; ids {ids.tolist()}, labels {labels[: ids.shape[0]].tolist()})")
-    return None
+    """INV-LABEL-001."""
+    next_token_labels(_parts(run, "labels"), mb["input_ids"].values(), c.seq_lens, "inside a sequence")
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.is_nested or b.is_nested:
-            return a.is_nested and b.is_nested and torch.equal(a.offsets(), b.offsets()) and _same(a.values(), b.values())
-        return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all()
-                                                                    if a.is_floating_point() else torch.equal(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and (a == b if not isinstance(a, torch.Tensor) else False)
+def check_shard_labels(c, mb, run):
+    """INV-LABEL-002, INV-RANK-002."""
+    next_token_labels(_parts(run, "labels"), mb["input_ids"].values(), c.seq_lens, f"sp={c.sp_size}: a shard edge")
 
 
 def check_unchanged(c, mb, run, fresh):
-    for key in fresh.keys():
-        if key not in mb.keys():
-            return f"micro-batch key {key!r}: got it removed, expected it unchanged"
-        a, b = mb.get(key), fresh.get(key)
-        a, b = getattr(a, "data", a), getattr(b, "data", b)
-        if not _same(a, b):
-            return f"micro-batch key {key!r}: got it changed by the engine, expected it unchanged"
-    if set(mb.keys()) != set(fresh.keys()):
-        return f"micro-batch keys: got {sorted(mb.keys())}, expected {sorted(fresh.keys())}"
-    for r, (out, before) in enumerate(zip(run.model_outputs, run.logits_before)):
-        if not _same(out.logits, before):
-            return f"rank {r}: model output 'logits': got them modified in place by prepare_model_outputs, expected them unchanged"
-    for r, (args, before) in enumerate(zip(run.output_args, run.args_before)):
-        for key in before:
-            if key not in args or not _same(args[key], before[key]):
-                return f"rank {r}: output_args[{key!r}]: got it changed or removed by prepare_model_outputs, expected it unchanged"
-    return None
+    """INV-MUT-001/002/004 (spec/truth/state_checks.py): the micro-batch (``fresh``: the same built again), the
+    model's logits and output_args as they were before the engine ran."""
+    micro_batch_unchanged(batch_items(fresh), batch_items(mb))
+    model_output_unchanged([{"logits": out.logits} for out in run.model_outputs],
+                           [{"logits": before} for before in run.logits_before])
+    output_args_unchanged(run.output_args, run.args_before)
 
 
 def check_slice(c, mb, run):
+    """INV-SLICE-001/002: no_padding_2_padding(log_probs) is (B, R), each response token's log-prob (the reference's)."""
     fn = helper("no_padding_2_padding")
-    if fn is None:
-        return None
     lp = run.rank_outputs[0].get("log_probs")
-    if lp is None:
-        return None
-    got = fn(lp, mb).detach().to("cpu", torch.float64)
-    if tuple(got.shape) != (c.batch_size, c.response_width):
-        return f"no_padding_2_padding(log_probs): got shape {tuple(got.shape)}, expected {(c.batch_size, c.response_width)}"
-    want = reference(c, mb, run.model)["log_probs"]
-    for i, (exp, tol) in enumerate(want):
-        p, r = c.prompt_lens[i], c.response_lens[i]
-        exp_row, tol_row = exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r]  # response token j is scored at p - 1 + j
-        bad = _first_bad(got[i, :r], exp_row, tol_row)
-        if bad is not None:
-            t, count = bad
-            return (f"no_padding_2_padding(log_probs)[{i}, {t}]: got {got[i, t].item():.8g}, expected "
-                    f"{exp_row[t].item():.8g} (the log-prob of response token {t}; {count} of {r} differ)")
-        if bool((got[i, r:] != 0).any()):
-            return f"no_padding_2_padding(log_probs)[{i}, {r}:]: got {got[i, r:].tolist()}, expected zeros past the response"
-    return None
+    if fn is None or lp is None:
+        return
+    sliced = fn(lp, mb)
+    slice_shape(sliced, c.batch_size, c.response_width, c.response_lens, _flag_value(mb, "max_response_len"))
+    slice_values(sliced, *_response_log_probs(c, mb, run))
 
 
-def _first_row_diff(got, want):
-    bad = (got != want).nonzero()
-    return tuple(int(i) for i in bad[0]) if bad.numel() else None
+def _response_log_probs(c, mb, run):
+    """The reference's (B, R) log-prob of each response token and its tolerance (the oracle's rule)."""
+    wants, tols = zip(*reference(c, mb, run.model)["log_probs"])
+    return Expected().response_log_probs(c, list(wants), list(tols))
 
 
-def check_inputs(c, mb, run):
-    """The ids and positions the model is handed: packed (1, n) / (1, n) or (4, 1, n), the ranks' slices joined;
-    padded (B, L) / (B, L) or (4, B, L), each sample's own tokens and positions at the columns the declared layout
-    puts them (verl's right padding: from column 0)."""
-    views = run.views
-    if any(v.get("input_ids") is None for v in views):
-        return None
-    seq_ids, seq_pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
-    mrope = seq_pos[0].dim() == 2
+def check_padded_ids(c, mb, run):
+    """INV-INPUT-001."""
+    if not c.use_remove_padding:
+        padded_rows(c.prompt_lens, c.response_lens, PADDED_LAYOUT, mb["input_ids"].unbind(), run.views[0]["input_ids"],
+                    "input_ids", "sequence")
+
+
+def check_padded_positions(c, mb, run):
+    """INV-POS-001."""
+    if not c.use_remove_padding:
+        padded_rows(c.prompt_lens, c.response_lens, PADDED_LAYOUT, mb["position_ids"].unbind(),
+                    run.views[0]["position_ids"], "position_ids", "positions")
+
+
+def check_packed_inputs(c, mb, run):
+    """INV-POS-002, INV-RANK-004."""
     if c.use_remove_padding:
-        ids = torch.cat([v["input_ids"].cpu() for v in views], dim=-1)
-        if ids.dim() != 2 or ids.shape[0] != 1:
-            return f"packed input_ids: got shape {tuple(ids.shape)}, expected (1, n)"
-        want = mb["input_ids"].values().cpu()
-        at = _first_row_diff(ids[0, : want.shape[0]], want)
-        if at is not None or ids.shape[1] < want.shape[0]:
-            return f"packed input_ids: got {ids[0].tolist()}, expected {want.tolist()} first (then any tail padding)"
-        if any(v.get("position_ids") is None for v in views):
-            return "packed position_ids: got None, expected the packed positions"
-        pos = torch.cat([v["position_ids"].cpu() for v in views], dim=-1)
-        want_shape = (4, 1) if mrope else (1,)
-        if tuple(pos.shape[:-1]) != want_shape:
-            return f"packed position_ids: got shape {tuple(pos.shape)}, expected {(*want_shape, 'n')}"
-        want_pos = torch.cat(list(seq_pos), dim=-1).cpu()
-        got_pos = pos[:, 0, : want_pos.shape[-1]] if mrope else pos[0, : want_pos.shape[-1]]
-        at = _first_row_diff(got_pos, want_pos)
-        if at is not None:
-            return f"packed position_ids at {at}: got {got_pos[at].item()}, expected {want_pos[at].item()}"
-        return None
-    ids, pos = views[0]["input_ids"].cpu(), views[0].get("position_ids")
-    width = layout_width(c.prompt_lens, c.response_lens, PADDED_LAYOUT)
-    columns = layout_columns(c.prompt_lens, c.response_lens, PADDED_LAYOUT)  # verl's right padding: 0 .. n_i - 1
-    if tuple(ids.shape) != (c.batch_size, width):
-        return f"padded input_ids: got shape {tuple(ids.shape)}, expected {(c.batch_size, width)}"
-    for i, seq in enumerate(seq_ids):
-        if not torch.equal(ids[i, columns[i]], seq.cpu()):
-            return (f"padded input_ids row {i}: got {ids[i].tolist()}, expected {seq.tolist()} at columns "
-                    f"{columns[i].tolist()} ({PADDED_LAYOUT} padding)")
-    if pos is None:
-        return "padded position_ids: got None, expected (B, L) or (4, B, L)"
-    pos = pos.cpu()
-    want_shape = (4, c.batch_size, width) if mrope else (c.batch_size, width)
-    if tuple(pos.shape) != want_shape:
-        return f"padded position_ids: got shape {tuple(pos.shape)}, expected {want_shape}"
-    for i, sp in enumerate(seq_pos):
-        got = pos[:, i, columns[i]] if mrope else pos[i, columns[i]]
-        if not torch.equal(got, sp.cpu()):
-            return f"padded position_ids of sample {i}: got {got.tolist()}, expected {sp.tolist()}"
-    return None
+        packed_inputs(_parts(run, "attention_mask"), _parts(run, "input_ids"), _parts(run, "position_ids"),
+                      mb["position_ids"].values().dim() > 1, mb["input_ids"].values(), mb["position_ids"].values())
 
 
 def check_grad(c, mb, run):
-    # the policy update (grad enabled, the model's logits require grad): what a loss differentiates carries grad
-    if c.context != "grad":
-        return None
-    for r, outputs in enumerate(run.rank_outputs):
-        for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
-            if key in outputs and not outputs[key].requires_grad:
-                return (f"rank {r}: {key!r}: got requires_grad=False, expected True (the model's logits require "
-                        "grad; detached, the loss gets no gradient through it)")
-    return None
+    """INV-GRAD-001: in the policy update (grad enabled, the model's logits require grad) what a loss differentiates
+    carries grad."""
+    if c.context == "grad":
+        outputs_carry_grad(run.rank_outputs)
 
 
 # ---- the hand-off checks (what prepare_model_inputs hands the model and its own output step) ----
 def _flag_value(mb, key, default=None):
-    if key not in mb.keys():
-        return default
-    value = mb.get(key)
-    value = getattr(value, "data", value)
-    return getattr(value, "value", value)
-
-
-def _joined(run, key):
-    parts = [v[key] for v in run.views]
-    if any(p is None for p in parts):
-        return None
-    return torch.cat([p.detach().cpu() for p in parts], dim=-1)
-
-
-def _padding_fill(c, got, fill, key):
-    """Every padding column of a padded (B, L) or (C, B, L) model input holds ``fill`` (the columns the engine's
-    declared layout leaves to padding: verl's right padding unless it says otherwise)."""
-    if got is None:
-        return f"padded {key}: got None, expected (B, L)"
-    got = got.detach().cpu()
-    if got.dim() < 2 or got.shape[-2] != c.batch_size:
-        return f"padded {key}: got shape {tuple(got.shape)}, expected {c.batch_size} rows"
-    pad = layout_mask(c.prompt_lens, c.response_lens, PADDED_LAYOUT, got.shape[-1]) == 0
-    bad = (got != fill) & pad
-    if bool(bad.any()):
-        at = tuple(int(i) for i in bad.nonzero()[0])
-        i, j = at[-2], at[-1]
-        return (f"padded {key}{list(at)} (column {j}, a padding column of row {i} in the {PADDED_LAYOUT} layout; sequence "
-                f"{i} has {c.prompt_lens[i]} + {c.response_lens[i]} tokens): got {got[at].item()}, "
-                f"expected {fill} (the padding fill); the padding holds {sorted(set(got[..., pad].reshape(-1).tolist()))[:8]}")
-    return None
+    return flag_value(mb, key) if key in mb.keys() else default
 
 
 def check_ids_fill(c, mb, run):
-    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["input_ids"], int(_flag_value(mb, "pad_token_id", 0)),
-                                                           "input_ids")
+    """INV-INPUT-002."""
+    if not c.use_remove_padding:
+        padding_fill(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["input_ids"],
+                     int(_flag_value(mb, "pad_token_id", 0)), "input_ids")
 
 
 def check_positions_fill(c, mb, run):
-    return None if c.use_remove_padding else _padding_fill(c, run.views[0]["position_ids"], 0, "position_ids")
-
-
-def _tail_length(c, run):
-    ids = _joined(run, "input_ids")
-    if ids is None:
-        return None, "packed input_ids: got None"
-    ids = ids.reshape(-1)
-    padded = padded_length(c.total_nnz, c.pad_to_length, c.sp_size)
-    if ids.shape[0] != padded:
-        return None, (f"packed row: got {ids.shape[0]} tokens, expected {padded} (total_nnz {c.total_nnz} rounded up to "
-                      f"the bucket {c.pad_to_length}, then to a multiple of sp={c.sp_size})")
-    return ids, None
+    """INV-POS-003."""
+    if not c.use_remove_padding:
+        padding_fill(c.prompt_lens, c.response_lens, PADDED_LAYOUT, run.views[0]["position_ids"], 0, "position_ids")
 
 
 def check_tail(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    ids, problem = _tail_length(c, run)
-    if problem:
-        return problem
-    total, pad = c.total_nnz, ids.shape[0] - c.total_nnz
-    reported = run.views[0]["pad_size"]
-    if int(reported or 0) != pad:
-        return f"pad_size: got {reported!r}, expected {pad} (tokens of tail padding appended to the packed row)"
-    if pad:
-        pos = _joined(run, "position_ids")
-        tail = (pos[0, 0] if pos.dim() == 3 else pos.reshape(-1))[total:]
-        if int(tail[0]) != 0:
-            return (f"tail positions: got {tail.tolist()[:8]}, expected them to restart at 0 (continuing, the pad "
-                    f"joins the last sequence of {c.seq_lens[-1]} tokens)")
-    return None
-
-
-def _token_temperatures(run):
-    temps = [v["temperature"] for v in run.views]
-    if any(not isinstance(t, torch.Tensor) for t in temps):
-        return None, f"the packed hand-off carries temperature {temps[0]!r}, expected one per token (a tensor)"
-    return torch.cat([t.detach().reshape(-1).cpu() for t in temps]), None
+    """INV-PAD-001."""
+    if c.use_remove_padding:
+        packed_tail(_parts(run, "input_ids"), _parts(run, "position_ids"), run.views[0]["pad_size"], c.total_nnz,
+                    c.pad_to_length, c.sp_size, TAIL_MULTIPLE, mb["position_ids"].values().dim() > 1)
 
 
 def check_tail_fill(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    ids, problem = _tail_length(c, run)
-    if problem:
-        return problem
-    temps, problem = _token_temperatures(run)
-    if problem:
-        return problem
-    total = c.total_nnz
-    if bool((ids[total:] != 0).any()):
-        return f"tail ids (packed positions {total}..{ids.shape[0] - 1}): got {ids[total:].tolist()[:8]}, expected zeros"
-    tail = temps[total:]
-    if not torch.equal(tail.float(), torch.ones_like(tail, dtype=torch.float32)):
-        return f"tail temperature (packed positions {total}..): got {tail.tolist()[:8]}, expected ones"
-    return None
-
-
-def _labels(run):
-    parts = [v["labels"] for v in run.views]
-    if any(p is None for p in parts):
-        return None
-    return torch.cat([p.detach().reshape(-1).cpu() for p in parts])
+    """INV-PAD-002."""
+    if c.use_remove_padding:
+        tail_fill(_parts(run, "input_ids"), _parts(run, "temperature"), c.total_nnz, c.pad_to_length, c.sp_size,
+                  TAIL_MULTIPLE)
 
 
 def check_rolled_row(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    labels = _labels(run)
-    if labels is None:
-        return "got no labels handed to the output step, expected the rolled ids"
-    ids = mb["input_ids"].values().cpu()
-    want, total = torch.roll(ids, -1), ids.shape[0]
-    if labels.shape[0] < total:
-        return f"rolled labels: got {labels.shape[0]} for {total} tokens"
-    bad = (labels[:total] != want).nonzero()
-    if bad.numel():
-        k = int(bad[0, 0])
-        return (f"rolled label at packed position {k}: got {int(labels[k])}, expected {int(want[k])} (the packed row "
-                f"{ids.tolist()} rolled left by one, before any tail padding: {want.tolist()}; got {labels[:total].tolist()})")
-    if bool((labels[total:] != 0).any()):
-        return f"labels of the tail padding: got {labels[total:].tolist()[:8]}, expected zeros"
-    return None
+    """INV-LABEL-003."""
+    if c.use_remove_padding:
+        rolled_row(_parts(run, "labels"), mb["input_ids"].values())
+
+
+def _token_temperatures_of(c):
+    return torch.repeat_interleave(torch.tensor(c.temperatures, dtype=torch.float32), torch.tensor(c.seq_lens))
 
 
 def check_token_temperature(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    temps, problem = _token_temperatures(run)
-    if problem:
-        return problem
-    want = torch.repeat_interleave(torch.tensor(c.temperatures, dtype=torch.float32), torch.tensor(c.seq_lens))
-    got = temps[: want.shape[0]].float()
-    if got.shape != want.shape:
-        return f"per-token temperature: got {temps.shape[0]} values, expected {want.shape[0]} (one per packed token)"
-    bad = (~torch.isclose(got, want)).nonzero()
-    if bad.numel():
-        k = int(bad[0, 0])
-        i = int((offsets(c.seq_lens)[1:] <= k).sum())
-        return (f"per-token temperature at packed position {k} (sequence {i}): got {got[k].item():.8g}, expected "
-                f"{want[k].item():.8g} (sequence {i}'s temperature; got {got.tolist()})")
-    return None
+    """INV-TEMP-004."""
+    if c.use_remove_padding:
+        per_token_temperature(_parts(run, "temperature"), _token_temperatures_of(c))
 
 
 def check_padded_temperature(c, mb, run):
-    if c.use_remove_padding:
-        return None
-    got = run.views[0]["temperature"]
-    per_sample = torch.tensor(c.temperatures, dtype=torch.float32)
-    per_token = torch.repeat_interleave(per_sample, torch.tensor(c.seq_lens))
-    if isinstance(got, torch.Tensor):
-        flat = got.detach().cpu().float()
-        for want in (per_sample, per_token):
-            if tuple(flat.shape) == tuple(want.shape) and torch.allclose(flat, want, rtol=1e-6, atol=0):
-                return None
-    return (f"the padded hand-off carries temperature {got!r}, expected each sample's {per_sample.tolist()} (B,) "
-            "(or that per token)")
+    """INV-TEMP-005."""
+    if not c.use_remove_padding:
+        padded_temperature(run.views[0]["temperature"], torch.tensor(c.temperatures, dtype=torch.float32),
+                           _token_temperatures_of(c))
 
 
 def check_fused_inputs(c, mb, run):
-    for r, v in enumerate(run.views):
-        temp = v["model_temperature"]
-        if isinstance(temp, torch.Tensor) or not isinstance(temp, (int, float)) or abs(float(temp) - c.temperatures[0]) > 1e-6:
-            return f"rank {r}: the fused model is handed temperature {temp!r}, expected the float {c.temperatures[0]}"
-        if c.use_remove_padding:
-            if v["labels"] is None:
-                return f"rank {r}: got no labels handed to the output step, expected the rolled ids"
-            labels, rolled = v["model_labels"], v["labels"].reshape(-1)
-            if labels is None or tuple(labels.shape) != (1, rolled.shape[0]) or not torch.equal(labels[0].cpu(), rolled.cpu()):
-                return (f"rank {r}: the fused model's labels (shift_labels): got "
-                        f"{None if labels is None else labels.tolist()}, expected the rolled ids {rolled.tolist()} as (1, n)")
-    return None
+    """INV-FUSED-001."""
+    fused_inputs(_parts(run, "model_temperature"), _parts(run, "model_labels"), _parts(run, "labels"),
+                 c.temperatures[0], c.use_remove_padding)
 
 
 def check_return_dict(c, mb, run):
-    for r, v in enumerate(run.views):
-        if v["return_dict"] is not True:
-            return f"rank {r}: the fused model is handed return_dict={v['return_dict']!r}, expected True"
-    return None
-
-
-def _cu_want(c, run):
-    ids = _joined(run, "input_ids")
-    padded = ids.shape[-1]
-    want = offsets(c.seq_lens)
-    return (want if padded == c.total_nnz else torch.cat([want, torch.tensor([padded])])), padded
+    """INV-FUSED-002."""
+    fused_return_dict(_parts(run, "return_dict"))
 
 
 def check_cu_seqlens(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    want, padded = _cu_want(c, run)
-    for r, v in enumerate(run.views):
-        cu, ids = v["cu_seqlens"], v["input_ids"]
-        if cu is None:
-            return f"rank {r}: got no cu_seqlens handed to the model, expected {want.tolist()}"
-        if cu.dtype not in (torch.int32, torch.int64) or cu.device.type != ids.device.type:
-            return f"rank {r}: cu_seqlens: got {cu.dtype} on {cu.device}, expected integers on {ids.device}"
-        if not torch.equal(cu.cpu().long(), want):
-            return (f"rank {r}: cu_seqlens: got {cu.tolist()}, expected {want.tolist()} (the sequences' offsets, plus a "
-                    f"final boundary at {padded} when tail padding was appended)")
-    return None
+    """INV-CU-001."""
+    if c.use_remove_padding:
+        cu_seqlens(_parts(run, "cu_seqlens"), _parts(run, "input_ids"), c.seq_lens)
 
 
 def check_cu_seqlens_cpu(c, mb, run):
-    if not c.use_remove_padding:
-        return None
-    want, _ = _cu_want(c, run)
-    for r, v in enumerate(run.views):
-        host = v["cu_seqlens_host"]
-        if host is None or host.device.type != "cpu" or not torch.equal(host.long(), want):
-            return (f"rank {r}: cu_seqlens_cpu: got {None if host is None else host.tolist()}"
-                    f"{'' if host is None else ' on ' + str(host.device)}, expected a CPU copy {want.tolist()}")
-    return None
+    """INV-CU-002."""
+    if c.use_remove_padding:
+        cu_seqlens_host(_parts(run, "cu_seqlens_host"), _parts(run, "input_ids"), c.seq_lens)
 
 
-# ---- the response-slice helpers, on per-token tensors built here ----
+# ---- the response-slice helpers, on per-token tensors built from the seed (spec/truth/slice_checks.py) ----
 def _need(name):
     fn = helper(name)
     if fn is None:
@@ -736,225 +439,114 @@ def _need(name):
     return _side("engine", fn)
 
 
-def _response_ranges(c):
-    """Per sample, the packed-row range whose outputs score its response tokens (e_i - r_i - 1 .. e_i - 2)."""
-    ends = offsets(c.seq_lens)[1:].tolist()
-    return [(e - r - 1, e - 1) for e, r in zip(ends, c.response_lens)]
-
-
-def _poisoned(c, trailing=()):
-    """A nested per-token tensor: random where a response token is scored, NaN everywhere else; and the
-    (B, R, ...) slice a consumer expects of it (zeros past each response)."""
-    gen = torch.Generator().manual_seed(c.seed)
-    values = torch.full((c.total_nnz, *trailing), float("nan"))
-    want = torch.zeros(c.batch_size, c.response_width, *trailing)
-    for i, (start, stop) in enumerate(_response_ranges(c)):
-        chunk = torch.randn(stop - start, *trailing, generator=gen)
-        values[start:stop] = chunk
-        want[i, : stop - start] = chunk
-    return torch.nested.nested_tensor_from_jagged(values, offsets(c.seq_lens)), want
-
-
-def _first_diff(got, want):
-    bad = ~((got == want) | (got.isnan() & want.isnan())) if got.is_floating_point() else got != want
-    return tuple(int(i) for i in bad.nonzero()[0]) if bool(bad.any()) else None
+def _drawn(c):
+    return {"seed": c.seed, "prompt_lens": c.prompt_lens, "response_lens": c.response_lens, "width": c.response_width}
 
 
 def check_slice_reads(c, mb, run):
-    fn = _need("no_padding_2_padding")
-    for trailing in ((), (3,)):
-        nested, want = _poisoned(c, trailing)
-        got = fn(nested, mb).detach().cpu()
-        what = f"no_padding_2_padding of a per-token tensor {(c.total_nnz, *trailing)} (NaN off the response positions)"
-        if tuple(got.shape) != tuple(want.shape):
-            return f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-        at = _first_diff(got.float(), want)
-        if at is not None:
-            return (f"{what} at {list(at)}: got {got[at].item():.8g}, expected {want[at].item():.8g} ("
-                    f"{'a non-response position read' if got[at].isnan() else 'response token ' + str(at[1]) + ' of sample ' + str(at[0]) if at[1] < c.response_lens[at[0]] else 'an exact zero past the response'})")
-    return None
+    """INV-SLICE-003."""
+    slice_reads_only_responses(_need("no_padding_2_padding"), mb, **_drawn(c))
 
 
 def check_from_nested(c, mb, run):
-    fn = _need("response_from_nested")
-    nested, want = _poisoned(c)
-    rows = [t.detach().cpu() for t in fn(nested, mb["response_mask"]).unbind()]
-    if len(rows) != c.batch_size:
-        return f"response_from_nested: got {len(rows)} rows, expected {c.batch_size}"
-    for i, r in enumerate(c.response_lens):
-        if rows[i].shape != (r,) or not torch.equal(rows[i], want[i, :r]):
-            return (f"response_from_nested row {i}: got {rows[i].tolist()}, expected {want[i, :r].tolist()} (the "
-                    f"values at packed positions {_response_ranges(c)[i][0]}..{_response_ranges(c)[i][1] - 1}: its "
-                    "response tokens' scores)")
-    return None
+    """INV-SLICE-004."""
+    response_from_nested_rows(_need("response_from_nested"), mb["response_mask"], **_drawn(c))
 
 
 def check_round_trip(c, mb, run):
-    nested, want = _poisoned(c)
-    mask = mb["response_mask"]
-    padded = _need("no_padding_2_padding")(nested, mb)
-    back = _need("response_to_nested")(padded, mask)
-    direct = _need("response_from_nested")(nested, mask)
-    if not (isinstance(back, torch.Tensor) and back.is_nested and torch.equal(back.offsets().cpu(), mask.offsets().cpu())):
-        return (f"response_to_nested(no_padding_2_padding(x)): got {type(back).__name__} of shape "
-                f"{tuple(getattr(back, 'shape', ()))}, expected nested over the responses {list(c.response_lens)}")
-    got, exp = back.values().detach().cpu(), direct.values().detach().cpu()
-    if got.shape != exp.shape or not torch.equal(got, exp):
-        at = _first_diff(got, exp) if got.shape == exp.shape else None
-        return (f"response_to_nested(no_padding_2_padding(x)): got {got.tolist()}, expected response_from_nested(x) "
-                f"{exp.tolist()}" + (f" (first difference at flat position {at[0]})" if at else ""))
-    return None
-
-
-SLICE_DTYPES = (torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16)
+    """INV-SLICE-005."""
+    response_round_trip(_need("no_padding_2_padding"), _need("response_to_nested"), _need("response_from_nested"), mb,
+                        mb["response_mask"], **_drawn(c))
 
 
 def check_slice_dtypes(c, mb, run):
-    gen = torch.Generator().manual_seed(c.seed)
-    starts = offsets(c.seq_lens)
-    mask = mb["response_mask"]
-    np2p, to_nested, from_nested = (_need(n) for n in ("no_padding_2_padding", "response_to_nested", "response_from_nested"))
-    for dtype in SLICE_DTYPES:
-        for trailing in ((), (3,)):
-            base = torch.randint(0, 4, (c.total_nnz, *trailing), generator=gen)
-            values = (base > 1) if dtype == torch.bool else base.to(dtype)
-            want = torch.zeros(c.batch_size, c.response_width, *trailing, dtype=dtype)
-            for i, (p, r) in enumerate(zip(c.prompt_lens, c.response_lens)):
-                want[i, :r] = values[starts[i] + p - 1: starts[i] + p - 1 + r]
-            nested = torch.nested.nested_tensor_from_jagged(values, starts)
-            got = np2p(nested, mb)
-            what = f"a {dtype} per-token tensor {tuple(values.shape)}"
-            if got.dtype != dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
-                return f"no_padding_2_padding of {what}: got {got.dtype} {got.tolist()}, expected {dtype} {want.tolist()}"
-            for name, value in (("response_to_nested", to_nested(got, mask)), ("response_from_nested", from_nested(nested, mask))):
-                rows = [t.cpu() for t in value.unbind()]
-                for i, r in enumerate(c.response_lens):
-                    if rows[i].dtype != dtype or tuple(rows[i].shape) != (r, *trailing) or not torch.equal(rows[i], want[i, :r]):
-                        return (f"{name} of {what}: row {i} got {rows[i].dtype} {rows[i].tolist()}, expected {dtype} "
-                                f"{want[i, :r].tolist()}")
-    return None
+    """INV-DTYPE-001."""
+    slice_dtypes(_need("no_padding_2_padding"), _need("response_to_nested"), _need("response_from_nested"), mb,
+                 mb["response_mask"], **_drawn(c))
 
 
 def check_mask_helper(c, mb, run):
-    build = _need("build_attention_mask_from_nested")
-    ids = mb["input_ids"]
-    for width in (None, max(c.seq_lens) + 2):
-        mask = build(ids) if width is None else build(ids, max_seq_len=width)
-        w = width or max(c.seq_lens)
-        want = (torch.arange(w).unsqueeze(0) < torch.tensor(c.seq_lens).unsqueeze(1)).to(torch.int32)
-        if mask.dtype != torch.int32 or tuple(mask.shape) != (c.batch_size, w) or not torch.equal(mask.cpu(), want):
-            return (f"build_attention_mask_from_nested(input_ids, max_seq_len={width}): got {mask.dtype} {mask.tolist()}, "
-                    f"expected torch.int32 {want.tolist()} (each row the full sequence length {list(c.seq_lens)})")
-    return None
+    """INV-MASK-004 (spec/truth/handoff_checks.py)."""
+    mask_helper(_need("build_attention_mask_from_nested"), mb["input_ids"], c.seq_lens, INT32_ATTENTION_MASK)
+
+
+#: every framework's consumer view of a per-token output (spec/protocol/engine.py: completion_view and action_view
+#: are response_view)
+VIEW_NAMES = ("response_view", "completion_view", "action_view")
 
 
 def check_response_values(c, mb, run):
-    """The (B, R) log-probs a PPO/GRPO loss reads: each response token's log-prob, against the reference."""
-    want = reference(c, mb, run.model)["log_probs"]
+    """INV-SLICE-006: the (B, R) log-probs a PPO/GRPO loss reads, in every framework's consumer view."""
     lp = run.rank_outputs[0].get("log_probs")
     if lp is None:
         return "got no 'log_probs', expected them (the flags ask for them)"
-    if lp.is_nested:
-        seqs = [t.detach().to("cpu", torch.float64) for t in lp.unbind()]
-    elif lp.dim() >= 1 and lp.shape[0] == c.total_nnz:
-        seqs = list(lp.detach().to("cpu", torch.float64).split(list(c.seq_lens)))
-    else:
-        return f"'log_probs' of shape {tuple(lp.shape)}: neither nested over the sequences nor a packed ({c.total_nnz},) row"
-    for i, (exp, tol) in enumerate(want):
-        p, r = c.prompt_lens[i], c.response_lens[i]
-        got = seqs[i].reshape(-1)[p - 1: p - 1 + r]
-        if got.shape[0] != r:
-            return f"'log_probs' of sequence {i}: got {seqs[i].shape[0]} values, expected {c.seq_lens[i]}"
-        bad = _first_bad(got, exp[p - 1: p - 1 + r], tol[p - 1: p - 1 + r])
-        if bad is not None:
-            t, count = bad
-            return (f"response log-prob [{i}, {t}] (the log-prob of response token {t} of sample {i}): got "
-                    f"{got[t].item():.8g}, expected {exp[p - 1 + t].item():.8g} ({count} of {r} differ)")
-    return None
+    views = [(name, response_view) for name in VIEW_NAMES]
+    consumer_response_view(lp, mb, views, *_response_log_probs(c, mb, run), c.response_lens, c.total_nnz, c.prompt_lens)
 
 
-# ---- flags and settings: defaults, other spellings, bad values ----
-def _show(value):
-    """A value as printed in a message: a tensor by its dtype, shape and elements (flattened), at most 200 characters."""
-    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
-        return f"nested (values {_show(value[0])}, offsets {value[1].tolist()})"
-    if isinstance(value, torch.Tensor):
-        text = f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)} {value.detach().reshape(-1).tolist()}"
-        return text if len(text) <= 200 else text[:197] + "..."
-    return f"{value!r:.200}"
-
-
+# ---- flags and settings: defaults, other spellings (spec/truth/settings_checks.py), bad values ----
 def _same_run(got, want, what):
-    """``got`` handed the model and its output step what ``want`` did and returned the same outputs."""
-    pairs = [(f"model_inputs of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.inputs, want.inputs))]
-    pairs += [(f"output_args of rank {r}", g, w) for r, (g, w) in enumerate(zip(got.output_args, want.output_args))]
-    pairs.append(("outputs", got.rank_outputs[0], want.rank_outputs[0]))
-    for where, g, w in pairs:
-        a, b = _tensors(g, where), _tensors(w, where)
-        if set(a) != set(b):
-            return f"{what}: {where}: got keys {sorted(a)}, expected {sorted(b)} (as with the flags given)"
-        for key in a:
-            if not _equal(a[key], b[key]):
-                return f"{what}: {key}: got {_show(a[key])}, expected {_show(b[key])} (as with the flags given)"
-    return None
+    same_run(got.inputs, got.output_args, got.rank_outputs[0], want.inputs, want.output_args, want.rank_outputs[0],
+             what)
 
 
-def _sliced_width(mb, run):
+def _sliced(mb, run):
     fn = helper("no_padding_2_padding")
     lp = run.rank_outputs[0].get("log_probs")
     return None if fn is None or lp is None else fn(lp, mb)
 
 
 def check_flags_default(c, mb, run):
-    dropped = [key for key, default in FLAG_DEFAULTS.items() if key in mb.keys() and _flag_value(mb, key) == default]
-    if "max_response_len" in mb.keys() and _flag_value(mb, "max_response_len") == max(c.response_lens):
-        dropped.append("max_response_len")  # its default is max(r_i)
+    """INV-FLAG-001: without the flags at their defaults, the same hand-off and outputs (and the reference's)."""
+    dropped = defaulted_flags(mb, c.response_lens)
     if not dropped:
+        print("NOT EXERCISED: no flag holds its default")
         return None
     bare = mb.copy()
     for key in dropped:
         del bare[key]
     other = execute(c, bare, POISON)
-    what = f"without the flags {dropped} (each at its default)"
-    problem = _same_run(other, run, what) or check_keys(c, bare, other) or check_values(c, bare, other)
-    if problem or "max_response_len" not in dropped:
+    _same_run(other, run, f"without the flags {dropped} (at their defaults)")
+    problem = check_keys(c, bare, other) or check_values(c, bare, other)
+    if problem or "max_response_len" not in dropped or _sliced(mb, run) is None:
         return problem
-    got, want = _sliced_width(bare, run), _sliced_width(mb, run)
-    if got is not None and not _same(got, want):
-        return (f"no_padding_2_padding(log_probs) without max_response_len: got shape {tuple(got.shape)}, expected "
-                f"{tuple(want.shape)} as with it (the flag equalled max(r_i))")
-    return None
+    slice_without_width(_sliced(bare, run), _sliced(mb, run))
 
 
 def check_flags_recoded(c, mb, run):
+    """INV-FLAG-002: the flags spelled as 0/1 ints, numpy scalars, a plain str: the same hand-off and outputs."""
     recoded = mb.copy()
     written = recode_flags(recoded, c.seed % 2)
     other = execute(c, recoded, POISON)
-    problem = _same_run(other, run, "flags spelled as " + ", ".join(f"{k}={v!r}" for k, v in written.items()))
-    if problem:
-        return problem
-    width = _flag_value(mb, "max_response_len")
-    if width is not None:
-        got = _sliced_width(recoded, run)
-        if got is not None and tuple(got.shape) != (c.batch_size, int(width)):
-            return (f"no_padding_2_padding with max_response_len={written['max_response_len']!r}: got shape "
-                    f"{tuple(got.shape)}, expected {(c.batch_size, int(width))}")
-    return None
+    _same_run(other, run, f"flags spelled as {', '.join(f'{k}={v!r}' for k, v in written.items())}")
+    width = flag_value(mb, "max_response_len") if "max_response_len" in mb.keys() else None
+    if width is not None and _sliced(recoded, run) is not None:
+        slice_with_width(_sliced(recoded, run), c.batch_size, int(width), written["max_response_len"])
+
+
+def _says(exc):
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _refused_by(call, what):
+    """None when the engine's own call (``call``) raised, else what happened instead: it returned (no exception), or
+    only the stand-in model or processor failed on what the engine accepted (the suite's attribution:
+    spec/execute/attribution.py)."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - classified
+        if origin(exc) == "engine":
+            print(f"  ok: {what}: the engine raised {_says(exc)}")
+            return None
+        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed ({_says(exc)}); "
+                "expected the engine to raise")
+    got = f"outputs {sorted(result.rank_outputs[0])}" if getattr(result, "rank_outputs", None) else "a result"
+    return f"{what}: got {got} (no exception), expected the engine to raise a clear exception"
 
 
 def _rejected(c, mb, what):
-    """None when the engine's own call raised on ``mb``, else what it did instead (returned outputs, or only the
-    stand-in model or processor choked on what it accepted)."""
-    try:
-        result = execute(c, mb, POISON)
-    except Exception as exc:  # noqa: BLE001 - classified
-        if origin(exc) == "engine":
-            print(f"  ok: {what}: the engine raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
-            return None
-        return (f"{what}: the engine accepted it; only the stand-in model or processor then failed "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); expected the engine to raise")
-    keys = sorted(result.rank_outputs[0]) if result.rank_outputs else []
-    return f"{what}: got outputs {keys} (no exception), expected the engine to raise a clear exception"
+    """The whole run of ``mb`` refused by the engine (:func:`_refused_by`)."""
+    return _refused_by(lambda: execute(c, mb, POISON), what)
 
 
 def check_bad_flags(c, mb, run):
@@ -980,15 +572,52 @@ def check_rejects(c, mb, run):
     return _rejected(c, mb, what)
 
 
+def check_refused(c, mb, run):
+    """INV-FLAG-004/005: each setting the engine's profile declares unsupported (REFUSES) is refused by every call
+    that reads it: the whole preparation, and prepare_model_outputs alone handed a valid run's model output and
+    output_args (the micro-batch layer's postprocess_batch_func is the suite's to try)."""
+    if not REFUSES:
+        print("NOT EXERCISED: the engine's profile declares no unsupported setting")
+        return None
+    engines = []
+    valid = execute(c, mb, POISON, engines=engines)
+    eng = engines[0]
+    problem = None
+    if "pad_mode" in REFUSES:
+        with execution_context(c):
+            _, output_args = _side("engine", eng.prepare_model_inputs)(mb)
+        for mode in (PadMode.LEFT_RIGHT, PadMode.RIGHT):
+            bad = mb.copy()
+            bad.set_non_tensor("pad_mode", mode)
+            what = f"pad_mode={mode.value}"
+            problem = problem or _refused_by(lambda: _side("engine", eng.prepare_model_inputs)(bad),
+                                             f"prepare_model_inputs with {what}")
+            with execution_context(c):
+                problem = problem or _refused_by(lambda: _side("engine", eng.prepare_model_outputs)(
+                    valid.model_outputs[0], output_args, bad, _processor(c, 0)),
+                    f"prepare_model_outputs (a valid run's model output and output_args) with {what}")
+    if "sum_pi_squared_fused" in REFUSES and c.head == "lm":
+        bad = mb.copy()
+        bad.set_non_tensor("use_fused_kernels", True)
+        bad.set_non_tensor("calculate_sum_pi_squared", True)
+        problem = problem or _rejected(c, bad, "use_fused_kernels with calculate_sum_pi_squared")
+    if "bucket_distillation" in REFUSES and c.head == "lm" and c.use_remove_padding:
+        bad = mb.copy()
+        bad.set_non_tensor("distillation_use_topk", True)
+        bucket = c.total_nnz + 1
+        problem = problem or _refused_by(_side("engine", lambda: make_engine(c.head, pad_to_length=bucket)
+                                               .prepare_model_inputs(bad)),
+                                         f"pad_to_length={bucket} with distillation_use_topk")
+    return problem
+
+
 def check_bad_settings(c, mb, run):
+    """INV-SET-001: each impossible setting the invariant tries rejected, by the constructor or the first call."""
     for bad in bad_settings(c):
-        try:
-            make_engine(c.head, **bad).prepare_model_inputs(mb)
-        except Exception as exc:  # noqa: BLE001 - a rejection, by the constructor or the first call
-            print(f"  ok: engine settings {bad}: raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
-            continue
-        return (f"engine settings {bad}: got an engine that prepared the micro-batch (no exception), expected it "
-                "rejected by the constructor or the first call")
+        problem = _refused_by(_side("engine", lambda: make_engine(c.head, **bad).prepare_model_inputs(mb)),
+                              f"engine settings {bad}")
+        if problem:
+            return problem
     return None
 
 
@@ -1010,71 +639,44 @@ def check_on_cuda(c, mb, run):
     on_cuda.rank_outputs = [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()}
                             for o in on_cuda.rank_outputs]
     on_cuda.model = run.model  # the reference reads the CPU copy of the same weights
-    problem = check_keys(c, mb, on_cuda) or check_values(c, mb, on_cuda)
-    return None if problem is None else f"on cuda: {problem}"
+    try:
+        check_keys(c, mb, on_cuda)
+        check_values(c, mb, on_cuda)
+    except AssertionError as exc:  # a failed check of the CUDA run
+        return f"on cuda: {exc}"
+    return None
 
 
-# ---- an engine object kept across micro-batches, as a trainer keeps it ----
-def _held(value):
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        return ("nested", value.values().detach().clone(), value.offsets().clone())
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _held(v) for k, v in value.items()}
-    return value
-
-
-def _kept_same(a, b):
-    if isinstance(a, torch.Tensor) and a.is_nested:
-        a = ("nested", a.values(), a.offsets())
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_kept_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_kept_same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return _same(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else False
-    return a == b
-
-
+# ---- an engine object kept across micro-batches, as a trainer keeps it (spec/truth/state_checks.py) ----
 def run_reused(before, case_run):
     """The micro-batch ``before`` then the case through one engine object; what the first returned, held as it was
     then; the case's run through a fresh engine object."""
     c0, c = SimpleNamespace(**before["case"]), SimpleNamespace(**case_run["case"])
     engines = []
     first = execute(c0, build_micro_batch(before), POISON, engines=engines)
-    kept = {"outputs": _held(first.rank_outputs[0]), "inputs": _held(first.views[0])}
+    kept = {"outputs": held(first.rank_outputs[0]), "inputs": held(first.views[0])}
     second = execute(c, build_micro_batch(case_run), POISON, engines=engines)
     fresh = execute(c, build_micro_batch(case_run), POISON)
     return c, first, kept, second, fresh
 
 
 def check_reused(c, mb, runs):
+    """INV-BATCH-003: the hand-off as a fresh engine's; the outputs the reference's."""
     first, kept, second, fresh = runs
-    for key in VIEW_KEYS:
-        if not _kept_same(second.views[0][key], fresh.views[0][key]):
-            return (f"the model hand-off {key!r} after another micro-batch through the same engine object: got "
-                    f"{_show(second.views[0][key])}, expected a fresh engine's {_show(fresh.views[0][key])}")
+    handoff_as_fresh(second.views[0], fresh.views[0], second.rank_outputs[0], fresh.rank_outputs[0])
     return check_keys(c, mb, second) or check_values(c, mb, second)
 
 
 def check_earlier_kept(c, mb, runs):
+    """INV-MUT-005."""
     first, kept, second, fresh = runs
-    for key in sorted(set(first.rank_outputs[0]) | set(kept["outputs"])):
-        if key not in first.rank_outputs[0] or key not in kept["outputs"] or \
-                not _kept_same(first.rank_outputs[0][key], kept["outputs"][key]):
-            return (f"output {key!r} of the earlier micro-batch: got it changed when the same engine object prepared "
-                    "the next one, expected it as returned (an output buffer reused across calls?)")
-    for key, was in kept["inputs"].items():
-        if not _kept_same(first.views[0][key], was):
-            return (f"model hand-off {key!r} of the earlier micro-batch: got it changed when the same engine object "
-                    "prepared the next one, expected it as handed")
-    return None
+    earlier_kept(first.rank_outputs[0], kept["outputs"], first.views[0], kept["inputs"])
 
 
-CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "float32": check_float32, "mask": check_mask,
-          "mask_dtype": check_mask_dtype,
-          "labels": check_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
+CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_positions,
+          "packed_inputs": check_packed_inputs, "keys": check_keys, "values": check_values, "float32": check_float32,
+          "mask": check_mask, "mask_shape": check_mask_shape, "mask_dtype": check_mask_dtype,
+          "labels": check_labels, "shard_labels": check_shard_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
           "positions_fill": check_positions_fill, "tail": check_tail, "tail_fill": check_tail_fill,
           "rolled_row": check_rolled_row, "token_temperature": check_token_temperature,
           "padded_temperature": check_padded_temperature, "fused_inputs": check_fused_inputs,
@@ -1082,13 +684,14 @@ CHECKS = {"inputs": check_inputs, "keys": check_keys, "values": check_values, "f
           "slice_reads": check_slice_reads, "from_nested": check_from_nested, "round_trip": check_round_trip,
           "slice_dtypes": check_slice_dtypes, "mask_helper": check_mask_helper, "response_values": check_response_values,
           "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
-          "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings,
+          "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings, "refused": check_refused,
           "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda}
 #: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
-          "rejects", "bad_settings"}
+          "rejects", "bad_settings", "refused"}
 #: checks that read what prepare_model_inputs handed over, and nothing after it
-INPUTS_ONLY = {"inputs", "mask", "mask_dtype", "labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
+INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
+               "shard_labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu"}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
@@ -1128,6 +731,10 @@ def _run_checks(c, mb, result, fresh, label):
             problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
         except NotStandalone:
             raise
+        except AssertionError as exc:  # the check's own failure (spec/truth/failing.py), not the engine's assertion
+            if origin(exc) is None:
+                return _fail(name, label, str(exc))
+            return _raised(label, exc, f"raised in the check {name!r}: by the engine or a helper of it")
         except (NameError, UnboundLocalError) as exc:
             if origin(exc) is None:
                 return _own_error(exc)

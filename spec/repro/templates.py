@@ -12,63 +12,39 @@ file as ``repro_runtime.py``; the file loads both (:data:`LOADER`) and binds its
 from __future__ import annotations
 
 import inspect
-import re
 import shutil
 from pathlib import Path
 
 from ..execute import handoff, harness
-from ..invariants import settings
-from ..protocol.engine import PaddedLayout, ReproSnippet
-from ..protocol.profile import layout_starts
-from ..truth import oracle, rules, toy_model
+from ..protocol import engine as protocol_engine
+from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
+from ..protocol.profile import MEDIA_INPUT_KEYS, layout_starts
+from ..protocol.vendor import assignments, definitions, source
+from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rank_checks, rules,
+                     settings_checks, slice_checks, state_checks, toy_model, vision)
 from . import runtime
+from .vendored import loader, preamble, suite_guard
 
 __all__ = ["suite_blocks", "suite_module", "write_beside", "PREAMBLE", "LOADER", "SHARE", "RUNTIME_NAME", "SUITE_NAME",
            "DISTRIBUTION", "engine_block"]
 
-PREAMBLE = '''from __future__ import annotations
-
-import contextlib
-import math
-import sys
-import threading
-import traceback
-from enum import Enum
-from pathlib import Path
-from types import SimpleNamespace
-
-import numpy as np
-import torch
-from tensordict import TensorDict
-'''
-
-
-def _module_body(module) -> str:
-    """A module's source without its docstring, ``__future__`` import, ``__all__`` and imports (the preamble
-    has them)."""
-    source = inspect.getsource(module)
-    source = re.sub(r'^""".*?"""\n', "", source, count=1, flags=re.S)
-    keep = [line for line in source.splitlines()
-            if not line.startswith(("from __future__", "__all__", "import ", "from "))]
-    return "\n".join(keep).strip() + "\n"
+#: the imports a file opens with (its ``from __future__`` import first)
+PREAMBLE = source(preamble, future=True)
 
 
 def suite_blocks() -> str:
     """The suite's stand-in model, hand-off and processor, as source."""
-    parts = ["# ---- the stand-in model (the suite's spec/truth/toy_model.py, written out) ----",
-             "from functools import lru_cache", "", _module_body(toy_model),
+    parts = ["# ---- the stand-in model and its vision tower (the suite's spec/truth/vision.py, toy_model.py, written "
+             "out) ----", "from functools import lru_cache", "", assignments({"MEDIA_INPUT_KEYS": MEDIA_INPUT_KEYS}),
+             definitions(vision), definitions(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
     for fn in (PaddedLayout, layout_starts, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
-               handoff.check_model_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
+               handoff.check_model_inputs, handoff.check_media_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
                handoff.rank_outputs, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
-    parts += ["# ---- the contract's flags (spec/invariants/settings.py), written out ----",
-              f"FLAG_DEFAULTS = {settings.FLAG_DEFAULTS!r}", f"BOOL_FLAGS = {settings.BOOL_FLAGS!r}",
-              f"BAD_FLAGS = {settings.BAD_FLAGS!r}", ""]
-    for fn in (rules.offsets, rules.padded_length, settings._flag, settings._plain, settings._tensors, settings._equal, settings._plain_value,
-               settings.recode_flags, settings.bad_settings):
+    for fn in (rules.offsets, rules.padded_length):
         parts += [inspect.getsource(fn), ""]
     parts += ["# ---- the top-K distillation processor the suite hands the engine (spec/truth/oracle.py) ----"]
     for fn in (oracle._overlap, oracle._overlap_terms, oracle.topk_terms, oracle.TopKProcessor):
@@ -80,6 +56,24 @@ def suite_blocks() -> str:
                                         for k, v in oracle._DTYPES.items()) + "}", ""]
     for fn in (oracle.unit_roundoff, oracle.topk_tie_slack, rules.response_positions, oracle.Expected):
         parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the oracle itself, per sequence (spec/truth/oracle.py: expected_loop, the reference the vectorised "
+              "oracle is tested against) ----", "import math", "",
+              assignments({"EPS": oracle.EPS, "SAFETY": oracle.SAFETY, "CANCELLATION_SAFETY": oracle.CANCELLATION_SAFETY,
+                           "TEMPERATURE_FLOOR": rules.TEMPERATURE_FLOOR,
+                           "LOG_PROB_MIN_CLAMP": oracle.LOG_PROB_MIN_CLAMP})]
+    for fn in (oracle._softmax_terms, oracle._bound, oracle.scaled_logits, oracle.cancellation_bounds, oracle.log_prob_min_clamp,
+               oracle._cancellation_dtypes, oracle._sample_media, oracle.expected_loop):
+        parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- what a consumer reads (spec/protocol/engine.py, spec/truth/rules.py) ----"]
+    for fn in (OutputSpan, rules.read_positions, rules.full_length_mask, protocol_engine._flag_width,
+               protocol_engine._lengths, protocol_engine._response_index, protocol_engine.response_view):
+        parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the checks, as the invariants run them (spec/truth/failing.py, closeness.py, handoff_checks.py, "
+              "outputs_checks.py, slice_checks.py, microbatch_checks.py, rank_checks.py, state_checks.py, "
+              "settings_checks.py) ----",
+              definitions(failing), definitions(closeness), definitions(handoff_checks), definitions(outputs_checks),
+              definitions(slice_checks), definitions(microbatch_checks), definitions(rank_checks),
+              definitions(state_checks), definitions(settings_checks)]
     return "\n".join(parts)
 
 
@@ -102,44 +96,23 @@ def write_beside(folder: Path) -> None:
     shutil.copyfile(inspect.getsourcefile(runtime), folder / f"{RUNTIME_NAME}.py")
 
 
-#: how a reproducer loads the two modules beside it: afresh on every run (several files run in one process each bind
-#: their own engine and case into their runtime)
-LOADER = f'''import importlib.util
-
-
-def _beside(name):
-    """A module written beside this file, loaded afresh."""
-    found = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name(name + ".py"))
-    module = importlib.util.module_from_spec(found)
-    sys.modules[name] = module
-    found.loader.exec_module(module)
-    return module
-
-
-# the suite's stand-in model, hand-off, flags, processor and oracle rule, written out from its source
-_suite = _beside({SUITE_NAME!r})
-# the micro-batch builder, one run, the float64 reference, the checks and main (spec/repro/runtime.py, copied)
-_runtime = _beside({RUNTIME_NAME!r})
-'''
+#: how a reproducer loads the two modules beside it (:mod:`.vendored.loader`), and loads them
+LOADER = "\n".join([
+    source(loader), "",
+    "# the suite's stand-in model, hand-off, flags, processor and oracle rule, written out from its source",
+    f"_suite = _beside({SUITE_NAME!r})",
+    "# the micro-batch builder, one run, the float64 reference, the checks and main (spec/repro/runtime.py, copied)",
+    f"_runtime = _beside({RUNTIME_NAME!r})", ""])
 
 #: binds the file's engine, case and the suite's pieces into its runtime (after the file's constants)
 SHARE = "_runtime.share(_suite, globals())"
 
 #: the suite's and impl's top-level packages: both are the distribution ``rl-ioprep``
-DISTRIBUTION = "rl-ioprep"
-
-#: a snippet that imports the suite (an adapter with no standalone snippet): without the suite the file says so and
-#: exits 2, never 1 (an ImportError is no reproduction)
-_SUITE_GUARD = f'''try:  # the engine is built through its adapter, which is the suite's
-    import spec  # noqa: F401
-except ImportError as exc:
-    print(f"NOT STANDALONE: the engine is built through its adapter in the suite ({{exc}}): pip install {DISTRIBUTION}")
-    sys.exit(2)
-'''
+DISTRIBUTION = suite_guard.DISTRIBUTION
 
 
 def engine_block(snippet: ReproSnippet) -> str:
     """The file's engine block: the snippet between its markers, guarded where it imports the suite."""
-    guard = "" if snippet.standalone else _SUITE_GUARD
+    guard = "" if snippet.standalone else source(suite_guard) + "\n"
     return "\n".join(["# ---- engine under test (begin) ----", guard + snippet.code.strip(),
                       "# ---- engine under test (end) ----", ""])

@@ -28,8 +28,8 @@ from ..engines.impl.adapter import ImplEngine
 from ..execute.handoff import _settings
 from ..execute.pickling import save
 from ..invariants import CATALOGUE
-from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout, ReproSnippet
-from .micro_batch import INLINE_LIMIT, batch_data, case_data, declared_precision
+from ..protocol.engine import EngineUnderTest, ReproSnippet
+from .micro_batch import INLINE_LIMIT, batch_data, case_data, declarations, declared_precision
 from .dense import write_dense_reproducer
 from .dp_layer import DP_CHECKS, write_dp_reproducer
 from .end_to_end import END_TO_END, layer_bug_only, write_end_to_end_reproducer
@@ -39,6 +39,8 @@ from .packing import packer_requires, write_packing_reproducer
 from .carry import carried
 from .plans import Plan, plan_for
 from .ranks import RANK_CHECKS, on_real_ranks
+from ..protocol.vendor import assignments, source
+from .vendored import engine_case_main, not_standalone
 from .templates import DISTRIBUTION, LOADER, PREAMBLE, SHARE, engine_block, write_beside
 
 __all__ = ["Reproducer", "write_reproducer", "write_reproducers", "run_reproducer", "safe_name"]
@@ -99,7 +101,7 @@ def _header(invariant: str, mode: str, engine: str, title: str, case: Any, error
 
 
 def _unsupported(header: str, why: str) -> str:
-    return header + f"import sys\n\nprint({('NOT STANDALONE: ' + why)!r})\nsys.exit(2)\n"
+    return "\n".join([header, assignments({"WHY": why}), source(not_standalone)])
 
 
 def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnderTest, case: Any,
@@ -154,7 +156,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         else:
             checks = Plan(RANK_CHECKS[invariant]) if invariant in RANK_CHECKS else plan
             header = _header(invariant, mode, engine.name, title, case, error, ranked)
-            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path, engine), case))
+            path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path, engine, last=False), case))
             return path, None
     elif plan is None:
         why = (f"{invariant} has no standalone check in spec/repro/plans.py"
@@ -165,9 +167,7 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
     if why:
         path.write_text(_unsupported(header, why))
         return path, why
-    layout = PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value
-    span = OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value
-    path.write_text(_source(header, invariant, plan, snippet, case, path, engine, layout, span))
+    path.write_text(_source(header, invariant, plan, snippet, case, path, engine))
     return path, None
 
 
@@ -179,7 +179,9 @@ def _snippet(engine: EngineUnderTest, settings: dict[str, Any]) -> ReproSnippet 
 
 
 def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case: EngineCase, path: Path,
-            engine: EngineUnderTest, layout: str = "right", span: str = "sequence") -> str:
+            engine: EngineUnderTest, last: bool = True) -> str:
+    """The engine-case file: header, preamble, loader, engine block, the case's runs, the share; and (``last``) its
+    main's call (else what the real-rank reproducer adds ends it: :func:`.ranks.on_real_ranks`)."""
     runs, heavy = [], {}
     for label, variant in plan.runs(case):
         data, tensors, elements = batch_data(variant)
@@ -199,12 +201,10 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
         header, PREAMBLE, LOADER, engine_block(snippet),
         f"INVARIANT = {invariant!r}", f"CHECK_NAMES = {list(plan.checks)!r}", f"POISON = {plan.poison!r}",
         f"KEYS = {list(plan.keys)!r}  # the outputs the invariant asserts, the only ones compared (none: every one)",
-        f"PADDED_LAYOUT = {layout!r}  # where the engine puts each sequence in its padded (B, L) model input",
-        f"OUTPUT_SPAN = {span!r}  # which positions of each sequence its per-token outputs cover",
+        declarations(engine),
         "DATA = Path(__file__).with_suffix('.pt')  # the runs' tensors above 4,096 elements",
         "RUNS = " + pprint.pformat(runs, width=120, sort_dicts=False), "",
-        SHARE, "", "",
-        'if __name__ == "__main__":', "    sys.exit(main())", ""])
+        SHARE, "", "", *([source(engine_case_main)] if last else [])])
 
 
 def run_reproducer(path: Path) -> tuple[int, str]:

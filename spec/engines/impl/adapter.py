@@ -10,6 +10,7 @@ import impl.microbatch
 
 from ...protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer, layer_from
+from ...protocol.vendor import source
 from ...protocol.profile import MEDIA, VERL_CONVENTIONS
 from ...protocol.step import StepLayer
 from .step import impl_step_layer
@@ -133,7 +134,7 @@ class ImplEngine(EngineUnderTest):
         """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""
         if type(self) is not ImplEngine:
             return super().repro_snippet(settings)
-        return ReproSnippet(IMPL_SNIPPET, requires="rl-ioprep (this project's impl/)", standalone=True)
+        return ReproSnippet(source("spec.engines.impl.repro_snippet"), requires="rl-ioprep (this project's impl/)", standalone=True)
 
     def config_space(self) -> tuple[ConfigSwitch, ...]:
         """impl's settings that change its preparation's path (``impl.EngineSettings``), each drawn as the suite's
@@ -148,14 +149,3 @@ class ImplEngine(EngineUnderTest):
                          text="cu_seqlens in the packed model inputs"),
         )
 
-
-IMPL_SNIPPET = """import impl
-
-
-def make_engine(head, **settings):
-    return {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}[head](**settings)
-
-
-def helper(name):
-    return getattr(impl, name, None)
-"""

@@ -6,6 +6,7 @@ import importlib
 from typing import Any, Callable
 
 from ...protocol.engine import EngineUnderTest, Feature, ReproSnippet
+from ...protocol.vendor import source
 
 __all__ = ["FactoryEngine", "engine_from_path"]
 
@@ -62,7 +63,9 @@ class FactoryEngine(EngineUnderTest):
         module, attr = (self.name.split(":", 1) + [""])[:2] if ":" in self.name else (None, None)
         if not module:
             return super().repro_snippet(settings)
-        return ReproSnippet(FACTORY_SNIPPET.format(module=module, attr=attr), requires=module.split(".")[0])
+        code = "\n".join(["import importlib", "", f"_MODULE = importlib.import_module({module!r})",
+                           f"_TARGET = getattr(_MODULE, {attr!r})", "", source("spec.engines.kit.factory_repro")])
+        return ReproSnippet(code, requires=module.split(".")[0])
 
     def helper(self, name: str) -> Callable | None:
         try:
@@ -87,27 +90,3 @@ def engine_from_path(path: str) -> EngineUnderTest:
         return engine
     raise TypeError(f"{path!r} is neither an EngineUnderTest, an engine class or object, nor a factory")
 
-
-#: a user's engine, imported from its own module and called as :meth:`FactoryEngine.make` calls it
-FACTORY_SNIPPET = """import importlib
-
-_MODULE = importlib.import_module({module!r})
-_TARGET = getattr(_MODULE, {attr!r})
-
-
-def make_engine(head, **settings):
-    settings = {{k: v for k, v in settings.items() if not (k == "sp_size" and v == 1)}}
-    if hasattr(_TARGET, "prepare_model_inputs") and not isinstance(_TARGET, type):  # an engine object
-        return _TARGET
-    if isinstance(_TARGET, type):  # an engine class
-        return _TARGET(**settings)
-    return _TARGET(head=head, **settings)
-
-
-def helper(name):
-    try:
-        probe = make_engine("lm")
-    except Exception:  # noqa: BLE001
-        probe = None
-    return getattr(probe, name, None) or getattr(_MODULE, name, None)
-"""

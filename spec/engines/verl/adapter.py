@@ -60,6 +60,7 @@ from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ...protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer
 from ...protocol.step import StepLayer
+from ...protocol.vendor import assignments, source
 from ...protocol.profile import MEDIA, VERL_CONVENTIONS, Convention
 from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .microbatch_layer import verl_microbatch_layer
@@ -492,20 +493,19 @@ class VerlEngine(EngineUnderTest):
         """The attribute setup of :meth:`make`, written out against verl's own classes (sequence parallelism
         needs a process group: a snippet only for a reproducer that starts its own ranks, ``real_ranks`` in the
         settings, whose all-gather carries the group). Where this verl ships its own top-K processor (0.9:
-        :meth:`logits_processor`), the snippet builds it the same way (:data:`VERL_PROCESSOR_SNIPPET`) and the file
+        :meth:`logits_processor`), the snippet builds it the same way (:mod:`.repro_processor`) and the file
         hands it the engine; verl 0.7.1 ships none, so its file hands the stand-in it writes out, as the suite does.
         A subclass (VeOmni) keeps the default."""
         if type(self) is not VerlEngine:
             return super().repro_snippet(settings)
         if int(settings.get("sp_size", 1) or 1) > 1 and not settings.get("real_ranks"):
             return None  # verl's Ulysses path needs a process group: only a reproducer that starts real ranks has one
-        call = ("self.engine.prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)"
-                if self.caps.processor else "self.engine.prepare_model_outputs(output, output_args, micro_batch)")
-        bucket = ("    eng.pad_to_length = bool(pad_to_length)\n"
-                  "    eng.pad_to_length_bucket = int(pad_to_length) if pad_to_length else 1\n") if self.caps.bucket else ""
         # verl's own top-K processor where this verl ships it (logits_processor); else the file's stand-in
-        own = VERL_PROCESSOR_SNIPPET if self.caps.processor and self.caps.own_processor_error is None else ""
-        return ReproSnippet(VERL_SNIPPET.format(call=call, bucket=bucket) + own, requires=f"verl=={self.caps.version}")
+        own = self.caps.processor and self.caps.own_processor_error is None
+        code = "\n".join([
+            assignments({"TAKES_PROCESSOR": bool(self.caps.processor), "HAS_BUCKET": bool(self.caps.bucket)}),
+            source("spec.engines.verl.repro_snippet"), *([source("spec.engines.verl.repro_processor")] if own else [])])
+        return ReproSnippet(code, requires=f"verl=={self.caps.version}")
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
@@ -513,107 +513,6 @@ class VerlEngine(EngineUnderTest):
 
 #: the switches of :meth:`VerlEngine.config_space` that configure verl's own top-K processor (DistillationLossConfig)
 PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MIN_CLAMP)
-
-
-#: verl's FSDP engine object built as :meth:`VerlEngine.make` builds it, for a standalone reproducer
-VERL_SNIPPET = """import contextlib
-import warnings
-from types import SimpleNamespace
-
-warnings.filterwarnings("ignore")
-from verl.utils import torch_functional as verl_F  # noqa: E402
-from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
-from verl.workers.utils import padding  # noqa: E402
-from verl.utils import ulysses  # noqa: E402
-
-
-class _Engine:
-    \"\"\"verl's FSDP engine without its constructor (no model, no process group): only the attributes
-    prepare_model_inputs / prepare_model_outputs read are set.\"\"\"
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    @contextlib.contextmanager
-    def _ulysses_group(self):  # verl's Ulysses group for the call, as its engine mode contexts set it
-        previous = ulysses.get_ulysses_sequence_parallel_group()
-        ulysses.set_ulysses_sequence_parallel_group(self.engine.ulysses_parallel_group)
-        try:
-            yield
-        finally:
-            ulysses.set_ulysses_sequence_parallel_group(previous)
-
-    def prepare_model_inputs(self, micro_batch):
-        config = self.engine.module.config  # a vision-language config for mRoPE positions (read only when sp > 1)
-        if micro_batch["position_ids"].dim() == 3:
-            config.vision_config = SimpleNamespace()
-        elif hasattr(config, "vision_config"):
-            del config.vision_config
-        with self._ulysses_group():
-            return self.engine.prepare_model_inputs(micro_batch)
-
-    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
-        if hasattr(self.engine.module, "v_head"):  # trl's AutoModelForCausalLMWithValueHead: (lm_logits, loss, value)
-            output = (None, None, output.logits.squeeze(-1))
-        with self._ulysses_group():
-            return {call}
-
-
-def make_engine(head, sp_size=1, pad_to_length=None, pass_cu_seqlens=False, entropy_chunk_size=None,
-                entropy_checkpointing=False, v_head=False, sp_rank=0, all_gather=None, use_chunked_topk=False,
-                chunked_topk_chunk_size=4096, log_prob_min_clamp=None):
-    # use_chunked_topk, chunked_topk_chunk_size, log_prob_min_clamp configure verl's top-K processor (logits_processor
-    # below, where this verl ships one), not the engine
-    cls = {{"lm": transformer_impl.FSDPEngineWithLMHead, "value": transformer_impl.FSDPEngineWithValueHead}}[head]
-    eng = object.__new__(cls)
-    # sp > 1 on real ranks: verl's Ulysses path all-gathers over the process group the all-gather carries
-    eng.use_ulysses_sp = sp_size > 1
-    eng.ulysses_sequence_parallel_size = sp_size
-    eng.ulysses_parallel_group = getattr(all_gather, "group", None) if sp_size > 1 else None
-    chunk = entropy_chunk_size
-    eng.engine_config = SimpleNamespace(entropy_checkpointing=entropy_checkpointing,
-                                        entropy_from_logits_with_chunking=bool(chunk),
-                                        entropy_from_logits_chunk_size=int(chunk or 2048), use_torch_compile=False)
-    eng.compute_entropy_from_logits = verl_F.entropy_from_logits_with_chunking if chunk else verl_F.entropy_from_logits
-    eng.module = SimpleNamespace(config=SimpleNamespace())
-    if v_head and head == "value":
-        eng.module.v_head = SimpleNamespace()
-    eng.pass_packed_cu_seqlens = pass_cu_seqlens
-{bucket}    return _Engine(eng)
-
-
-def helper(name):
-    return getattr(padding, name, None)
-"""
-
-
-#: verl's own top-K distillation processor built as :meth:`VerlEngine.logits_processor` builds it (verl 0.9: the
-#: file hands it the engine instead of the stand-in it writes out), for a standalone reproducer
-VERL_PROCESSOR_SNIPPET = """
-
-from functools import partial  # noqa: E402
-
-from verl.trainer.distillation.losses import distillation_ppo_loss  # noqa: E402
-from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPActorConfig  # noqa: E402
-
-_ACTOR = []
-
-
-def logits_processor(case, sp_size, sp_rank):
-    \"\"\"What a verl 0.9 run hands prepare_model_outputs (verl.workers.engine_workers): partial(distillation_ppo_loss,
-    config=<actor config, strategy fsdp>, distillation_config=...), its distillation_loss the top-K forward KL with
-    the case's switches (enabled=False: the processor path reads distillation_loss only). Under Ulysses SP verl
-    slices the teacher tensors itself, reading its module-level group (_Engine sets it around the call).\"\"\"
-    if not _ACTOR:
-        _ACTOR.append(FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1))
-    drawn = dict(case.engine_config or ())
-    loss = DistillationLossConfig(loss_mode="forward_kl_topk", topk=int(case.topk), use_policy_gradient=False,
-                                  log_prob_min_clamp=drawn.get("log_prob_min_clamp"),
-                                  use_chunked_topk=bool(drawn.get("use_chunked_topk", False)),
-                                  chunked_topk_chunk_size=int(drawn.get("chunked_topk_chunk_size", 4096)))
-    return partial(distillation_ppo_loss, config=_ACTOR[0],
-                   distillation_config=DistillationConfig(enabled=False, distillation_loss=loss))
-"""
 
 
 def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:

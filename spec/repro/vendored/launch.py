@@ -1,14 +1,24 @@
 """How a standalone reproducer starts its own ranks: ``world`` copies of the file itself as subprocesses
-(``--rank r <port> <folder>``), joined by the file into one gloo group over loopback TCP, each leaving its reply
-in a temporary folder the parent reads. A rank still running 30 s after every rank replied is killed: on torch 2.4 a
-rank can hang in gloo's ``destroy_process_group`` after its reply is written. Used by the data-parallel micro-batch reproducer (:mod:`.dp_layer`) and
-the real-rank reproducers (:mod:`.ranks`). Plain Python, written into the file as it is."""
+(``--rank r <port> <folder>``), joined by the file into one gloo group over loopback TCP, each leaving its reply in a
+temporary folder the parent reads. A rank still running 30 s after every rank replied is killed: on torch 2.4 a rank
+can hang in gloo's ``destroy_process_group`` after its reply is written. Vendored into the data-parallel micro-batch
+reproducer (:mod:`spec.repro.dp_layer`) and the real-rank reproducers (:mod:`spec.repro.ranks`)."""
 
 from __future__ import annotations
 
-__all__ = ["LAUNCH"]
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-LAUNCH = r'''
+import torch.distributed as dist
+
+#: the names the file binds for this module: none
+BOUND = ()
+
 
 def free_port():
     with socket.socket() as s:
@@ -23,7 +33,6 @@ def run_ranks(world, reply_name, load):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # modules as imported here
         procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rank", str(r), str(port), out],
                                   env=env) for r in range(world)]
-        import time
         start, replied = time.monotonic(), None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -51,4 +60,3 @@ def run_ranks(world, reply_name, load):
 
 def join_group(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-'''
