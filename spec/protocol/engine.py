@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import DEFAULT_PROFILE, EngineProfile, PaddedLayout, token_columns
+from .profile import DEFAULT_PROFILE, EngineProfile, HeadInput, OutputSpan, PaddedLayout, token_columns
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
@@ -90,27 +90,6 @@ HELPERS = tuple(f.value for f in HELPER_FEATURES)
 class ShardLayout(str, Enum):
     CONTIGUOUS = "contiguous"  # rank r holds rows [r*n/w, (r+1)*n/w) of the padded packed row
     ZIGZAG = "zigzag"  # each sequence in 2w chunks; rank r holds chunks r and 2w-1-r
-
-
-class OutputSpan(str, Enum):
-    """Which positions of each sequence an engine's per-token outputs cover (what a consumer reads is always
-    the response slice; the last token of a sequence scores nothing and is read by no consumer)."""
-
-    #: every token of the full sequence (verl's nested outputs): positions ``0 .. n_i - 2`` are checked
-    SEQUENCE = "sequence"
-    #: only the positions that score a response token (TRL's completion-only log-probs with ``logits_to_keep``,
-    #: OpenRLHF's action-mask slice): ``p_i - 1 .. n_i - 2``; :func:`sequences_from_responses` builds them
-    RESPONSE = "response"
-
-
-class HeadInput(str, Enum):
-    """What the stand-in model hands the engine's output step."""
-
-    LOGITS = "logits"  # ``output.logits`` (R, n, V)
-    #: the fused-head protocol: ``output.hidden_states`` (R, n, H) and ``output.lm_head_weight`` (V, H), both in
-    #: the logits' dtype; the logits are ``hidden_states.float() @ lm_head_weight.float().T`` (exact in float32),
-    #: for engines that compute log-probs from hidden states (TRL ``add_fused_lm_head``, Liger, fused kernels)
-    HIDDEN = "hidden"
 
 
 @dataclass(frozen=True)
@@ -307,23 +286,34 @@ class EngineUnderTest:
     @property
     def padded_layout(self) -> PaddedLayout:
         """Where the padded mode puts each sequence in its (B, L) model input: the profile's
-        (:attr:`EngineProfile.padded_layout`). A subclass that still sets ``padded_layout = ...`` as a class
-        attribute has it moved into its profile (:meth:`__init_subclass__`)."""
+        (:attr:`EngineProfile.padded_layout`)."""
         return self.profile.padded_layout
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The legacy class attribute ``padded_layout = <layout>`` becomes the subclass's profile's
-        ``padded_layouts`` (one record: what the suite reads is the profile)."""
-        super().__init_subclass__(**kwargs)
-        legacy = cls.__dict__.get("padded_layout")
-        if legacy is not None and not isinstance(legacy, property):
-            cls.profile = replace(cls.profile, padded_layouts=(PaddedLayout(legacy),))
-            delattr(cls, "padded_layout")
+    @property
+    def output_span(self) -> OutputSpan:
+        """Which positions of each sequence its outputs cover: the profile's (:attr:`EngineProfile.output_span`)."""
+        return self.profile.output_span
 
-    #: which positions of each sequence its outputs cover (:class:`OutputSpan`)
-    output_span: OutputSpan = OutputSpan.SEQUENCE
-    #: what the model hands its output step: logits, or hidden states and the LM-head weight (:class:`HeadInput`)
-    head_input: HeadInput = HeadInput.LOGITS
+    @property
+    def head_input(self) -> HeadInput:
+        """What the model hands its output step: the profile's (:attr:`EngineProfile.head_input`)."""
+        return self.profile.head_input
+
+    #: the class attributes an adapter written before the profile held them may still set, and the profile field
+    #: each becomes (:meth:`__init_subclass__`)
+    _LEGACY = {"padded_layout": lambda value: {"padded_layouts": (PaddedLayout(value),)},
+               "output_span": lambda value: {"output_span": OutputSpan(value)},
+               "head_input": lambda value: {"head_input": HeadInput(value)}}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A legacy class attribute (``padded_layout``, ``output_span``, ``head_input`` = a value) becomes the
+        subclass's profile's field (one record: what the suite reads is the profile)."""
+        super().__init_subclass__(**kwargs)
+        for name, field_of in EngineUnderTest._LEGACY.items():
+            legacy = cls.__dict__.get(name)
+            if legacy is not None and not isinstance(legacy, property):
+                cls.profile = replace(cls.profile, **field_of(legacy))
+                delattr(cls, name)
 
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,

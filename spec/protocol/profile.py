@@ -27,7 +27,11 @@ for an engine under test (``EngineUnderTest.profile``):
   (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
   the report with their reasons;
 * ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
-  engine's own code, each with the reason.
+  engine's own code, each with the reason;
+* ``output_span``: which positions of each sequence its per-token outputs cover (:class:`OutputSpan`: every token,
+  or only those that score a response token);
+* ``head_input``: what the model hands its output step (:class:`HeadInput`: logits, or hidden states and the LM-head
+  weight).
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -40,7 +44,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
+__all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
            "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS"]
 
 #: the two ways a trainer feeds the model
@@ -101,6 +105,27 @@ def token_columns(layout: "PaddedLayout | str", prompt_lens: Any, response_lens:
     return rows.to(device), (starts[rows] + within).to(device), width
 
 
+class OutputSpan(str, Enum):
+    """Which positions of each sequence an engine's per-token outputs cover (what a consumer reads is always
+    the response slice; the last token of a sequence scores nothing and is read by no consumer)."""
+
+    #: every token of the full sequence (verl's nested outputs): positions ``0 .. n_i - 2`` are checked
+    SEQUENCE = "sequence"
+    #: only the positions that score a response token (TRL's completion-only log-probs with ``logits_to_keep``,
+    #: OpenRLHF's action-mask slice): ``p_i - 1 .. n_i - 2``; :func:`sequences_from_responses` builds them
+    RESPONSE = "response"
+
+
+class HeadInput(str, Enum):
+    """What the stand-in model hands the engine's output step."""
+
+    LOGITS = "logits"  # ``output.logits`` (R, n, V)
+    #: the fused-head protocol: ``output.hidden_states`` (R, n, H) and ``output.lm_head_weight`` (V, H), both in
+    #: the logits' dtype; the logits are ``hidden_states.float() @ lm_head_weight.float().T`` (exact in float32),
+    #: for engines that compute log-probs from hidden states (TRL ``add_fused_lm_head``, Liger, fused kernels)
+    HIDDEN = "hidden"
+
+
 class Convention(str, Enum):
     """What one engine promises beyond the contract (docs/contract.md, "Conventions"). The contract asserts what
     every consumer reads; a convention is asserted only of an engine whose profile declares it."""
@@ -136,6 +161,8 @@ class EngineProfile:
     off_path: Mapping[str, str] = field(default_factory=dict)
     refuses: Mapping[str, str] = field(default_factory=dict)
     equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
+    output_span: OutputSpan = OutputSpan.SEQUENCE
+    head_input: HeadInput = HeadInput.LOGITS
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -159,6 +186,8 @@ class EngineProfile:
         if self.tail_multiple is not None and self.tail_multiple < 1:
             raise ValueError(f"profile tail_multiple must be >= 1 or None, got {self.tail_multiple!r}")
         object.__setattr__(self, "conventions", frozenset(Convention(c) for c in self.conventions))
+        object.__setattr__(self, "output_span", OutputSpan(self.output_span))
+        object.__setattr__(self, "head_input", HeadInput(self.head_input))
 
     def runs(self, mode: str) -> bool:
         return mode in self.modes

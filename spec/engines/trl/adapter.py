@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ...protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
+from ...protocol import Feature, InputsView, PaddedLayout, sequences_from_responses, sequences_from_rows
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
 from .records import PROFILE, LOGITS_RECORDS
@@ -72,9 +72,6 @@ class TrlObject:
 
 class TrlEngine(ThirdPartyEngine):
     name, library, known_failures, profile = "trl", "TRL's logits API", LOGITS_RECORDS, PROFILE
-    # GRPO's batch (left-padded prompts, right-padded completions); padded, completion-only log-probs (logits_to_keep
-    # is the completion width)
-    padded_layout, output_span = PaddedLayout.LEFT_RIGHT, OutputSpan.RESPONSE
     reasons = {
         Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
         Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
