@@ -25,55 +25,14 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import DEFAULT_PROFILE, EngineProfile, HeadInput, OutputSpan, PaddedLayout, token_columns
+from .profile import (DEFAULT_PROFILE, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan, PaddedLayout,
+                      token_columns)
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
            "ReproSnippet", "verl_fsdp_view", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
-
-
-class Feature(str, Enum):
-    """What an invariant may need from an engine (``InvariantInfo.needs`` holds the values)."""
-
-    #: the engine object itself: prepare_model_inputs / prepare_model_outputs on a micro-batch
-    ENGINE = "engine"
-    SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
-    BUCKET = "bucket"  # static pad_to_length bucket
-    CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
-    CHUNKING = "chunking"  # chunked entropy
-    VALUE = "value"  # a value head
-    FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
-    DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
-    CUDA = "cuda"
-    #: ranks as processes joined by a torch.distributed process group (spec/execute/ranks.py)
-    REAL_RANKS = "real_ranks"
-    #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
-    PACKING = "packing"
-    #: the input step hands the output step its temperature (per packed token, or per sample padded), as
-    #: verl's FSDP convention does, rather than the output step reading the micro-batch again
-    TEMPERATURE_HANDOFF = "temperature_handoff"
-    #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
-    SUM_PI_SQUARED = "sum_pi_squared"
-    #: one temperature per sample (a ``(B,)`` tensor); an engine with one temperature per trainer lacks it
-    #: (``strategy_limits()["per_sample_temperature"] is False``): every invariant then uses one shared value
-    PER_SAMPLE_TEMPERATURE = "per_sample_temperature"
-    BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
-    NO_PADDING_2_PADDING = "no_padding_2_padding"
-    LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
-    RESPONSE_FROM_NESTED = "response_from_nested"
-    RESPONSE_TO_NESTED = "response_to_nested"
-    #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
-    #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
-    MICROBATCH = "microbatch"
-
-    @classmethod
-    def parse(cls, name: "str | Feature") -> "Feature":
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown feature {name!r}; features: {[f.value for f in cls]}") from None
 
 
 ENGINE_FEATURE = Feature.ENGINE
@@ -193,32 +152,6 @@ class Precision:
 CONTRACT_PRECISION = Precision()
 
 
-@dataclass(frozen=True)
-class ConfigSwitch:
-    """One switch of an engine's own configuration that changes the code path of its preparation, declared by its
-    adapter (:meth:`EngineUnderTest.config_space`) so the strategies draw it like any other dimension.
-
-    ``values``: the values drawn, the first the default (where a case shrinks); ``unseen``: values the engine has
-    that the suite does not draw, each with why (the coverage report shows them). ``setting``: the switch is drawn
-    as the suite's own engine setting of that name (an ``EngineCase`` field such as ``entropy_chunk_size``; its
-    values are the setting's), not as a draw of its own. ``needs``: features (:class:`Feature` values) the engine
-    must offer for the switch to apply; ``text``: what it switches. A drawn value reaches the engine as the keyword
-    ``make(head, **settings, name=value)``."""
-
-    name: str
-    values: tuple[Any, ...] = ()
-    text: str = ""
-    needs: tuple[str, ...] = ()
-    setting: str | None = None
-    unseen: Mapping[Any, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.setting is None and not self.values:
-            raise ValueError(f"config switch {self.name!r} draws no value (give values, or the setting it is drawn as)")
-        for need in self.needs:
-            Feature.parse(need)
-
-
 @dataclass
 class OutputsView:
     """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens)."""
@@ -327,15 +260,20 @@ class EngineUnderTest:
         """Strategy keyword arguments that keep drawn cases within what the engine supports: features it does
         not offer, never a region of inputs it gets wrong (that is a :class:`~spec.protocol.known.KnownFailure`
         record; tests/test_regimes.py fails on a limit that excludes a logits dtype or a context). The default
-        draws no feature the engine lacks (:meth:`lacks`: one statement of each, with its reason). What the engine
-        *is* (modes, position kinds, padded layout, execution contexts) is its :attr:`profile`, never a limit.
-        (Features still live here and in :meth:`lacks`; they move into the profile next.)"""
-        return {key: False for key, feature in LIMIT_FEATURES.items() if self.lacks(feature)}
+        draws no feature the engine lacks (:meth:`lacks`: one statement of each, with its reason) and one float
+        temperature where the profile takes no per-sample ones. What the engine *is* (modes, position kinds, padded
+        layout, execution contexts, per-sample temperatures) is its :attr:`profile`, which :meth:`lacks` reads and
+        never this. (The other features still live here and in :meth:`lacks`; they move into the profile next.)"""
+        limits: dict[str, Any] = {key: False for key, feature in LIMIT_FEATURES.items() if self.lacks(feature)}
+        if not self.profile.per_sample_temperature:
+            limits["per_sample_temperature"] = False
+        return limits
 
     def config_space(self) -> tuple[ConfigSwitch, ...]:
         """The engine's own configuration switches that change its preparation's code path (the strategies draw
-        each; a case prints the drawn values, the report shows which values ran). Default: none."""
-        return ()
+        each; a case prints the drawn values, the report shows which values ran): the profile's
+        (:attr:`EngineProfile.config_space`)."""
+        return tuple(self.profile.config_space)
 
     def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Callable | None:
         """The engine's own ``logits_processor_func`` for ``case`` on rank ``sp_rank`` of ``sp_size`` (its companion:
@@ -375,7 +313,7 @@ class EngineUnderTest:
             return "this torch has no torch.distributed"
         if feature is Feature.PACKING and self.packer is None:
             return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
-        if feature is Feature.PER_SAMPLE_TEMPERATURE and self.strategy_limits().get("per_sample_temperature") is False:
+        if feature is Feature.PER_SAMPLE_TEMPERATURE and not self.profile.per_sample_temperature:
             return f"engine {self.name} takes one temperature per trainer (no per-sample temperatures)"
         if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
             return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"

@@ -31,7 +31,13 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``output_span``: which positions of each sequence its per-token outputs cover (:class:`OutputSpan`: every token,
   or only those that score a response token);
 * ``head_input``: what the model hands its output step (:class:`HeadInput`: logits, or hidden states and the LM-head
-  weight).
+  weight);
+* ``config_space``: the switches of the engine's own configuration that change its preparation's path
+  (:class:`ConfigSwitch`), each drawn like any other dimension of a case;
+* ``per_sample_temperature``: whether it takes one temperature per sample (a ``(B,)`` tensor); False: one per
+  trainer, every case draws one float and the engine lacks :attr:`Feature.PER_SAMPLE_TEMPERATURE`.
+
+:class:`Feature` names what an invariant may need of an engine (what its profile and probes offer).
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -44,7 +50,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
+__all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES", "POSITIONS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
            "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS"]
 
 #: the two ways a trainer feeds the model
@@ -57,6 +63,48 @@ AUTOGRAD_CONTEXTS = ("grad", "no_grad", "inference_mode")
 AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
 #: every execution context an engine's profile may list
 CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
+
+
+class Feature(str, Enum):
+    """What an invariant may need from an engine (``InvariantInfo.needs`` holds the values)."""
+
+    #: the engine object itself: prepare_model_inputs / prepare_model_outputs on a micro-batch
+    ENGINE = "engine"
+    SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
+    BUCKET = "bucket"  # static pad_to_length bucket
+    CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
+    CHUNKING = "chunking"  # chunked entropy
+    VALUE = "value"  # a value head
+    FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
+    DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
+    CUDA = "cuda"
+    #: ranks as processes joined by a torch.distributed process group (spec/execute/ranks.py)
+    REAL_RANKS = "real_ranks"
+    #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
+    PACKING = "packing"
+    #: the input step hands the output step its temperature (per packed token, or per sample padded), as
+    #: verl's FSDP convention does, rather than the output step reading the micro-batch again
+    TEMPERATURE_HANDOFF = "temperature_handoff"
+    #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
+    SUM_PI_SQUARED = "sum_pi_squared"
+    #: one temperature per sample (a ``(B,)`` tensor); an engine with one temperature per trainer lacks it
+    #: (its profile's ``per_sample_temperature=False``): every invariant then uses one shared value
+    PER_SAMPLE_TEMPERATURE = "per_sample_temperature"
+    BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
+    NO_PADDING_2_PADDING = "no_padding_2_padding"
+    LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
+    RESPONSE_FROM_NESTED = "response_from_nested"
+    RESPONSE_TO_NESTED = "response_to_nested"
+    #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
+    #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
+    MICROBATCH = "microbatch"
+
+    @classmethod
+    def parse(cls, name: "str | Feature") -> "Feature":
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown feature {name!r}; features: {[f.value for f in cls]}") from None
 
 
 class PaddedLayout(str, Enum):
@@ -141,6 +189,32 @@ class Convention(str, Enum):
     LOGITS_UNTOUCHED = "logits_untouched"
 
 
+@dataclass(frozen=True)
+class ConfigSwitch:
+    """One switch of an engine's own configuration that changes the code path of its preparation, declared by its
+    adapter (:meth:`EngineUnderTest.config_space`) so the strategies draw it like any other dimension.
+
+    ``values``: the values drawn, the first the default (where a case shrinks); ``unseen``: values the engine has
+    that the suite does not draw, each with why (the coverage report shows them). ``setting``: the switch is drawn
+    as the suite's own engine setting of that name (an ``EngineCase`` field such as ``entropy_chunk_size``; its
+    values are the setting's), not as a draw of its own. ``needs``: features (:class:`Feature` values) the engine
+    must offer for the switch to apply; ``text``: what it switches. A drawn value reaches the engine as the keyword
+    ``make(head, **settings, name=value)``."""
+
+    name: str
+    values: tuple[Any, ...] = ()
+    text: str = ""
+    needs: tuple[str, ...] = ()
+    setting: str | None = None
+    unseen: Mapping[Any, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.setting is None and not self.values:
+            raise ValueError(f"config switch {self.name!r} draws no value (give values, or the setting it is drawn as)")
+        for need in self.needs:
+            Feature.parse(need)
+
+
 #: what verl's FSDP engine (and impl, its drop-in) promises beyond the contract: all four conventions
 VERL_CONVENTIONS: frozenset[Convention] = frozenset(Convention)
 
@@ -163,6 +237,8 @@ class EngineProfile:
     equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
     output_span: OutputSpan = OutputSpan.SEQUENCE
     head_input: HeadInput = HeadInput.LOGITS
+    config_space: tuple[ConfigSwitch, ...] = ()
+    per_sample_temperature: bool = True
 
     def __post_init__(self) -> None:
         for mode in self.modes:

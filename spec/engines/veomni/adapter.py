@@ -23,7 +23,7 @@ from ...protocol.known import as_records
 from dataclasses import replace
 
 from ..verl.adapter import VerlEngine, VerlEngineObject
-from ..verl.surface import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
+from ..verl.profile import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
 from ..kit.stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
