@@ -78,7 +78,7 @@ class VeOmniEngine(VerlEngine):
         self.stubs = load_veomni()
         impl = self.stubs.module
         self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
-        # FSDP's precise records (spec/engines/verl/adapter.py), plus VeOmni's own (none today)
+        # FSDP's precise records (spec/engines/verl/records.py), plus VeOmni's own (none today)
         self.known_failures = (*as_records(self.known_failures),
                                *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
 
