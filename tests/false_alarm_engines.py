@@ -7,6 +7,7 @@ rebuild them by that name). A ``Wrong*`` engine declares a layout it does not ha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,9 +79,7 @@ class OneTemperature(ImplEngine):
     """impl that takes one temperature per trainer (TRL, OpenRLHF): a per-sample tensor is rejected."""
 
     engine_classes = {"lm": _OneTemperatureLM, "value": impl.ValueHeadEngine}
-
-    def strategy_limits(self) -> dict[str, Any]:
-        return {"per_sample_temperature": False}
+    profile = replace(ImplEngine.profile, per_sample_temperature=False)
 
 
 # -- 3/4: a NaN the engine computes itself (fp16 logits at the 1e-8 clamp), the same in every run --------------

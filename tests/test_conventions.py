@@ -69,8 +69,8 @@ class PromisingNeutralEngine(NeutralEngine):
 class _FloatMaskLM(impl.LMHeadEngine):
     def prepare_model_inputs(self, micro_batch):
         inputs, args = super().prepare_model_inputs(micro_batch)
-        if inputs.get("attention_mask") is not None:
-            inputs["attention_mask"] = inputs["attention_mask"].float()
+        if inputs.get("attention_mask") is not None:  # Hugging Face's additive form: 0 to keep, -inf to mask
+            inputs["attention_mask"] = torch.where(inputs["attention_mask"].bool(), 0.0, float("-inf"))
         return inputs, args
 
 
@@ -133,9 +133,12 @@ def test_a_declared_convention_is_asserted(invariant, case) -> None:
         check(PromisingNeutralEngine(), invariant, case)
 
 
-def test_a_float_mask_is_no_mask_under_any_profile() -> None:
-    with pytest.raises(AssertionError, match="integer or bool dtype"):
-        check(FloatMaskEngine(), "INV-MASK-002", UNEQUAL.with_(use_remove_padding=False))
+def test_an_additive_float_mask_is_no_mask_under_any_profile() -> None:
+    """A float mask of 0/-inf (an additive bias) is no 0/1 mask under any profile (a 2-D 0.0/1.0 float mask is one:
+    tests/test_new_users.py)."""
+    lengths = UNEQUAL.with_(use_remove_padding=False, response_lens=(2, 2))  # rows of 4 and 5 tokens: padding to mask
+    with pytest.raises(AssertionError, match="0/1 keep-flags"):
+        check(FloatMaskEngine(), "INV-MASK-002", lengths)
 
 
 def test_verl_and_impl_declare_verl_conventions() -> None:

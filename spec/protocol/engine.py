@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import DEFAULT_PROFILE, MEDIA_INPUT_KEYS, EngineProfile, PaddedLayout, token_columns
+from .profile import (DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
+                      PaddedLayout, token_columns)
 from .vendor import source
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
@@ -33,50 +34,6 @@ __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", 
            "ReproSnippet", "verl_fsdp_view", "media_view", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
-
-
-class Feature(str, Enum):
-    """What an invariant may need from an engine (``InvariantInfo.needs`` holds the values)."""
-
-    #: the engine object itself: prepare_model_inputs / prepare_model_outputs on a micro-batch
-    ENGINE = "engine"
-    SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
-    BUCKET = "bucket"  # static pad_to_length bucket
-    CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
-    CHUNKING = "chunking"  # chunked entropy
-    VALUE = "value"  # a value head
-    FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
-    DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
-    CUDA = "cuda"
-    #: ranks as processes joined by a torch.distributed process group (spec/execute/ranks.py)
-    REAL_RANKS = "real_ranks"
-    #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
-    PACKING = "packing"
-    #: the input step hands the output step its temperature (per packed token, or per sample padded), as
-    #: verl's FSDP convention does, rather than the output step reading the micro-batch again
-    TEMPERATURE_HANDOFF = "temperature_handoff"
-    #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
-    SUM_PI_SQUARED = "sum_pi_squared"
-    #: one temperature per sample (a ``(B,)`` tensor); an engine with one temperature per trainer lacks it
-    #: (``strategy_limits()["per_sample_temperature"] is False``): every invariant then uses one shared value
-    PER_SAMPLE_TEMPERATURE = "per_sample_temperature"
-    BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
-    NO_PADDING_2_PADDING = "no_padding_2_padding"
-    LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
-    RESPONSE_FROM_NESTED = "response_from_nested"
-    RESPONSE_TO_NESTED = "response_to_nested"
-    #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
-    #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
-    MICROBATCH = "microbatch"
-    #: images and videos: the engine hands its model a micro-batch's ``multi_modal_inputs`` (its profile's ``media``)
-    MEDIA = "media"
-
-    @classmethod
-    def parse(cls, name: "str | Feature") -> "Feature":
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"unknown feature {name!r}; features: {[f.value for f in cls]}") from None
 
 
 ENGINE_FEATURE = Feature.ENGINE
@@ -93,27 +50,6 @@ HELPERS = tuple(f.value for f in HELPER_FEATURES)
 class ShardLayout(str, Enum):
     CONTIGUOUS = "contiguous"  # rank r holds rows [r*n/w, (r+1)*n/w) of the padded packed row
     ZIGZAG = "zigzag"  # each sequence in 2w chunks; rank r holds chunks r and 2w-1-r
-
-
-class OutputSpan(str, Enum):
-    """Which positions of each sequence an engine's per-token outputs cover (what a consumer reads is always
-    the response slice; the last token of a sequence scores nothing and is read by no consumer)."""
-
-    #: every token of the full sequence (verl's nested outputs): positions ``0 .. n_i - 2`` are checked
-    SEQUENCE = "sequence"
-    #: only the positions that score a response token (TRL's completion-only log-probs with ``logits_to_keep``,
-    #: OpenRLHF's action-mask slice): ``p_i - 1 .. n_i - 2``; :func:`sequences_from_responses` builds them
-    RESPONSE = "response"
-
-
-class HeadInput(str, Enum):
-    """What the stand-in model hands the engine's output step."""
-
-    LOGITS = "logits"  # ``output.logits`` (R, n, V)
-    #: the fused-head protocol: ``output.hidden_states`` (R, n, H) and ``output.lm_head_weight`` (V, H), both in
-    #: the logits' dtype; the logits are ``hidden_states.float() @ lm_head_weight.float().T`` (exact in float32),
-    #: for engines that compute log-probs from hidden states (TRL ``add_fused_lm_head``, Liger, fused kernels)
-    HIDDEN = "hidden"
 
 
 @dataclass(frozen=True)
@@ -227,35 +163,6 @@ class Precision:
 CONTRACT_PRECISION = Precision()
 
 
-@dataclass(frozen=True)
-class ConfigSwitch:
-    """One switch of an engine's own configuration that changes the code path of its preparation, declared by its
-    adapter (:meth:`EngineUnderTest.config_space`) so the strategies draw it like any other dimension.
-
-    ``values``: the values drawn, the first the default (where a case shrinks); ``unseen``: values the engine has
-    that the suite does not draw, each with why (the coverage report shows them). ``setting``: the switch is drawn
-    as the suite's own engine setting of that name (an ``EngineCase`` field such as ``entropy_chunk_size``; its
-    values are the setting's), not as a draw of its own. ``needs``: features (:class:`Feature` values) the engine
-    must offer for the switch to apply; ``text``: what it switches. A drawn value reaches the engine as the keyword
-    ``make(head, **settings, name=value)``."""
-
-    name: str
-    values: tuple[Any, ...] = ()
-    text: str = ""
-    needs: tuple[str, ...] = ()
-    setting: str | None = None
-    unseen: Mapping[Any, str] = field(default_factory=dict)
-    #: the positions the engine's outputs cover when the switch is drawn off its default (OpenRLHF's ``action_mask``:
-    #: ``OutputSpan.RESPONSE``), where it changes them (:meth:`EngineUnderTest.output_span_of`); None: it does not
-    output_span: "OutputSpan | None" = None
-
-    def __post_init__(self) -> None:
-        if self.setting is None and not self.values:
-            raise ValueError(f"config switch {self.name!r} draws no value (give values, or the setting it is drawn as)")
-        for need in self.needs:
-            Feature.parse(need)
-
-
 @dataclass
 class OutputsView:
     """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens)."""
@@ -323,23 +230,34 @@ class EngineUnderTest:
     @property
     def padded_layout(self) -> PaddedLayout:
         """Where the padded mode puts each sequence in its (B, L) model input: the profile's
-        (:attr:`EngineProfile.padded_layout`). A subclass that still sets ``padded_layout = ...`` as a class
-        attribute has it moved into its profile (:meth:`__init_subclass__`)."""
+        (:attr:`EngineProfile.padded_layout`)."""
         return self.profile.padded_layout
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """The legacy class attribute ``padded_layout = <layout>`` becomes the subclass's profile's
-        ``padded_layouts`` (one record: what the suite reads is the profile)."""
-        super().__init_subclass__(**kwargs)
-        legacy = cls.__dict__.get("padded_layout")
-        if legacy is not None and not isinstance(legacy, property):
-            cls.profile = replace(cls.profile, padded_layouts=(PaddedLayout(legacy),))
-            delattr(cls, "padded_layout")
+    @property
+    def output_span(self) -> OutputSpan:
+        """Which positions of each sequence its outputs cover: the profile's (:attr:`EngineProfile.output_span`)."""
+        return self.profile.output_span
 
-    #: which positions of each sequence its outputs cover (:class:`OutputSpan`; per case: :meth:`output_span_of`)
-    output_span: OutputSpan = OutputSpan.SEQUENCE
-    #: what the model hands its output step: logits, or hidden states and the LM-head weight (:class:`HeadInput`)
-    head_input: HeadInput = HeadInput.LOGITS
+    @property
+    def head_input(self) -> HeadInput:
+        """What the model hands its output step: the profile's (:attr:`EngineProfile.head_input`)."""
+        return self.profile.head_input
+
+    #: the class attributes an adapter written before the profile held them may still set, and the profile field
+    #: each becomes (:meth:`__init_subclass__`)
+    _LEGACY = {"padded_layout": lambda value: {"padded_layouts": (PaddedLayout(value),)},
+               "output_span": lambda value: {"output_span": OutputSpan(value)},
+               "head_input": lambda value: {"head_input": HeadInput(value)}}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A legacy class attribute (``padded_layout``, ``output_span``, ``head_input`` = a value) becomes the
+        subclass's profile's field (one record: what the suite reads is the profile)."""
+        super().__init_subclass__(**kwargs)
+        for name, field_of in EngineUnderTest._LEGACY.items():
+            legacy = cls.__dict__.get(name)
+            if legacy is not None and not isinstance(legacy, property):
+                cls.profile = replace(cls.profile, **field_of(legacy))
+                delattr(cls, name)
 
     def output_span_of(self, case: Any) -> OutputSpan:
         """Which positions its outputs cover on ``case``: :attr:`output_span`, unless a switch of its own
@@ -361,15 +279,20 @@ class EngineUnderTest:
         """Strategy keyword arguments that keep drawn cases within what the engine supports: features it does
         not offer, never a region of inputs it gets wrong (that is a :class:`~spec.protocol.known.KnownFailure`
         record; tests/test_regimes.py fails on a limit that excludes a logits dtype or a context). The default
-        draws no feature the engine lacks (:meth:`lacks`: one statement of each, with its reason). What the engine
-        *is* (modes, position kinds, padded layout, execution contexts) is its :attr:`profile`, never a limit.
-        (Features still live here and in :meth:`lacks`; they move into the profile next.)"""
-        return {key: False for key, feature in LIMIT_FEATURES.items() if self.lacks(feature)}
+        draws no feature the engine lacks (:meth:`lacks`: one statement of each, with its reason) and one float
+        temperature where the profile takes no per-sample ones. What the engine *is* (modes, position kinds, padded
+        layout, execution contexts, per-sample temperatures) is its :attr:`profile`, which :meth:`lacks` reads and
+        never this. (The other features still live here and in :meth:`lacks`; they move into the profile next.)"""
+        limits: dict[str, Any] = {key: False for key, feature in LIMIT_FEATURES.items() if self.lacks(feature)}
+        if not self.profile.per_sample_temperature:
+            limits["per_sample_temperature"] = False
+        return limits
 
     def config_space(self) -> tuple[ConfigSwitch, ...]:
         """The engine's own configuration switches that change its preparation's code path (the strategies draw
-        each; a case prints the drawn values, the report shows which values ran). Default: none."""
-        return ()
+        each; a case prints the drawn values, the report shows which values ran): the profile's
+        (:attr:`EngineProfile.config_space`)."""
+        return tuple(self.profile.config_space)
 
     def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Callable | None:
         """The engine's own ``logits_processor_func`` for ``case`` on rank ``sp_rank`` of ``sp_size`` (its companion:
@@ -409,7 +332,7 @@ class EngineUnderTest:
             return "this torch has no torch.distributed"
         if feature is Feature.PACKING and self.packer is None:
             return f"engine {self.name} has no Megatron-style packing (pack/unpack across TP x CP ranks)"
-        if feature is Feature.PER_SAMPLE_TEMPERATURE and self.strategy_limits().get("per_sample_temperature") is False:
+        if feature is Feature.PER_SAMPLE_TEMPERATURE and not self.profile.per_sample_temperature:
             return f"engine {self.name} takes one temperature per trainer (no per-sample temperatures)"
         if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
             return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"

@@ -39,7 +39,17 @@ for an engine under test (``EngineUnderTest.profile``):
   still checked), never a position the engine does not hand. Only a padded batch can run so: a packed row's
   boundaries are in its positions (declared with ``"packed"`` in ``modes``, or ``"mrope"`` positions, it is an error);
 * ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
-  engine's own code, each with the reason.
+  engine's own code, each with the reason;
+* ``output_span``: which positions of each sequence its per-token outputs cover (:class:`OutputSpan`: every token,
+  or only those that score a response token);
+* ``head_input``: what the model hands its output step (:class:`HeadInput`: logits, or hidden states and the LM-head
+  weight);
+* ``config_space``: the switches of the engine's own configuration that change its preparation's path
+  (:class:`ConfigSwitch`), each drawn like any other dimension of a case;
+* ``per_sample_temperature``: whether it takes one temperature per sample (a ``(B,)`` tensor); False: one per
+  trainer, every case draws one float and the engine lacks :attr:`Feature.PER_SAMPLE_TEMPERATURE`.
+
+:class:`Feature` names what an invariant may need of an engine (what its profile and probes offer).
 
 This module imports nothing from ``spec`` (tests/test_layering.py): the protocol layer.
 """
@@ -52,9 +62,9 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS",
-           "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of",
-           "VERL_CONVENTIONS", "METRIC_OUTPUTS"]
+__all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
+           "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
+           "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -73,6 +83,50 @@ AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
 CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
 #: the outputs an engine may declare metrics only (``EngineProfile.metrics``): logged, never differentiated
 METRIC_OUTPUTS = ("entropy", "sum_pi_squared")
+
+
+class Feature(str, Enum):
+    """What an invariant may need from an engine (``InvariantInfo.needs`` holds the values)."""
+
+    #: the engine object itself: prepare_model_inputs / prepare_model_outputs on a micro-batch
+    ENGINE = "engine"
+    SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
+    BUCKET = "bucket"  # static pad_to_length bucket
+    CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
+    CHUNKING = "chunking"  # chunked entropy
+    VALUE = "value"  # a value head
+    FUSED = "fused"  # fused kernels (the model returns log_probs/entropy)
+    DISTILLATION = "distillation"  # top-K distillation through logits_processor_func
+    CUDA = "cuda"
+    #: ranks as processes joined by a torch.distributed process group (spec/execute/ranks.py)
+    REAL_RANKS = "real_ranks"
+    #: Megatron-style packing: per-sequence TP x CP alignment, CP split, pack/unpack round trip
+    PACKING = "packing"
+    #: the input step hands the output step its temperature (per packed token, or per sample padded), as
+    #: verl's FSDP convention does, rather than the output step reading the micro-batch again
+    TEMPERATURE_HANDOFF = "temperature_handoff"
+    #: the sum of squared probabilities output (``calculate_sum_pi_squared``)
+    SUM_PI_SQUARED = "sum_pi_squared"
+    #: one temperature per sample (a ``(B,)`` tensor); an engine with one temperature per trainer lacks it
+    #: (its profile's ``per_sample_temperature=False``): every invariant then uses one shared value
+    PER_SAMPLE_TEMPERATURE = "per_sample_temperature"
+    BUILD_ATTENTION_MASK = "build_attention_mask_from_nested"
+    NO_PADDING_2_PADDING = "no_padding_2_padding"
+    LEFT_RIGHT_2_NO_PADDING = "left_right_2_no_padding"
+    RESPONSE_FROM_NESTED = "response_from_nested"
+    RESPONSE_TO_NESTED = "response_to_nested"
+    #: the micro-batch layer before prepare_model_inputs and after prepare_model_outputs (verl's
+    #: prepare_micro_batches, seqlen balancing, tensordict utilities): spec.protocol.microbatch
+    MICROBATCH = "microbatch"
+    #: images and videos: the engine hands its model a micro-batch's ``multi_modal_inputs`` (its profile's ``media``)
+    MEDIA = "media"
+
+    @classmethod
+    def parse(cls, name: "str | Feature") -> "Feature":
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown feature {name!r}; features: {[f.value for f in cls]}") from None
 
 
 class PaddedLayout(str, Enum):
@@ -121,6 +175,27 @@ def token_columns(layout: "PaddedLayout | str", prompt_lens: Any, response_lens:
     return rows.to(device), (starts[rows] + within).to(device), width
 
 
+class OutputSpan(str, Enum):
+    """Which positions of each sequence an engine's per-token outputs cover (what a consumer reads is always
+    the response slice; the last token of a sequence scores nothing and is read by no consumer)."""
+
+    #: every token of the full sequence (verl's nested outputs): positions ``0 .. n_i - 2`` are checked
+    SEQUENCE = "sequence"
+    #: only the positions that score a response token (TRL's completion-only log-probs with ``logits_to_keep``,
+    #: OpenRLHF's action-mask slice): ``p_i - 1 .. n_i - 2``; :func:`sequences_from_responses` builds them
+    RESPONSE = "response"
+
+
+class HeadInput(str, Enum):
+    """What the stand-in model hands the engine's output step."""
+
+    LOGITS = "logits"  # ``output.logits`` (R, n, V)
+    #: the fused-head protocol: ``output.hidden_states`` (R, n, H) and ``output.lm_head_weight`` (V, H), both in
+    #: the logits' dtype; the logits are ``hidden_states.float() @ lm_head_weight.float().T`` (exact in float32),
+    #: for engines that compute log-probs from hidden states (TRL ``add_fused_lm_head``, Liger, fused kernels)
+    HIDDEN = "hidden"
+
+
 class Convention(str, Enum):
     """What one engine promises beyond the contract (docs/contract.md, "Conventions"). The contract asserts what
     every consumer reads; a convention is asserted only of an engine whose profile declares it."""
@@ -134,6 +209,35 @@ class Convention(str, Enum):
     #: the model's logits are left as they were, even where no caller reads them again (verl); the contract only
     #: forbids changing what a caller still reads (its micro-batch, its own tensors)
     LOGITS_UNTOUCHED = "logits_untouched"
+
+
+@dataclass(frozen=True)
+class ConfigSwitch:
+    """One switch of an engine's own configuration that changes the code path of its preparation, declared by its
+    adapter (:meth:`EngineUnderTest.config_space`) so the strategies draw it like any other dimension.
+
+    ``values``: the values drawn, the first the default (where a case shrinks); ``unseen``: values the engine has
+    that the suite does not draw, each with why (the coverage report shows them). ``setting``: the switch is drawn
+    as the suite's own engine setting of that name (an ``EngineCase`` field such as ``entropy_chunk_size``; its
+    values are the setting's), not as a draw of its own. ``needs``: features (:class:`Feature` values) the engine
+    must offer for the switch to apply; ``text``: what it switches. A drawn value reaches the engine as the keyword
+    ``make(head, **settings, name=value)``."""
+
+    name: str
+    values: tuple[Any, ...] = ()
+    text: str = ""
+    needs: tuple[str, ...] = ()
+    setting: str | None = None
+    unseen: Mapping[Any, str] = field(default_factory=dict)
+    #: the positions the engine's outputs cover when the switch is drawn off its default (OpenRLHF's ``action_mask``:
+    #: ``OutputSpan.RESPONSE``), where it changes them (:meth:`EngineUnderTest.output_span_of`); None: it does not
+    output_span: "OutputSpan | None" = None
+
+    def __post_init__(self) -> None:
+        if self.setting is None and not self.values:
+            raise ValueError(f"config switch {self.name!r} draws no value (give values, or the setting it is drawn as)")
+        for need in self.needs:
+            Feature.parse(need)
 
 
 #: what verl's FSDP engine (and impl, its drop-in) promises beyond the contract: all four conventions
@@ -159,6 +263,10 @@ class EngineProfile:
     equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
     metrics: frozenset[str] = frozenset()
     model_computes_positions: bool = False
+    output_span: OutputSpan = OutputSpan.SEQUENCE
+    head_input: HeadInput = HeadInput.LOGITS
+    config_space: tuple[ConfigSwitch, ...] = ()
+    per_sample_temperature: bool = True
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -196,6 +304,8 @@ class EngineProfile:
                              "only (a packed row's sequence boundaries, and mRoPE's axes, are in the positions the "
                              f"engine hands): declare modes=('padded',) and positions=('rope',), got modes="
                              f"{self.modes!r}, positions={self.positions!r}")
+        object.__setattr__(self, "output_span", OutputSpan(self.output_span))
+        object.__setattr__(self, "head_input", HeadInput(self.head_input))
 
     def runs(self, mode: str) -> bool:
         return mode in self.modes

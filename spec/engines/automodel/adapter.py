@@ -18,7 +18,7 @@ from ...protocol.engine import InputsView, verl_fsdp_view
 from ..verl.native import NativeVerlEngine, native_profile
 from ..verl.records import (LOW_PRECISION_RECORDS, entropy_cancellation, flag_types, fp16_clamp_cast_records,
                             fused_padded_dense_slices, loss_mask_attention)
-from ..verl.surface import NO_DTENSOR
+from ..verl.profile import NO_DTENSOR
 
 __all__ = ["AutomodelEngine"]
 

@@ -103,6 +103,19 @@ IMPL_UNREACHABLE: dict[str, str] = {
 }
 
 
+#: impl's settings that change its preparation's path (``impl.EngineSettings``), each drawn as the suite's setting of
+#: that name
+IMPL_CONFIG_SPACE = (
+    ConfigSwitch("entropy_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
+                 text="rows per chunk of the log-prob/entropy temporaries (None: about 1 MiB of float32 logits, "
+                      "impl.logits.CHUNK_BYTES)"),
+    ConfigSwitch("pad_to_length", setting="pad_to_length", needs=("bucket",),
+                 text="the static bucket of the packed length"),
+    ConfigSwitch("pass_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
+                 text="cu_seqlens in the packed model inputs"),
+)
+
+
 class ImplEngine(EngineUnderTest):
     name = "impl"
     #: the preparation code spec verify measures (spec.run.engine_coverage): every function of impl/ and impl.microbatch
@@ -113,7 +126,8 @@ class ImplEngine(EngineUnderTest):
         conventions=VERL_CONVENTIONS,  # a drop-in keeps verl's conventions
         media=MEDIA,  # multi_modal_inputs handed to the model (impl.multimodal)
         refuses={"pad_mode": "impl prepares nested (no_padding) micro-batches only: UnsupportedConfigError",
-                 "bucket_distillation": "a static bucket would misalign the teacher tensors: UnsupportedConfigError"})
+                 "bucket_distillation": "a static bucket would misalign the teacher tensors: UnsupportedConfigError"},
+        config_space=IMPL_CONFIG_SPACE)
     engine_classes = {"lm": impl.LMHeadEngine, "value": impl.ValueHeadEngine}
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
@@ -135,17 +149,4 @@ class ImplEngine(EngineUnderTest):
         if type(self) is not ImplEngine:
             return super().repro_snippet(settings)
         return ReproSnippet(source("spec.engines.impl.repro_snippet"), requires="rl-ioprep (this project's impl/)", standalone=True)
-
-    def config_space(self) -> tuple[ConfigSwitch, ...]:
-        """impl's settings that change its preparation's path (``impl.EngineSettings``), each drawn as the suite's
-        setting of that name."""
-        return (
-            ConfigSwitch("entropy_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
-                         text="rows per chunk of the log-prob/entropy temporaries (None: about 1 MiB of float32 "
-                              "logits, impl.logits.CHUNK_BYTES)"),
-            ConfigSwitch("pad_to_length", setting="pad_to_length", needs=("bucket",),
-                         text="the static bucket of the packed length"),
-            ConfigSwitch("pass_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
-                         text="cu_seqlens in the packed model inputs"),
-        )
 

@@ -223,7 +223,7 @@ class ThirdPartyEngine(EngineUnderTest):
 
     def strategy_limits(self) -> dict[str, Any]:
         """Draw only what it offers (per-sample temperatures: both kinds where offered, else one float)."""
-        per_sample = None if Feature.PER_SAMPLE_TEMPERATURE in self.offers else False  # (the base lacks() reads this)
+        per_sample = None if self.lacks(Feature.PER_SAMPLE_TEMPERATURE) is None else False
         return {**{key: self.lacks(feature) is None for key, feature in _LIMITS.items()},
                 "per_sample_temperature": per_sample}
 

@@ -37,7 +37,7 @@ from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
 from ..verl.microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from ..verl.microbatch_layer import verl_microbatch_layer
-from ..verl.surface import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE
+from ..verl.profile import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 

@@ -30,7 +30,7 @@ import torch
 from ...protocol import Feature, sequences_from_rows
 from ..kit.hf_batch import BatchFlags, one_temperature
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
-from .config import SWITCHES, forward_kwargs, merged_rows
+from .config import forward_kwargs, merged_rows
 from .records import PROFILE, RECORDS
 from ..kit.stubs import strict_module
 
@@ -96,7 +96,4 @@ class OpenRLHFEngine(ThirdPartyEngine):
 
     def engine_object(self, **config):
         return OpenRLHFObject(**config)
-
-    def config_space(self):
-        return SWITCHES
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from ...protocol.engine import EngineUnderTest
 from ...protocol.known import KnownFailure, When
 from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
+from .config import SWITCHES
 
 __all__ = ["RECORDS"]
 
@@ -77,4 +78,4 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 
 #: the adapter's profile: the default one with this surface (the engine declares no conventions)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE,
-                  equivalent_mutants=EQUIVALENT_MUTANTS)
+                  equivalent_mutants=EQUIVALENT_MUTANTS, config_space=SWITCHES)  # spec/engines/openrlhf/config.py

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ...protocol import Feature, OutputSpan
+from ...protocol import Feature
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
 from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
 from .records import PROFILE, RECORDS, TRAIN_PROFILE
@@ -62,8 +62,7 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     # the modules importing heavy packages first, then the wrapper and the batch builder
     modules = ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils", "skyrl_train.dataset.dataset",
                "skyrl_train.model_wrapper:HFModelWrapper", f"skyrl_train.dataset.preprocess:{COLLATE}")
-    output_span = OutputSpan.RESPONSE  # log_probs[:, -num_actions - 1:-1]
-    profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (skyrl_records.py)
+    profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (records.py)
     reasons = {
         Feature.SP: "Ulysses sequence parallelism needs a process group (not run here)",
         Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not HFModelWrapper",
@@ -77,14 +76,8 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     def engine_object(self):
         return SkyRLObject(self)
 
-    def step_layer(self):
-        """skyrl-train 0.3.1's policy step: ppo_policy_loss in every loss_reduction (spec/engines/skyrl/step.py);
-        skyrl 0.4.0's (advantages pre-scaled over the mini-batch) is not declared."""
-        if self.name != "skyrl-train":
-            return None
-        if not hasattr(self, "_step"):
-            self._step = skyrl_train_step_layer(self.load)
-        return self._step
+    def step_layer(self):  # skyrl-train 0.3.1's policy step (step.py); skyrl 0.4.0's is not declared
+        return skyrl_train_step_layer(self.load) if self.name == "skyrl-train" else None
 
 
 class SkyRLEngine(SkyRLTrainEngine):

@@ -8,7 +8,7 @@ mRoPE positions (its profile's ``positions``), and verl's int32 mask and untouch
 
 from __future__ import annotations
 
-from ...protocol import PaddedLayout
+from ...protocol import OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
 from ...protocol.profile import EngineProfile
 from ..kit.records import LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED
@@ -106,7 +106,9 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
 #: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
+#: (both: log_probs[:, -num_actions - 1:-1], the positions that score a response token)
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
-                              unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS)
+                              unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS,
+                              output_span=OutputSpan.RESPONSE)
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
-                        unreachable=UNREACHABLE)
+                        unreachable=UNREACHABLE, output_span=OutputSpan.RESPONSE)

@@ -84,9 +84,10 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
     return loss / facts["accumulation_steps"]  # PolicyWorkerBase.forward_backward
 
 
+@lru_cache(maxsize=None)
 def skyrl_train_step_layer(load) -> StepLayer | None:
     """skyrl-train's policy step, its loss functions imported after ``load()`` (the adapter's stubs of ray and the
-    model packages); None where they do not import."""
+    model packages); None where they do not import. One per adapter (cached by its bound ``load``)."""
     try:
         load()
         importlib.import_module("skyrl_train.utils.ppo_utils")

@@ -122,7 +122,10 @@ class TorchTitanEngine(NativeVerlEngine):
     packages = ("torchtitan",)
     lm_class = "TorchTitanEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = native_profile(NativeVerlEngine.profile, module, lm_class, ("819->828", "836->839"), {
+    # one float temperature drawn: the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws
+    # one; those that force per-sample temperatures carry its record
+    profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class,
+                             ("819->828", "836->839"), {
         "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
                     "prepare_context_parallel_input shards over it)"})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
@@ -133,10 +136,6 @@ class TorchTitanEngine(NativeVerlEngine):
                  "mesh, not run here")
     #: precise records (KNOWN_RECORDS above); docs/engines/verl-torchtitan.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
-    LIMITS = {
-        # the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws one; those that force
-        # per-sample temperatures carry its record
-        "per_sample_temperature": False}
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
         """``prepare_model_outputs`` divides the logits by ``micro_batch["temperature"]`` as it is: a float keeps

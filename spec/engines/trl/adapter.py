@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ...protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
+from ...protocol import Feature, InputsView, PaddedLayout, sequences_from_responses, sequences_from_rows
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
-from .config import TRL_SWITCHES, completion_scores, padded_positions, padding_free_batch
+from .config import completion_scores, padded_positions, padding_free_batch
 from .records import PROFILE, LOGITS_RECORDS
 from .step import trl_step_layer
 
@@ -70,9 +70,6 @@ class TrlObject:
 
 class TrlEngine(ThirdPartyEngine):
     name, library, known_failures, profile = "trl", "TRL's logits API", LOGITS_RECORDS, PROFILE
-    # GRPO's batch (left-padded prompts, right-padded completions); padded, completion-only log-probs (logits_to_keep
-    # is the completion width)
-    padded_layout, output_span = PaddedLayout.LEFT_RIGHT, OutputSpan.RESPONSE
     reasons = {
         Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
         Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
@@ -86,14 +83,8 @@ class TrlEngine(ThirdPartyEngine):
     def engine_object(self, **config):
         return TrlObject(**config)
 
-    def config_space(self):
-        return TRL_SWITCHES
-
-    def step_layer(self):
-        """GRPO's step: every loss_type through GRPOTrainer._compute_loss (spec/engines/trl/step.py)."""
-        if not hasattr(self, "_step"):
-            self._step = trl_step_layer()
-        return self._step
+    def step_layer(self):  # GRPO's step: every loss_type through GRPOTrainer._compute_loss (step.py)
+        return trl_step_layer()
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],

@@ -37,9 +37,10 @@ class TrlFusedObject(TrlObject):
 
 class TrlFusedEngine(TrlEngine):
     name, library, known_failures = "trl-fused", "TRL's fused head", FUSED_RECORDS
-    # trl's profile (GRPO's layout) with its own surface: the batch builders and GRPO's fused head (trl_records.py)
-    profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE)
-    head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
+    # trl's profile (GRPO's layout) with its own surface: the batch builders and GRPO's fused head (trl/records.py);
+    # add_fused_lm_head scores hidden states with the LM-head weight
+    profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, head_input=HeadInput.HIDDEN,
+                      config_space=FUSED_SWITCHES)
 
     def engine_object(self, **config):
         return TrlFusedObject(**config)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...protocol.engine import EngineUnderTest
+from ...protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
-from .config import HEAD_IN_LOGITS_DTYPE
+from .config import HEAD_IN_LOGITS_DTYPE, TRL_SWITCHES
 
 __all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
 
@@ -109,8 +109,10 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
         "each chunk's entropy is 1-D (a slice of the flattened logits' rows): torch.cat along dim 0 is along dim -1",
 }
 
-#: trl's profile: the default one with the surface and its unreachable branches (no conventions declared)
+#: trl's profile: GRPO's batch (left-padded prompts, right-padded completions), completion-only log-probs
+#: (``logits_to_keep`` is the completion width), the surface and its unreachable branches (no conventions declared)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE},
-                  equivalent_mutants=EQUIVALENT_MUTANTS)
+                  equivalent_mutants=EQUIVALENT_MUTANTS, padded_layouts=(PaddedLayout.LEFT_RIGHT,),
+                  output_span=OutputSpan.RESPONSE, config_space=TRL_SWITCHES)  # TRL's switches: spec/engines/trl/config.py
 #: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl/fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}

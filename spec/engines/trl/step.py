@@ -22,6 +22,8 @@ weight times the log-prob, a soft gate, a Gamma weight) are not among the oracle
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -94,6 +96,7 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
     return grpo._compute_loss(_trainer(setting, facts, log_probs), None, inputs)
 
 
+@lru_cache(maxsize=None)
 def trl_step_layer() -> StepLayer | None:
     """TRL's GRPO step (None where TRL's GRPO trainer does not import)."""
     try:

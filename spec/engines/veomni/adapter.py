@@ -23,7 +23,7 @@ from ...protocol.known import as_records
 from dataclasses import replace
 
 from ..verl.adapter import VerlEngine, VerlEngineObject
-from ..verl.surface import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
+from ..verl.profile import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
 from ..kit.stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
@@ -78,7 +78,7 @@ class VeOmniEngine(VerlEngine):
         self.stubs = load_veomni()
         impl = self.stubs.module
         self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
-        # FSDP's precise records (spec/engines/verl/adapter.py), plus VeOmni's own (none today)
+        # FSDP's precise records (spec/engines/verl/records.py), plus VeOmni's own (none today)
         self.known_failures = (*as_records(self.known_failures),
                                *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
 

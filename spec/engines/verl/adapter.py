@@ -48,7 +48,7 @@ import importlib
 import inspect
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -57,17 +57,14 @@ import torch.distributed as dist
 
 from ...cases.structure import DISTILLATION_KEYS
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
-from ...protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
+from ...protocol.engine import CONTRACT_PRECISION, HELPERS, EngineUnderTest, Precision, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer
 from ...protocol.step import StepLayer
 from ...protocol.vendor import assignments, source
-from ...protocol.profile import MEDIA, VERL_CONVENTIONS, Convention
-from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .microbatch_layer import verl_microbatch_layer
-from .mutants import VERL_EQUIVALENT_MUTANTS
+from .profile import PROCESSOR_SWITCHES, PROFILE, release_profile
 from .records import known_failures, verl_precision
 from .step import STEP_RECORDS, verl_step_layer
-from .surface import VERL_OFF_PATH, VERL_REFUSES, VERL_SURFACE, VERL_UNREACHABLE
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl"]
 
@@ -248,12 +245,7 @@ class VerlEngine(EngineUnderTest):
     """The installed verl's FSDP engines (CI runs 0.9.1; 0.7.1 is the pre-#6345 reference)."""
 
     name = "verl"
-    #: the preparation code spec verify measures (spec.run.engine_coverage): the FSDP engine's prepare_model_inputs /
-    #: prepare_model_outputs and what they call of verl, the padding helpers, the micro-batch layer and its helpers
-    profile = replace(EngineUnderTest.profile, surface=VERL_SURFACE + VERL_MM_SURFACE,
-                      unreachable={**VERL_UNREACHABLE, **VERL_MM_UNREACHABLE},
-                      off_path=VERL_OFF_PATH, conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES,
-                      equivalent_mutants=VERL_EQUIVALENT_MUTANTS, media=MEDIA)  # images: spec/engines/verl/media.py
+    profile = PROFILE  # verl 0.9.1's (a release that divides the logits in place: __init__, release_profile)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
 
@@ -274,8 +266,7 @@ class VerlEngine(EngineUnderTest):
         self._classes = {"lm": transformer_impl.FSDPEngineWithLMHead,
                          "value": transformer_impl.FSDPEngineWithValueHead}
         self._padding = padding
-        if not self.caps.logits_untouched:  # verl 0.7.1 divides the logits in place: not its convention yet
-            self.profile = replace(self.profile, conventions=self.profile.conventions - {Convention.LOGITS_UNTOUCHED})
+        self.profile = release_profile(self.profile, self.caps)
         self.known_failures = known_failures(self.caps)
         if self.step_layer() is not None:  # the training step's records (spec/engines/verl/step.py)
             self.known_failures = (*self.known_failures, *STEP_RECORDS)
@@ -310,48 +301,6 @@ class VerlEngine(EngineUnderTest):
         caps = self.caps
         return {"allow_sp": False, "allow_bucket": caps.bucket, "allow_distillation": caps.processor,
                 "allow_cu_seqlens": caps.cu_seqlens}
-
-    def config_space(self) -> tuple[ConfigSwitch, ...]:  # type: ignore[override]
-        """Every switch the FSDP engine's ``prepare_model_inputs``/``prepare_model_outputs`` read (installed code:
-        ``verl/workers/engine/fsdp/transformer_impl.py`` and ``verl/utils/torch_functional.py``)."""
-        return (
-            ConfigSwitch("entropy_checkpointing", (False, True),
-                         "engine_config.entropy_checkpointing: the entropy under torch.utils.checkpoint (both modes; "
-                         "with chunking on, the chunked function at its default chunk of 2048)"),
-            ConfigSwitch("entropy_from_logits_with_chunking", setting="entropy_chunk_size", needs=("chunking",),
-                         text="engine_config.entropy_from_logits_with_chunking: the packed entropy by "
-                              "entropy_from_logits_with_chunking (float32 chunks), on when entropy_chunk_size is set"),
-            ConfigSwitch("entropy_from_logits_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
-                         text="engine_config.entropy_from_logits_chunk_size: the chunk's rows"),
-            ConfigSwitch("pad_to_length_bucket", setting="pad_to_length", needs=("bucket",),
-                         text="engine_config.pad_to_length / pad_to_length_bucket: the static packed bucket"),
-            ConfigSwitch("pass_packed_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
-                         text="cu_seqlens handed to a model whose forward takes them"),
-            ConfigSwitch("v_head", (False, True), needs=("value",),
-                         text="a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: values are "
-                              "output[2]) instead of a token classifier (values are output.logits.squeeze(-1))"),
-            ConfigSwitch("use_chunked_topk", (False, True), needs=("distillation",),
-                         text="distillation.distillation_loss.use_chunked_topk: verl's own top-K processor streams "
-                              "logsumexp and gather over chunks of tokens in float32 (_chunked_topk_log_probs) and "
-                              "ranks the student's top-K on the logits, instead of one log_softmax"),
-            ConfigSwitch("chunked_topk_chunk_size", (4096, 1, 2, 3, 7), needs=("distillation",),
-                         text="distillation.distillation_loss.chunked_topk_chunk_size: the chunk's tokens (verl's "
-                              "default 4096 first; 1, 2, 3, 7 leave a short last chunk on the suite's rows)"),
-            ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
-                         text="distillation.distillation_loss.log_prob_min_clamp: both top-K log-probs clamped below "
-                              "before the KL terms (verl's default is -10.0; the suite shrinks to None, no clamp; "
-                              "-1.0 clamps most tokens); the oracle computes it (spec.truth.oracle.topk_terms)"),
-            ConfigSwitch("use_torch_compile", (False,), unseen={True: (
-                "engine_config.use_torch_compile wraps entropy_from_logits in torch.compile(dynamic=True): a compile "
-                "per new shape, seconds each on 2 CPU cores; not drawn")},
-                text="engine_config.use_torch_compile: the entropy function compiled"),
-            ConfigSwitch("flash_attn_cross_entropy", (False,), unseen={True: (
-                "logprobs_from_logits takes flash-attn's Triton cross entropy when flash-attn is installed: CUDA only, "
-                "not installed here")}, text="the log-prob kernel"),
-            ConfigSwitch("tensor_parallel_logits", (False,), unseen={True: (
-                "DTensor logits sharded on the vocabulary (full_tensor() first) need a tensor-parallel device mesh")},
-                text="logits as a DTensor"),
-        )
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]
         """:func:`verl_precision`: outputs in the logits' dtype except the packed chunked entropy, the distillation
@@ -511,8 +460,6 @@ class VerlEngine(EngineUnderTest):
         return f"<engine verl {self.caps.version}>"
 
 
-#: the switches of :meth:`VerlEngine.config_space` that configure verl's own top-K processor (DistillationLossConfig)
-PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MIN_CLAMP)
 
 
 def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:

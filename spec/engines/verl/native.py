@@ -20,7 +20,7 @@ from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from .microbatch_layer import verl_microbatch_layer
 from .records import verl_precision
-from .surface import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
+from .profile import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
                       VERL_LOGITS_UNREACHABLE)
 
 __all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",

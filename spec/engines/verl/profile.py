@@ -1,14 +1,24 @@
-"""verl's preparation code as its profile declares it (``EngineProfile.surface`` and what goes with it): what ``spec
-verify`` measures of verl's FSDP engine (its ``prepare_model_inputs``/``prepare_model_outputs``, the helpers they call,
-the micro-batch layer every verl engine shares), the branches no CPU run reaches and the functions the preparation
-never passes through, each with its reason, and the settings the engine refuses (INV-FLAG-004/005). Plain data: the
+"""verl's FSDP engine's profile as data (:data:`PROFILE`, verl 0.9.1's; :func:`release_profile`, the installed
+release's): the preparation code ``spec verify`` measures (its ``prepare_model_inputs``/``prepare_model_outputs``, the
+helpers they call, the micro-batch layer every verl engine shares), the branches no CPU run reaches and the functions
+the preparation never passes through, each with its reason, the settings the engine refuses (INV-FLAG-004/005), the
+switches of its own configuration the strategies draw (:data:`VERL_CONFIG_SPACE`) and the conventions it keeps. The
 lines are verl 0.9.1's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
+from ...protocol.profile import DEFAULT_PROFILE, MEDIA, VERL_CONVENTIONS, ConfigSwitch, Convention, EngineProfile
+from ...truth.oracle import LOG_PROB_MIN_CLAMP
+from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
+from .mutants import VERL_EQUIVALENT_MUTANTS
+
 __all__ = ["VERL_LOGITS_HELPERS", "VERL_HELPERS", "VERL_LAYER", "VERL_SURFACE", "NO_DTENSOR", "VERL_LAYER_UNREACHABLE",
-           "VERL_LOGITS_UNREACHABLE", "VERL_UNREACHABLE", "VERL_LAYER_OFF_PATH", "VERL_OFF_PATH", "VERL_REFUSES"]
+           "VERL_LOGITS_UNREACHABLE", "VERL_UNREACHABLE", "VERL_LAYER_OFF_PATH", "VERL_OFF_PATH", "VERL_REFUSES",
+           "VERL_CONFIG_SPACE", "PROCESSOR_SWITCHES", "PROFILE", "release_profile"]
 
 _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 _SB, _TU, _EU = "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils", "verl.workers.engine.utils"
@@ -117,3 +127,63 @@ VERL_REFUSES: dict[str, str] = {
     "bucket_distillation": "the teacher tensors are sliced by the Ulysses pad rule, which knows no static pad "
                            "(RuntimeError)",
 }
+
+
+#: every switch the FSDP engine's ``prepare_model_inputs``/``prepare_model_outputs`` read (installed code:
+#: ``verl/workers/engine/fsdp/transformer_impl.py`` and ``verl/utils/torch_functional.py``), and those of verl's own
+#: top-K processor
+VERL_CONFIG_SPACE: tuple[ConfigSwitch, ...] = (
+        ConfigSwitch("entropy_checkpointing", (False, True),
+                     "engine_config.entropy_checkpointing: the entropy under torch.utils.checkpoint (both modes; "
+                     "with chunking on, the chunked function at its default chunk of 2048)"),
+        ConfigSwitch("entropy_from_logits_with_chunking", setting="entropy_chunk_size", needs=("chunking",),
+                     text="engine_config.entropy_from_logits_with_chunking: the packed entropy by "
+                          "entropy_from_logits_with_chunking (float32 chunks), on when entropy_chunk_size is set"),
+        ConfigSwitch("entropy_from_logits_chunk_size", setting="entropy_chunk_size", needs=("chunking",),
+                     text="engine_config.entropy_from_logits_chunk_size: the chunk's rows"),
+        ConfigSwitch("pad_to_length_bucket", setting="pad_to_length", needs=("bucket",),
+                     text="engine_config.pad_to_length / pad_to_length_bucket: the static packed bucket"),
+        ConfigSwitch("pass_packed_cu_seqlens", setting="pass_cu_seqlens", needs=("cu_seqlens",),
+                     text="cu_seqlens handed to a model whose forward takes them"),
+        ConfigSwitch("v_head", (False, True), needs=("value",),
+                     text="a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: values are "
+                          "output[2]) instead of a token classifier (values are output.logits.squeeze(-1))"),
+        ConfigSwitch("use_chunked_topk", (False, True), needs=("distillation",),
+                     text="distillation.distillation_loss.use_chunked_topk: verl's own top-K processor streams "
+                          "logsumexp and gather over chunks of tokens in float32 (_chunked_topk_log_probs) and "
+                          "ranks the student's top-K on the logits, instead of one log_softmax"),
+        ConfigSwitch("chunked_topk_chunk_size", (4096, 1, 2, 3, 7), needs=("distillation",),
+                     text="distillation.distillation_loss.chunked_topk_chunk_size: the chunk's tokens (verl's "
+                          "default 4096 first; 1, 2, 3, 7 leave a short last chunk on the suite's rows)"),
+        ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
+                     text="distillation.distillation_loss.log_prob_min_clamp: both top-K log-probs clamped below "
+                          "before the KL terms (verl's default is -10.0; the suite shrinks to None, no clamp; "
+                          "-1.0 clamps most tokens); the oracle computes it (spec.truth.oracle.topk_terms)"),
+        ConfigSwitch("use_torch_compile", (False,), unseen={True: (
+            "engine_config.use_torch_compile wraps entropy_from_logits in torch.compile(dynamic=True): a compile "
+            "per new shape, seconds each on 2 CPU cores; not drawn")},
+            text="engine_config.use_torch_compile: the entropy function compiled"),
+        ConfigSwitch("flash_attn_cross_entropy", (False,), unseen={True: (
+            "logprobs_from_logits takes flash-attn's Triton cross entropy when flash-attn is installed: CUDA only, "
+            "not installed here")}, text="the log-prob kernel"),
+        ConfigSwitch("tensor_parallel_logits", (False,), unseen={True: (
+            "DTensor logits sharded on the vocabulary (full_tensor() first) need a tensor-parallel device mesh")},
+            text="logits as a DTensor"),
+)
+#: the switches of :data:`VERL_CONFIG_SPACE` that configure verl's own top-K processor (DistillationLossConfig)
+PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MIN_CLAMP)
+
+#: verl 0.9.1's FSDP engine: the preparation code spec verify measures (spec.run.engine_coverage), what it refuses,
+#: its configuration space and verl's conventions
+PROFILE = replace(DEFAULT_PROFILE, surface=VERL_SURFACE + VERL_MM_SURFACE,
+                  unreachable={**VERL_UNREACHABLE, **VERL_MM_UNREACHABLE}, off_path=VERL_OFF_PATH,
+                  conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES, equivalent_mutants=VERL_EQUIVALENT_MUTANTS,
+                  config_space=VERL_CONFIG_SPACE, media=MEDIA)  # images and videos: spec/engines/verl/media.py
+
+
+def release_profile(profile: EngineProfile, caps: Any) -> EngineProfile:
+    """``profile`` as the installed release (``caps``, its probe) has it: a release that divides the logits in place
+    (verl 0.7.1, before ``_scale_logits_by_temperature``) does not keep the ``LOGITS_UNTOUCHED`` convention."""
+    if caps.logits_untouched:
+        return profile
+    return replace(profile, conventions=profile.conventions - {Convention.LOGITS_UNTOUCHED})
