@@ -8,9 +8,10 @@ from enum import Enum
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from .media import MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
+from .media import MEDIA_TOKEN_FLAGS, MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
 from .structure import DenseCase, EngineCase
 from ..truth.rules import offsets as _offsets
+from ..truth.vision import media_token_ids
 
 __all__ = ["jagged", "draws", "Draws", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
@@ -127,6 +128,8 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if d.media is not None:
         td.set(MULTI_MODAL_KEY, media_stack(d.media, case))
+        for key, token_id in zip(MEDIA_TOKEN_FLAGS, media_token_ids(case.vocab)):
+            td.set_non_tensor(key, token_id)  # the model config's, beside the batch (docs/contract.md)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))
     flags = {

@@ -157,7 +157,8 @@ def profile_draws(profile: EngineProfile) -> dict:
     """The ``engine_cases`` keyword arguments an engine's profile sets: the modes, position kinds, media and
     execution contexts drawn are exactly those it declares."""
     return {"modes": tuple(profile.modes), "positions": tuple(profile.positions), "contexts": tuple(profile.contexts),
-            "media": tuple(profile.media)}
+            "media": tuple(profile.media), "media_modes": tuple(profile.media_modes),
+            "mrope_modes": tuple(profile.mrope_modes)}
 
 
 #: the size tiers that draw media (their sequences stay short; the wide and long tiers bound n x V)
@@ -193,10 +194,14 @@ def media_items(draw, prompt_lens: tuple[int, ...], kinds: tuple[str, ...]) -> t
     return tuple(media)
 
 
-def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str) -> EngineCase:
+def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str, media_modes: tuple[str, ...] = MODES,
+                pinned: bool = True) -> EngineCase:
     """``case`` with images/videos in two cases in three of those that can carry them (mRoPE positions, a vocabulary
-    with media ids, a short tier: a drawn key's residue, shrinking to none), the prompts lengthened by their tokens."""
-    if not kinds or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
+    with media ids, a short tier, a mode the engine takes media in: ``media_modes``, both of them where the target
+    left the mode to the draw (``pinned`` False: it may compare the two); a drawn key's residue, shrinking to none), the
+    prompts lengthened by their tokens."""
+    in_mode = case.mode in media_modes if pinned else set(MODES) <= set(media_modes)
+    if not kinds or not in_mode or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
             draw(st.integers(0, 2 ** 16 - 1)) % 3 == 0:
         return case
     media = draw(media_items(case.prompt_lens, kinds))
@@ -224,6 +229,9 @@ def within_limits(case: EngineCase, **limits) -> bool:
         return False
     if not {item.kind for items in case.media for item in items} <= set(limits.get("media", ())):
         return False
+    if case.media and case.mode not in limits.get("media_modes", MODES) or \
+            case.mrope and case.mode not in limits.get("mrope_modes", MODES):
+        return False
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
         return False
@@ -241,7 +249,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
                  contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
                  modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
-                 media: tuple[str, ...] = ()) -> EngineCase:
+                 media: tuple[str, ...] = (), media_modes: tuple[str, ...] = MODES,
+                 mrope_modes: tuple[str, ...] = MODES) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -259,7 +268,9 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
-    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was.
+    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was; only in
+    ``media_modes`` (the profile's: a target that leaves the mode to the draw gets media only if both are listed);
+    mRoPE positions likewise only in ``mrope_modes``.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
     (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
@@ -332,7 +343,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         prompt_lens=prompts, response_lens=responses,
         vocab=vocab,
         temperature=temperature,
-        mrope=draw_mrope(draw, positions),
+        mrope=draw_mrope(draw, positions) and (packed and "packed" in mrope_modes or not packed and "padded" in mrope_modes
+                                               if mode is not None else set(MODES) <= set(mrope_modes)),
         use_remove_padding=packed,
         calculate_entropy=head == "lm" and draw(st.booleans()),
         calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),
@@ -354,7 +366,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         context=draw(st.sampled_from(contexts)),
         engine_config=_engine_config(draw, config_space, head),
     )
-    return _with_media(draw, case, media, tier)
+    return _with_media(draw, case, media, tier, media_modes, pinned=mode is not None)
 
 
 def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:

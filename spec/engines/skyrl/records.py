@@ -105,8 +105,9 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
 }
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
-#: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
+#: whole rows (outputs right-aligned in (B, max r_i)); 0.3.1 has no VLM path (1-D positions), 0.4.0's VLM (mRoPE
+#: positions, images) refuses packing
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
                               unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS)
-PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
-                        unreachable=UNREACHABLE)
+PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
+                        mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE)

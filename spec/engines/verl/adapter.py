@@ -253,6 +253,8 @@ class VerlEngine(EngineUnderTest):
                       equivalent_mutants=VERL_EQUIVALENT_MUTANTS, media=MEDIA)  # images: spec/engines/verl/media.py
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
+    #: what make() builds around verl's engine object (VeOmni's adds its model type per micro-batch)
+    object_class = VerlEngineObject
 
     def __init__(self) -> None:
         with warnings.catch_warnings():  # verl's engine registry warns about every optional backend it lacks
@@ -457,7 +459,7 @@ class VerlEngine(EngineUnderTest):
         if self.caps.bucket:
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
-        return VerlEngineObject(eng, self.caps, self._ulysses)
+        return self.object_class(eng, self.caps, self._ulysses)
 
     def microbatch_layer(self) -> MicroBatchLayer | None:
         if not hasattr(self, "_microbatch"):
