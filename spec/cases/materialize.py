@@ -187,8 +187,9 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
     attn = ((cols >= pw - plen) & (cols < pw + rlen)).to(torch.int64)
     # real tokens over [0, V): some equal the pad id; eos (= pad) ends each response when asked
     input_ids = torch.randint(0, case.vocab, (batch, seq), generator=gen)
-    if case.eos_is_pad:
-        input_ids[torch.arange(batch), pw + rlen.squeeze(1) - 1] = case.pad_token_id
+    if case.eos_is_pad:  # (an aborted rollout's empty response has none)
+        ends = rlen.squeeze(1) > 0
+        input_ids[torch.arange(batch)[ends], pw + rlen.squeeze(1)[ends] - 1] = case.pad_token_id
     input_ids = input_ids.masked_fill(attn == 0, case.pad_token_id)
     response_mask = attn[:, pw:].clone()
     if case.mask_holes:

@@ -24,6 +24,8 @@ proportionally more. Logits come in float32, bfloat16 or float16; temperatures a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from ..protocol.profile import POSITIONS, EngineProfile
@@ -33,7 +35,7 @@ from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, RO
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
-           "draw_mrope", "media_items", "MEDIA_TIERS"]
+           "draw_mrope", "media_items", "MEDIA_TIERS", "with_aborted_response", "ABORTED_ONE_IN"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -392,7 +394,8 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
 
     Token ids are uniform over [0, V) (so real tokens equal the pad id), some cases end every
     response with eos = pad, vocabularies reach 256,000 ids and batches 64 rows; router-replay tensors of 1-512 experts,
-    1-4 MoE layers, top-1 to top-8, in int64/int32/int16/uint8."""
+    1-4 MoE layers, top-1 to top-8, in int64/int32/int16/uint8; one batch in six an aborted rollout's empty response
+    (drawn last: :func:`with_aborted_response`)."""
     _check_bounds(max_batch=max_batch, max_len=max_len)
     tier = draw(_tier()) if allow_large else "small"
     batch = draw(st.integers(8, 64)) if tier == "batch" else draw(st.integers(1, max_batch))
@@ -404,7 +407,7 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
     with_topk = draw(st.booleans()) if topk is None else topk
     with_experts = draw(st.booleans()) if routed_experts is None else routed_experts
     (experts, layers, top_k), routed_dtype = draw(router_replay()) if with_experts else ((0, 2, 2), "int64")
-    return DenseCase(
+    case = DenseCase(
         prompt_lens=prompts, response_lens=responses,
         prompt_width=max(prompts) + draw(st.integers(0, 2)),
         response_width=max(responses) + draw(st.integers(0, 2)),
@@ -417,3 +420,18 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
         eos_is_pad=draw(st.booleans()),
         routed_experts=experts, routed_layers=layers, routed_topk=top_k, routed_dtype=routed_dtype,
     )
+    return with_aborted_response(case, draw(st.integers(0, ABORTED_ONE_IN - 1)))
+
+
+#: one drawn batch in this many (of two samples or more) holds an aborted rollout: a zero-length response
+ABORTED_ONE_IN = 6
+
+
+def with_aborted_response(case, key: int):
+    """``case`` (a dense or a mini-batch case) with the response of sample ``seed mod B`` empty (an aborted rollout,
+    docs/contract.md "Degenerate lengths") when the drawn ``key`` is the last of :data:`ABORTED_ONE_IN` (shrinking to
+    none) and there are two samples or more; its widths stay."""
+    if key != ABORTED_ONE_IN - 1 or case.batch_size < 2:
+        return case
+    i = int(case.seed) % case.batch_size
+    return replace(case, response_lens=case.response_lens[:i] + (0,) + case.response_lens[i + 1:])

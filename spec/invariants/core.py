@@ -176,9 +176,15 @@ def within_profile(case: Any, profile: EngineProfile) -> Any:
             use_remove_padding=False, sp_size=1, topology=None, pad_to_length=None, pass_cu_seqlens=False)
     if case.context not in profile.contexts:
         case = case.with_(context=profile.contexts[0])
+    return media_within_profile(case, profile)
+
+
+def media_within_profile(case: EngineCase, profile: EngineProfile) -> EngineCase:
+    """``case`` without the media items of a kind ``profile`` does not list (their tokens stay, as text): an image-only
+    engine gets a pinned or adjusted case's images, not its videos."""
     if any(item.kind not in profile.media for items in case.media for item in items):
         media = tuple(tuple(item for item in items if item.kind in profile.media) for items in case.media)
-        case = case.with_(media=media if any(media) else ())  # their tokens stay, as text
+        case = case.with_(media=media if any(media) else ())
     return case
 
 

@@ -24,7 +24,7 @@ from ..protocol.engine import EngineUnderTest
 from ..protocol.profile import MODES, profile_of
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
-from ..invariants.core import convention_skip, honour_engine, mode_reason
+from ..invariants.core import convention_skip, honour_engine, media_within_profile, mode_reason
 from ..protocol.errors import BudgetSpent, StreamDone
 from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
 
@@ -190,6 +190,8 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     for case in (*SEED_CASES, *REACH_CASES):
         if mode in ("packed", "padded"):
             case = case.with_(use_remove_padding=mode == "packed")
+        if engine is not None:  # an image-only engine gets the reach case's images
+            case = media_within_profile(case, profile_of(engine))
         if not within_limits(case, **limits):
             continue
         if limits.get("padding") and case.use_remove_padding and limits.get("allow_bucket", True) \
