@@ -52,6 +52,9 @@ _RING = "needs ring attention: a ring_attn_group (ring_flash_attn and a process 
 _FLOAT32 = ("Actor.forward casts the logits to float32 before it calls log_probs_from_logits (OpenRLHF PR 634): the "
             "low-precision row loop serves other callers only")
 UNREACHABLE: dict[str, str] = {
+    f"{_A}:256->259": "a VLM config without a video_token_id (Gemma 3's: images only, marked in token_type_ids for "
+                      "its bidirectional image attention; google/gemma-3-4b-it): the stand-in's config, a Qwen-VL one, "
+                      "has both ids",
     f"{_A}:281->282": "the logits-only return (no action_mask, no return_logprobs): the adapter's first forward "
                       "stops at the model (it records the inputs the model sees), its second asks for log-probs; "
                       "raw logits are no output of the contract",
