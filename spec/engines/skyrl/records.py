@@ -65,8 +65,8 @@ TRAIN_UNREACHABLE: dict[str, str] = {
     "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
     "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
 }
-_VLM = ("a vision-language model (is_vlm: the model config has a vision_config; its 3-D positions and image inputs): "
-        "the adapter drives a text-only causal LM (its profile's positions: rope)")
+_CONCATENATED = ("images handed already concatenated (a tensor, not SkyRL's TensorList): no SkyRL caller does (its RL "
+                 "trainer and its Tinker backend build per-sample TensorLists, as the adapter does)")
 _SUPPORT = ("sample-support replay (trainer.algorithm.enable_sample_support_replay, off by default): log-probs "
             "renormalised over the sampler's recorded top-k support, not the full-vocabulary log-probs the contract "
             "asks; the adapter passes no sample support")
@@ -78,7 +78,7 @@ _WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "sky
 UNREACHABLE: dict[str, str] = {
     **_RAISE,
     **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
-    **{f"{_WRAPPER}:{line}": _VLM for line in ("329->333", "338", "340", "342", "384->389", "389", "396")},
+    f"{_WRAPPER}:340->342": _CONCATENATED, f"{_WRAPPER}:342->345": _CONCATENATED,
     **{f"{_WRAPPER}:{line}": _SUPPORT for line in ("323->324", "324->326", "326->328", "362->363", "367->368",
                                                     "416->418", "456->457")},
     f"{_WRAPPER}:469->470": _INT_ACTIONS, f"{_WRAPPER}:470": _INT_ACTIONS, f"{_WRAPPER}:476->479": _OUTPUT,
