@@ -1,7 +1,9 @@
 """Fast conversions between jagged rows and dense padded batches.
 
 Both use torch's jagged kernels where the installed torch has them for the tensor's
-device (CPU kernels arrived after torch 2.4); otherwise an equivalent index-based path.
+device (CPU kernels arrived after torch 2.4) and no gradient flows through them (the kernels have
+no derivative: a critic trained through the padded path would fail in backward, found by INV-STEP-004);
+otherwise an equivalent index-based path.
 The choice is probed once per (device type, direction) and cached.
 """
 
@@ -66,13 +68,20 @@ def rows_and_positions(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor,
     return rows, torch.arange(total, device=offsets.device) - offsets[:-1].index_select(0, rows)
 
 
+def _backpropagated(tensor: torch.Tensor) -> bool:
+    """Whether a loss will backpropagate through ``tensor``: the aten jagged kernels have no derivative (the index
+    path has one), so a critic's values trained through the padded path take the index path."""
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
 def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, width: int, pad_value: float | int) -> torch.Tensor:
     """``(B, width, *rest)``: row i holds ``values[offsets[i]:offsets[i+1]]`` cut to ``width``, then padding.
 
     ``offsets`` must start at 0 and end at ``values.shape[0]``.
     """
     batch, rest = offsets.numel() - 1, tuple(values.shape[1:])
-    if _has_kernel(values.device.type, "_jagged_to_padded_dense_forward") and values.dtype != torch.bool:
+    if _has_kernel(values.device.type, "_jagged_to_padded_dense_forward") and values.dtype != torch.bool \
+            and not _backpropagated(values):
         flat = values.reshape(values.shape[0], -1)
         dense = torch.ops.aten._jagged_to_padded_dense_forward(flat, [offsets], [width], float(pad_value))
         return dense.view(batch, width, *rest)
@@ -85,7 +94,8 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, width: int, pa
 
 def padded_to_jagged(dense: torch.Tensor, offsets: torch.Tensor, total: int) -> torch.Tensor:
     """``(total, *rest)``: the first ``offsets[i+1] - offsets[i]`` entries of each row of ``dense``."""
-    if _has_kernel(dense.device.type, "_padded_dense_to_jagged_forward") and dense.dtype != torch.bool:
+    if _has_kernel(dense.device.type, "_padded_dense_to_jagged_forward") and dense.dtype != torch.bool \
+            and not _backpropagated(dense):
         rest = tuple(dense.shape[2:])
         flat = dense.reshape(dense.shape[0], dense.shape[1], -1)
         return torch.ops.aten._padded_dense_to_jagged_forward(flat, [offsets], total).view(total, *rest)

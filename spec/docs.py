@@ -40,11 +40,11 @@ _BLOCK = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n?)(.*?)(<!-- /generated 
 
 def catalogue() -> str:
     """The invariant catalogue table (as ``python -m spec list --markdown`` prints it)."""
-    lines = ["| ID | title | contract | modes | needs |", "|---|---|---:|---|---|"]
+    lines = ["| ID | title | contract | modes | needs | facts |", "|---|---|---:|---|---|---|"]
     for key in sorted(CATALOGUE):
         info = CATALOGUE[key]
         lines.append(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
-                     f"{', '.join(info.needs) or '-'} |")
+                     f"{', '.join(info.needs) or '-'} | {', '.join(info.facts) or '-'} |")
     return "\n".join(lines)
 
 

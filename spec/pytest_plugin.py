@@ -92,6 +92,8 @@ class IoprepItem(pytest.Item):
         o = self.outcome
         if o.status == "skip":
             pytest.skip(o.reason)
+        if o.status == "unexercised":  # examples ran, none exercised the property: never a pass
+            pytest.skip(o.reason)
         if o.layout and o.status != "pass":  # the layout profile: reported, never part of the verdict
             pytest.xfail(f"layout profile (not part of the verdict): {o.invariant} {o.status} on {o.engine}: "
                          f"{o.counterexample or ''} {o.error or o.reason or ''}".rstrip())
@@ -102,6 +104,8 @@ class IoprepItem(pytest.Item):
         if o.status == "fail":
             pytest.fail(f"{o.invariant} ({self.info.title}) fails on {o.engine} [{o.mode}, {o.device}]\n"
                         f"minimal counterexample: {o.counterexample}\n{o.error}", pytrace=False)
+        if o.status == "error":
+            pytest.fail(f"{o.invariant} on {o.engine} [{o.mode}, {o.device}]: {o.error}", pytrace=False)
 
     def reportinfo(self):
         return self.path, None, f"ioprep::{self.name}"

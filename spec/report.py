@@ -26,7 +26,7 @@ __all__ = ["summary_line", "summary", "slowest", "mechanism", "safe_name", "repo
            "FAILING", "by_counterexample", "coverage", "coverage_table", "unseen_without_reason"]
 
 _MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR (suite)", "skip": "skip", "xfail": "known failure",
-         "xpass": "STALE known failure"}
+         "xpass": "STALE known failure", "unexercised": "not exercised"}
 #: statuses that fail the verdict
 FAILING = ("fail", "error", "xpass")
 
@@ -52,7 +52,8 @@ def failed(outcomes: list[Outcome]) -> bool:
 def summary_line(outcomes: list[Outcome]) -> str:
     counts = Counter(o.status for o in outcomes)
     parts = [f"{counts.get('pass', 0)} passed", f"{counts.get('fail', 0)} failed"]
-    parts += [f"{counts[k]} {label}" for k, label in (("error", "suite errors"), ("skip", "skipped"),
+    parts += [f"{counts[k]} {label}" for k, label in (("error", "suite errors"), ("unexercised", "not exercised"),
+                                                      ("skip", "skipped"),
                                                       ("xfail", "known failures"),
                                                       ("xpass", "stale known failures")) if counts.get(k)]
     return ", ".join(parts)

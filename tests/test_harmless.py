@@ -27,8 +27,18 @@ def _engine_level(info) -> bool:
     return info.kind != "dense" and not helper_only and info.head == "lm"
 
 
+#: the training step's invariants (INV-STEP-*, a whole step per example) run on the harmless engine whose outputs
+#: differ where no consumer reads them; the others change the preparation's hand-off only, which the step reads through
+#: the same outputs the value invariants check
+STEP_HARMLESS = ("unread_outputs_zeroed",)
+
+
+def _runs_on(name: str, info) -> bool:
+    return _engine_level(info) and (info.kind != "step" or name in STEP_HARMLESS)
+
+
 CASES = [(name, info, mode) for name in HARMLESS for info, mode in instances()
-         if not info.layout and _engine_level(info)]
+         if not info.layout and _runs_on(name, info)]
 
 
 @pytest.mark.parametrize("name, info, mode", CASES, ids=[f"{n}-{i.id}-{m}" for n, i, m in CASES])

@@ -61,12 +61,13 @@ def test_a_forward_that_never_calls_the_model_is_an_error() -> None:
 # -- strict stubs ---------------------------------------------------------------------------------------------------
 
 def test_an_undeclared_stub_name_raises_when_used() -> None:
-    module = StrictModule("heavy_lib", {"is_npu_available": lambda: False})
-    assert module.is_npu_available() is False  # declared: its value
-    undeclared = module.is_xpu_available
+    module = StrictModule("heavy_lib", {"npu_count": lambda: 0})
+    assert module.npu_count() == 0  # declared: its value
+    assert module.is_xpu_available() is False  # an availability probe is well known: the package is absent here
+    undeclared = module.xpu_count
     for use in (bool, lambda f: f(), iter, len, int):
-        with pytest.raises(StubError, match=r"heavy_lib\.is_xpu_available .*records=\{'heavy_lib': "
-                                            r"\{'is_xpu_available': \.\.\.\}\}"):
+        with pytest.raises(StubError, match=r"heavy_lib\.xpu_count .*records=\{'heavy_lib': "
+                                            r"\{'xpu_count': \.\.\.\}\}"):
             use(undeclared)
 
     class Model(module.PreTrainedModel):  # a base class may be a stub
@@ -76,24 +77,24 @@ def test_an_undeclared_stub_name_raises_when_used() -> None:
 
 
 def test_strict_stubs_cannot_change_the_code_under_test_unnoticed(tmp_path, monkeypatch) -> None:
-    """The MagicMock stub's is_npu_available() is truthy: the library silently turns its compile off. A strict stub
-    raises instead, naming the name to declare; declared, the library runs as it would."""
+    """The MagicMock stub's npu_count() is truthy: the library silently turns its compile off. A strict stub
+    raises instead, naming the name to declare; declared, the library runs as it would. (An ``is_<x>_available``
+    probe needs no declaration: the kit knows it is False here, spec.engines.kit.stubs.WELL_KNOWN.)"""
     package = tmp_path / "kit_lib"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "core.py").write_text(textwrap.dedent("""
-        from kit_missing_dep import is_npu_available
-        COMPILE = not is_npu_available()
+        from kit_missing_dep import npu_count
+        COMPILE = not npu_count()
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    for strict, values, want in ((False, None, False), (True, {"kit_missing_dep": {"is_npu_available": lambda: False}},
-                                                          True)):
+    for strict, values, want in ((False, None, False), (True, {"kit_missing_dep": {"npu_count": lambda: 0}}, True)):
         for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
             sys.modules.pop(name, None)
         assert import_with_stubs("kit_lib.core", ("kit_missing_dep",), values, strict=strict).module.COMPILE is want
     for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
         sys.modules.pop(name, None)
-    with pytest.raises(StubError, match="kit_missing_dep.is_npu_available"):
+    with pytest.raises(StubError, match="kit_missing_dep.npu_count"):
         import_with_stubs("kit_lib.core", ("kit_missing_dep",), strict=True)
     for name in ("kit_lib", "kit_lib.core", "kit_missing_dep"):
         sys.modules.pop(name, None)

@@ -40,7 +40,7 @@ if [ "${1:-}" = "--setup" ]; then exit 0; fi
 for engine in skyrl-train skyrl; do
     .venv-skyrl/bin/python -m spec verify --engine "$engine" --profile ci --out "reports/$engine"
 done
-.venv-skyrl/bin/python -m pytest -p no:cacheprovider tests/test_skyrl.py
+.venv-skyrl/bin/python -m pytest -p no:cacheprovider tests/test_skyrl.py tests/test_step_engines.py
 # a branch of an engine's surface unreached without a reason fails (docs/engine-coverage.md)
 ENGINE_COVERAGE_REPORTS="reports/skyrl-train/verify-skyrl-train.json reports/skyrl/verify-skyrl.json" \
     .venv-skyrl/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'

@@ -32,11 +32,11 @@ if [ "${1:-}" = "--setup" ]; then exit 0; fi
 for engine in trl trl-fused; do
     .venv-trl/bin/python -m spec verify --engine "$engine" --profile ci --out "reports/$engine"
 done
-.venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py
+.venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py tests/test_step_engines.py
 # a branch of an engine's surface unreached without a reason fails (docs/engine-coverage.md)
 ENGINE_COVERAGE_REPORTS="reports/trl/verify-trl.json reports/trl-fused/verify-trl-fused.json" \
     .venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
 .venv-openrlhf/bin/python -m spec verify --engine openrlhf --profile ci --out "reports/openrlhf"
 ENGINE_COVERAGE_REPORTS="reports/openrlhf/verify-openrlhf.json" \
     .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
-.venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py
+.venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py

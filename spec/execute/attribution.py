@@ -31,15 +31,28 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from . import coverage_hook
-from ..protocol.errors import EngineFault, SuiteError
+from ..protocol.errors import EngineFault, MissingDependency, SuiteError
 
 __all__ = ["ENGINE", "SUITE", "origin", "tag", "AttributedEngine", "suite_side", "recording", "Log",
            "expect_engine_error", "SuiteError", "describe", "engine_side", "EngineFault", "check_outputs",
-           "read_engine", "is_engine_fault", "note_fault", "faults_noted", "trial"]
+           "read_engine", "is_engine_fault", "note_fault", "faults_noted", "trial", "MissingDependency",
+           "missing_module"]
 
 ENGINE = "engine"
 SUITE = "suite"
 _ATTR = "_spec_origin"
+
+
+def missing_module(exc: BaseException) -> str | None:
+    """The module a ``ModuleNotFoundError`` in ``exc``'s cause/context chain could not find, or None."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, ModuleNotFoundError) and link.name:
+            return link.name
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def is_engine_fault(exc: BaseException) -> bool:
@@ -196,13 +209,19 @@ def trial() -> Iterator[None]:
         raise
 
 
-def _tagged(fn: Callable, where: str, side: str, context: Callable[[], Any] = nullcontext) -> Callable:
-    """``fn`` run inside ``context()``, its exceptions tagged as ``side``'s (:data:`SUITE` or :data:`ENGINE`)."""
+def _tagged(fn: Callable, where: str, side: str, context: Callable[[], Any] = nullcontext,
+            environment: bool = False) -> Callable:
+    """``fn`` run inside ``context()``, its exceptions tagged as ``side``'s (:data:`SUITE` or :data:`ENGINE`). With
+    ``environment``, an ImportError of a module the environment lacks (:func:`missing_module`) is raised as a
+    :class:`MissingDependency` instead, tagged as nobody's: never the engine's failed check or rejection."""
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             with context():
                 return fn(*args, **kwargs)
         except BaseException as exc:
+            module = missing_module(exc) if environment and isinstance(exc, ImportError) else None
+            if module is not None:
+                raise MissingDependency(module, where, describe(exc)) from exc
             _note(side, where, exc)
             raise
     call.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -215,8 +234,8 @@ def suite_side(fn: Callable, where: str) -> Callable:
 
 
 def _engine_side(fn: Callable, where: str) -> Callable:
-    # the engine's code: measured where spec verify measures it
-    return _tagged(fn, where, ENGINE, coverage_hook.engine_code)
+    # the engine's code: measured where spec verify measures it; a module its library lacks is the environment's
+    return _tagged(fn, where, ENGINE, coverage_hook.engine_code, environment=True)
 
 
 def engine_side(fn: Callable, where: str) -> Callable:

@@ -16,6 +16,7 @@ from . import microbatch  # noqa: F401 - the micro-batch layer (prepare_micro_ba
 from . import microbatch_trainer  # noqa: F401 - the layer as a trainer calls it (balance, training step, padded)
 from . import media  # noqa: F401 - images and videos (multi_modal_inputs)
 from . import degenerate  # noqa: F401 - degenerate inputs real runs produce (a zero-length response)
+from . import step  # noqa: F401 - the whole training step: cut, loss aggregation, gradient (issue 49)
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

@@ -11,7 +11,7 @@ from ..execute.harness import execute
 from ..cases.materialize import PadMode, materialize, select_rows
 from ..protocol.profile import Convention
 from ..truth.rules import distinct_temperatures
-from .core import Ctx, fail, invariant, match_runs, same
+from .core import VALUE_FACTS, Ctx, fail, invariant, match_runs, same
 from .inputs import _bucketed
 
 PACKED = ("packed",)
@@ -25,6 +25,7 @@ def _items(td: TensorDict) -> dict[str, object]:
 
 
 @invariant("INV-SP-001", "sequence-parallel size 2, 3 or 4 changes nothing in the outputs", contract=7,
+           facts=VALUE_FACTS,
            protects="sequence parallelism never changes a sample's outputs",
            modes=PACKED, needs=("sp",),
            adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False))
@@ -35,6 +36,7 @@ def sp_invariance(ctx: Ctx) -> None:
 
 
 @invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
+           facts=VALUE_FACTS,
            protects="a static bucket never changes a sample's outputs",
            modes=PACKED, needs=("bucket",), adjust=_bucketed)
 def bucket_invariance(ctx: Ctx) -> None:
@@ -79,7 +81,7 @@ def concatenation(ctx: Ctx) -> None:
         _rows_match(ctx, rows, f"run in the sub-batch {rows}")
 
 
-@invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9,
+@invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9, facts=VALUE_FACTS,
            protects="a GPU run gives the CPU run's values", needs=("cuda",))
 def cpu_cuda_agree(ctx: Ctx) -> None:
     on_cpu = execute(ctx.engine, ctx.case, "cpu").outputs
@@ -143,7 +145,7 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
 
 
 @invariant("INV-CHUNK-001", "the entropy/log-prob chunk size (an engine setting) changes nothing in the outputs",
-           contract=7,
+           contract=7, facts=VALUE_FACTS,
            protects="entropy chunking/checkpointing never changes an output", needs=("chunking",),
            adjust=lambda c: c.with_(calculate_entropy=True, entropy_chunk_size=max(
                1, min(c.entropy_chunk_size or 2, c.total_nnz - 1))))

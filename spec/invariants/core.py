@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from hypothesis import strategies as st
@@ -13,6 +14,8 @@ from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import CONTRACT_PRECISION, EngineUnderTest, OutputSpan, Precision
 from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profile_of
 from ..execute.harness import Run, execute, model_for
+from ..execute.attribution import origin
+from ..protocol.errors import Failures
 from ..execute.handoff import nested_parts
 from ..execute.memo import Runs
 from ..cases.materialize import draws, materialize
@@ -23,7 +26,11 @@ from ..cases.strategies import dense_cases, engine_cases, profile_draws
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
            "match_oracle", "match_runs", "held", "same", "measure_bounds", "honour_engine",
            "shares_one_temperature", "read", "convention_promised", "convention_skip", "add_facts", "mode_reason",
-           "within_profile", "in_context"]
+           "within_profile", "in_context", "Failures", "EveryFailure", "VALUE_FACTS"]
+
+#: the facts a value check's failure carries (:func:`match_oracle`, :func:`match_runs`): the output key, the
+#: sequence and token position, the error against each precision mechanism's bound
+VALUE_FACTS = ("key", "position", "bounds")
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -63,6 +70,10 @@ class InvariantInfo:
     protects: str = ""
     layout: bool = False
     convention: Convention | None = None
+    #: the structured facts its failures carry (``spec.protocol.known.FACTS``: ``key``, ``position``, ``bounds``):
+    #: what a known-failure record may match on beside a message pattern (a record asking another could never match,
+    #: ``spec.protocol.known.unmatchable``)
+    facts: tuple[str, ...] = ()
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         """The cases drawn for ``engine``: what its profile accepts (modes, position kinds, execution contexts:
@@ -242,8 +253,9 @@ class Ctx:
     def read(self) -> list[torch.Tensor]:
         """Per sequence, the positions of a per-token output the contract checks (:func:`spec.truth.rules.read_positions`
         for the engine's declared output span): never a sequence's last token, which no consumer reads."""
-        return read_positions(self.case.prompt_lens, self.case.response_lens,
-                              getattr(self.engine, "output_span", OutputSpan.SEQUENCE))
+        span_of = getattr(self.engine, "output_span_of", None)  # the engine's span on this case (its switches)
+        span = span_of(self.case) if span_of is not None else getattr(self.engine, "output_span", OutputSpan.SEQUENCE)
+        return read_positions(self.case.prompt_lens, self.case.response_lens, span)
 
     @cached_property
     def expected(self) -> Expected:
@@ -301,6 +313,32 @@ def fail(message: str, **facts: Any) -> None:
     exc = AssertionError(message)
     exc.facts = facts
     raise exc
+
+
+class EveryFailure:
+    """Collects the failing facts of one example, so a check reports each (every output's dtype, every key of two
+    runs), not only the first: ``with facts.each(): ...`` per fact, then :meth:`raise_any`. Only a check's own
+    assertion is collected; anything else (an engine's exception) propagates at once."""
+
+    def __init__(self) -> None:
+        self.parts: list[AssertionError] = []
+
+    @contextmanager
+    def each(self) -> Iterator[None]:
+        try:
+            yield
+        except Failures as exc:
+            self.parts += exc.parts
+        except AssertionError as exc:
+            if origin(exc) is not None:  # the engine's own assert (or the suite's): not a check's fact
+                raise
+            self.parts.append(exc)
+
+    def raise_any(self) -> None:
+        if len(self.parts) == 1:
+            raise self.parts[0]
+        if self.parts:
+            raise Failures(list(self.parts))
 
 
 def add_facts(exc: BaseException, **facts: Any) -> None:
@@ -435,31 +473,40 @@ def match_runs(ctx: "Ctx", got: dict, want: dict, what: str, rows: list[int] | N
     runs give NaN they agree, and the value invariant (against the oracle) reports the NaN once. ``rows``: the
     samples of the whole case that ``got``'s sequences are (default: all)."""
     rows = list(range(ctx.case.batch_size)) if rows is None else rows
-    exp = ctx.expected
+    facts = EveryFailure()  # every key that differs, each a fact of its own (a record excuses only the keys it names)
     for key in sorted(want):
-        if key not in got:
-            fail(f"{what}: key {key!r} missing (keys: {sorted(got)})")
-        mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
-        theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
-        tols = exp.tolerance.get(key)
-        if tols:
-            own, other = ctx.oracle(key)[1], ctx.oracle(key, reference)[1]
-            tols = [torch.maximum(a, b) for a, b in zip(own, other)]
-        bounds = {mechanism: per_key[key] for mechanism, per_key in exp.bounds.items() if per_key.get(key)}
-        for j, (x, y) in enumerate(zip(mine, theirs)):
-            at = ctx.read[rows[j]]
-            atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
-            try:
-                close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
-                               nan_equal=True)
-            except AssertionError as exc:
-                _locate(exc, key, rows[j], at)
-                # the two runs' difference against each mechanism's bound (each run within it of the oracle: a
-                # record for a run-vs-run difference allows twice it)
-                reach = int(at.max()) + 1 if at.numel() else 0
-                if bounds and min(x.shape[0], y.shape[0]) >= reach:
-                    measure_bounds(exc, x[at], y[at], {m: b[rows[j]][at] for m, b in bounds.items()})
-                raise
+        with facts.each():
+            _match_key(ctx, key, got, want, what, rows, reference)
+    facts.raise_any()
+
+
+def _match_key(ctx: "Ctx", key: str, got: dict, want: dict, what: str, rows: list[int],
+               reference: EngineCase | None) -> None:
+    """:func:`match_runs` for one key."""
+    exp = ctx.expected
+    if key not in got:
+        fail(f"{what}: key {key!r} missing (keys: {sorted(got)})", key=key)
+    mine = _sequences(got[key], f"{what}: {key!r}", len(rows))
+    theirs = _sequences(want[key], f"{what}: {key!r} (reference)", len(rows))
+    tols = exp.tolerance.get(key)
+    if tols:
+        own, other = ctx.oracle(key)[1], ctx.oracle(key, reference)[1]
+        tols = [torch.maximum(a, b) for a, b in zip(own, other)]
+    bounds = {mechanism: per_key[key] for mechanism, per_key in exp.bounds.items() if per_key.get(key)}
+    for j, (x, y) in enumerate(zip(mine, theirs)):
+        at = ctx.read[rows[j]]
+        atol = ATOL if not tols else 2 * _padded_tolerance(tols[rows[j]], y.shape[0])
+        try:
+            close_sequence(key, x, y, f"{what}: {key!r} of sequence {rows[j]}", atol=atol, positions=at,
+                           nan_equal=True)
+        except AssertionError as exc:
+            _locate(exc, key, rows[j], at)
+            # the two runs' difference against each mechanism's bound (each run within it of the oracle: a
+            # record for a run-vs-run difference allows twice it)
+            reach = int(at.max()) + 1 if at.numel() else 0
+            if bounds and min(x.shape[0], y.shape[0]) >= reach:
+                measure_bounds(exc, x[at], y[at], {m: b[rows[j]][at] for m, b in bounds.items()})
+            raise
 
 
 def _padded_tolerance(tol: torch.Tensor, length: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from ..protocol.engine import PaddedLayout
 from ..protocol.profile import Convention, profile_of
 from ..truth.rules import (distinct_temperatures, full_length_mask, layout_columns, layout_mask, layout_width, offsets,
                            padded_length, token_temperatures)
-from .core import Ctx, fail, invariant, match_oracle
+from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle
 
 PADDED = ("padded",)
 PACKED = ("packed",)
@@ -34,7 +34,7 @@ def _layout_words(ctx: Ctx) -> str:
 
 @invariant("INV-MASK-001", "padded attention mask row i marks exactly sample i's n_i tokens where the declared "
            "layout puts them (verl's: n_i leading ones; the full sequence, not the response-only loss mask)",
-           contract=1,
+           contract=1, facts=("key",),
            protects="the model attends to every token of each full sequence (a response-only mask gives wrong log-probs, high KL: verl #6278)", modes=PADDED)
 def mask_values(ctx: Ctx) -> None:
     mask = ctx.inputs_run.views[0].attention_mask
@@ -51,26 +51,38 @@ def mask_values(ctx: Ctx) -> None:
              key="attention_mask", sequence=row)
 
 
-#: the dtypes a padded attention mask may have: 0/1 in an integer or bool dtype (a float mask reads as an additive
-#: bias in Hugging Face models, so 0.0/1.0 is not a 0/1 mask there)
+#: the dtypes a padded attention mask may have: 0/1 in an integer or bool dtype, or (a 2-D mask only) 0.0/1.0 in a
+#: floating dtype: a Hugging Face model casts a 2-D mask to bool (``masking_utils``; before it,
+#: ``_prepare_4d_attention_mask`` read 1.0 as keep), and only a 4-D mask is an additive bias
 MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _mask_dtype(ctx: Ctx, mask: torch.Tensor, what: str) -> None:
-    """The contract: an integer or bool dtype; int32 only where the engine promises verl's convention."""
+    """The contract: an integer or bool dtype, or a 2-D floating mask of 0.0/1.0 only (a model reads any other float
+    value, or a float mask of another rank, as an additive bias); int32 only where the engine promises verl's
+    convention."""
     if ctx.promises(Convention.INT32_ATTENTION_MASK):
         if mask.dtype != torch.int32:
             fail(f"{what} dtype is {mask.dtype}, expected torch.int32 (the engine's profile declares "
                  f"{Convention.INT32_ATTENTION_MASK.value})", key="attention_mask")
+    elif mask.is_floating_point():
+        if mask.dim() != 2:
+            fail(f"{what} is a {mask.dim()}-D {mask.dtype} mask: a model adds a float mask of that rank to its "
+                 "attention scores (an additive bias), so 1.0/0.0 keep-flags mask nothing; expected 0/1 in an "
+                 f"integer or bool dtype, or a 2-D 0.0/1.0 mask", key="attention_mask")
+        odd = mask[(mask != 0) & (mask != 1)]
+        if odd.numel():
+            fail(f"{what} ({mask.dtype}) holds {sorted(set(odd.detach().cpu().tolist()))[:4]}: a 2-D float mask is "
+                 "read as 0/1 keep-flags (cast to bool), so only 0.0 and 1.0 mean what they say", key="attention_mask")
     elif mask.dtype not in MASK_DTYPES:
         fail(f"{what} dtype is {mask.dtype}, expected 0/1 in an integer or bool dtype "
-             f"({', '.join(str(d) for d in MASK_DTYPES)})", key="attention_mask")
+             f"({', '.join(str(d) for d in MASK_DTYPES)}) or a 2-D 0.0/1.0 float mask", key="attention_mask")
 
 
-@invariant("INV-MASK-002", "padded attention mask is 0/1 in an integer or bool dtype on the ids' device (int32 "
-           "where the engine declares verl's INT32_ATTENTION_MASK convention)", contract=1,
-           protects="the model reads the mask as 0/1 keep-flags on the ids' device (a float mask is an additive bias "
-           "to a Hugging Face model)", modes=PADDED)
+@invariant("INV-MASK-002", "padded attention mask is 0/1 in an integer or bool dtype, or a 2-D 0.0/1.0 float mask, "
+           "on the ids' device (int32 where the engine declares verl's INT32_ATTENTION_MASK convention)", contract=1, facts=("key",),
+           protects="the model reads the mask as 0/1 keep-flags on the ids' device (a 4-D float mask, or any other "
+           "float value, is an additive bias to a Hugging Face model)", modes=PADDED)
 def mask_dtype_device(ctx: Ctx) -> None:
     view = ctx.inputs_run.views[0]
     mask, ids = view.attention_mask, view.input_ids
@@ -98,7 +110,7 @@ def mask_shape_sum(ctx: Ctx) -> None:
 
 @invariant("INV-MASK-004", "build_attention_mask_from_nested gives the full lengths at any width, 0/1 in an "
            "integer or bool dtype (int32 under INT32_ATTENTION_MASK)",
-           contract=1,
+           contract=1, facts=("key",),
            protects="a trainer building a mask with the helper attends to the full sequences at any width", modes=("any",), needs=("build_attention_mask_from_nested",))
 def mask_helper(ctx: Ctx) -> None:
     build = ctx.helper("build_attention_mask_from_nested")
@@ -164,17 +176,35 @@ def padded_ids_fill(ctx: Ctx) -> None:
 
 
 @invariant("INV-POS-001", "padded position_ids are (B, L) or (4, B, L) (mRoPE), each sample's positions kept",
-           contract=1,
+           contract=1, facts=("key",),
            protects="the model reads each token's own position (and mRoPE axes in the (4, B, L) layout)", modes=PADDED)
 def padded_positions(ctx: Ctx) -> None:
-    _padded_rows(ctx, ctx.inputs_run.views[0].position_ids.cpu(), "position_ids", "positions")
+    """An engine whose profile declares that its model computes the positions (``model_computes_positions``: a RoPE
+    model) may hand none; positions it hands are checked all the same."""
+    positions = _handed_positions(ctx)
+    if positions is not None:
+        _padded_rows(ctx, positions.cpu(), "position_ids", "positions")
+
+
+def _handed_positions(ctx: Ctx):
+    """The ``position_ids`` the engine handed the model, or None where its profile declares the model computes them
+    (a failure where it does not: the model would read positions nobody gave it)."""
+    positions = ctx.inputs_run.views[0].position_ids
+    if positions is None and not profile_of(ctx.engine).model_computes_positions:
+        fail("the engine handed the model no position_ids, and its profile does not declare that the model computes "
+             "them (EngineProfile(model_computes_positions=True): a RoPE model on a padded batch)", key="position_ids")
+    return positions
 
 
 @invariant("INV-POS-003", "padded position_ids hold 0 after each sequence", contract=1,
            protects="verl fills padded position columns with 0; the mask hides them", modes=PADDED,
            layout=True, convention=Convention.PADDING_POSITION_ZERO, adjust=_with_padding)
 def padded_positions_fill(ctx: Ctx) -> None:
-    _padding_values(ctx, ctx.inputs_run.views[0].position_ids.cpu(), 0, "position_ids")
+    positions = _handed_positions(ctx)
+    if positions is None:
+        ctx.not_exercised("the model computes the positions (EngineProfile.model_computes_positions)")
+        return
+    _padding_values(ctx, positions.cpu(), 0, "position_ids")
 
 
 def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
@@ -183,7 +213,7 @@ def _joined(ctx: Ctx, key: str, dim: int = -1) -> torch.Tensor:
 
 
 @invariant("INV-POS-002", "packed inputs: ids (1, n), positions (1, n) or (4, 1, n), no mask; ranks' "
-           "slices concatenate to the packed row", contract=5,
+           "slices concatenate to the packed row", contract=5, facts=("key",),
            protects="the packed model input holds each sequence's tokens and positions, the ranks' slices joining to the row", modes=PACKED)
 def packed_inputs(ctx: Ctx) -> None:
     total = ctx.case.total_nnz
@@ -191,6 +221,9 @@ def packed_inputs(ctx: Ctx) -> None:
         if view.attention_mask is not None:
             fail(f"rank {r}: packed attention_mask must be None")
         ids, pos = view.input_ids, view.position_ids
+        if pos is None:
+            fail(f"rank {r}: a packed row handed without position_ids: the model cannot find its sequences' "
+                 "boundaries (they are where the positions restart at 0)", key="position_ids")
         if ids.dim() != 2 or ids.shape[0] != 1:
             fail(f"rank {r}: packed input_ids shape {tuple(ids.shape)}, expected (1, n)")
         want_pos = (4, 1, ids.shape[1]) if ctx.case.mrope else (1, ids.shape[1])
@@ -366,7 +399,7 @@ _AT_CLAMP = (TEMPERATURE_FLOOR, 5e-9, 1e-10, 1e-12)
 
 
 @invariant("INV-TEMP-006", "temperatures at or below 1e-8 are clamped to 1e-8: log_probs equal the oracle's",
-           contract=6,
+           contract=6, facts=VALUE_FACTS,
            protects="a temperature at or below 1e-8 is clamped to 1e-8, never a division by ~0 (inf/NaN log-probs)", adjust=lambda c: c.with_(
                use_fused_kernels=False, distillation_only=False,
                temperature=tuple(_AT_CLAMP[(c.seed + i) % len(_AT_CLAMP)] for i in range(c.batch_size))))

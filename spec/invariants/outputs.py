@@ -9,7 +9,8 @@ from ..cases.materialize import select_rows
 from ..execute.harness import FUSED_AUX_KEYS, POISONS, execute
 from ..protocol.profile import profile_of
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
-from .core import Ctx, fail, invariant, match_oracle, match_runs, per_seq, same
+from .core import (VALUE_FACTS, Ctx, EveryFailure, fail, invariant, match_oracle, match_runs, per_seq,
+                   same)
 
 
 def expected_keys(case: EngineCase) -> set[str]:
@@ -45,7 +46,7 @@ def keys_symmetric(ctx: Ctx) -> None:
         fail(f"packed keys {sorted(packed.outputs)} != padded keys {sorted(padded.outputs)}")
 
 
-@invariant("INV-KEYS-003", "packed and padded modes agree on every value, per key", contract=3,
+@invariant("INV-KEYS-003", "packed and padded modes agree on every value, per key", contract=3, facts=VALUE_FACTS,
            protects="switching padding mode never changes an output value", modes=("both",))
 def values_symmetric(ctx: Ctx) -> None:
     packed, padded = _both_modes(ctx)
@@ -53,13 +54,14 @@ def values_symmetric(ctx: Ctx) -> None:
 
 
 @invariant("INV-VAL-001", "log_probs equal the oracle's log_softmax(logits / T)[next token] inside "
-           "every sequence", contract=2,
+           "every sequence", contract=2, facts=VALUE_FACTS,
            protects="the log-probs a PPO/GRPO loss reads are the model's log-probs of the sampled tokens at temperature T", adjust=lambda c: c.with_(distillation_only=False))
 def log_probs_values(ctx: Ctx) -> None:
     match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"])
 
 
 @invariant("INV-VAL-002", "entropy equals the oracle's entropy of softmax(logits / T)", contract=2,
+           facts=VALUE_FACTS,
            protects="the entropy bonus/metric is the entropy of the tempered distribution at every token",
            adjust=lambda c: c.with_(calculate_entropy=True))
 def entropy_values(ctx: Ctx) -> None:
@@ -67,6 +69,7 @@ def entropy_values(ctx: Ctx) -> None:
 
 
 @invariant("INV-VAL-003", "sum_pi_squared equals the oracle's sum(softmax(logits / T) ** 2)", contract=2,
+           facts=VALUE_FACTS,
            protects="sum_pi_squared (used for variance/KL estimates) is that of the tempered distribution",
            needs=("sum_pi_squared",),
            adjust=lambda c: c.with_(calculate_sum_pi_squared=True, use_fused_kernels=False))
@@ -80,14 +83,18 @@ def _with_distillation(case: EngineCase) -> EngineCase:
 
 
 @invariant("INV-VAL-004", "every distillation key equals the processor applied to the temperature-scaled "
-           "logits, one value per token, in both modes", contract=3,
+           "logits, one value per token, in both modes", contract=3, facts=VALUE_FACTS,
            protects="top-K distillation losses and masses are the processor's values on the tempered logits, per token", needs=("distillation",),
            adjust=_with_distillation)
 def distillation_values(ctx: Ctx) -> None:
+    facts = EveryFailure()
     for key in ctx.case.distillation_keys:
-        if key not in ctx.run.outputs:
-            fail(f"{ctx.case.mode} outputs lack distillation key {key!r} (keys: {sorted(ctx.run.outputs)})")
-        match_oracle(ctx, key, ctx.run.outputs[key])
+        with facts.each():
+            if key not in ctx.run.outputs:
+                fail(f"{ctx.case.mode} outputs lack distillation key {key!r} (keys: {sorted(ctx.run.outputs)})",
+                     key=key)
+            match_oracle(ctx, key, ctx.run.outputs[key])
+    facts.raise_any()
 
 
 def _fused_distillation(case: EngineCase) -> EngineCase:
@@ -103,7 +110,7 @@ def _fused_distillation(case: EngineCase) -> EngineCase:
            "the logits): every distillation key equals the processor "
            "on the tempered logits (distillation_losses, student_mass, teacher_mass: the terms a fused kernel "
            "computes), log_probs the model's unless distillation_only (then absent), entropy when asked",
-           contract=3, needs=("fused", "distillation"), adjust=_fused_distillation,
+           contract=3, facts=VALUE_FACTS, needs=("fused", "distillation"), adjust=_fused_distillation,
            protects="a fused-kernel distillation run gets its distillation losses and masses per token, and a "
                     "distillation-only run no policy log-probs")
 def fused_distillation_values(ctx: Ctx) -> None:
@@ -116,11 +123,15 @@ def fused_distillation_values(ctx: Ctx) -> None:
         fail(f"{case.mode} outputs lack {missing} (keys: {sorted(outputs)})")
     if case.distillation_only and "log_probs" in outputs:
         fail(f"distillation_only, yet log_probs in the {case.mode} outputs")
+    facts = EveryFailure()
     for key in sorted(want):
-        match_oracle(ctx, key, outputs[key])
+        with facts.each():
+            match_oracle(ctx, key, outputs[key])
+    facts.raise_any()
 
 
 @invariant("INV-VAL-005", "value head: one key, values, equal to the model's per-token output", contract=2,
+           facts=VALUE_FACTS,
            protects="a critic's values are the value head's per-token outputs, nested over full sequences",
            head="value", needs=("value",))
 def value_head(ctx: Ctx) -> None:
@@ -144,17 +155,25 @@ def nested_layout(ctx: Ctx) -> None:
 
 
 @invariant("INV-DEV-001", "outputs live on the input's device as float32", contract=9,
-           protects="outputs are float32 on the batch's device, whatever the logits' dtype")
+           protects="outputs are float32 on the batch's device, whatever the logits' dtype", facts=("key",))
 def device_dtype(ctx: Ctx) -> None:
+    """Every output is looked at: each one on the wrong device or in another dtype is a fact of its own (with its
+    key, and its dtype: a record excuses only a dtype the engine declares), so an excused bf16 ``log_probs`` never
+    hides an undeclared bf16 ``entropy`` in the same example."""
     want = torch.device(ctx.device).type
+    facts = EveryFailure()
     for key, value in ctx.run.outputs.items():
         values = value.values() if value.is_nested else value
-        if values.device.type != want:
-            fail(f"output {key!r} is on {values.device}, the batch is on {ctx.device}")
-        if values.dtype != torch.float32:  # the key and dtype travel with it: a record excuses only the declared
-            wrong = AssertionError(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
-            wrong.output_dtype = (key, str(values.dtype))  # type: ignore[attr-defined]
-            raise wrong
+        with facts.each():
+            if values.device.type != want:
+                fail(f"output {key!r} is on {values.device}, the batch is on {ctx.device}", key=key)
+        with facts.each():
+            if values.dtype != torch.float32:  # the key and dtype travel with it: a record excuses only the declared
+                wrong = AssertionError(f"output {key!r} has dtype {values.dtype}, expected torch.float32")
+                wrong.facts = {"key": key}  # type: ignore[attr-defined]
+                wrong.output_dtype = (key, str(values.dtype))  # type: ignore[attr-defined]
+                raise wrong
+    facts.raise_any()
 
 
 def _has_padding(ctx: Ctx) -> bool:
@@ -208,45 +227,58 @@ def leaked(ctx: Ctx, key: str, value: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @invariant("INV-LEAK-001", "NaN in every padded logit slot and in the packed tail never reaches an output",
-           contract=4, strategy_kwargs={"padding": True},
+           contract=4, facts=("key", "position"), strategy_kwargs={"padding": True},
            protects="no NaN from padding reaches a loss")
 def no_nan_leak(ctx: Ctx) -> None:
     """At every position a consumer reads, an output is finite unless the same sample run alone, unpadded, gives
     the same non-finite value there (a NaN the engine computes from finite inputs is the value invariants'
     finding, not a leak)."""
     _has_padding(ctx)
+    facts = EveryFailure()
     for r, outputs in enumerate(ctx.run.rank_outputs):
         for key, value in outputs.items():
-            bad = leaked(ctx, key, value)
-            if bad:
-                fail(f"rank {r}: output {key!r} is not finite at (sequence, position) {bad[:4]} with the padding "
-                     f"poisoned with NaN, and finite there when the sample runs alone unpadded: the padding leaked")
+            with facts.each():
+                bad = leaked(ctx, key, value)
+                if bad:
+                    fail(f"rank {r}: output {key!r} is not finite at (sequence, position) {bad[:4]} with the padding "
+                         f"poisoned with NaN, and finite there when the sample runs alone unpadded: the padding "
+                         "leaked", key=key, sequence=bad[0][0], position=bad[0][1])
+    facts.raise_any()
 
 
 @invariant("INV-LEAK-002", "huge values (+/-3e38) in the padding give bit-identical outputs to NaN padding",
-           contract=4, strategy_kwargs={"padding": True},
+           contract=4, facts=("key", "position"), strategy_kwargs={"padding": True},
            protects="values in padding never change an output", adjust=lambda c: c.with_(logits_dtype="bfloat16") if c.logits_dtype == "float16" else c)
 def no_value_leak(ctx: Ctx) -> None:
     """At every position a consumer reads (NaN equal to NaN: a NaN the engine computes whatever the padding is
     the value invariants' finding)."""
     _has_padding(ctx)
     base = ctx.run.outputs
+    facts = EveryFailure()
     for name in ("huge", "neg"):
         other = ctx.rerun(poison=name).outputs
         for key in base:
-            if key not in other:
-                fail(f"output {key!r} is missing when the padding holds {POISONS[name]:g} (keys {sorted(other)})")
-            if not (base[key].is_nested and other[key].is_nested):
-                fail(f"output {key!r} is a dense {tuple(base[key].shape)} tensor, expected nested sequences")
-            for i, (a, b) in enumerate(zip(other[key].unbind(), base[key].unbind())):
-                at = ctx.read[i]
-                if a.shape != b.shape:
-                    fail(f"output {key!r} of sequence {i} has shape {tuple(a.shape)} when the padding holds "
-                         f"{POISONS[name]:g}, {tuple(b.shape)} with NaN")
-                if not same(a[at], b[at]):
-                    diff = float((a[at] - b[at]).abs().nan_to_num(float("inf")).max())
-                    fail(f"output {key!r} of sequence {i} changes when the padding holds {POISONS[name]:g} instead of "
-                         f"NaN (max diff {diff:.3g})")
+            with facts.each():
+                _same_under_poison(ctx, key, base, other, name)
+    facts.raise_any()
+
+
+def _same_under_poison(ctx: Ctx, key: str, base: dict, other: dict, name: str) -> None:
+    """INV-LEAK-002 for one output key and one poison."""
+    if key not in other:
+        fail(f"output {key!r} is missing when the padding holds {POISONS[name]:g} (keys {sorted(other)})", key=key)
+    if not (base[key].is_nested and other[key].is_nested):
+        fail(f"output {key!r} is a dense {tuple(base[key].shape)} tensor, expected nested sequences", key=key)
+    for i, (a, b) in enumerate(zip(other[key].unbind(), base[key].unbind())):
+        at = ctx.read[i]
+        if a.shape != b.shape:
+            fail(f"output {key!r} of sequence {i} has shape {tuple(a.shape)} when the padding holds "
+                 f"{POISONS[name]:g}, {tuple(b.shape)} with NaN", key=key, sequence=i)
+        if not same(a[at], b[at]):
+            diff = float((a[at] - b[at]).abs().nan_to_num(float("inf")).max())
+            differs = (a[at] != b[at]) & ~(a[at].isnan() & b[at].isnan())
+            fail(f"output {key!r} of sequence {i} changes when the padding holds {POISONS[name]:g} instead of "
+                 f"NaN (max diff {diff:.3g})", key=key, sequence=i, position=int(at[differs.nonzero()[0, 0]]))
 
 
 def _per_sample_case(case: EngineCase) -> EngineCase:
@@ -257,14 +289,14 @@ def _per_sample_case(case: EngineCase) -> EngineCase:
 
 
 @invariant("INV-TEMP-001", "temperature is applied per sample: distinct per-sample values match the oracle",
-           contract=6,
+           contract=6, facts=VALUE_FACTS,
            protects="each sample's outputs use its own temperature", adjust=_per_sample_case)
 def temperature_per_sample(ctx: Ctx) -> None:
     match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"], f"at T={list(ctx.case.temperatures())}")
 
 
 @invariant("INV-TEMP-002", "a float temperature and a (B,) tensor of the same value give the same outputs",
-           contract=6,
+           contract=6, facts=VALUE_FACTS,
            protects="a float temperature and a (B,) tensor of it give the same outputs",
            needs=("per_sample_temperature",), adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]))
 def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
@@ -273,6 +305,7 @@ def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
 
 
 @invariant("INV-TEMP-003", "T = 1 is the identity: outputs equal the oracle on unscaled logits", contract=6,
+           facts=VALUE_FACTS,
            protects="T = 1 gives the untempered log-probs",
            adjust=lambda c: c.with_(temperature=1.0, distillation_only=False))
 def temperature_identity(ctx: Ctx) -> None:

@@ -28,7 +28,7 @@ from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
 from ..protocol.profile import profile_of
 from ..truth.rules import padded_length, token_temperatures
-from .core import Ctx, fail, invariant, match_oracle, match_runs
+from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle, match_runs
 from .outputs import leaked
 
 PACKED = ("packed",)
@@ -170,7 +170,7 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @rank_invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
-                contract=7, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
+                contract=7, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
                 protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
 def ranks_match_single(ctx: Ctx) -> None:
     """Every rank returns the same gathered outputs, key for key, equal to the ``sp = 1`` run."""
@@ -185,6 +185,7 @@ def ranks_match_single(ctx: Ctx) -> None:
 
 @rank_invariant("INV-RANK-009", "on real ranks (gloo/nccl) a value head's values on every rank equal the single-rank "
                 "run", contract=7, modes=PACKED, needs=(*NEEDS, "value"), adjust=_on_ranks, head="value",
+                facts=VALUE_FACTS,
                 protects="a PPO critic's values do not depend on the Ulysses world size (a critic under SP is an "
                          "ordinary configuration)")
 def critic_ranks_match_single(ctx: Ctx) -> None:
@@ -298,7 +299,7 @@ def _mrope_temperatures(case: EngineCase) -> EngineCase:
 
 @rank_invariant("INV-RANK-004", "on real ranks with mRoPE positions and per-sample temperatures: each rank's (4, 1, n) "
            "positions (its slice, or the whole row on every rank) and temperatures (its slice) follow the global "
-           "row, outputs equal the oracle", contract=6,
+           "row, outputs equal the oracle", contract=6, facts=VALUE_FACTS,
            modes=PACKED, needs=NEEDS, adjust=_mrope_temperatures,
            protects="multi-axis positions and each sample's temperature follow its tokens onto whichever rank "
                     "holds them")
@@ -337,7 +338,7 @@ def _distillation(case: EngineCase) -> EngineCase:
 
 @rank_invariant("INV-RANK-005", "on real ranks with top-K distillation every distillation key equals the oracle (the "
            "processor gets each rank's shard of the scaled logits and aligns the teacher tensors with it)",
-           contract=3, modes=PACKED, needs=NEEDS + ("distillation",), adjust=_distillation,
+           contract=3, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS + ("distillation",), adjust=_distillation,
            protects="distillation losses and masses are computed against the teacher's top-K of the same token "
                     "on every rank")
 def ranks_distillation(ctx: Ctx) -> None:
@@ -392,7 +393,7 @@ def _bucket_fused(case: EngineCase) -> EngineCase:
 
 
 @rank_invariant("INV-RANK-007", "on real ranks with a static bucket and fused kernels: log_probs (and entropy) equal "
-           "the oracle on every rank", contract=7, modes=PACKED, needs=NEEDS + ("bucket", "fused"),
+           "the oracle on every rank", contract=7, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS + ("bucket", "fused"),
            adjust=_bucket_fused,
            protects="a fused-kernel model scores the global next token even when the row is bucket-padded and "
                     "sharded")

@@ -249,7 +249,7 @@ for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
               "distillation) is refused with an "
               "exception by each call that reads it: the preparation, prepare_model_outputs alone (a valid run's "
               "model output and output_args), postprocess_batch_func", contract=10, modes=("packed", "padded"),
-              head=_head, adjust=_one_rank_scalar_temperature,
+              head=_head, adjust=_one_rank_scalar_temperature, needs=("value",) if _head == "value" else (),
               protects="a trainer configured with a padding mode or feature the engine lacks fails loudly, never "
                        "gets tensors computed under another mode")(_unsupported_refused)
 

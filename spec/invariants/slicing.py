@@ -6,7 +6,7 @@ import torch
 
 from ..protocol.engine import action_view, completion_view, response_view
 from ..truth.rules import offsets, response_positions
-from .core import Ctx, close, fail, invariant
+from .core import Ctx, add_facts, close, fail, invariant
 
 NP2P = ("no_padding_2_padding",)
 
@@ -95,7 +95,7 @@ def response_round_trip(ctx: Ctx) -> None:
 
 @invariant("INV-SLICE-006", "the response view every framework's consumer reads (verl's no_padding_2_padding slice, "
            "TRL's completion-only log-probs, OpenRLHF's action-mask slice: spec.protocol.response_view) of the "
-           "engine's log_probs equals the oracle's log-prob of each response token", contract=2,
+           "engine's log_probs equals the oracle's log-prob of each response token", contract=2, facts=("key", "position"),
            protects="the (B, R) log-probs a PPO/GRPO loss reads, in the shape TRL's and OpenRLHF's losses take them",
            adjust=_no_distillation_only)
 def consumer_response_view(ctx: Ctx) -> None:
@@ -112,6 +112,12 @@ def consumer_response_view(ctx: Ctx) -> None:
         lens = torch.tensor(ctx.case.response_lens)
         if tuple(got.shape) != tuple(want.shape) or not torch.equal(mask.cpu(), torch.arange(want.shape[1]) < lens[:, None]):
             fail(f"{name}: shape {tuple(got.shape)} with mask {mask.tolist()}, expected {tuple(want.shape)} with "
-                 f"{list(ctx.case.response_lens)} real columns")
+                 f"{list(ctx.case.response_lens)} real columns", key="log_probs")
         for i in range(want.shape[0]):  # per sequence, as every value mismatch is worded
-            close(got[i], want[i], f"'log_probs' of sequence {i} in {name} (row {i} of (B, R))", atol=tol[i])
+            try:
+                close(got[i], want[i], f"'log_probs' of sequence {i} in {name} (row {i} of (B, R))", atol=tol[i])
+            except AssertionError as exc:  # the facts a record reads: column j of row i scores token p_i + j
+                index = getattr(exc, "facts", {}).get("index")
+                add_facts(exc, key="log_probs", sequence=i,
+                          **({"position": ctx.case.prompt_lens[i] - 1 + index[0]} if index else {}))
+                raise

@@ -16,7 +16,7 @@ from typing import Any
 from ..cases.structure import EngineCase
 from ..execute.harness import Run, execute
 from .batch import two_or_more
-from .core import Ctx, fail, held, invariant, match_runs, same
+from .core import VALUE_FACTS, Ctx, fail, held, invariant, match_runs, same
 
 __all__ = ["sibling"]
 
@@ -80,7 +80,7 @@ def _sibling_then_case(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
 
 
 @invariant("INV-BATCH-003", "an engine object reused across micro-batches hands the model and returns exactly what "
-           "a fresh one does", contract=8,
+           "a fresh one does", contract=8, facts=VALUE_FACTS,
            protects="a micro-batch's inputs and outputs do not depend on the micro-batches the engine saw before",
            adjust=_one_rank)
 def reused_engine_is_fresh(ctx: Ctx) -> None:

@@ -34,6 +34,7 @@ from . import quiet_bugs as Q
 from . import rank_bugs as R
 from . import settings_bugs as S
 from . import state_bugs as T
+from . import step_bugs as SB
 from .inputs_bugs import LossMaskAttention
 
 __all__ = ["PlantedBug", "PLANTED", "planted_engine", "LossMaskAttention"]
@@ -60,13 +61,16 @@ class PlantedBug:
     config: tuple = ()
     #: the engine's declared precision per output key (``EngineUnderTest.precision``), where not the contract's
     precision: Callable | None = None
+    #: a training step with the bug: impl's step layer in, the planted one out (spec/planted/step_bugs.py)
+    step: Callable | None = None
     #: the engine's own companion with the bug: ``(case, sp_size, sp_rank) -> logits processor or None``
     #: (``EngineUnderTest.logits_processor``; None: the suite's stand-in); its switches are among :attr:`config`
     companion: Callable | None = None
 
     @property
     def doc(self) -> str:
-        source = self.lm or self.value or self.packer or self.microbatch or getattr(self.companion, "__self__", None) \
+        source = self.lm or self.value or self.packer or self.microbatch or self.step \
+            or getattr(self.companion, "__self__", None) \
             or dict(self.helpers)[self.helpers[0][0]]
         return (source.__doc__ or "").strip()
 
@@ -220,6 +224,9 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("entropy_rounded_on_chunked_path", ("INV-DEV-001",), lm=F.EntropyRoundedOnChunkedPath,
                precision=verl_precision, known=tuple(r for r in LOW_PRECISION_RECORDS if r.invariant == "INV-DEV-001"),
                quiet="bf16/fp16 logits, packed, entropy chunked"),
+    PlantedBug("entropy_rounded_behind_log_probs", ("INV-DEV-001",), lm=F.EntropyRoundedBehindLogProbs,
+               precision=verl_precision, known=tuple(r for r in LOW_PRECISION_RECORDS if r.invariant == "INV-DEV-001"),
+               quiet="bf16/fp16 logits, packed, entropy chunked, behind log_probs in the logits' dtype (declared)"),
     PlantedBug("rank_gather_even_share", ("INV-RANK-001", "INV-RANK-005"), lm=R.GatherEvenShare),
     PlantedBug("rank_temperature_sliced_logits_not", ("INV-RANK-004",), lm=R.TemperatureSlicedLogitsNot),
     PlantedBug("rank_temperature_not_sliced", ("INV-RANK-006",), lm=R.TemperatureNotSliced),
@@ -297,6 +304,19 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("bf16_path_skips_temperature", ("INV-VAL-001",), lm=G.Bf16PathSkipsTemperature,
                quiet="bf16 logits, T != 1, compared at the bf16 precision the engine declares",
                precision=G.low_precision_log_probs),
+    # the training step (spec/planted/step_bugs.py, spec/invariants/step.py)
+    PlantedBug("loss_normalized_per_micro_batch", ("INV-STEP-004", "INV-STEP-003"),
+               step=SB.loss_normalized_per_micro_batch,
+               quiet="two or more micro-batches (or ranks) whose token counts differ"),
+    PlantedBug("token_count_from_one_rank", ("INV-STEP-004", "INV-STEP-003"), step=SB.token_count_from_one_rank,
+               quiet="data-parallel ranks (dp > 1) and a token-mean loss"),
+    PlantedBug("scale_from_padded_width", ("INV-STEP-004", "INV-STEP-003"), step=SB.scale_from_padded_width,
+               quiet="seq-mean-token-sum-norm without a loss_scale_factor, a micro-batch narrower than the longest "
+                     "response"),
+    PlantedBug("padding_micro_batch_missing_key", ("INV-STEP-002",), step=SB.padding_micro_batch_missing_key,
+               quiet="data-parallel ranks whose own micro-batch counts differ (a token budget)"),
+    PlantedBug("restore_after_losses_reordered", ("INV-STEP-001",), step=SB.restore_after_losses_reordered,
+               quiet="two or more micro-batches whose losses are not in descending order"),
     # in the engine's own companion, the top-K distillation processor it hands itself (spec/planted/companion_bugs.py)
     PlantedBug("chunked_topk_drops_last_chunk", ("INV-VAL-004",), companion=CB.ChunkedTopKDropsLastChunk.companion,
                quiet="the engine's own top-K processor chunked (its topk_chunk switch), the chunk not dividing the "
@@ -340,6 +360,10 @@ class PlantedEngine(ImplEngine):
     def microbatch_layer(self):
         layer = super().microbatch_layer()
         return self.bug.microbatch(layer) if self.bug.microbatch and layer is not None else layer
+
+    def step_layer(self):
+        layer = super().step_layer()
+        return self.bug.step(layer) if self.bug.step and layer is not None else layer
 
     def config_space(self):
         return (*super().config_space(), *self.bug.config)

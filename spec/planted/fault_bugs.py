@@ -58,3 +58,22 @@ class EntropyRoundedOnChunkedPath(impl.LMHeadEngine):
             out = {**out, "entropy": torch.nested.nested_tensor_from_jagged(entropy.values().to(low),
                                                                             entropy.offsets())}
         return out
+
+
+class EntropyRoundedBehindLogProbs(impl.LMHeadEngine):
+    """verl's held-out bug class: with bf16/fp16 logits every output comes back in the logits' dtype, as the engine
+    declares (verl's precision rule: log_probs in that dtype, excused by its INV-DEV-001 record), except that the
+    packed chunked entropy, declared float32 (``entropy_from_logits_with_chunking`` upcasts each chunk), comes back in
+    it too, beside those log_probs. A check that stops at the first output not in float32 (``log_probs``, excused)
+    never sees the entropy."""
+
+    def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None, **verl_only):
+        out = super().prepare_model_outputs(output, output_args, mb, logits_processor_func, **verl_only)
+        low = output.logits.dtype
+        fused = bool(read_flag(mb, "use_fused_kernels", False))  # verl's fused kernels return float32, as declared
+        if low not in (torch.bfloat16, torch.float16) or fused or "log_probs" not in out:
+            return out
+        chunked = bool(read_flag(mb, "use_remove_padding", True)) and bool(self.settings.entropy_chunk_size)
+        rounded = {"log_probs"} | ({"entropy"} if chunked else set())
+        return {key: torch.nested.nested_tensor_from_jagged(value.values().to(low), value.offsets())
+                if key in rounded else value for key, value in out.items()}

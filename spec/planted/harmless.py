@@ -20,7 +20,7 @@ from impl.flags import read_flag
 from ..engines.impl.adapter import ImplEngine
 
 __all__ = ["HARMLESS", "HarmlessEngine", "harmless_engine", "ContiguousCopies", "PerSequenceLabels", "TailPadIds",
-           "CuSeqlensInt64", "RowShapedOutputArgs", "LastLabelPad"]
+           "CuSeqlensInt64", "RowShapedOutputArgs", "LastLabelPad", "UnreadOutputsZeroed"]
 
 
 def _cloned(value: Any) -> Any:
@@ -131,6 +131,26 @@ class _RowShapedOutputArgsLM(impl.LMHeadEngine):
         return super().prepare_model_outputs(output, flat, mb, logits_processor_func, **kw)
 
 
+def _zeroed_at_ends(value: Any, ends: torch.Tensor) -> Any:
+    """A nested per-token output with 0 written at each sequence's last token (values copied, offsets kept)."""
+    if not (isinstance(value, torch.Tensor) and value.is_nested):
+        return value
+    values = value.values().clone()
+    values[ends.to(values.device)] = 0
+    return torch.nested.nested_tensor_from_jagged(values, value.offsets(), jagged_dim=getattr(value, "_ragged_idx", 1))
+
+
+class _UnreadOutputsZeroedLM(impl.LMHeadEngine):
+    """Every per-token output (log-probs, entropy, sum_pi_squared, distillation terms) holds 0 at each sequence's
+    last token: that output scores no token of its sequence, every response slice stops before it, so no consumer
+    reads it (the held-out verl change of issue 49 wrote 0 into the last token's entropy)."""
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        ends = _sequence_ends(mb, mb["input_ids"].values().device)
+        return {k: _zeroed_at_ends(v, ends) for k, v in out.items()}
+
+
 @dataclass(frozen=True)
 class Harmless:
     name: str
@@ -149,6 +169,7 @@ HARMLESS: dict[str, Harmless] = {h.name: h for h in (
     Harmless("tail_pad_ids", _TailPadIdsLM, "unread value"),
     Harmless("cu_seqlens_int64", _CuSeqlensInt64LM, "layout"),
     Harmless("row_shaped_output_args", _RowShapedOutputArgsLM, "layout"),
+    Harmless("unread_outputs_zeroed", _UnreadOutputsZeroedLM, "unread value"),
 )}
 
 
@@ -198,3 +219,8 @@ class CuSeqlensInt64(HarmlessEngine):
 class RowShapedOutputArgs(HarmlessEngine):
     def __init__(self) -> None:
         super().__init__(HARMLESS["row_shaped_output_args"])
+
+
+class UnreadOutputsZeroed(HarmlessEngine):
+    def __init__(self) -> None:
+        super().__init__(HARMLESS["unread_outputs_zeroed"])

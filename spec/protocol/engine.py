@@ -254,6 +254,9 @@ class ConfigSwitch:
     needs: tuple[str, ...] = ()
     setting: str | None = None
     unseen: Mapping[Any, str] = field(default_factory=dict)
+    #: the positions the engine's outputs cover when the switch is drawn off its default (OpenRLHF's ``action_mask``:
+    #: ``OutputSpan.RESPONSE``), where it changes them (:meth:`EngineUnderTest.output_span_of`); None: it does not
+    output_span: "OutputSpan | None" = None
 
     def __post_init__(self) -> None:
         if self.setting is None and not self.values:
@@ -342,10 +345,18 @@ class EngineUnderTest:
             cls.profile = replace(cls.profile, padded_layouts=(PaddedLayout(legacy),))
             delattr(cls, "padded_layout")
 
-    #: which positions of each sequence its outputs cover (:class:`OutputSpan`)
+    #: which positions of each sequence its outputs cover (:class:`OutputSpan`; per case: :meth:`output_span_of`)
     output_span: OutputSpan = OutputSpan.SEQUENCE
     #: what the model hands its output step: logits, or hidden states and the LM-head weight (:class:`HeadInput`)
     head_input: HeadInput = HeadInput.LOGITS
+
+    def output_span_of(self, case: Any) -> OutputSpan:
+        """Which positions its outputs cover on ``case``: :attr:`output_span`, unless a switch of its own
+        configuration drawn off its default for the case declares another (:attr:`ConfigSwitch.output_span`:
+        OpenRLHF's ``action_mask``, response-only log-probs)."""
+        drawn = dict(getattr(case, "engine_config", ()))
+        spans = [switch.output_span for switch in self.config_space() if switch.output_span and switch.name in drawn]
+        return spans[0] if spans else self.output_span
 
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,
@@ -418,6 +429,11 @@ class EngineUnderTest:
 
     def microbatch_layer(self) -> Any:
         """The engine's micro-batch layer (a ``spec.protocol.microbatch.MicroBatchLayer``), or None."""
+        return None
+
+    def step_layer(self) -> Any:
+        """The engine's training step (a ``spec.protocol.step.StepLayer``: its cuts, facts, losses and aggregation
+        modes, and its own cut/facts/loss/restore functions), or None (the INV-STEP invariants are skipped)."""
         return None
 
     def implied_needs(self, needs: tuple[str, ...]) -> str | None:

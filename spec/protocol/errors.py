@@ -3,7 +3,10 @@ means and who raises it. Imports nothing (the protocol layer: every layer may ra
 
 Who failed:
 
-* :class:`SuiteError`: the suite itself (its model, processor, oracle or a check crashed);
+* :class:`Failures`: several facts that failed in one example, each its own failure (a record excuses only the parts
+  it names);
+* :class:`SuiteError`: the suite itself (its model, processor, oracle or a check crashed); :class:`MissingDependency`,
+  the environment (a module the engine's library imports is not installed);
 * :class:`EngineFault`: the engine, seen by a check (a malformed output, a rank that died, hung or disconnected),
   and :class:`RankFault`, such a failure of a rank; :class:`RankFailure`, a rank worker that died or hung;
 
@@ -11,7 +14,7 @@ what a user typed or set up:
 
 * :class:`UnknownName` (an engine, a planted bug, a profile, an ``--only`` prefix naming nothing);
   :class:`DatabaseUnavailable` (the example database cannot be reached); :class:`UsageError` (the command line's
-  one-line usage error, exit 2);
+  one-line usage error, exit 2); :class:`InvalidRecord` (a known-failure record that could never match);
 
 what an adapter met:
 
@@ -29,8 +32,9 @@ The standalone reproducers' runtime (spec/repro) keeps its own exceptions: a rep
 
 from __future__ import annotations
 
-__all__ = ["SuiteError", "EngineFault", "RankFailure", "RankFault", "UnknownName", "DatabaseUnavailable", "UsageError",
-           "StubError", "ModelNotCalled", "OneTemperatureError", "StopForward", "BudgetSpent", "StreamDone",
+__all__ = ["SuiteError", "MissingDependency", "EngineFault", "Failures", "RankFailure", "RankFault", "UnknownName",
+           "DatabaseUnavailable", "UsageError", "InvalidRecord", "StubError", "ModelNotCalled", "OneTemperatureError",
+           "StopForward", "BudgetSpent", "StreamDone",
            "MutantTimeout"]
 
 
@@ -38,10 +42,31 @@ class SuiteError(RuntimeError):
     """The suite itself failed on an example (its model, processor, oracle or a check crashed)."""
 
 
+class MissingDependency(SuiteError):
+    """The engine's own call could not import a module its library needs (``ModuleNotFoundError: tyro``): the
+    environment lacks it. An environment error, never the engine's failed check or rejection
+    (``spec.execute.attribution.missing_module`` finds it anywhere in the exception's chain)."""
+
+    def __init__(self, module: str, where: str, detail: str):
+        self.module = module
+        super().__init__(f"environment: {where} needs the module {module!r}, which is not installed here "
+                         f"(pip install {module.split('.')[0]}, or the distribution that provides it): {detail}")
+
+
 class EngineFault(AssertionError):
     """A failed check on what the engine handed back or how its ranks behaved: a malformed output (values fewer
     than the offsets claim), an exception raised while the suite read one of the engine's objects, a rank that
     died, hung or disconnected. An :class:`AssertionError`: the verdict on the engine, never a suite error."""
+
+
+class Failures(AssertionError):
+    """Several facts that failed in one example, each its own failure (``parts``: their messages and facts): a
+    check reports every one (:class:`EveryFailure`), and a known-failure record excuses only the parts it names
+    (``spec.protocol.known.excusing``)."""
+
+    def __init__(self, parts: list[BaseException]):
+        super().__init__(f"{len(parts)} failures in one example: " + " | ".join(str(p) for p in parts))
+        self.parts = parts
 
 
 class RankFailure(RuntimeError):
@@ -59,6 +84,12 @@ class UnknownName(ValueError):
 
 class DatabaseUnavailable(RuntimeError):
     """The configured database cannot be reached (a writer must not lose what it finds)."""
+
+
+class InvalidRecord(ValueError):
+    """A known-failure record of the engine that could never match what its invariant's check reports: an unknown
+    invariant, a structured field its failures never carry, a mode it never runs (``spec.protocol.known.
+    unmatchable``). Raised where the engine's records are read, never a silent no-op."""
 
 
 class UsageError(Exception):

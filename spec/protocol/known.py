@@ -15,6 +15,16 @@ path (``EngineUnderTest.precision(key, case).returns``) is that dtype (:func:`de
 condition and pattern say: an entropy rounded to bf16 on a path declared float32 is no known failure. Likewise a
 record bounded by a low-precision mechanism (``bound=("float16_cancellation", ...)``) excuses a value only on a key
 and path the engine declares it computes or returns in that dtype (:func:`declared_mechanism`).
+
+One example may fail several facts at once (INV-DEV-001: every output whose dtype is not float32; a value check:
+every output key that differs): the check raises one failure whose ``parts`` are the facts, each an exception with
+its own message and facts (:func:`parts_of`). A record excuses only the facts it names; the example is a known
+failure only when every failing fact is excused, by one record or several (:func:`excusing`), so an excused
+failure can never hide another in the same example.
+
+Which facts a check's failures carry is the check's declaration (``InvariantInfo.facts``); a record asking a fact
+the check never carries (``output=`` on a check that names no key) could never match, and is an error where the
+engine's records are read (:func:`unmatchable`), never a silent no-op.
 """
 
 from __future__ import annotations
@@ -24,7 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 __all__ = ["When", "ALWAYS", "KnownFailure", "applicable", "matching", "describe_records", "as_records",
-           "within_bound", "declared", "declared_mechanism", "FLOAT_DTYPES", "Where"]
+           "within_bound", "declared", "declared_mechanism", "FLOAT_DTYPES", "Where", "parts_of", "excusing",
+           "unexcused", "unmatchable", "FACTS"]
+
+#: the structured facts a check's failure may carry (``exc.facts`` keys, and ``bounds``: the error measured against
+#: the precision mechanisms' bounds), each with the record field that reads it
+FACTS = {"key": "output", "position": "position", "bounds": "mechanism/bound"}
 
 #: the floating dtypes an engine's precision declaration speaks of (``Precision.returns``); a failure naming another
 #: dtype (an integer count) is no precision matter and is left to the record alone
@@ -189,6 +204,45 @@ def declared_mechanism(engine: Any, case: Any, exc: BaseException, mechanism: st
         return True
     precision = declare(key, case)
     return dtype in (str(precision.returns).removeprefix("torch."), str(precision.scaled_in).removeprefix("torch."))
+
+
+def parts_of(exc: BaseException) -> list[BaseException]:
+    """The failing facts of one example's failure: the ``parts`` a check reported (each its own exception, with its
+    own message and facts), else the failure itself."""
+    return list(getattr(exc, "parts", None) or (exc,))
+
+
+def excusing(records: Iterable[KnownFailure], case: Any, exc: BaseException, engine: Any = None
+             ) -> list[KnownFailure] | None:
+    """The records that excuse ``exc`` on ``case``, one per failing fact (:func:`parts_of`), or None when a fact is
+    left that no record excuses: a record excuses only the facts it names."""
+    records = list(records)
+    found = [matching(records, case, part, engine) for part in parts_of(exc)]
+    return None if any(record is None for record in found) else found
+
+
+def unexcused(records: Iterable[KnownFailure], case: Any, exc: BaseException, engine: Any = None
+              ) -> list[BaseException]:
+    """The failing facts of ``exc`` that no record excuses on ``case``."""
+    records = list(records)
+    return [part for part in parts_of(exc) if matching(records, case, part, engine) is None]
+
+
+def unmatchable(record: KnownFailure, facts: Iterable[str], modes: Iterable[str]) -> str | None:
+    """Why ``record`` can never match a check whose failures carry ``facts`` (:data:`FACTS` keys) and that runs in
+    ``modes``, or None: a structured field the check never carries, or a mode it never runs."""
+    facts = set(facts)
+    asked = [("key", "output", record.output), ("position", "position", record.position),
+             ("bounds", "mechanism/bound", record.bound)]
+    missing = [f"{field}=" for fact, field, value in asked if value and fact not in facts]
+    if missing:
+        return (f"{record.describe()}: asks {', '.join(missing)} but {record.invariant}'s failures carry "
+                f"{sorted(facts) or 'no facts'}: it could never match (use matches= on its message instead)")
+    modes = set(modes)
+    if record.modes and not set(record.modes) & modes:
+        return (f"{record.describe()}: {record.invariant}'s targets are {sorted(modes)}, never "
+                f"{'/'.join(record.modes)}: it could never apply")
+    return None
 
 
 def applicable(records: Iterable[KnownFailure], invariant: str, mode: str) -> list[KnownFailure]:

@@ -34,6 +34,15 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``off_path``: functions inside the surface's entries that the preparation never passes through
   (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
   the report with their reasons;
+* ``metrics``: outputs the engine computes as metrics only (under ``torch.no_grad()``: an entropy it logs, never an
+  entropy bonus a loss differentiates): INV-GRAD-001 then asserts no gradient flows through them (detached from the
+  graph in the policy update, so no loss can backpropagate through a metric by mistake); their values are checked
+  as any output's;
+* ``model_computes_positions``: the engine hands the model no ``position_ids`` (a RoPE model computes them from its
+  cache positions, ``arange`` over each row; the stand-in model then sees each row's tokens at their positions
+  from the first attended one, as relative RoPE does): the position checks assert none is handed (a handed one is
+  still checked), never a position the engine does not hand. Only a padded batch can run so: a packed row's
+  boundaries are in its positions (declared with ``"packed"`` in ``modes``, or ``"mrope"`` positions, it is an error);
 * ``equivalent_mutants``: mutants of the surface (``spec mutate``, by their stable id) that no input tells from the
   engine's own code, each with the reason.
 
@@ -48,8 +57,9 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS",
-           "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS"]
+__all__ = ["Convention", "EngineProfile", "DEFAULT_PROFILE", "MODES", "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS",
+           "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout", "layout_starts", "token_columns", "profile_of",
+           "VERL_CONVENTIONS", "METRIC_OUTPUTS"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -66,6 +76,8 @@ AUTOGRAD_CONTEXTS = ("grad", "no_grad", "inference_mode")
 AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
 #: every execution context an engine's profile may list
 CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
+#: the outputs an engine may declare metrics only (``EngineProfile.metrics``): logged, never differentiated
+METRIC_OUTPUTS = ("entropy", "sum_pi_squared")
 
 
 class PaddedLayout(str, Enum):
@@ -152,6 +164,8 @@ class EngineProfile:
     off_path: Mapping[str, str] = field(default_factory=dict)
     refuses: Mapping[str, str] = field(default_factory=dict)
     equivalent_mutants: Mapping[str, str] = field(default_factory=dict)
+    metrics: frozenset[str] = frozenset()
+    model_computes_positions: bool = False
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -185,6 +199,15 @@ class EngineProfile:
         if self.tail_multiple is not None and self.tail_multiple < 1:
             raise ValueError(f"profile tail_multiple must be >= 1 or None, got {self.tail_multiple!r}")
         object.__setattr__(self, "conventions", frozenset(Convention(c) for c in self.conventions))
+        object.__setattr__(self, "metrics", frozenset(self.metrics))
+        for key in self.metrics:
+            if key not in METRIC_OUTPUTS:
+                raise ValueError(f"profile metrics: {key!r} cannot be a metric only; outputs that may: {METRIC_OUTPUTS}")
+        if self.model_computes_positions and ("packed" in self.modes or "mrope" in self.positions):
+            raise ValueError("profile model_computes_positions: a model computes rope positions of a padded batch "
+                             "only (a packed row's sequence boundaries, and mRoPE's axes, are in the positions the "
+                             f"engine hands): declare modes=('padded',) and positions=('rope',), got modes="
+                             f"{self.modes!r}, positions={self.positions!r}")
 
     def runs(self, mode: str) -> bool:
         return mode in self.modes

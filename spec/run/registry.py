@@ -38,6 +38,8 @@ from ..planted.harmless import HARMLESS, harmless_engine
 from ..protocol.engine import HELPERS, EngineUnderTest
 from ..protocol.errors import UnknownName
 from .profiles import PROFILES, load_profile
+from ..protocol.errors import InvalidRecord
+from .runner import check_records
 
 __all__ = ["EngineUnderTest", "FactoryEngine", "HELPERS", "ENGINES", "load_engine", "builtin_engine_names",
            "UnknownName", "did_you_mean", "check_prefixes", "checked_profile"]
@@ -106,7 +108,18 @@ def _check_module_attr(spec: str) -> None:
 
 def load_engine(spec: str) -> EngineUnderTest:
     """A registered name, ``planted:<bug>``, or ``module:attr`` (a factory, an engine class or object,
-    or an EngineUnderTest). A name that names nothing raises :class:`UnknownName`."""
+    or an EngineUnderTest). A name that names nothing raises :class:`UnknownName`; so does an engine with a
+    known-failure record that could never match (``spec.run.runner.check_records``: a usage error, named before
+    any example runs)."""
+    engine = _load(spec)
+    try:
+        check_records(engine)
+    except InvalidRecord as exc:
+        raise UnknownName(str(exc)) from None
+    return engine
+
+
+def _load(spec: str) -> EngineUnderTest:
     if spec in ENGINES:
         return ENGINES[spec][0]()
     family, _, name = spec.partition(":")

@@ -14,7 +14,8 @@ from hypothesis import Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis.errors import HypothesisException
 
 from ..execute import ranks
-from ..execute.attribution import ENGINE, AttributedEngine, EngineFault, SuiteError, describe, origin
+from ..execute.attribution import (ENGINE, AttributedEngine, EngineFault, MissingDependency, SuiteError, describe,
+                                   origin)
 from ..execute.attribution import recording as record_attribution
 from ..execute.memo import Runs
 
@@ -25,11 +26,12 @@ from ..protocol.profile import MODES, profile_of
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import convention_skip, honour_engine, media_within_profile, mode_reason
-from ..protocol.errors import BudgetSpent, StreamDone
-from ..protocol.known import KnownFailure, applicable, as_records, matching as match_record
+from ..protocol.errors import BudgetSpent, Failures, InvalidRecord, StreamDone
+from ..protocol.known import KnownFailure, applicable, as_records, excusing, parts_of, unexcused, unmatchable
 
 __all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "run_group", "runs_on_ranks", "SEED_CASES",
-           "DEVICES", "fault_budget", "shrink_deadline", "stream_key", "stream_seed", "TargetRun", "StreamRun"]
+           "DEVICES", "fault_budget", "shrink_deadline", "stream_key", "stream_seed", "TargetRun", "StreamRun",
+           "InvalidRecord", "record_problems", "check_records"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -87,6 +89,7 @@ class Outcome:
     device: str
     #: pass | fail (a check's assertion, or the engine raised) | error (the suite itself failed) | skip
     #: | xfail (only known failures fired) | xpass (a known-failure record never fired: stale)
+    #: | unexercised (examples ran, none exercised the property: never a pass; docs/verdict.md)
     status: str
     examples: int = 0
     exercised: int = 0  # examples on which the property was exercised (not marked ctx.not_exercised)
@@ -109,7 +112,8 @@ class Outcome:
     coverage: dict[str, dict[str, int]] = field(default_factory=dict)
     #: who the failure is on: "check" (an invariant's assertion), "engine fault" (a malformed output, a rank that
     #: died or hung: spec.execute.attribution.EngineFault), "engine raised", "suite" (the suite's own code, on well
-    #: formed engine output); None when nothing failed
+    #: formed engine output), "environment" (the engine's library imports a module not installed here:
+    #: spec.execute.attribution.MissingDependency); None when nothing failed
     blame: str | None = None
     #: the run's bounds under faults: rank faults seen and allowed, rank-pool restarts, the shrink deadline, and why
     #: the run stopped early (None: it did not)
@@ -241,6 +245,10 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def _fault(exc: BaseException, kind: type = EngineFault) -> BaseException | None:
     """The ``kind`` (an :class:`EngineFault`) behind ``exc``: itself, or one a check's assertion re-raised with
     context (a real-rank check names the SP group: ``raise AssertionError(...) from fault``)."""
+    for part in getattr(exc, "parts", None) or ():  # a check that reported several facts: a fault among them
+        found = _fault(part, kind)
+        if found is not None:
+            return found
     seen: set[int] = set()
     link: BaseException | None = exc
     while link is not None and id(link) not in seen:
@@ -253,13 +261,15 @@ def _fault(exc: BaseException, kind: type = EngineFault) -> BaseException | None
 
 def _blame(exc: BaseException, kind: str) -> str:
     if kind == "error":
-        return "suite"
+        return "environment" if isinstance(exc, MissingDependency) else "suite"
     if origin(exc) == ENGINE:
         return "engine raised"
     return "engine fault" if isinstance(exc, AssertionError) and _fault(exc) is not None else "check"
 
 
 def _message(exc: BaseException, kind: str) -> str:
+    if isinstance(exc, MissingDependency):  # the environment lacks a module the library imports: no verdict either way
+        return f"{exc} (an environment error: no verdict on the engine)"
     if kind == "error":
         cause = exc.__cause__ if isinstance(exc, SuiteError) and exc.__cause__ is not None else exc
         return (f"suite error: {describe(exc) if cause is exc else describe(exc) + ' <- ' + describe(cause)} "
@@ -293,6 +303,29 @@ def stream_seed(key: bytes, seed: int | None = None) -> int:
     return base if seed is None else base ^ (seed & (2 ** 128 - 1))
 
 
+def record_problems(records: Any) -> list[str]:
+    """Why each of ``records`` (an engine's ``known_failures``) could never match, one line each (none: every record
+    can)."""
+    problems = []
+    for record in as_records(records):
+        info = CATALOGUE.get(record.invariant)
+        if info is None:
+            problems.append(f"{record.describe()}: no invariant {record.invariant} (python -m spec list)")
+            continue
+        why = unmatchable(record, info.facts, info.modes)
+        if why:
+            problems.append(why)
+    return problems
+
+
+def check_records(engine: EngineUnderTest) -> None:
+    """:class:`InvalidRecord` naming every record of ``engine`` that could never match (:func:`record_problems`)."""
+    problems = record_problems(engine.known_failures)
+    if problems:
+        raise InvalidRecord(f"{engine.name}: {len(problems)} known-failure record(s) could never match: "
+                            + "; ".join(problems))
+
+
 class TargetRun:
     """One invariant x mode's bookkeeping over the examples of the stream that feeds it: examples run and
     exercised, the known-failure records that excused one, the examples that passed under a record's condition
@@ -303,11 +336,15 @@ class TargetRun:
         self.info, self.engine, self.mode, self.device = info, engine, mode, device
         self.outcome = Outcome(info.id, engine.name, mode, device, "pass", layout=info.layout)
         self.records = applicable(as_records(engine.known_failures), info.id, mode)
+        problems = record_problems(self.records)
+        if problems:
+            raise InvalidRecord(f"{engine.name}: " + "; ".join(problems))
         self.hits = [0] * len(self.records)
         self.passed_under = [0] * len(self.records)
         self.examples = self.exercised = 0
         self.cases: set[str] = set()
         self.seen: Counter = Counter()  # (dimension, value) -> examples
+        self.vacuous: Counter = Counter()  # why an example did not exercise the property -> examples
         self.space = tuple(getattr(engine, "config_space", tuple)())
         self.current: list = []  # [context, failed] of the running example, settled when the next starts or at the end
         #: in a group: the failure that took it out of the stream (its case marked on it), None while it passes
@@ -320,6 +357,8 @@ class TargetRun:
             if not failed and ctx.vacuous is None:
                 for i, record in enumerate(self.records):
                     self.passed_under[i] += bool(record.when(ctx.case))
+            if ctx.vacuous is not None:
+                self.vacuous[ctx.vacuous] += 1
 
     def context(self, engine: EngineUnderTest, case: Any, shared: dict, runs: Runs) -> CheckContext:
         """The next example's check context, holding what an earlier check of the same case computed (``shared``:
@@ -334,16 +373,26 @@ class TargetRun:
         return ctx
 
     def excused(self, case: Any, exc: BaseException) -> bool:
-        """Whether a known-failure record (only what the engine's declarations allow) excuses ``exc`` on ``case``:
-        then it is counted and the run goes on, so other bugs are still found."""
+        """Whether known-failure records (only what the engine's declarations allow) excuse ``exc`` on ``case``,
+        every failing fact of it (a record excuses only the facts it names: ``spec.protocol.known.excusing``): then
+        each record is counted and the run goes on, so other bugs are still found."""
         self.current[-1][1] = True
-        record = match_record(self.records, case, exc, self.engine)
-        if record is None:
+        found = excusing(self.records, case, exc, self.engine)
+        if found is None:
             return False
-        if record.key not in self.outcome.known_cases:  # its first case, for a reproducer
-            self.outcome.known_cases[record.key] = (case, _one_line(exc))
-        self.hits[self.records.index(record)] += 1
+        for record, part in dict(zip(found, parts_of(exc))).items():  # each record once per example
+            if record.key not in self.outcome.known_cases:  # its first case, for a reproducer
+                self.outcome.known_cases[record.key] = (case, _one_line(part))
+            self.hits[self.records.index(record)] += 1
         return True
+
+    def unexcused(self, case: Any, exc: BaseException) -> BaseException:
+        """What of ``exc`` no record excuses: the failure itself, or of a check that reported several facts
+        (:class:`~spec.invariants.core.Failures`) those no record excuses (one alone as itself)."""
+        if not getattr(exc, "parts", None):
+            return exc
+        left = unexcused(self.records, case, exc, self.engine)
+        return exc if len(left) == len(exc.parts) else left[0] if len(left) == 1 else Failures(left)
 
     def finish(self, seconds: float, budget: dict) -> Outcome:
         outcome = self.outcome
@@ -368,6 +417,10 @@ class TargetRun:
                 outcome.status = "xfail"
                 outcome.reason = "; ".join(f"{r.reason} [{h} hits when {r.when.text}]"
                                            for r, h in zip(records, self.hits))
+        if outcome.status == "pass" and not self.exercised:  # no example showed the property: never a pass
+            outcome.status = "unexercised"
+            why = "; ".join(f"{reason} ({n} examples)" for reason, n in self.vacuous.most_common(3))
+            outcome.reason = f"not exercised: {why or 'no example ran'}"
         return outcome
 
 
@@ -433,6 +486,7 @@ class StreamRun:
                 if ctx.vacuous is None:  # a failing example exercised the property
                     member.exercised += 1
                 if not member.excused(case, exc):
+                    exc = member.unexcused(case, exc)
                     self.failed(member, exc, case, _kind(exc))
                 return
             finally:
@@ -458,6 +512,8 @@ class StreamRun:
             exc, kind = fault, "fail"
         mark_case(exc, case, kind)
         self.spent(exc)
+        if self.alone and isinstance(exc, MissingDependency):  # every example would say the same: not shrunk
+            raise BudgetSpent("an environment error: not shrunk", exc) from exc
         if self.alone:
             raise exc
         member.failure = exc

@@ -35,7 +35,7 @@ import torch
 
 from .vision import MEDIA_KEYS, embed_media, media_token_ids, place_media, tower_weights
 
-__all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES"]
+__all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES", "rope_positions"]
 
 #: the most position axes (mRoPE sections) the model embeds: positions are (R, n) or (C, R, n), C <= this
 POSITION_AXES = 4
@@ -58,6 +58,18 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
     # the fused head's (V, H) LM-head weight: the projection quantised, exact in every logits dtype
     weight64 = ((proj64.T / _WEIGHT_STEP).round() * _WEIGHT_STEP).clamp(-_WEIGHT_MAX, _WEIGHT_MAX)
     return embed, pos_embed, proj, proj64, weight64
+
+
+def rope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions a RoPE model handed no ``position_ids`` works with: Hugging Face's models take ``arange`` over
+    each row (their cache positions), and rotary attention depends only on the distance between two tokens, so a
+    row's tokens are seen at their distance from its first attended token: ``cumsum(mask) - 1`` (0 before it) for a
+    padded row, ``arange`` over a row without a mask (a packed row is then one sequence: its boundaries were in the
+    positions the engine did not hand)."""
+    if attention_mask is None:
+        return torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    keep = (attention_mask != 0).to(torch.int64)
+    return (keep.cumsum(-1) - 1).clamp(min=0)
 
 
 class ToyCausalLM:
@@ -140,6 +152,17 @@ class ToyCausalLM:
         One call for the whole batch: the sequences are laid out as the rows of a right-padded batch with
         the full-length mask, whose causal prefix sums are those of each sequence alone (the padding comes
         after every real token), then the head runs on the real tokens' rows only."""
+        if self.head_input == "hidden":
+            return (self._sequence_rows(input_ids, position_ids, lens, self._hidden64, media) @ self._weight64.T).float()
+        return (self.sequence_features(input_ids, position_ids, lens, **media) @ self._proj64).to(self.dtype)
+
+    def sequence_features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens,
+                          **media: torch.Tensor) -> torch.Tensor:
+        """``(n, H)`` float64: the head's input of each sequence run alone (:meth:`sequence_logits` before the head;
+        a parameterised head, spec/truth/step_model.py, multiplies it by its own weight)."""
+        return self._sequence_rows(input_ids, position_ids, lens, self._features, media)
+
+    def _sequence_rows(self, input_ids, position_ids, lens, rows_of, media) -> torch.Tensor:
         lens_t = torch.as_tensor([int(n) for n in lens], dtype=torch.int64)
         width = int(lens_t.max())
         row = torch.repeat_interleave(torch.arange(lens_t.shape[0]), lens_t)
@@ -151,13 +174,9 @@ class ToyCausalLM:
         pos = axes.new_zeros((axes.shape[0], lens_t.shape[0], width))
         pos[:, row, col] = axes
         mask = (torch.arange(width).unsqueeze(0) < lens_t.unsqueeze(1)).to(torch.int64)
-        if self.head_input == "hidden":
-            hidden = self._hidden64(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
-            return (hidden @ self._weight64.T).float()
-        hidden = self._features(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
-        return (hidden @ self._proj64).to(self.dtype)
+        return rows_of(ids, pos if position_ids.dim() == 2 else pos[0], mask, media)[row, col]
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
@@ -166,10 +185,13 @@ class ToyCausalLM:
         """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
         (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``. The media
-        keys feed the vision tower (module doc)."""
+        keys feed the vision tower (module doc). Without ``position_ids`` it computes them as a RoPE model does
+        (:func:`rope_positions`)."""
         media = {key: value for key, value in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
                                                ("pixel_values_videos", pixel_values_videos),
                                                ("video_grid_thw", video_grid_thw)) if value is not None}
+        if position_ids is None:
+            position_ids = rope_positions(input_ids, attention_mask)
         if self.head_input == "hidden":
             out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask,
                                                                        **media),

@@ -11,6 +11,8 @@ import impl.microbatch
 from ...protocol.engine import HELPERS, ConfigSwitch, EngineUnderTest, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer, layer_from
 from ...protocol.profile import MEDIA, VERL_CONVENTIONS
+from ...protocol.step import StepLayer
+from .step import impl_step_layer
 
 __all__ = ["ImplEngine"]
 
@@ -122,6 +124,10 @@ class ImplEngine(EngineUnderTest):
     def microbatch_layer(self) -> MicroBatchLayer | None:
         """``impl.microbatch``: a drop-in with verl 0.9.1's names."""
         return layer_from("impl", [impl.microbatch])
+
+    def step_layer(self) -> StepLayer:
+        """impl's training step (spec/engines/impl/step.py): impl.step's losses over impl's micro-batch layer."""
+        return impl_step_layer()
 
     def repro_snippet(self, settings: Any) -> ReproSnippet | None:
         """impl's own entry points (a subclass with other engine classes, e.g. a planted bug, keeps the default)."""

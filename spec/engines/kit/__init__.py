@@ -6,11 +6,14 @@
   with a model that returns the harness's output (the output step).
 * :func:`stub_imports`: heavy module-level imports stubbed strictly (:mod:`spec.engines.kit.stubs`): a stub's name
   that nobody declared raises when the code under test calls it or tests its truth, so a stub cannot change
-  the code under test unnoticed.
+  the code under test unnoticed; the names libraries call at import time have well-known values, declared once
+  (:data:`spec.engines.kit.stubs.WELL_KNOWN`: availability probes False, JIT/remote decorators that return what they
+  decorate, ...), and :attr:`ThirdPartyEngine.stub_values` declares a library's own.
 * :class:`ThirdPartyEngine`: the engine class of a library that offers one LM head and no engine settings:
   ``lacks`` from one table of reasons, ``strategy_limits`` derived from it, ``make`` refusing any setting.
 * :class:`HiddenStatesModel`: for a library that patches a Hugging Face model's LM head (a fused head), a model
-  whose backbone returns the hidden states the harness's model computed and whose LM head holds its weight.
+  whose backbone returns the hidden states the harness's model computed and whose LM head holds its weight wherever
+  such heads look for it (``model.model.lm_head.weight`` too, inside a :class:`GatheredParameters` no-op gather).
 * :func:`refuse_flags`: the micro-batch flags a library has no option for, refused with a clear error;
   :func:`require`: a library imported, or an ImportError saying how to install it.
 * :func:`import_library` (:meth:`ThirdPartyEngine.load`): a library's modules imported with its heavy imports
@@ -39,11 +42,11 @@ import torch
 from ...protocol import EngineUnderTest, Feature, InputsView, Precision
 from ...protocol.engine import media_view
 from ...protocol.errors import ModelNotCalled, StopForward
-from .stubs import StubReport, import_with_stubs, library_imports, without_init
+from .stubs import GatheredParameters, StubReport, import_with_stubs, library_imports, without_init
 
 __all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
            "ModelNotCalled", "require", "HiddenStatesModel", "import_library", "install_bert_padding", "rows_view",
-           "in_logits_dtype"]
+           "in_logits_dtype", "GatheredParameters", "stub_values"]
 
 
 def require(module_name: str, how: str) -> Any:
@@ -124,21 +127,30 @@ def install_bert_padding(engine: str) -> None:
 
 @lru_cache(maxsize=None)
 def import_library(engine: str, modules: tuple[str, ...], heavy: tuple[str, ...], *, wheel: str, ci_step: str,
-                   without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True) -> tuple[Any, ...]:
+                   without: tuple[str, ...] = (), bert_padding: bool = False, strict: bool = True,
+                   values: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()) -> tuple[Any, ...]:
     """The library of ``--engine engine``: ``modules`` imported in order (``"module"`` or ``"module:attribute"``,
     :func:`spec.engines.kit.stubs.library_imports`), the packages of ``heavy`` stubbed where they do not import here
     (``strict``: :class:`spec.engines.kit.stubs.StrictModule` stubs, else ``MagicMock``), the packages ``without``
     imported without their ``__init__`` (:func:`spec.engines.kit.stubs.without_init`), flash-attn's ``bert_padding``
-    installed first if ``bert_padding`` (:func:`install_bert_padding`). Any ImportError or AttributeError on the
-    way becomes one ImportError: ``--engine engine needs <wheel> (<ci_step>): <why>``. Cached once it succeeds."""
+    installed first if ``bert_padding`` (:func:`install_bert_padding`), ``values`` (``((module, ((name, value),
+    ...)), ...)``, hashable: :func:`stub_values`) declared on the stubs beside the well-known ones
+    (:data:`spec.engines.kit.stubs.WELL_KNOWN`). Any ImportError or AttributeError on the way becomes one ImportError:
+    ``--engine engine needs <wheel> (<ci_step>): <why>``. Cached once it succeeds."""
     if bert_padding:
         install_bert_padding(engine)
     try:
         for package in without:
             without_init(package)
-        return tuple(library_imports(modules, heavy, strict=strict))
+        return tuple(library_imports(modules, heavy, strict=strict,
+                                     values={module: dict(names) for module, names in values}))
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"--engine {engine} needs {wheel} ({ci_step}): {exc}") from exc
+
+
+def stub_values(values: Mapping[str, Mapping[str, object]]) -> tuple[tuple[str, tuple[tuple[str, object], ...]], ...]:
+    """``{module: {name: value}}`` as the hashable form :func:`import_library` caches on."""
+    return tuple(sorted((module, tuple(sorted(names.items()))) for module, names in values.items()))
 
 
 def rows_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
@@ -146,7 +158,7 @@ def rows_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -
     OpenRLHF's and SkyRL's forward take them so) and that scores each real token's next column: the model's inputs
     as handed, the labels those rows rolled by one, token by token (``view_inputs = staticmethod(rows_view)``)."""
     labels = torch.roll(output_args["sequences"], -1, 1)[output_args["attention_mask"].bool()]
-    return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
+    return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), model_inputs["attention_mask"],
                       labels=labels, media=media_view(model_inputs))
 
 
@@ -178,20 +190,31 @@ class ThirdPartyEngine(EngineUnderTest):
     heavy: tuple[str, ...] = ()
     without_init: tuple[str, ...] = ()
     bert_padding, strict_stubs = False, True
+    #: values of stub names the library uses at import time, beyond the well-known ones the kit declares for every
+    #: adapter (:data:`spec.engines.kit.stubs.WELL_KNOWN`: availability probes False, JIT/remote decorators that return
+    #: what they decorate, ...): ``{"lib.module": {"name": value}}``
+    stub_values: Mapping[str, Mapping[str, object]] = {}
 
-    def engine_object(self) -> Any:
+    def engine_object(self, **config: Any) -> Any:
+        """The library's engine object; ``config``: the values of its own switches drawn for the case
+        (:meth:`config_space`), where it declares any."""
         raise NotImplementedError
 
     def load(self) -> tuple[Any, ...]:
         """The library's :attr:`modules` (each the module, or its attribute for ``"module:attribute"``), imported
         once by :func:`import_library` with this class's settings."""
         return import_library(self.name, self.modules, self.heavy, wheel=self.wheel, ci_step=self.ci_step,
-                              without=self.without_init, bert_padding=self.bert_padding, strict=self.strict_stubs)
+                              without=self.without_init, bert_padding=self.bert_padding, strict=self.strict_stubs,
+                              values=stub_values(self.stub_values))
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
+        """The engine object, handed the library's own switches drawn for the case (:meth:`config_space`: each by its
+        name, ``engine_object(**{name: value})``); any suite setting is refused."""
+        switches = {switch.name for switch in self.config_space() if switch.setting is None}
+        config = {key: settings.pop(key) for key in list(settings) if key in switches}
         if head != "lm" or any(v not in (None, False, 0, 1) for k, v in settings.items() if k != "sp_rank"):
             raise NotImplementedError(f"{self.name}: an LM head, no engine settings (asked {head}, {settings})")
-        return self.engine_object()
+        return self.engine_object(**config)
 
     def lacks(self, feature: "str | Feature") -> str | None:
         feature = Feature.parse(feature)
@@ -217,18 +240,48 @@ def refuse_flags(flags: Any, library: str,
     return flags
 
 
+class _Head(torch.nn.Module):
+    """An LM head holding the fused-head protocol's weight (``weight``, ``bias=None``), as ``nn.Linear`` reads."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight, self.bias = weight, None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
+
+
+class _Backbone(torch.nn.Module):
+    """The backbone a fused head calls (``model.base_model(...)``, ``model.model(...)``): it returns the harness's
+    hidden states as ``last_hidden_state``; it also holds the LM head, for heads that look for it there
+    (``model.model.lm_head.weight``, where ``model`` is a trainer's wrapper whose ``.model`` is the causal LM)."""
+
+    def __init__(self, hidden: torch.Tensor, head: _Head):
+        super().__init__()
+        self.hidden, self.lm_head = hidden, head
+
+    def forward(self, *args, **kwargs):
+        return SimpleNamespace(last_hidden_state=self.hidden)
+
+    def get_output_embeddings(self) -> _Head:
+        return self.lm_head
+
+
 class HiddenStatesModel(torch.nn.Module):
     """What a library's fused LM head patches (TRL's ``add_fused_lm_head``), in the shape of a Hugging Face causal
-    LM: ``base_model(...)`` returns ``last_hidden_state=hidden``, ``get_output_embeddings()`` the LM head holding
-    ``weight`` (the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head protocol); ``backbone``, where
-    given, is the backbone instead (a recorder of what the library hands it). Its own ``forward`` is never the one
-    run."""
+    LM: ``base_model(...)`` and ``model(...)`` (the backbone) return ``last_hidden_state=hidden``; the LM head holding
+    ``weight`` (the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head protocol) is wherever such
+    heads look for it: ``get_output_embeddings()``, ``lm_head``, ``model.lm_head`` (a wrapper's ``.model``: the
+    head read as ``model.model.lm_head.weight``), an ``nn.Module`` whose weight may be gathered in a context manager
+    (deepspeed's ``GatheredParameters``: :class:`GatheredParameters`, a no-op here, where nothing is partitioned).
+    ``backbone``, where given, is the backbone instead (a recorder of what the library hands it). Its own
+    ``forward`` is never the one run."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, backbone: Callable[..., Any] | None = None):
         super().__init__()
         self.config = SimpleNamespace(get_text_config=lambda: self.config, model_type="stand-in")
-        self.base_model = backbone or (lambda *args, **kwargs: SimpleNamespace(last_hidden_state=hidden))
-        self.lm_head = SimpleNamespace(weight=weight, bias=None)
+        self.lm_head = _Head(weight)
+        self.model = self.base_model = backbone or _Backbone(hidden, self.lm_head)
 
     def get_output_embeddings(self):
         return self.lm_head

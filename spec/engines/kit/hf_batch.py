@@ -75,9 +75,11 @@ def left_right_rows(mb, pad: Callable[..., torch.Tensor], pad_id: int) -> LeftRi
 
 def from_shifted_row(values: torch.Tensor, mb) -> torch.Tensor:
     """Per-token values of a packed row shifted by one (``(1, n - 1)``: each token scores the next, the row's last
-    token nothing) as a nested tensor over the sequences, with 0 at the last token (which no consumer reads)."""
-    return torch.nested.nested_tensor_from_jagged(torch.cat([values[0], values.new_zeros(1)]).float(),
-                                                  mb["input_ids"].offsets())
+    token nothing; a row padded at its tail past the sequences' tokens is cut there) as a nested tensor over the
+    sequences, with 0 at the last token (which no consumer reads)."""
+    offsets = mb["input_ids"].offsets()
+    row = values[0, : int(offsets[-1]) - 1]
+    return torch.nested.nested_tensor_from_jagged(torch.cat([row, row.new_zeros(1)]).float(), offsets)
 
 
 def left_aligned(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

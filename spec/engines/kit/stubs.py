@@ -13,6 +13,21 @@ to declare it (``records={"pkg.mod": {"name": value}}``). So a stub cannot chang
 a ``MagicMock`` stub's ``is_npu_available()`` is truthy, and one library then silently turned its
 ``torch.compile`` off. The default (``strict=False``) keeps the ``MagicMock`` stubs the verl adapters were written
 against.
+
+**Well-known values** (:data:`WELL_KNOWN`, :func:`well_known`): the names libraries *use* at import time, given
+the value they have on a machine without the stubbed package, declared once here so that no adapter writes them
+by hand: an availability probe (``is_torch_npu_available``, any ``is_<x>_available`` of a stub) returns False (the
+package is not installed here, so that is its true answer); a JIT or remote decorator (``numba.njit``,
+``numba.jit``, ``ray.remote``, ``torch_npu``-style ``*.jit``) returns the function or class it decorates, bare or
+called with options (``@njit`` and ``@njit(cache=True)``), so the code under test runs as plain Python;
+``uvloop.install()`` does nothing; deepspeed's ``GatheredParameters`` is a no-op context manager (parameters are
+never partitioned here). Anything else is still :class:`Undeclared`: no lenient default that makes an NPU check
+truthy or turns off a ``torch.compile``.
+
+The scanner (:func:`module_level_imports`) follows the module-level imports of every module the target imports on
+the way, in any package (not only the target's own: a trainer module importing ``lib.utils``, which imports
+deepspeed, or another distribution's module that does), the ``__init__`` of each package on the way (Python runs
+them), and resolves a relative import in a package's ``__init__`` against that package itself.
 """
 
 from __future__ import annotations
@@ -30,7 +45,65 @@ from unittest import mock
 from ...protocol.errors import StubError
 
 __all__ = ["StubReport", "StubError", "StrictModule", "Undeclared", "import_with_stubs", "import_verl_module",
-           "module_level_imports", "strict_module", "library_imports", "without_init"]
+           "module_level_imports", "strict_module", "library_imports", "without_init", "WELL_KNOWN", "well_known",
+           "passthrough_decorator", "GatheredParameters"]
+
+
+def passthrough_decorator(*args, **kwargs):
+    """A JIT/remote decorator of a package not installed here (``numba.njit``, ``ray.remote``): the decorated
+    function or class itself, used bare (``@njit``) or with options (``@njit(cache=True)``)."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    return lambda fn: fn
+
+
+class GatheredParameters:
+    """deepspeed's ``zero.GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)`` where no
+    parameter is partitioned (one process, deepspeed not installed): a context manager that does nothing."""
+
+    def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
+        self.params = params
+
+    def __enter__(self):
+        return self.params
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _unavailable(*args, **kwargs) -> bool:
+    """An availability probe of a package not installed here: it is not available."""
+    return False
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+#: the value a name of a stubbed package has here, by its dotted path (see the module docstring); probes named
+#: ``is_<x>_available`` return False wherever they sit (:func:`well_known`)
+WELL_KNOWN: dict[str, object] = {
+    "numba.njit": passthrough_decorator, "numba.jit": passthrough_decorator,
+    "numba.vectorize": passthrough_decorator, "numba.guvectorize": passthrough_decorator,
+    "ray.remote": passthrough_decorator, "ray.method": passthrough_decorator,
+    "uvloop.install": _nothing,
+    "deepspeed.zero.GatheredParameters": GatheredParameters,
+    "deepspeed.comm.is_initialized": _unavailable, "deepspeed.is_initialized": _unavailable,
+    "torch_npu.npu.is_available": _unavailable,
+}
+
+_MISSING = object()
+
+
+def well_known(path: str) -> object:
+    """The well-known value of stub name ``path`` (:data:`WELL_KNOWN`; an ``is_<x>_available`` probe: False), or
+    a sentinel when there is none (the name stays :class:`Undeclared`)."""
+    if path in WELL_KNOWN:
+        return WELL_KNOWN[path]
+    last = path.rsplit(".", 1)[-1]
+    if last.startswith("is_") and last.endswith("_available"):
+        return _unavailable
+    return _MISSING
 
 
 class Undeclared:
@@ -43,7 +116,8 @@ class Undeclared:
     def __getattr__(self, name: str) -> "Undeclared":
         if name.startswith("__"):
             raise AttributeError(name)
-        return Undeclared(f"{self._path}.{name}")
+        known = well_known(f"{self._path}.{name}")
+        return Undeclared(f"{self._path}.{name}") if known is _MISSING else known
 
     def _refuse(self, how: str):
         module, _, attr = self._path.rpartition(".")
@@ -87,7 +161,8 @@ class StrictModule(types.ModuleType):
     def __getattr__(self, name: str) -> Undeclared:
         if name.startswith("__"):
             raise AttributeError(name)
-        return Undeclared(f"{self.__name__}.{name}")
+        known = well_known(f"{self.__name__}.{name}")  # declared once for every adapter (WELL_KNOWN)
+        return Undeclared(f"{self.__name__}.{name}") if known is _MISSING else known
 
 
 def strict_module(name: str, values: dict[str, object] | None = None) -> StrictModule:
@@ -112,41 +187,97 @@ class StubReport:
 
 
 def module_level_imports(module_name: str, packages: tuple[str, ...]) -> list[str]:
-    """The modules under ``packages`` that ``module_name`` imports at module level (not in functions),
-    directly or through the modules of its own package it imports at module level."""
-    package = module_name.rsplit(".", 1)[0]
+    """The modules under ``packages`` that importing ``module_name`` imports at module level (not in functions, not
+    under ``try``/``if``): its own imports, those of every module it imports on the way (in any package whose source
+    is found and that is not imported already: a module already in ``sys.modules`` imported its own), and those of
+    the ``__init__`` of every package on the way (Python runs them). A relative import in a package's ``__init__``
+    resolves against that package."""
     found: list[str] = []
-    todo, seen = [module_name], set()
+    todo, seen = _with_parents(module_name), set()
     while todo:
-        name = todo.pop()
+        name = todo.pop(0)
         if name in seen:
             continue
         seen.add(name)
-        with open(_source_path(name), encoding="utf-8") as handle:
+        path = _source_file(name)
+        if path is None:
+            continue
+        with open(path, encoding="utf-8") as handle:
             tree = ast.parse(handle.read())
-        for node in tree.body:
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                base = name.rsplit(".", node.level)[0] + "." if node.level else ""
-                names.append(base + node.module)
-            elif isinstance(node, ast.Import):
-                names += [alias.name for alias in node.names]
-            for imported in names:
-                if imported.split(".")[0] in packages and imported not in found:
+        package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+        for imported in _imports(tree, package):
+            if imported.split(".")[0] in packages:
+                if imported not in found:
                     found.append(imported)
-                elif imported.startswith(package + ".") and os.path.exists(_source_path(imported)):
-                    todo.append(imported)
+            elif imported not in seen and not _imported(imported):
+                todo += [n for n in _with_parents(imported) if n not in seen]
     return found
+
+
+def _imports(tree: ast.Module, package: str) -> list[str]:
+    """The modules a module's top-level statements import (``from . import x``: the submodule ``package.x`` where
+    it is one, else ``package``), relative ones resolved against ``package`` (the module's own package; for a
+    package's ``__init__``, the package itself)."""
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - (node.level - 1)])
+                base = f"{anchor}.{base}" if base else anchor
+            if not base:
+                continue
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in node.names
+                      if alias.name != "*" and not _imported(base) and _source_file(f"{base}.{alias.name}")]
+    return names
+
+
+def _with_parents(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a", "a.b", "a.b.c"]``: what importing it runs, in order."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _imported(name: str) -> bool:
+    """Whether ``name`` is imported already as a real module (its own imports ran; nothing to follow)."""
+    module = sys.modules.get(name)
+    return module is not None and not _is_stub(module)
+
+
+def _source_file(module_name: str) -> str | None:
+    """The ``.py`` file of ``module_name`` found without importing it (its package may import it), or None (no such
+    module here, a compiled one, a namespace package)."""
+    try:
+        return _source_path(module_name)
+    except ImportError:
+        return None
 
 
 def _source_path(module_name: str) -> str:
     """The file of ``module_name``, found without importing it (its package may import it)."""
     root, *rest = module_name.split(".")
-    spec = importlib.util.find_spec(root)
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        spec = importlib.util.find_spec(root)
+    except (ImportError, ValueError) as exc:
+        raise ImportError(f"no package {root} (needed for {module_name}): {exc}") from exc
+    if spec is None:
         raise ImportError(f"no package {root} (needed for {module_name})")
+    if not spec.submodule_search_locations:  # a plain module
+        if rest or not (spec.origin or "").endswith(".py"):
+            raise ImportError(f"no source for {module_name}")
+        return spec.origin
     path = os.path.join(list(spec.submodule_search_locations)[0], *rest)
-    return os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py"
+    if os.path.isdir(path):
+        path = os.path.join(path, "__init__.py")
+    else:
+        path += ".py"
+    if not os.path.exists(path):
+        raise ImportError(f"no source for {module_name} ({path})")
+    return path
 
 
 def _install_mock(name: str, records: dict[str, object]) -> None:
@@ -192,14 +323,16 @@ def import_with_stubs(module_name: str, packages: tuple[str, ...],
     return StubReport(importlib.import_module(module_name), report_real, report_stub)
 
 
-def library_imports(modules: tuple[str, ...], packages: tuple[str, ...], *, strict: bool = False) -> list[object]:
+def library_imports(modules: tuple[str, ...], packages: tuple[str, ...], *, strict: bool = False,
+                    values: dict[str, dict[str, object]] | None = None) -> list[object]:
     """Each of ``modules`` imported in order by :func:`import_with_stubs` (``packages`` stubbed where they do not
-    import here): the module, or for ``"module:attribute"`` that attribute of it. List a library's modules that
-    import heavy packages first, so each is stubbed as the module that imports it at module level finds it."""
+    import here, ``values[module][name]`` declared on the stub of ``module``): the module, or for
+    ``"module:attribute"`` that attribute of it. List a library's modules that import heavy packages first, so each
+    is stubbed as the module that imports it at module level finds it."""
     imported: list[object] = []
     for spec in modules:
         name, _, attribute = spec.partition(":")
-        module = import_with_stubs(name, packages, strict=strict).module
+        module = import_with_stubs(name, packages, values, strict=strict).module
         imported.append(getattr(module, attribute) if attribute else module)
     return imported
 

@@ -34,6 +34,7 @@ import torch
 from ...protocol import Feature, sequences_from_rows
 from ..kit.hf_batch import BatchFlags, media_samples, media_token_ids, one_temperature
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
+from .config import SWITCHES, forward_kwargs, merged_rows
 from .records import PROFILE, RECORDS
 from ..kit.stubs import strict_module
 
@@ -56,8 +57,9 @@ def _openrlhf():
 
 
 class OpenRLHFObject:
-    def __init__(self):
-        self.actor_class, self.utils, self.merge_mm = _openrlhf()
+    def __init__(self, **config):  # OpenRLHF's switches drawn (spec/engines/openrlhf/config.py)
+        (self.actor_class, self.utils, self.merge_mm), self.stack, self.config = (
+            _openrlhf(), config.get("stack", True), config)
 
     def _forward(self, model, a, **kwargs):
         actor = self.actor_class(model, temperature=a["temperature"])
@@ -72,8 +74,8 @@ class OpenRLHFObject:
         seqs, pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding,
              "vlm": pos[0].dim() == 2 and not f.use_remove_padding,  # packed: 1-D positions for any model
-             "sequences": pad(list(seqs), "right", value=f.pad_token_id, stack=True),
-             "attention_mask": pad([torch.ones_like(s) for s in seqs], "right", stack=True),
+             "sequences": merged_rows(pad, list(seqs), self.stack, side="right", value=f.pad_token_id),
+             "attention_mask": merged_rows(pad, [torch.ones_like(s) for s in seqs], self.stack, side="right"),
              # each sample's processor outputs (None for a text-only one), as the experience carries them
              "mm_train_inputs": [d or None for d in media_samples(mb) or ()],
              "vlm_config": SimpleNamespace(**dict(zip(("image_token_id", "video_token_id"), media_token_ids(mb))))}
@@ -84,7 +86,8 @@ class OpenRLHFObject:
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         entropy = BatchFlags.from_batch(mb).calculate_entropy
-        log_probs, out = self._forward(replaying(output), output_args, return_logprobs=True, return_entropy=entropy)
+        log_probs, out = self._forward(replaying(output), output_args, return_logprobs=True, return_entropy=entropy,
+                                       **forward_kwargs(mb, output_args["sequences"], self.config))
         # (B, L - 1) rows: the last column (the longest row's last token, scoring nothing) is never computed
         return {k: sequences_from_rows(torch.cat([v, v.new_zeros(len(v), 1)], 1).float(), mb)
                 for k, v in {"log_probs": log_probs, "entropy": out.entropy if entropy else None}.items()
@@ -102,5 +105,9 @@ class OpenRLHFEngine(ThirdPartyEngine):
     }
     view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one, token by token
 
-    def engine_object(self):
-        return OpenRLHFObject()
+    def engine_object(self, **config):
+        return OpenRLHFObject(**config)
+
+    def config_space(self):
+        return SWITCHES
+

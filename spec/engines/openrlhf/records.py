@@ -59,15 +59,10 @@ UNREACHABLE: dict[str, str] = {
                       "stops at the model (it records the inputs the model sees), its second asks for log-probs; "
                       "raw logits are no output of the contract",
     f"{_A}:283": "the logits-only return, as 281 (allgather_logits: a caller that wants the raw logits gathered)",
-    f"{_A}:295->298": "gap: an action_mask (the PPO experience maker and actor pass experience.action_mask: "
-                      "response-only log-probs, log_probs[:, -A:] * action_mask); the adapter asks for every "
-                      "position (return_logprobs=True)",
     f"{_R}:142->143": _RING, f"{_R}:177->178": _RING, f"{_R}:179": _RING,
     f"{_U}:173->174": "Actor.forward divides the logits by its temperature itself and calls log_probs_from_logits "
                       "with the default 1.0",
     f"{_U}:176->190": _FLOAT32, f"{_U}:191": _FLOAT32,
-    "openrlhf.utils.utils:103->106": "gap: stack=False, as Experience._merge_item merges (n, L) batches (concatenated "
-                                     "along the batch); the adapter pads 1-D samples and stacks them",
 }
 
 #: survivors of ``spec mutate --engine openrlhf`` that no input tells from OpenRLHF's code, each with why (by mutant id)

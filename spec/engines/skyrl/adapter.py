@@ -23,6 +23,7 @@ from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_
 from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
 from .media import VisionModel, image_token_id, own_positions, vlm_inputs
 from .records import PROFILE, RECORDS, TRAIN_PROFILE
+from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
 COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in both versions
@@ -65,7 +66,7 @@ class SkyRLObject:
 
 
 class SkyRLTrainEngine(ThirdPartyEngine):
-    name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", RECORDS
+    name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", (*RECORDS, *SKYRL_STEP_RECORDS)
     wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", ".ci/steps/engines-skyrl.sh", True, False
     heavy = ("transformers", "peft", "ray", "datasets", "flash_attn")  # they load models and start clusters
     # the modules importing heavy packages first, then the wrapper and the batch builder
@@ -86,9 +87,19 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     def engine_object(self):
         return SkyRLObject(self)
 
+    def step_layer(self):
+        """skyrl-train 0.3.1's policy step: ppo_policy_loss in every loss_reduction (spec/engines/skyrl/step.py);
+        skyrl 0.4.0's (advantages pre-scaled over the mini-batch) is not declared."""
+        if self.name != "skyrl-train":
+            return None
+        if not hasattr(self, "_step"):
+            self._step = skyrl_train_step_layer(self.load)
+        return self._step
+
 
 class SkyRLEngine(SkyRLTrainEngine):
     name, wheel, without_init = "skyrl", "skyrl==0.4.0", ("skyrl.backends",)  # its __init__: the Tinker API
+    known_failures = RECORDS  # no step declared (skyrl-train's step records do not apply)
     modules = ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
                "skyrl.backends.skyrl_train.workers.model_wrapper:HFModelWrapper",
                f"skyrl.train.dataset.preprocess:{COLLATE}")

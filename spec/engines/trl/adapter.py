@@ -18,33 +18,34 @@ so the adapter hands it each sample's own positions in the same layout. The fuse
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ...protocol import Feature, InputsView, OutputSpan, PaddedLayout, sequences_from_responses, sequences_from_rows
 from ...protocol.engine import media_view
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
+from .config import TRL_SWITCHES, completion_scores, padded_positions, padding_free_batch
 from .records import PROFILE, LOGITS_RECORDS
+from .step import trl_step_layer
 
 __all__ = ["TrlEngine", "TrlObject"]
 
 
 class TrlObject:
-    def __init__(self):
+    def __init__(self, **config):  # TRL's switches drawn (spec/engines/trl/config.py)
         self.utils, self.sft, sdft = (require(f"trl.{m}", "pip install trl==1.16.0") for m in (
             "trainer.utils", "trainer.sft_trainer", "experimental.sdft.sdft_trainer"))
-        self.sdft = sdft.SDFTTrainer
+        self.sdft, self.config = sdft.SDFTTrainer, config
 
     def prepare_model_inputs(self, mb):
         f = refuse_flags(BatchFlags.from_batch(mb), "TRL's log-prob API")
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding}
         if a["packed"]:  # SFT's padding-free collator: one row, labels -100 at each sequence start
-            batch = self.sft.DataCollatorForLanguageModeling(pad_token_id=f.pad_token_id, padding_free=True)(
-                [{"input_ids": t.tolist()} for t in samples(mb, "input_ids")])
+            batch = padding_free_batch(self.sft.DataCollatorForLanguageModeling, samples(mb, "input_ids"),
+                                       f.pad_token_id, self.config)
             pos = samples(mb, "position_ids")
-            positions = torch.cat(pos).T.unsqueeze(1) if pos[0].dim() == 2 else batch["position_ids"]
+            positions = padded_positions(torch.cat(pos).T.unsqueeze(1), batch["input_ids"].shape[1]) \
+                if pos[0].dim() == 2 else batch["position_ids"]
             a.update(labels=batch["labels"], rolled=torch.roll(batch["input_ids"], -1, 1).reshape(-1))
             return {"input_ids": batch["input_ids"], "position_ids": positions, "attention_mask": None}, a
         rows = left_right_rows(mb, self.utils.pad, f.pad_token_id)  # GRPO's batch
@@ -65,10 +66,7 @@ class TrlObject:
                 return self.utils.selective_log_softmax_and_entropy(output.logits[:, :-1], ids,
                                                                     temperature=a["temperature"], row_mask=row_mask)
             return self.utils.selective_log_softmax(output.logits[:, :-1], ids, a["temperature"], row_mask), None
-        trainer = SimpleNamespace(model_kwarg_keys=(), temperature=a["temperature"])
-        logits = self.sdft._forward_logits(trainer, lambda **_: output, a["input_ids"], a["attention_mask"], a["keep"])
-        return (self.utils.selective_log_softmax(logits, a["input_ids"][:, -a["keep"]:]),
-                self.utils.entropy_from_logits(logits) if entropy else None)
+        return completion_scores(self.sdft, self.utils, output, a, self.config, entropy)  # GRPO's, via SDFT's
 
 
 class TrlEngine(ThirdPartyEngine):
@@ -86,8 +84,17 @@ class TrlEngine(ThirdPartyEngine):
         Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per trainer (GRPOConfig.temperature)",
     }
 
-    def engine_object(self):
-        return TrlObject()
+    def engine_object(self, **config):
+        return TrlObject(**config)
+
+    def config_space(self):
+        return TRL_SWITCHES
+
+    def step_layer(self):
+        """GRPO's step: every loss_type through GRPOTrainer._compute_loss (spec/engines/trl/step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = trl_step_layer()
+        return self._step
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
+from .config import FUSED_SWITCHES
 from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
@@ -33,8 +34,13 @@ class TrlFusedObject(TrlObject):
                       "position_ids": inputs["position_ids"]}
         return inputs, a
 
-    def _grpo(self, model, a, entropy):
-        self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"))
+    def _fused(self, model, a):
+        self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"),
+                                     cast_lm_head_to_fp32=bool(self.config.get("cast_lm_head_to_fp32")))
+        return model
+
+    def _grpo(self, model, a, entropy):  # GRPO's padded scoring, its images beside
+        self._fused(model, a)
         grpo = require("trl.trainer.grpo_trainer", "pip install trl==1.16.0").GRPOTrainer
         trainer = SimpleNamespace(accelerator=SimpleNamespace(autocast=nullcontext))
         return grpo._get_per_token_logps_and_entropies.__wrapped__(
@@ -43,8 +49,7 @@ class TrlFusedObject(TrlObject):
     def scores(self, output, a, entropy):
         model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
         if a["packed"]:
-            self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"))
-            out = model(input_ids=None, labels=a["labels"], fused_lm_head=True)
+            out = self._fused(model, a)(input_ids=None, labels=a["labels"], fused_lm_head=True)
             return out.log_probs, out.entropy if entropy else None
         return self._grpo(model, a, entropy)
 
@@ -56,5 +61,8 @@ class TrlFusedEngine(TrlEngine):
                       media_modes=("padded",))  # GRPO's images; SFT refuses padding-free on vision data
     head_input = HeadInput.HIDDEN  # add_fused_lm_head scores hidden states with the LM-head weight
 
-    def engine_object(self):
-        return TrlFusedObject()
+    def engine_object(self, **config):
+        return TrlFusedObject(**config)
+
+    def config_space(self):
+        return FUSED_SWITCHES

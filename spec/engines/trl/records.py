@@ -8,6 +8,7 @@ from dataclasses import replace
 from ...protocol.engine import EngineUnderTest
 from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
+from .config import HEAD_IN_LOGITS_DTYPE
 
 __all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
 
@@ -36,7 +37,8 @@ LOGITS_RECORDS: tuple[KnownFailure, ...] = (
     *_UNCLAMPED)
 
 FUSED_RECORDS: tuple[KnownFailure, ...] = (
-    *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS) for inv in ORACLE_INVARIANTS),
+    *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS & HEAD_IN_LOGITS_DTYPE)
+      for inv in ORACLE_INVARIANTS),
     *_UNCLAMPED,
     KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False))
 
@@ -60,26 +62,15 @@ _PADDED_COLLATOR = ("the adapter builds padded batches with GRPO's pad (GRPO's l
 _BATCH_UNREACHABLE: dict[str, str] = {
     "*:raise": "an error path: TRL raises for an input it rejects (a temperature <= 0, a padding_side other than "
                "left/right); the suite's valid cases never take it",
-    f"{_U}:170->171": "gap: GRPOConfig.pad_to_multiple_of (or SFTConfig's) set: GRPO pads its prompts and completions "
-                      "to a multiple; the adapter's pad calls pass none",
-    f"{_U}:172": "gap: GRPOConfig.pad_to_multiple_of set (the remainder is computed only then)",
     f"{_SFT}:179->184": _PADDED_COLLATOR, f"{_SFT}:184->185": _PADDED_COLLATOR, f"{_SFT}:189->195": _PADDED_COLLATOR,
     f"{_SFT}:204->220": _PADDED_COLLATOR, f"{_SFT}:220": _PADDED_COLLATOR,
-    f"{_SFT}:180->181": "gap: pre-packed examples carrying seq_lengths (SFTConfig(packing=True) with padding_free: "
-                        "the BFD packer's rows); the adapter hands the collator one example per sequence",
 }
 _LOGITS_UNREACHABLE: dict[str, str] = {
     f"{_U}:572->573": _TRITON, f"{_U}:625->626": _TRITON, f"{_U}:699->700": _TRITON,
-    f"{_U}:579->582": "gap: an index of shape (..., K), the top-K gather of TRL's distillation trainers; the adapter "
-                      "hands one label per position (GRPO's, SDFT's and TPO's scoring)",
-    f"{_U}:596->598": "gap: an index of shape (..., K) (the top-K gather; squeeze is False only then)",
     f"{_U}:705->708": "entropy_requires_grad=False computes the same entropy under no_grad: the adapter passes the "
                       "default (TPO's call); the values do not depend on it",
     f"{_U}:710->712": "the adapter always hands row_mask (the collator's -100 at each sequence start, as TPO masks "
                       "them); without it no entropy is masked",
-    "trl.experimental.sdft.sdft_trainer:1108->1109": "gap: a model whose forward accepts logits_to_keep (SDFT then "
-                                                     "asks it for logits_to_keep + 1 positions); the harness's "
-                                                     "stand-in model returns every position's logits",
 }
 #: GRPO's per-chunk slicing of other vision families' processor outputs: the suite's images are Qwen2-VL's (patches
 #: ``(rows, dim)`` with ``image_grid_thw`` and ``mm_token_type_ids``, spec.truth.vision), which reach 1451-1461 and 1487;
@@ -111,8 +102,6 @@ _FUSED_UNREACHABLE: dict[str, str] = {
     **{f"{_U}:{line}": "the unpatched forward (generation), only without fused_lm_head" for line in (1603, 1605, 1607)},
     f"{_U}:1617->1621": "shift_labels come from context/sequence parallelism (accelerate's), outside this API "
                         "(the engine declares Feature.SP unsupported)",
-    f"{_U}:1629->1630": "gap: GRPOConfig(cast_lm_head_to_fp32=True), the head projected in float32 (the default is "
-                        "False, which the adapter runs)",
     f"{_U}:1636": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1638": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",

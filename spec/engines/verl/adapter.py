@@ -59,11 +59,13 @@ from ...cases.structure import DISTILLATION_KEYS
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ...protocol.engine import CONTRACT_PRECISION, HELPERS, ConfigSwitch, EngineUnderTest, Precision, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer
+from ...protocol.step import StepLayer
 from ...protocol.profile import MEDIA, VERL_CONVENTIONS, Convention
 from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .microbatch_layer import verl_microbatch_layer
 from .mutants import VERL_EQUIVALENT_MUTANTS
 from .records import known_failures, verl_precision
+from .step import STEP_RECORDS, verl_step_layer
 from .surface import VERL_OFF_PATH, VERL_REFUSES, VERL_SURFACE, VERL_UNREACHABLE
 
 __all__ = ["VerlEngine", "VerlEngineObject", "VerlCapabilities", "probe_verl"]
@@ -276,6 +278,8 @@ class VerlEngine(EngineUnderTest):
         if not self.caps.logits_untouched:  # verl 0.7.1 divides the logits in place: not its convention yet
             self.profile = replace(self.profile, conventions=self.profile.conventions - {Convention.LOGITS_UNTOUCHED})
         self.known_failures = known_failures(self.caps)
+        if self.step_layer() is not None:  # the training step's records (spec/engines/verl/step.py)
+            self.known_failures = (*self.known_failures, *STEP_RECORDS)
 
     # -- what this verl lacks, supports, and is known to get wrong ---------------------------
     def _helper_unusable(self, name: str) -> str | None:
@@ -460,6 +464,16 @@ class VerlEngine(EngineUnderTest):
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
         return self.object_class(eng, self.caps, self._ulysses)
+
+    def step_layer(self) -> StepLayer | None:
+        """verl's training step: its cut, loss functions and restore (spec/engines/verl/step.py). Declared for the FSDP
+        engine only: VeOmni's adapter (a subclass) shares verl's losses and cut, so its step would repeat these checks
+        (CI time) on another preparation that its own value invariants already check."""
+        if self.name != VerlEngine.name:
+            return None
+        if not hasattr(self, "_step"):
+            self._step = verl_step_layer()
+        return self._step
 
     def microbatch_layer(self) -> MicroBatchLayer | None:
         if not hasattr(self, "_microbatch"):

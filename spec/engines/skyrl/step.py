@@ -1,0 +1,98 @@
+"""skyrl-train 0.3.1's policy step as a step layer: ``ppo_policy_loss`` and its ``reduce_loss`` in every
+``loss_reduction``.
+
+SkyRL's worker cuts a mini-batch on each rank into consecutive micro-batches of ``micro_train_batch_size_per_gpu``
+(``BatchIterator``, ``drop_last=False``), computes each micro-batch's policy loss with ``ppo_policy_loss`` (the PPO clip
+over the response columns, ``reduce_loss`` by ``config.loss_reduction``) and backpropagates ``loss /
+accumulation_steps`` (``PolicyWorkerBase.forward_backward``); DDP/FSDP average the ranks. The loss functions are
+skyrl-train's own (imported after the adapter's stubs, spec/engines/skyrl.py); the division by the accumulation steps
+is the worker's one line, stated here.
+
+``reduce_loss``' modes: ``token_mean`` (a masked mean over the micro-batch's tokens), ``sequence_mean`` (each sequence's
+token mean, averaged over the micro-batch) and ``seq_mean_token_sum_norm`` (each sequence's token sum over the constant
+``max_seq_len``, averaged). With equal micro-batches the last two are the mini-batch's; ``token_mean`` is not: each
+micro-batch divides by its own tokens, so the gradient depends on the cut (the records below; SkyRL issue #794, fixed by
+PR #1296 in skyrl 0.4.0, which keeps the old behaviour as ``token_mean_legacy``, "normalizes per-microbatch then averages
+across microbatches"). skyrl 0.4.0's reduction (advantages pre-scaled over the mini-batch) is not declared here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from ...protocol.engine import response_view
+from ...protocol.known import KnownFailure, When
+from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken,
+                             StepLayer, Weighting)
+from ..kit.step import concatenated, consecutive_cut, sequence_values
+
+__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "token_counts_differ"]
+
+#: reduce_loss' max_seq_len (the generator's max input + generate length), seq_mean_token_sum_norm's constant
+MAX_SEQ_LEN = 16
+
+SKYRL_LOSSES = (LossDeclaration("policy", PerToken.RATIO, (
+    Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
+    Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
+    Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON))),
+    horizons=(MAX_SEQ_LEN,),
+    undrawn={"gspo, sapo, clip_cov, kl_cov": "other policy_loss_types: per-token losses outside the oracle's; they "
+                                              "reduce with the same reduce_loss, drawn here with the regular loss"}),)
+
+
+def token_counts_differ(case: Any) -> bool:
+    """token_mean on a cut of two or more micro-batches (or ranks): they may hold different numbers of loss tokens."""
+    return getattr(case, "mode", None) == "token_mean" and (case.dp > 1 or case.micro_batch_size < case.per_rank)
+
+
+#: skyrl-train 0.3.1's token_mean: each micro-batch normalised by its own loss tokens
+SKYRL_STEP_RECORDS = tuple(
+    KnownFailure(invariant, "reduce_loss's token_mean divides each micro-batch's loss by its own loss tokens and the "
+                 "worker averages the micro-batches (loss / accumulation_steps), so the loss and its gradient change "
+                 "with the cut (SkyRL issue #794; fixed by PR #1296 in skyrl 0.4.0, the old behaviour kept as "
+                 "token_mean_legacy)", matches=f"in token_mean: {what}",
+                 when=When("token_mean on two or more micro-batches or ranks", token_counts_differ), certain=False)
+    for invariant, what in (("INV-STEP-003", "the micro-batches' losses"), ("INV-STEP-004", "gradient")))
+
+
+@lru_cache(maxsize=8)
+def _config(mode: str, horizon: int | None) -> Any:
+    omegaconf = importlib.import_module("omegaconf")
+    return omegaconf.OmegaConf.create({"policy_loss_type": "regular", "loss_reduction": mode, "eps_clip_low": 0.2,
+                                       "eps_clip_high": 0.2, "clip_ratio_c": 3.0, "use_tis": False,
+                                       "max_seq_len": horizon or MAX_SEQ_LEN})
+
+
+def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
+    steps = -(-int(minis[0].batch_size[0]) // plan.micro_batch_size)
+    return [{"accumulation_steps": steps, "dp_size": len(minis)} for _ in minis]
+
+
+def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
+    ppo = importlib.import_module("skyrl_train.utils.ppo_utils")
+    log_probs, real = response_view(outputs["log_probs"], mb)
+    width = log_probs.shape[1]
+    mask, old, advantages = (response_view(sequence_values(mb, key), mb, width)[0]
+                             for key in ("response_mask", "old_log_probs", "advantages"))
+    loss, _ = ppo.ppo_policy_loss(log_probs, old, advantages, _config(setting.mode, setting.horizon),
+                                  loss_mask=(mask * real).to(log_probs.dtype))
+    return loss / facts["accumulation_steps"]  # PolicyWorkerBase.forward_backward
+
+
+def skyrl_train_step_layer(load) -> StepLayer | None:
+    """skyrl-train's policy step, its loss functions imported after ``load()`` (the adapter's stubs of ray and the
+    model packages); None where they do not import."""
+    try:
+        load()
+        importlib.import_module("skyrl_train.utils.ppo_utils")
+    except ImportError:
+        return None
+    return StepLayer("skyrl-train", cuts=(Cut.COUNT,), facts=(Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
+                     losses=SKYRL_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
+                                                     "restore": concatenated},
+                     dp_sizes=(1, 2), equal_micro_batches=True)

@@ -1,0 +1,106 @@
+"""TRL 1.16's GRPO step as a step layer: every ``loss_type``'s aggregation through ``GRPOTrainer._compute_loss`` itself.
+
+TRL cuts a process's generation batch into ``steps_per_generation`` consecutive chunks of ``per_device_train_batch_size``
+samples (``split_tensor_dict``), one per gradient-accumulation step, so every micro-batch holds the same number of
+samples (a COUNT cut, equal micro-batches; ``steps_per_generation`` = ``gradient_accumulation_steps``, TRL's default).
+Each micro-batch is handed ``num_items_in_batch`` (the generation batch's loss tokens over every process:
+``accelerator.gather(loss_mask.sum()).sum()``), ``current_gradient_accumulation_steps`` and
+``accelerator.num_processes``. The loss is TRL's own ``GRPOTrainer._compute_loss``, called unbound on a trainer that
+holds only what it reads (the loss type, its clip range, the accumulation steps, ``max_completion_length``, an
+accelerator of ``dp`` processes), whose ``_get_per_token_logps_and_entropies`` returns the engine's completion
+log-probs (TRL's own preparation: the ``trl`` engine, spec/engines/trl.py), so every aggregation line that runs is
+TRL's. There is no restore: the order is kept (the micro-batches' outputs are concatenated).
+
+The loss types, as GRPOConfig documents them: ``grpo`` (each sequence's token mean, averaged over the micro-batch,
+divided by the accumulation steps: the global sequence mean, the micro-batches being equal), ``bnpo`` (the micro-batch's
+own token count: *documented* local, "normalization is performed over the local batch only"), ``dr_grpo`` (a global
+constant, ``max_completion_length`` times the samples), ``dapo`` (the token count of the global accumulated batch) and
+``luspo`` (each sequence's token sum, averaged; GSPO's sequence-level ratio, ``importance_sampling_level="sequence"``).
+``cispo``, ``sapo`` and ``vespo`` aggregate as ``dapo``, ``grpo`` and ``dapo`` do; their per-token losses (a clipped
+weight times the log-prob, a soft gate, a Gamma weight) are not among the oracle's (spec/truth/step_oracle.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+from tensordict import TensorDict
+
+from ...protocol.engine import response_view
+from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken, Scope,
+                             StepLayer, Weighting)
+from ..kit import require
+from ..kit.step import concatenated, consecutive_cut, sequence_values
+
+__all__ = ["trl_step_layer", "GRPO_LOSSES"]
+
+HOW = "pip install trl==1.16.0"
+DOCUMENTED_BNPO = ("GRPOConfig.loss_type 'bnpo': 'normalizing with the number of active token in the local batch ... "
+                   "normalization is performed over the local batch only'")
+#: max_completion_length, dr_grpo's constant
+MAX_COMPLETION_LENGTH = 16
+
+GRPO_LOSSES = (
+    LossDeclaration("grpo", PerToken.RATIO, (
+        Aggregation("grpo", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
+        Aggregation("bnpo", Weighting.TOKEN, (Divisor.TOKENS,), Scope.MICRO_BATCH, documented=DOCUMENTED_BNPO),
+        Aggregation("dr_grpo", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)),
+        Aggregation("dapo", Weighting.TOKEN, (Divisor.TOKENS,))), horizons=(MAX_COMPLETION_LENGTH,),
+        undrawn={"cispo": "dapo's aggregation; its per-token loss, -min(ratio, epsilon_high).detach() * A * log_prob, "
+                          "is not among the oracle's", "sapo": "grpo's aggregation; a soft sigmoid gate per token",
+                 "vespo": "dapo's aggregation; a Gamma weight of the sequence ratio per token"}),
+    LossDeclaration("luspo", PerToken.SEQUENCE_RATIO, (Aggregation("luspo", Weighting.TOKEN, (Divisor.SEQUENCES,)),)),
+)
+
+
+def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
+    items = sum(int(m.get("response_mask").values().sum()) for m in minis)
+    steps = -(-int(minis[0].batch_size[0]) // plan.micro_batch_size)
+    return [{"num_items_in_batch": items, "accumulation_steps": steps, "num_processes": len(minis)} for _ in minis]
+
+
+def _trainer(setting: LossSetting, facts: dict, log_probs: torch.Tensor) -> SimpleNamespace:
+    """What ``_compute_loss`` reads of its trainer (GRPOConfig's defaults otherwise)."""
+    steps = facts["accumulation_steps"]
+    identity = lambda tensor, *args, **kwargs: tensor  # noqa: E731 - one process's view of a collective
+    return SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (log_probs, torch.zeros_like(log_probs.detach()), None),
+        loss_type=setting.mode, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, top_entropy_quantile=1.0,
+        importance_sampling_level="sequence" if setting.loss == "luspo" else "token", off_policy_mask_threshold=None,
+        use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
+        _entropy_bonus_enabled=False, current_gradient_accumulation_steps=steps,
+        max_completion_length=setting.horizon or MAX_COMPLETION_LENGTH, model=SimpleNamespace(training=True),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=steps),
+        accelerator=SimpleNamespace(num_processes=facts["num_processes"], gather=identity, reduce=identity,
+                                    gather_for_metrics=identity, sync_gradients=True),
+        _metrics=defaultdict(lambda: defaultdict(list)))
+
+
+def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
+    grpo = require("trl.trainer.grpo_trainer", HOW).GRPOTrainer
+    log_probs, completion_mask = response_view(outputs["log_probs"], mb)
+    width = log_probs.shape[1]
+    padded = {key: response_view(sequence_values(mb, key), mb, width)[0]
+              for key in ("response_mask", "old_log_probs", "advantages")}
+    batch = log_probs.shape[0]
+    inputs = {"prompt_ids": torch.zeros(batch, 1, dtype=torch.int64), "prompt_mask": torch.ones(batch, 1,
+                                                                                              dtype=torch.int64),
+              "completion_ids": torch.zeros(batch, width, dtype=torch.int64),
+              "completion_mask": completion_mask.to(torch.int64), "tool_mask": padded["response_mask"].to(torch.int64),
+              "advantages": padded["advantages"], "old_per_token_logps": padded["old_log_probs"],
+              "num_items_in_batch": torch.tensor(float(facts["num_items_in_batch"]))}
+    return grpo._compute_loss(_trainer(setting, facts, log_probs), None, inputs)
+
+
+def trl_step_layer() -> StepLayer | None:
+    """TRL's GRPO step (None where TRL's GRPO trainer does not import)."""
+    try:
+        require("trl.trainer.grpo_trainer", HOW)
+    except ImportError:
+        return None
+    return StepLayer("trl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
+                     losses=GRPO_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss, "restore": concatenated},
+                     dp_sizes=(1, 2), equal_micro_batches=True)
+

@@ -1,0 +1,159 @@
+"""verl's training step (the FSDP engines' ``forward_backward_batch`` and its loss functions) as a step layer.
+
+Everything the step computes is verl's own code, imported by name: the cut is ``verl.workers.engine.utils.
+prepare_micro_batches`` (a token budget, balanced, or ``micro_batch_size_per_gpu``; the ranks agree on one count as its
+``same_micro_num_in_dp`` does); the losses are ``verl.workers.utils.losses``' ``ppo_loss`` (the actor: vanilla PPO
+clip, every ``loss_agg_mode`` of ``agg_loss``, ``loss_scale_factor`` None or 16), ``value_loss`` (the critic, every
+mode), ``verl.trainer.distillation.losses.distillation_loss`` (the supervised top-K forward KL its own processor
+computes in ``prepare_model_outputs``, every mode) and ``sft_loss`` (a token mean), each with verl's own ``FSDPActorConfig``/``FSDPCriticConfig``; the restore is
+``postprocess_batch_func``. The global facts are what ``FSDPEngine.forward_backward_batch`` assigns to the mini-batch
+before the cut (``batch_num_tokens``: ``data["loss_mask"].sum()`` all-reduced over the DP group; ``dp_size``) and what the
+trainer hands it (``global_batch_size``: ``ppo_mini_batch_size``, the samples on every rank), stated here for the
+in-process ranks (``forward_backward_batch`` itself needs an initialised process group and an FSDP module).
+
+verl 0.9.1's ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` divides by the micro-batch's padded width
+(``loss_mask.shape[-1]``), not a constant: its loss and gradient change with the cut (the records below;
+docs/findings/F24-seq-mean-token-sum-norm-width.md).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from ...protocol.known import KnownFailure, When
+from ...cases.step import step_inputs
+from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
+from ..kit import require
+from ..kit.step import agg_loss_losses, cut_with
+
+__all__ = ["verl_step_layer", "STEP_RECORDS", "width_default_applies", "a_sample_without_loss_tokens"]
+
+HOW = "pip install verl==0.9.1"
+
+
+def width_default_applies(case: Any) -> bool:
+    """seq-mean-token-sum-norm without a loss_scale_factor on a cut whose micro-batches are not all as wide as the
+    mini-batch's longest response (a micro-batch of one cut covers its own longest response only)."""
+    if getattr(case, "mode", None) != "seq-mean-token-sum-norm" or case.horizon is not None:
+        return False
+    return len(set(case.response_lens)) > 1 and (case.dp > 1 or case.cut == "tokens" or case.micro_batch_size
+                                                 < case.per_rank)
+
+
+#: verl 0.9.1's seq-mean-token-sum-norm default scale: the micro-batch's padded width
+WIDTH_RECORDS = tuple(
+    KnownFailure(invariant, "agg_loss's seq-mean-token-sum-norm without loss_scale_factor divides by "
+                 "loss_mask.shape[-1], the micro-batch's padded width, so the loss and its gradient change with the cut "
+                 "(docs/findings/F24-seq-mean-token-sum-norm-width.md)", matches=f"in seq-mean-token-sum-norm: {what}",
+                 when=When("seq-mean-token-sum-norm without loss_scale_factor, responses of different lengths cut into "
+                           "micro-batches or ranks", width_default_applies), certain=False)
+    for invariant, what in (("INV-STEP-003", "the micro-batches' losses"), ("INV-STEP-004", "gradient")))
+
+
+def a_sample_without_loss_tokens(case: Any) -> bool:
+    """A distillation step whose mini-batch holds a sample with no loss token (its response mask all 0): a micro-batch
+    of such samples only has nothing to take the min of."""
+    if getattr(case, "loss", None) != "distillation" or not case.holes:
+        return False
+    inputs = step_inputs(case)
+    valid = torch.zeros(case.batch_size).index_add_(0, inputs.sample, inputs.mask.to(torch.float32))
+    return bool((valid == 0).any())
+
+
+#: verl 0.9.1's forward_kl_topk metrics take student_mass[response_mask].min() of a micro-batch without loss tokens
+EMPTY_MICRO_BATCH_RECORDS = tuple(
+    KnownFailure(invariant, "compute_forward_kl_topk's metrics take the min of the micro-batch's masked student_mass, "
+                 "which is empty when no response token of the micro-batch counts: the step raises "
+                 "(docs/findings/F25-verl-distillation-empty-micro-batch.md; verl PR #7887, open)", raises=RuntimeError,
+                 matches=r"min\(\): Expected reduction dim", certain=False,
+                 when=When("a distillation step with a sample whose response mask is all 0", a_sample_without_loss_tokens))
+    for invariant in ("INV-STEP-001", "INV-STEP-003", "INV-STEP-004"))
+
+#: every record of verl's step
+STEP_RECORDS = WIDTH_RECORDS + EMPTY_MICRO_BATCH_RECORDS
+
+
+@lru_cache(maxsize=32)
+def _config(kind: str, mode: str, horizon: int | None) -> Any:
+    configs = require("verl.workers.config", HOW)
+    common = {"strategy": "fsdp", "ppo_mini_batch_size": 1, "ppo_micro_batch_size_per_gpu": 1, "rollout_n": 1,
+              "loss_agg_mode": mode, "loss_scale_factor": horizon}
+    if kind == "value":
+        return configs.FSDPCriticConfig(**common, cliprange_value=0.5)
+    return configs.FSDPActorConfig(**common, clip_ratio=0.2, entropy_coeff=0.0, use_kl_loss=False)
+
+
+@lru_cache(maxsize=8)
+def _distillation_config(topk: int) -> Any:
+    """verl's supervised top-K forward KL (``use_policy_gradient=False``: the KL aggregated by ``agg_loss``), its
+    per-token clamp off (``loss_max_clamp=None``, "no clamping": the default 10 is a per-token transform, not the
+    aggregation the step checks)."""
+    configs = require("verl.workers.config", HOW)
+    return configs.DistillationConfig(enabled=False, distillation_loss=configs.DistillationLossConfig(
+        loss_mode="forward_kl_topk", topk=topk, use_policy_gradient=False, loss_max_clamp=None,
+        log_prob_min_clamp=None))
+
+
+def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:  # noqa: ARG001 - the cut changes no fact
+    tokens = sum(int(m.get("loss_mask").values().sum()) for m in minis)
+    samples = sum(int(m.batch_size[0]) for m in minis)
+    return [{"batch_num_tokens": tokens, "dp_size": len(minis), "global_batch_size": samples} for _ in minis]
+
+
+def _sequence_loss_mask(mb: TensorDict) -> torch.Tensor:
+    """SFT's loss mask over each whole sequence (zeros on the prompt, the response mask on the response), as verl's SFT
+    dataset hands it: ``sft_loss`` rolls it left by one to align it with the log-probs."""
+    ids, mask = mb.get("input_ids"), mb.get("response_mask")
+    lengths, responses = ids.offsets().diff(), mask.offsets().diff()
+    rows = torch.repeat_interleave(torch.arange(lengths.numel()), responses)
+    cols = torch.arange(int(responses.sum())) - mask.offsets()[:-1][rows]
+    values = torch.zeros(int(lengths.sum()), dtype=mask.values().dtype)
+    values[(ids.offsets()[1:] - responses)[rows] + cols] = mask.values()
+    return torch.nested.nested_tensor_from_jagged(values, ids.offsets())
+
+
+def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
+    losses, tu = require("verl.workers.utils.losses", HOW), require("verl.utils.tensordict_utils", HOW)
+    data = mb.copy()
+    tu.assign_non_tensor(data, **facts)
+    if setting.loss == "sft":
+        data.set("loss_mask", _sequence_loss_mask(mb))
+        loss, _ = losses.sft_loss(_config("policy", setting.mode, setting.horizon), dict(outputs), data)
+    elif setting.loss == "value":
+        loss, _ = losses.value_loss(_config("value", setting.mode, setting.horizon), dict(outputs), data)
+    elif setting.loss == "distillation":
+        distill = require("verl.trainer.distillation.losses", HOW)
+        loss, _ = distill.distillation_loss(_config("policy", setting.mode, setting.horizon),
+                                            _distillation_config(int(mb.get("teacher_ids").values().shape[-1])),
+                                            dict(outputs), data)
+    else:
+        loss, _ = losses.ppo_loss(_config("policy", setting.mode, setting.horizon), dict(outputs), data)
+    return loss
+
+
+def _restore(output_lst: list[dict], indices, mini: TensorDict) -> dict:
+    utils = require("verl.workers.engine.utils", HOW)
+    data = mini.copy()
+    data.set_non_tensor("use_dynamic_bsz", indices is not None)
+    return utils.postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)["model_output"]
+
+
+def verl_step_layer() -> StepLayer | None:
+    """verl's step, where verl ships every loss function it declares (None otherwise: verl 0.7.1 has no
+    ``verl.trainer.distillation``; its padded path is the mask failure of issue #6278 either way)."""
+    try:
+        utils = require("verl.workers.engine.utils", HOW)
+        for module in ("verl.workers.utils.losses", "verl.trainer.distillation.losses"):
+            require(module, HOW)
+    except ImportError:
+        return None
+    return StepLayer("verl", cuts=(Cut.COUNT, Cut.TOKENS), facts=(Fact.BATCH_NUM_TOKENS, Fact.DP_SIZE,
+                                                                  Fact.GLOBAL_BATCH_SIZE),
+                     losses=agg_loss_losses(),
+                     functions={"cut": cut_with(utils.prepare_micro_batches), "facts": _facts, "loss": _loss,
+                                "restore": _restore},
+                     dp_sizes=(1, 2, 4))

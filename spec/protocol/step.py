@@ -1,0 +1,204 @@
+"""The training step in framework-neutral terms: from a trainer's mini-batch to the loss and its gradient.
+
+A step (issue 49) cuts the mini-batch over data-parallel ranks and, on each rank, into micro-batches (by a sample
+count or a token budget; ranks that need fewer micro-batches get more or padding ones so that every rank runs the
+same number); hands each micro-batch some *global facts* (the mini-batch's token count over every rank, the DP size,
+the global batch size, the accumulation steps); runs the engine's preparation and the model on it; turns the per-token
+loss into the scalar that micro-batch backpropagates; and puts the per-sample outputs back in mini-batch order.
+Gradients accumulate over a rank's micro-batches and DDP/FSDP averages them over the ranks.
+
+What a framework declares is data where it can be (:class:`StepLayer`: the cuts it allows, the facts it hands, every
+aggregation mode of every loss it offers, each as an :class:`Aggregation` formula) and its own functions where it
+must, under the neutral names of :data:`STEP_FUNCTIONS` (any framework binds its own callables to them: verl's
+``prepare_micro_batches``/``ppo_loss``/``postprocess_batch_func``, TRL's ``GRPOTrainer._compute_loss``, ...):
+
+======================= ===========================================================================================
+``cut``                 ``(minis: list[TensorDict], plan: CutPlan) -> list[(micro_batches, index lists | None)]``:
+                        every rank's mini-batch cut into its micro-batches (the ranks agree on one count)
+``facts``               ``(minis: list[TensorDict], plan: CutPlan) -> list[dict]``: per rank, the global facts its
+                        micro-batches are handed (:class:`Fact` names; what the framework all-reduces)
+``loss``                ``(outputs: dict, micro_batch: TensorDict, facts: dict, setting: LossSetting) -> 0-d tensor``:
+                        the scalar one micro-batch backpropagates, from the engine's per-token outputs (nested over
+                        the full sequences) and the micro-batch's step keys (:data:`STEP_KEYS`)
+``restore``             ``(outputs: list[dict], indices, mini: TensorDict) -> dict``: one rank's per-micro-batch
+                        outputs back in its mini-batch's sample order
+======================= ===========================================================================================
+
+The oracle (spec/truth/step_oracle.py) evaluates each :class:`Aggregation` on the uncut mini-batch in float64; the
+invariants (spec/invariants/step.py) compare the step with it over every cut the layer allows. A mode a library
+documents as local (TRL's ``bnpo``: each micro-batch normalised by its own tokens) says so (``scope=MICRO_BATCH``,
+``documented=``), and the invariant checks that documented normalisation instead. This module imports nothing of
+``spec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterable, Mapping
+
+__all__ = ["STEP_FUNCTIONS", "STEP_KEYS", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
+           "LossDeclaration", "LossSetting", "CutPlan", "StepLayer"]
+
+#: the functions a step layer offers, by neutral name (a framework binds its own callables)
+STEP_FUNCTIONS = ("cut", "facts", "loss", "restore")
+#: the per-sample step keys every micro-batch carries besides the preparation's (nested over each response):
+#: the loss mask, the old policy's log-probs, the advantages, the old values and the returns
+STEP_KEYS = ("response_mask", "old_log_probs", "advantages", "values", "returns")
+
+
+class Cut(str, Enum):
+    """How a rank's share of the mini-batch becomes micro-batches."""
+
+    COUNT = "count"  #: micro_batch_size samples each (the fixed-size path, TRL's per_device_train_batch_size)
+    TOKENS = "tokens"  #: a token budget per micro-batch (verl's use_dynamic_bsz, balanced)
+
+
+class Fact(str, Enum):
+    """A global fact a micro-batch is handed (what the framework computes over the whole mini-batch)."""
+
+    BATCH_NUM_TOKENS = "batch_num_tokens"  #: valid loss tokens of the mini-batch on every rank
+    DP_SIZE = "dp_size"  #: the data-parallel world size
+    GLOBAL_BATCH_SIZE = "global_batch_size"  #: samples of the mini-batch on every rank
+    ACCUMULATION_STEPS = "accumulation_steps"  #: micro-batches per rank (gradient accumulation)
+    RESPONSE_WIDTH = "response_width"  #: the longest response of the mini-batch on every rank (a global horizon)
+
+
+class Weighting(str, Enum):
+    """How one sequence's valid token losses enter the sum."""
+
+    TOKEN = "token"  #: each token as it is (a token sum)
+    SEQUENCE_MEAN = "sequence_mean"  #: each token divided by its sequence's valid-token count (a token mean)
+
+
+class Divisor(str, Enum):
+    """A factor of what the weighted sum is divided by."""
+
+    TOKENS = "tokens"  #: valid loss tokens (of the scope)
+    SEQUENCES = "sequences"  #: samples (of the scope)
+    HORIZON = "horizon"  #: a constant length: the mode's setting (verl's loss_scale_factor, TRL's max_completion_length)
+
+
+class Scope(str, Enum):
+    """Where a divisor is counted."""
+
+    GLOBAL = "global"  #: the whole mini-batch on every rank: the loss is the uncut mini-batch's
+    MICRO_BATCH = "micro_batch"  #: each micro-batch's own (documented local): the micro-batches' losses averaged
+
+
+class PerToken(str, Enum):
+    """The per-token loss before aggregation, as the step's inputs make it (spec/truth/step_oracle.py evaluates it)."""
+
+    RATIO = "ratio"  #: -A * exp(log_prob - old_log_prob) (PPO/GRPO inside the clip range)
+    #: -A * exp(the sequence's mean masked (log_prob - old_log_prob)) (GSPO/LUSPO's sequence-level ratio, unclipped)
+    SEQUENCE_RATIO = "sequence_ratio"
+    VALUE = "value"  #: 0.5 * (value - return)^2 (a critic inside its value clip range)
+    NLL = "nll"  #: -log_prob (SFT)
+    #: max(0, sum_j exp(p_j) (p_j - q_j)) over the teacher's top-K ids (verl's forward_kl_topk distillation, clamped at 0)
+    TOPK_FORWARD_KL = "topk_forward_kl"
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One aggregation mode: the loss is ``sum_i sum_t w_i m_it l_it / prod(divisors)``, counted over ``scope``.
+
+    ``name``: the library's own name of the mode. ``horizon``: for a :attr:`Divisor.HORIZON` mode, the setting that
+    gives the constant (None: the mini-batch's longest response, :attr:`Fact.RESPONSE_WIDTH`). ``documented``: for a
+    :attr:`Scope.MICRO_BATCH` mode, where the library documents its local normalisation."""
+
+    name: str
+    weighting: Weighting = Weighting.TOKEN
+    divisors: tuple[Divisor, ...] = (Divisor.TOKENS,)
+    scope: Scope = Scope.GLOBAL
+    documented: str = ""
+
+    def __post_init__(self) -> None:
+        if self.scope is Scope.MICRO_BATCH and not self.documented:
+            raise ValueError(f"aggregation {self.name!r}: a micro-batch (local) scope must say where the library "
+                             "documents it")
+
+
+@dataclass(frozen=True)
+class LossDeclaration:
+    """One loss a framework's step offers: its per-token form, the head it trains (``lm`` or ``value``), its
+    aggregation modes (every one the library offers), and the constant horizons it may be given."""
+
+    name: str
+    per_token: PerToken
+    modes: tuple[Aggregation, ...]
+    head: str = "lm"
+    #: horizon settings drawn for a HORIZON mode (None: the library's default)
+    horizons: tuple[int | None, ...] = (None,)
+    #: modes the library offers that the suite does not draw, each with why
+    undrawn: Mapping[str, str] = field(default_factory=dict)
+    #: the teacher's top-K the loss reads (distillation: the engine's top-K processor computes its per-token terms)
+    topk: int = 0
+
+    def mode(self, name: str) -> Aggregation:
+        for mode in self.modes:
+            if mode.name == name:
+                return mode
+        raise ValueError(f"loss {self.name!r} has no aggregation mode {name!r}; it offers "
+                         f"{[m.name for m in self.modes]}")
+
+
+@dataclass(frozen=True)
+class LossSetting:
+    """What one step computes: the loss, its aggregation mode and (a HORIZON mode) its horizon setting."""
+
+    loss: str
+    mode: str
+    horizon: int | None = None
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """How the step cuts: the DP size, the cut, its size (samples per micro-batch, or the token budget)."""
+
+    dp_size: int
+    cut: Cut
+    micro_batch_size: int = 1
+    max_token_len: int = 0
+
+
+@dataclass(frozen=True)
+class StepLayer:
+    """One framework's step: what it allows and offers (data) and its functions (:data:`STEP_FUNCTIONS`)."""
+
+    name: str
+    cuts: tuple[Cut, ...]
+    facts: tuple[Fact, ...]
+    losses: tuple[LossDeclaration, ...]
+    functions: Mapping[str, Callable[..., Any]]
+    dp_sizes: tuple[int, ...] = (1, 2)
+    #: a COUNT cut whose micro-batches must all hold the same number of samples (TRL's per-device batch)
+    equal_micro_batches: bool = False
+    #: where a rank that needs fewer micro-batches gets padding micro-batches (rather than a finer cut)
+    padding_micro_batches: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.functions) - set(STEP_FUNCTIONS)
+        if unknown:
+            raise ValueError(f"step layer {self.name!r}: unknown functions {sorted(unknown)}; known: {STEP_FUNCTIONS}")
+
+    def get(self, name: str) -> Callable[..., Any]:
+        if name not in STEP_FUNCTIONS:
+            raise ValueError(f"unknown step function {name!r}; known: {STEP_FUNCTIONS}")
+        return self.functions[name]
+
+    def lacks(self, names: Iterable[str] = STEP_FUNCTIONS) -> str | None:
+        absent = [n for n in names if n not in self.functions]
+        return None if not absent else f"{self.name}'s step layer has no {', '.join(absent)}"
+
+    def loss(self, name: str) -> LossDeclaration:
+        for loss in self.losses:
+            if loss.name == name:
+                return loss
+        raise ValueError(f"step layer {self.name!r} has no loss {name!r}; it offers {[x.name for x in self.losses]}")
+
+    def with_functions(self, name: str, **replaced: Callable[..., Any]) -> "StepLayer":
+        """The same layer with some functions replaced (planted bugs, wrappers)."""
+        for key in replaced:
+            self.get(key)
+        return StepLayer(name, self.cuts, self.facts, self.losses, {**self.functions, **replaced}, self.dp_sizes,
+                         self.equal_micro_batches, self.padding_micro_batches)

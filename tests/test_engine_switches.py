@@ -1,0 +1,75 @@
+"""Each third-party engine's own configuration switches (spec/engines/trl/config.py, spec/engines/openrlhf/config.py): declared in
+its ``config_space``, each reaches the library's code path it names, and the outputs a consumer reads are the same
+with it on as off. Where the library is installed (its CI step); the declarations everywhere."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from spec.cases import EngineCase
+from spec.execute.harness import execute
+from spec.invariants import Ctx
+from spec.run.registry import load_engine
+
+HAS = {"trl": importlib.util.find_spec("trl") is not None, "openrlhf": importlib.util.find_spec("openrlhf") is not None}
+CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, temperature=0.5, calculate_entropy=True)
+
+
+@pytest.mark.parametrize("name, switches", [
+    ("trl", {"pad_to_multiple_of", "prepacked", "model_takes_logits_to_keep", "index_k"}),
+    ("trl-fused", {"pad_to_multiple_of", "prepacked", "cast_lm_head_to_fp32"}),
+    ("openrlhf", {"action_mask", "stack"})])
+def test_switches_are_declared(name, switches) -> None:
+    assert {switch.name for switch in load_engine(name).config_space()} == switches
+
+
+def _read(engine, case, at: list) -> dict[str, list[float]]:
+    """Each output of ``case``'s run at the positions ``at`` of each sequence."""
+    return {key: torch.cat([seq[where] for seq, where in zip(value.unbind(), at)]).tolist()
+            for key, value in execute(engine, case).outputs.items()}
+
+
+def _same_as_off(name: str, config: tuple, packed: bool) -> None:
+    """With the switch on, the outputs at the positions a consumer reads (the engine's span with it on) are those
+    of the run with it off."""
+    engine = load_engine(name)
+    on, off = CASE.with_(use_remove_padding=packed, engine_config=config), CASE.with_(use_remove_padding=packed)
+    at = Ctx(engine, on, "cpu", on.mode).read
+    got, want = _read(engine, on, at), _read(engine, off, at)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.allclose(torch.tensor(got[key]), torch.tensor(want[key]), atol=1e-5), (key, config)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.parametrize("name, config, packed", [
+    ("trl", (("pad_to_multiple_of", 8),), True), ("trl", (("prepacked", True),), True),
+    ("trl", (("model_takes_logits_to_keep", True),), False), ("trl", (("index_k", 2),), False),
+    ("trl-fused", (("cast_lm_head_to_fp32", True),), True), ("trl-fused", (("pad_to_multiple_of", 8),), True)])
+def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> None:
+    _same_as_off(name, config, packed)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+def test_trl_padding_free_row_padded_to_a_multiple() -> None:
+    run = execute(load_engine("trl"), CASE.with_(engine_config=(("pad_to_multiple_of", 8),)))
+    assert run.inputs[0]["input_ids"].shape[-1] == 16 and run.inputs[0]["position_ids"][0, 12:].tolist() == [0] * 4
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.parametrize("config", [(("action_mask", True),), (("stack", False),)])
+@pytest.mark.parametrize("packed", [True, False])
+def test_openrlhf_switches_change_the_path_not_the_outputs(config, packed) -> None:
+    _same_as_off("openrlhf", config, packed)
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+def test_openrlhf_action_mask_scores_the_response_only() -> None:
+    engine = load_engine("openrlhf")
+    case = CASE.with_(engine_config=(("action_mask", True),))
+    log_probs = execute(engine, case).outputs["log_probs"].unbind()
+    assert [seq[: p - 1].abs().sum().item() for seq, p in zip(log_probs, case.prompt_lens)] == [0.0, 0.0, 0.0]
+    assert engine.output_span_of(case).value == "response" and engine.output_span_of(CASE).value == "sequence"
