@@ -1,9 +1,10 @@
 """Known-failure records of SkyRL (engines ``skyrl-train`` 0.3.1 and ``skyrl`` 0.4.0); docs/engines/skyrl.md and
 docs/findings/F22, F23 reproduce the library's in plain torch.
 
-``RECORDS`` are the library's (real differences from the contract), nothing else: a text-only engine is never drawn
-mRoPE positions (its profile's ``positions``), and verl's int32 mask and untouched logits are verl's conventions
-(docs/contract.md), asserted of no SkyRL engine.
+``RECORDS`` are the library's (real differences from the contract), nothing else: 0.3.1, text only, is never drawn
+mRoPE positions and 0.4.0's VLM is drawn them (and its images) padded only, where it takes them (their profiles'
+``positions``, ``mrope_modes``); verl's int32 mask and untouched logits are verl's conventions (docs/contract.md),
+asserted of no SkyRL engine.
 """
 
 from __future__ import annotations
