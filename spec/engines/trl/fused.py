@@ -66,3 +66,9 @@ class TrlFusedEngine(TrlEngine):
 
     def config_space(self):
         return FUSED_SWITCHES
+
+    def step_layer(self):
+        """None: GRPO's step is declared for ``trl`` (the same _compute_loss on the same log-probs); the step driver
+        hands a logits model's output, not the fused-head protocol's hidden states (INV-STEP-* raised
+        AttributeError 'hidden_states' here), as verl-veomni declares no step beside verl's."""
+        return None
