@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
+from spec.cases.materialize import draws
+from spec.cases.structure import Media
 from spec.run.registry import ENGINES, load_engine
-from spec.execute.harness import execute
+from spec.execute.harness import execute, model_for
+from spec.truth.oracle import expected
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.engines.openrlhf import records as openrlhf_records
@@ -71,3 +74,38 @@ def test_openrlhf_forward_runs_on_right_padded_rows_and_agrees_across_modes() ->
     for key, values in _values(packed).items():
         kept = [i for i in range(len(values)) if i not in ends]
         assert torch.allclose(torch.tensor(values)[kept], torch.tensor(_values(run)[key])[kept], atol=1e-5), key
+
+
+#: a vision-language micro-batch (padded): sample 0 an image of 2 x 4 patches (2 tokens) after one text token, sample 1
+#: text only
+VLM_CASE = EngineCase(prompt_lens=(4, 2), response_lens=(2, 1), vocab=16, mrope=True, use_remove_padding=False,
+                      calculate_entropy=True, media=((Media("image", 1, 2, 4, 1),), ()))
+
+
+def _oracle_log_probs(engine, case, run) -> None:
+    want = expected(case, model_for(case, "cpu", engine), draws(case)).log_probs
+    got = run.outputs["log_probs"].unbind()
+    for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
+        cols = torch.arange(p - 1, p + r - 1)
+        assert torch.allclose(got[i][cols].double(), want[i][cols], atol=1e-5), i
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (tox -e trl-openrlhf)")
+def test_grpo_hands_the_backbone_the_batch_images() -> None:
+    engine = load_engine("trl-fused")
+    run = execute(engine, VLM_CASE)
+    inputs, media = run.inputs[0], draws(VLM_CASE).media_inputs()
+    assert torch.equal(inputs["pixel_values"], media["pixel_values"]) and inputs["image_grid_thw"].tolist() == [[1, 2, 4]]
+    # the processor's token types, prompts left-padded to 4, extended with zeros over the completions (width 2)
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    _oracle_log_probs(engine, VLM_CASE, run)
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (tox -e trl-openrlhf)")
+def test_openrlhf_merges_each_experience_sample_images() -> None:
+    engine = load_engine("openrlhf")
+    run = execute(engine, VLM_CASE)
+    inputs, media = run.inputs[0], draws(VLM_CASE).media_inputs()
+    assert torch.equal(inputs["pixel_values"], media["pixel_values"]) and inputs["position_ids"].shape == (4, 2, 6)
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    _oracle_log_probs(engine, VLM_CASE, run)

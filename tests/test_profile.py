@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from spec.cases import EngineCase
+from spec.cases.structure import Media
 from spec.cases.microbatch import minibatch_cases
 from spec.cases.strategies import engine_cases, profile_draws, within_limits
 from spec.execute.attribution import AttributedEngine
@@ -20,7 +21,7 @@ from spec.protocol.engine import EngineUnderTest
 from spec.protocol.profile import layout_starts, token_columns
 from spec.run import profiles  # noqa: F401 - registers the hypothesis profiles ("dev")
 from spec.run.registry import load_engine
-from spec.run.runner import _seed_examples, run_invariant
+from spec.run.runner import _seed_examples, run_invariant, skip_reason
 from spec.truth.rules import layout_columns, layout_mask, layout_width, padded_length
 
 ENGINES = "tests.profile_engines"
@@ -65,7 +66,10 @@ def drawn(strategy, n: int = 60) -> list:
 
 def test_profile_rejects_what_it_cannot_mean() -> None:
     for bad in ({"modes": ("ragged",)}, {"modes": ()}, {"positions": ("alibi",)}, {"positions": ()},
-                {"contexts": ("autocast_fp8",)}, {"padded_layouts": ("middle",)}, {"tail_multiple": 0}):
+                {"contexts": ("autocast_fp8",)}, {"padded_layouts": ("middle",)}, {"tail_multiple": 0},
+                {"media": ("image",), "media_modes": ()}, {"media_modes": ("ragged",)},
+                {"modes": ("packed",), "media": ("image",), "media_modes": ("padded",)},
+                {"modes": ("packed",), "mrope_modes": ("padded",)}):
         with pytest.raises(ValueError):
             EngineProfile(**bad)
     assert EngineProfile(padded_layouts=("left",)).padded_layout is PaddedLayout.LEFT
@@ -264,3 +268,38 @@ def test_bfloat16_arithmetic_passes_under_autocast_only() -> None:
     check(engine("Bf16UnderAutocast"), "INV-VAL-002", case.with_(context="autocast_bf16"))
     with pytest.raises(AssertionError, match="log_probs"):
         check(engine("Bf16Undeclared"), "INV-VAL-001", case)
+
+
+# -- media and mRoPE in some modes only -----------------------------------------------------------------------------
+
+PADDED_MEDIA = EngineProfile(media=("image",), media_modes=("padded",))
+PADDED_MROPE = EngineProfile(media=("image",), mrope_modes=("padded",))
+
+
+@pytest.mark.parametrize("profile", [PADDED_MEDIA, PADDED_MROPE], ids=["media_modes", "mrope_modes"])
+def test_media_are_drawn_only_in_the_modes_the_profile_lists(profile) -> None:
+    draws = profile_draws(profile)
+    padded = drawn(engine_cases(mode="padded", **draws), 80)
+    assert any(c.media for c in padded) and {i.kind for c in padded for items in c.media for i in items} == {"image"}
+    for mode in ("packed", None):  # a packed target, and one that may compare both modes
+        cases = drawn(engine_cases(mode=mode, **draws), 80)
+        assert not any(c.media for c in cases), mode
+        assert any(c.mrope for c in cases) is (profile is PADDED_MEDIA), mode  # mRoPE alone: where mrope_modes say
+    limits = {k: v for k, v in draws.items() if k != "modes"}
+    media_case = next(c for c in padded if c.media)
+    assert within_limits(media_case, **limits) and not within_limits(media_case.with_(use_remove_padding=True), **limits)
+
+
+def test_an_invariant_on_media_skips_the_modes_without_them() -> None:
+    eng = engine("TextOnly")
+    eng.profile = EngineProfile(positions=("rope", "mrope"), media=("image",), media_modes=("padded",))
+    assert "media_modes" in skip_reason(CATALOGUE["INV-MM-001"], eng, "cpu", "packed")
+    assert skip_reason(CATALOGUE["INV-MM-001"], eng, "cpu", "padded") is None
+    assert skip_reason(CATALOGUE["INV-VAL-001"], eng, "cpu", "packed") is None  # text cases still run packed
+    video = EngineCase(prompt_lens=(4, 2), response_lens=(1, 1), vocab=16, mrope=True, use_remove_padding=False,
+                       media=((Media("image", 1, 2, 2, 0), Media("video", 2, 2, 2, 0)), ()))
+    kept = honour_engine(video, eng)
+    assert kept.media == ((Media("image", 1, 2, 2, 0),), ()) and kept.prompt_lens == video.prompt_lens
+    pinned = [c for c in _seed_examples(CATALOGUE["INV-VAL-001"], "padded", eng) if c.media]  # the reach case's images
+    assert pinned and {i.kind for c in pinned for items in c.media for i in items} == {"image"}
+    assert not any(c.media for c in _seed_examples(CATALOGUE["INV-VAL-001"], "packed", eng))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
+from spec.cases.structure import Media
 from spec.cases.materialize import draws
 from spec.engines.skyrl import records as skyrl_records
 from spec.engines.kit.hf_batch import left_aligned
@@ -33,7 +34,33 @@ MASKS = {"skyrl-train": [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], "skyrl": [[1, 1, 1, 
 def test_registered() -> None:
     for name in ("skyrl-train", "skyrl"):
         assert name in ENGINES and load_engine(name).name == name
-        assert load_engine(name).profile.positions == ("rope",)
+    assert load_engine("skyrl-train").profile.positions == ("rope",)  # 0.3.1: no vision path
+    new = load_engine("skyrl").profile  # 0.4.0: its VLM (mRoPE, images) refuses packing
+    assert (new.positions, new.media, new.mrope_modes) == (("rope", "mrope"), ("image",), ("padded",))
+
+
+#: a vision-language micro-batch: sample 0 an image of 2 x 4 patches (2 tokens) after one text token, sample 1 text only
+VLM_CASE = EngineCase(prompt_lens=(4, 2), response_lens=(2, 1), vocab=16, mrope=True, use_remove_padding=False,
+                      calculate_entropy=True, media=((Media("image", 1, 2, 4, 1),), ()))
+
+
+def test_the_vlm_path_takes_the_images_as_skyrl_hands_them() -> None:
+    if not HAS["skyrl"]:
+        pytest.skip("skyrl is not installed (.ci/steps/engines-skyrl.sh)")
+    engine = load_engine("skyrl")
+    run = execute(engine, VLM_CASE)
+    inputs, media = run.inputs[0], draws(VLM_CASE).media_inputs()
+    # forward concatenated the per-sample TensorLists (sample 1's an empty placeholder) and marked the image tokens
+    assert torch.equal(inputs["pixel_values"], media["pixel_values"])
+    assert torch.equal(inputs["image_grid_thw"], media["image_grid_thw"])
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert inputs["position_ids"].shape == (4, 2, 6)  # the VLM's own positions, in SkyRL's left-padded rows
+    want = expected(VLM_CASE, model_for(VLM_CASE, "cpu", engine), draws(VLM_CASE))
+    for key in ("log_probs", "entropy"):
+        got = run.outputs[key].unbind()
+        for i, (p, r) in enumerate(zip(VLM_CASE.prompt_lens, VLM_CASE.response_lens)):
+            cols = torch.arange(p - 1, p + r - 1)
+            assert torch.allclose(got[i][cols].double(), want.__dict__[key][i][cols], atol=1e-5), (key, i)
 
 
 def test_known_failures_are_precise_documented_records() -> None:

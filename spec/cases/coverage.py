@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..protocol.engine import Feature
-from ..protocol.profile import profile_of
+from ..protocol.profile import MODES, profile_of
 from .microbatch import MiniBatchCase
 from .structure import (CONTEXTS, EXECUTION_CONTEXTS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase)
@@ -219,7 +219,12 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
                     for v in values}
 
     def pair_reason(pair: str) -> str | None:
-        return next((feature_is_not.get(f) or lacks(FEATURES[f][1]) for f in pair.split(" x ")
+        features = pair.split(" x ")
+        mode = next((m for m in MODES if m in features), None)
+        if "mRoPE" in features and mode is not None and mode not in profile.mrope_modes:  # a VLM that refuses packing
+            return (f"the engine takes mRoPE positions in the {' and '.join(profile.mrope_modes)} mode only (its "
+                    f"profile: mrope_modes={profile.mrope_modes!r})")
+        return next((feature_is_not.get(f) or lacks(FEATURES[f][1]) for f in features
                      if feature_is_not.get(f) or (FEATURES[f][1] is not None and lacks(FEATURES[f][1]))), None)
 
     out["feature pair"] = {pair: pair_reason(pair) for pair in PAIRS}

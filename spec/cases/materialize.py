@@ -8,9 +8,10 @@ from enum import Enum
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from .media import MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
+from .media import MEDIA_TOKEN_FLAGS, MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
 from .structure import DenseCase, EngineCase
 from ..truth.rules import offsets as _offsets
+from ..truth.vision import media_token_ids
 
 __all__ = ["jagged", "draws", "Draws", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
@@ -127,6 +128,8 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if d.media is not None:
         td.set(MULTI_MODAL_KEY, media_stack(d.media, case))
+        for key, token_id in zip(MEDIA_TOKEN_FLAGS, media_token_ids(case.vocab)):
+            td.set_non_tensor(key, token_id)  # the model config's, beside the batch (docs/contract.md)
     if not case.per_sample_temperature:
         td.set_non_tensor("temperature", float(case.temperature))
     flags = {
@@ -184,8 +187,9 @@ def materialize_dense(case: DenseCase, device: torch.device | str = "cpu") -> Te
     attn = ((cols >= pw - plen) & (cols < pw + rlen)).to(torch.int64)
     # real tokens over [0, V): some equal the pad id; eos (= pad) ends each response when asked
     input_ids = torch.randint(0, case.vocab, (batch, seq), generator=gen)
-    if case.eos_is_pad:
-        input_ids[torch.arange(batch), pw + rlen.squeeze(1) - 1] = case.pad_token_id
+    if case.eos_is_pad:  # (an aborted rollout's empty response has none)
+        ends = rlen.squeeze(1) > 0
+        input_ids[torch.arange(batch)[ends], pw + rlen.squeeze(1)[ends] - 1] = case.pad_token_id
     input_ids = input_ids.masked_fill(attn == 0, case.pad_token_id)
     response_mask = attn[:, pw:].clone()
     if case.mask_holes:

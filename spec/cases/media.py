@@ -17,10 +17,14 @@ from ..truth.rules import offsets as _offsets
 from ..truth.vision import MEDIA_KEYS, MIN_MEDIA_VOCAB, PATCH_DIM, media_token_ids, rope_index
 from .structure import EngineCase, Media
 
-__all__ = ["MediaDraws", "draw_media", "media_stack", "MULTI_MODAL_KEY", "with_media", "fitted_media"]
+__all__ = ["MediaDraws", "draw_media", "media_stack", "MULTI_MODAL_KEY", "MEDIA_TOKEN_FLAGS", "with_media",
+           "fitted_media"]
 
 #: the micro-batch key of the per-sample media dicts (verl's)
 MULTI_MODAL_KEY = "multi_modal_inputs"
+#: the flags a media micro-batch carries beside it: the model config's image and video token ids (a Hugging Face
+#: vision-language config's names), which a library that marks the media tokens itself reads from its model's config
+MEDIA_TOKEN_FLAGS = ("image_token_id", "video_token_id")
 
 
 @dataclass(frozen=True)

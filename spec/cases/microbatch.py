@@ -29,7 +29,7 @@ from tensordict import NonTensorStack, TensorDict
 from ..protocol.profile import POSITIONS
 from .materialize import PadMode, jagged, materialize
 from .media import fitted_media
-from .strategies import router_replay, seq_lengths
+from .strategies import ABORTED_ONE_IN, router_replay, seq_lengths, with_aborted_response
 from .structure import CONTEXTS, EngineCase, SampleLengths
 
 __all__ = ["MiniBatchCase", "minibatch_cases", "materialize_minibatch", "STYLES", "MB_TIERS", "runs"]
@@ -457,6 +457,8 @@ def minibatch_cases(draw, *, dynamic: bool | None = None, allow_over: bool = Fal
                          context=draw(st.sampled_from(CONTEXTS)))  # drawn last: shrinks to grad
     if partitions and case.batch_size % case.k_partitions == 0:
         case = case.with_(equal_size=draw(st.booleans()))
+    if case.plan is None and case.style in ("free", "rl"):  # lengths drawn one by one: an aborted rollout among them
+        case = with_aborted_response(case, draw(st.integers(0, ABORTED_ONE_IN - 1)))
     if dynamic and not refusals and not case.over_budget and any(
             case.rank_case(r).count_feasible() is not True for r in range(case.world)):
         case = case.with_(num_batches_divided_by=None, min_num_micro_batch=None)

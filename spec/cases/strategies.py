@@ -24,6 +24,8 @@ proportionally more. Logits come in float32, bfloat16 or float16; temperatures a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from ..protocol.profile import POSITIONS, EngineProfile
@@ -33,7 +35,7 @@ from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, RO
 
 __all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
-           "draw_mrope", "media_items", "MEDIA_TIERS"]
+           "draw_mrope", "media_items", "MEDIA_TIERS", "with_aborted_response", "ABORTED_ONE_IN"]
 
 MODES = ("packed", "padded")
 TIERS = ("small", "long", "wide", "batch")
@@ -157,7 +159,8 @@ def profile_draws(profile: EngineProfile) -> dict:
     """The ``engine_cases`` keyword arguments an engine's profile sets: the modes, position kinds, media and
     execution contexts drawn are exactly those it declares."""
     return {"modes": tuple(profile.modes), "positions": tuple(profile.positions), "contexts": tuple(profile.contexts),
-            "media": tuple(profile.media)}
+            "media": tuple(profile.media), "media_modes": tuple(profile.media_modes),
+            "mrope_modes": tuple(profile.mrope_modes)}
 
 
 #: the size tiers that draw media (their sequences stay short; the wide and long tiers bound n x V)
@@ -193,10 +196,14 @@ def media_items(draw, prompt_lens: tuple[int, ...], kinds: tuple[str, ...]) -> t
     return tuple(media)
 
 
-def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str) -> EngineCase:
+def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str, media_modes: tuple[str, ...] = MODES,
+                pinned: bool = True) -> EngineCase:
     """``case`` with images/videos in two cases in three of those that can carry them (mRoPE positions, a vocabulary
-    with media ids, a short tier: a drawn key's residue, shrinking to none), the prompts lengthened by their tokens."""
-    if not kinds or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
+    with media ids, a short tier, a mode the engine takes media in: ``media_modes``, both of them where the target
+    left the mode to the draw (``pinned`` False: it may compare the two); a drawn key's residue, shrinking to none), the
+    prompts lengthened by their tokens."""
+    in_mode = case.mode in media_modes if pinned else set(MODES) <= set(media_modes)
+    if not kinds or not in_mode or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
             draw(st.integers(0, 2 ** 16 - 1)) % 3 == 0:
         return case
     media = draw(media_items(case.prompt_lens, kinds))
@@ -224,6 +231,9 @@ def within_limits(case: EngineCase, **limits) -> bool:
         return False
     if not {item.kind for items in case.media for item in items} <= set(limits.get("media", ())):
         return False
+    if case.media and case.mode not in limits.get("media_modes", MODES) or \
+            case.mrope and case.mode not in limits.get("mrope_modes", MODES):
+        return False
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
         return False
@@ -241,7 +251,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  logits_dtypes: tuple[str, ...] = LOGITS_DTYPES,
                  contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
                  modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
-                 media: tuple[str, ...] = ()) -> EngineCase:
+                 media: tuple[str, ...] = (), media_modes: tuple[str, ...] = MODES,
+                 mrope_modes: tuple[str, ...] = MODES) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -259,7 +270,9 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
-    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was.
+    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was; only in
+    ``media_modes`` (the profile's: a target that leaves the mode to the draw gets media only if both are listed);
+    mRoPE positions likewise only in ``mrope_modes``.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail
     (a static bucket, else sequence parallelism, as the engine allows; then no distillation).
     """
@@ -332,7 +345,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         prompt_lens=prompts, response_lens=responses,
         vocab=vocab,
         temperature=temperature,
-        mrope=draw_mrope(draw, positions),
+        mrope=draw_mrope(draw, positions) and (packed and "packed" in mrope_modes or not packed and "padded" in mrope_modes
+                                               if mode is not None else set(MODES) <= set(mrope_modes)),
         use_remove_padding=packed,
         calculate_entropy=head == "lm" and draw(st.booleans()),
         calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),
@@ -354,7 +368,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         context=draw(st.sampled_from(contexts)),
         engine_config=_engine_config(draw, config_space, head),
     )
-    return _with_media(draw, case, media, tier)
+    return _with_media(draw, case, media, tier, media_modes, pinned=mode is not None)
 
 
 def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:
@@ -380,7 +394,8 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
 
     Token ids are uniform over [0, V) (so real tokens equal the pad id), some cases end every
     response with eos = pad, vocabularies reach 256,000 ids and batches 64 rows; router-replay tensors of 1-512 experts,
-    1-4 MoE layers, top-1 to top-8, in int64/int32/int16/uint8."""
+    1-4 MoE layers, top-1 to top-8, in int64/int32/int16/uint8; one batch in six an aborted rollout's empty response
+    (drawn last: :func:`with_aborted_response`)."""
     _check_bounds(max_batch=max_batch, max_len=max_len)
     tier = draw(_tier()) if allow_large else "small"
     batch = draw(st.integers(8, 64)) if tier == "batch" else draw(st.integers(1, max_batch))
@@ -392,7 +407,7 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
     with_topk = draw(st.booleans()) if topk is None else topk
     with_experts = draw(st.booleans()) if routed_experts is None else routed_experts
     (experts, layers, top_k), routed_dtype = draw(router_replay()) if with_experts else ((0, 2, 2), "int64")
-    return DenseCase(
+    case = DenseCase(
         prompt_lens=prompts, response_lens=responses,
         prompt_width=max(prompts) + draw(st.integers(0, 2)),
         response_width=max(responses) + draw(st.integers(0, 2)),
@@ -405,3 +420,18 @@ def dense_cases(draw, *, max_batch: int = 5, max_len: int = 8, allow_large: bool
         eos_is_pad=draw(st.booleans()),
         routed_experts=experts, routed_layers=layers, routed_topk=top_k, routed_dtype=routed_dtype,
     )
+    return with_aborted_response(case, draw(st.integers(0, ABORTED_ONE_IN - 1)))
+
+
+#: one drawn batch in this many (of two samples or more) holds an aborted rollout: a zero-length response
+ABORTED_ONE_IN = 6
+
+
+def with_aborted_response(case, key: int):
+    """``case`` (a dense or a mini-batch case) with the response of sample ``seed mod B`` empty (an aborted rollout,
+    docs/contract.md "Degenerate lengths") when the drawn ``key`` is the last of :data:`ABORTED_ONE_IN` (shrinking to
+    none) and there are two samples or more; its widths stay."""
+    if key != ABORTED_ONE_IN - 1 or case.batch_size < 2:
+        return case
+    i = int(case.seed) % case.batch_size
+    return replace(case, response_lens=case.response_lens[:i] + (0,) + case.response_lens[i + 1:])

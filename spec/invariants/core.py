@@ -141,8 +141,12 @@ def convention_skip(info: InvariantInfo, engine: EngineUnderTest) -> str | None:
 def mode_reason(info: InvariantInfo, engine: EngineUnderTest, mode: str) -> str | None:
     """Why ``info``'s target in ``mode`` does not apply to ``engine``: a mode its profile does not run (a
     ``both`` target compares the two modes; an ``any`` target runs in a mode the engine has). A skip with the
-    profile's reason, never the engine's failure."""
-    return profile_of(engine).mode_reason(mode) if mode in ("packed", "padded", "both") else None
+    profile's reason, never the engine's failure; so is a mode an invariant on images and videos has no media in
+    (the profile's ``media_modes``)."""
+    if mode not in ("packed", "padded", "both"):
+        return None
+    profile = profile_of(engine)
+    return profile.mode_reason(mode) or (profile.media_mode_reason(mode) if "media" in info.needs else None)
 
 
 def shares_one_temperature(engine: EngineUnderTest) -> bool:
@@ -169,9 +173,11 @@ def honour_engine(case: EngineCase, engine: EngineUnderTest) -> EngineCase:
 def within_profile(case: Any, profile: EngineProfile) -> Any:
     """``case`` moved into what ``profile`` accepts where an invariant's ``adjust`` or a pinned example asks what
     the engine does not take: its mode (packed-only settings dropped for the padded mode), its position kind, its
-    execution context (the profile's first). The strategies draw nothing else (:func:`profile_draws`); a case
+    execution context (the profile's first), media of a kind it does not take (their tokens left as text). The strategies draw nothing else (:func:`profile_draws`); a case
     already inside the profile is returned as it is."""
     mrope = getattr(case, "mrope", None)
+    if mrope and isinstance(case, EngineCase) and case.mode not in profile.mrope_modes:
+        case, mrope = case.with_(mrope=False), False
     if mrope is not None and ("mrope" if mrope else "rope") not in profile.positions:
         case = case.with_(mrope=not mrope) if isinstance(case, EngineCase) else replace(case, mrope=not mrope)
     if not isinstance(case, EngineCase):
@@ -182,6 +188,15 @@ def within_profile(case: Any, profile: EngineProfile) -> Any:
             use_remove_padding=False, sp_size=1, topology=None, pad_to_length=None, pass_cu_seqlens=False)
     if case.context not in profile.contexts:
         case = case.with_(context=profile.contexts[0])
+    return media_within_profile(case, profile)
+
+
+def media_within_profile(case: EngineCase, profile: EngineProfile) -> EngineCase:
+    """``case`` without the media items of a kind ``profile`` does not list (their tokens stay, as text): an image-only
+    engine gets a pinned or adjusted case's images, not its videos."""
+    if any(item.kind not in profile.media for items in case.media for item in items):
+        media = tuple(tuple(item for item in items if item.kind in profile.media) for items in case.media)
+        case = case.with_(media=media if any(media) else ())
     return case
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..cases.materialize import draws
 from ..cases.media import with_media
+from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES
 from ..protocol.profile import MEDIA_INPUT_KEYS
 from ..truth.vision import media_token_ids
 from .core import Ctx, fail, invariant, match_oracle
@@ -36,9 +37,23 @@ def _joined_ids(ctx: Ctx) -> torch.Tensor:
            protects="each image's features reach its own image tokens, in order (verl #1623/#3315: keys lost or "
            "left on the host)", adjust=with_media, needs=_MEDIA)
 def media_handed(ctx: Ctx) -> None:
+    """Where the engine also hands marks of the media tokens (``mm_token_type_ids``, which a transformers-5 model
+    computes its mRoPE positions from; VeOmni's ``image_mask``/``video_mask``, where its models place the features),
+    they mark exactly the image (1) and video (2) tokens of the ids handed beside them."""
     want = draws(ctx.case).media_inputs()
+    image_id, video_id = media_token_ids(ctx.case.vocab)
     for rank, view in enumerate(ctx.inputs_run.views):
-        got = view.media
+        got = {key: value for key, value in view.media.items() if key not in MEDIA_TOKEN_MARKS}
+        ids = view.input_ids.detach().cpu()
+        marks = {MEDIA_TOKEN_TYPES: (ids == image_id).long() + 2 * (ids == video_id).long(),
+                 "image_mask": (ids == image_id).long(), "video_mask": (ids == video_id).long()}
+        for key in set(view.media) & set(marks):
+            have, expected = view.media[key].detach().cpu(), marks[key]
+            if tuple(have.shape) != tuple(expected.shape) or not torch.equal(have.long(), expected):
+                wrong = int((have.long() != expected).sum()) if have.shape == expected.shape else -1
+                fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} does not mark the image and video tokens of "
+                     f"the input_ids {tuple(ids.shape)} handed beside it ({wrong} positions differ; -1: the shapes "
+                     "differ)", key=key)
         if set(got) != set(want):
             fail(f"rank {rank}: the model is handed media keys {sorted(got)}, the micro-batch's samples carry "
                  f"{sorted(want)}", key=sorted(set(got) ^ set(want))[0])

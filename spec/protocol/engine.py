@@ -31,7 +31,7 @@ from .vendor import source
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
-           "ReproSnippet", "verl_fsdp_view", "media_view", "HELPERS",
+           "ReproSnippet", "verl_fsdp_view", "media_view", "MEDIA_TOKEN_TYPES", "MEDIA_TOKEN_MARKS", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
            "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
 
@@ -100,7 +100,8 @@ class InputsView:
     * ``model_temperature`` / ``model_labels`` / ``return_dict``: what a fused-kernel model is handed (one
       float temperature, the labels it scores as ``(1, n)``, whether it returns a dict).
     * ``media``: the images' and videos' features and grids handed to the model, by the model's key names
-      (``spec.protocol.profile.MEDIA_INPUT_KEYS``: ``pixel_values``, ``image_grid_thw``, ...); empty for none.
+      (``spec.protocol.profile.MEDIA_INPUT_KEYS``: ``pixel_values``, ``image_grid_thw``, ...) and the token types
+      marks where handed (:data:`MEDIA_TOKEN_MARKS`); empty for none.
     """
 
     input_ids: torch.Tensor
@@ -135,11 +136,20 @@ def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, An
                       return_dict=model_inputs.get("return_dict"), media=media_view(model_inputs))
 
 
+#: the model inputs that mark the media tokens of the ids: ``mm_token_type_ids`` each token text (0), image (1) or video
+#: (2), which a Hugging Face vision-language model of transformers 5 computes its mRoPE positions from (Qwen2-VL's
+#: ``get_rope_index``; handed by TRL's GRPO from the processor, by OpenRLHF's and SkyRL's forward from the ids); VeOmni's
+#: ``image_mask`` / ``video_mask``, where its VL models place the features
+MEDIA_TOKEN_TYPES = "mm_token_type_ids"
+MEDIA_TOKEN_MARKS = (MEDIA_TOKEN_TYPES, "image_mask", "video_mask")
+
+
 def media_view(model_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`) as ``model_inputs`` hands them
-    (an engine's convention of the Hugging Face model's keyword arguments: verl's, TRL's, OpenRLHF's, SkyRL's)."""
-    return {key: model_inputs[key] for pair in MEDIA_INPUT_KEYS.values() for key in pair
-            if model_inputs.get(key) is not None}
+    """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`, and :data:`MEDIA_TOKEN_MARKS`)
+    as ``model_inputs`` hands them (an engine's convention of the Hugging Face model's keyword arguments: verl's,
+    TRL's, OpenRLHF's, SkyRL's)."""
+    return {key: model_inputs[key] for key in (*(k for pair in MEDIA_INPUT_KEYS.values() for k in pair),
+                                               *MEDIA_TOKEN_MARKS) if model_inputs.get(key) is not None}
 
 
 @dataclass(frozen=True)

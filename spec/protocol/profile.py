@@ -12,6 +12,11 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``media``: the media kinds (``"image"``, ``"video"``) the engine hands its model from a micro-batch's
   ``multi_modal_inputs`` (docs/contract.md, "Images and videos"); the strategies draw media cases (mRoPE positions
   from the grids, features per sample) only for these; default none;
+* ``media_modes``: the modes in which it takes them (default both; a library that refuses to pack a vision-language
+  batch, as TRL's trainers do, lists ``("padded",)``): media cases are drawn only in these, and a target comparing
+  both modes draws none unless both are listed;
+* ``mrope_modes``: the same for mRoPE positions (default both; SkyRL's vision-language model, the only one of its
+  models taking mRoPE positions, refuses packing: ``("padded",)``);
 * ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule); the
   packed invariants read the tail as padding (:func:`spec.truth.rules.padded_length`);
 * ``contexts``: the execution contexts its callers run the preparation in (:data:`CONTEXTS`: the autograd modes,
@@ -253,6 +258,8 @@ class EngineProfile:
     padded_layouts: tuple[PaddedLayout, ...] = (PaddedLayout.RIGHT,)
     positions: tuple[str, ...] = POSITIONS
     media: tuple[str, ...] = ()
+    media_modes: tuple[str, ...] = MODES
+    mrope_modes: tuple[str, ...] = MODES
     tail_multiple: int | None = None
     contexts: tuple[str, ...] = AUTOGRAD_CONTEXTS
     conventions: frozenset[Convention] = frozenset()
@@ -282,6 +289,11 @@ class EngineProfile:
         for kind in self.media:
             if kind not in MEDIA:
                 raise ValueError(f"profile media: unknown kind {kind!r}; kinds: {MEDIA}")
+        for name, kind in (("media_modes", self.media), ("mrope_modes", "mrope" in self.positions)):
+            value = getattr(self, name)
+            if kind and not set(value) & set(self.modes) or not set(value) <= set(MODES):
+                raise ValueError(f"profile {name} {value!r}: modes of {MODES}, one of them among the engine's modes "
+                                 f"{self.modes!r}")
         if self.media and "mrope" not in self.positions:
             raise ValueError("profile media: a vision-language engine takes mRoPE positions (positions has no 'mrope')")
         if not self.padded_layouts:
@@ -336,6 +348,18 @@ class EngineProfile:
         if kind in self.media:
             return None
         return (f"the engine hands its model no {kind}s from multi_modal_inputs (its profile: media={self.media!r})")
+
+    def media_mode_reason(self, mode: str) -> str | None:
+        """Why a target of ``mode`` (``packed``, ``padded``, ``both``: one comparing the two) draws no images or
+        videos, or None (an engine without media: :meth:`media_reason`)."""
+        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        allowed = [m for m in self.media_modes if m in self.mrope_modes]
+        missing = [m for m in wanted if m in self.modes and m not in allowed]
+        if not self.media or not missing:
+            return None
+        return (f"the engine takes images and videos in the {' and '.join(allowed)} mode only (its profile: "
+                f"media_modes={self.media_modes!r}, mrope_modes={self.mrope_modes!r}); no {' or '.join(missing)} run "
+                "with media")
 
     def context_reason(self, context: str) -> str | None:
         """Why cases in execution ``context`` are not drawn for this engine, or None."""

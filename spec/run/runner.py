@@ -22,10 +22,10 @@ from ..execute.memo import Runs
 from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase, Media
 from ..protocol.engine import EngineUnderTest
-from ..protocol.profile import profile_of
+from ..protocol.profile import MODES, profile_of
 from ..cases.strategies import within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
-from ..invariants.core import convention_skip, honour_engine, mode_reason
+from ..invariants.core import convention_skip, honour_engine, media_within_profile, mode_reason
 from ..protocol.errors import BudgetSpent, Failures, InvalidRecord, StreamDone
 from ..protocol.known import KnownFailure, applicable, as_records, excusing, parts_of, unexcused, unmatchable
 
@@ -188,12 +188,16 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
         return [info.adjust(case) if info.adjust else case for case in pinned(mode, engine)]
     limits = {**(engine.strategy_limits() if engine is not None else {}), **info.strategy_kwargs}
     limits.setdefault("media", profile_of(engine).media if engine is not None else ())
+    limits.setdefault("media_modes", profile_of(engine).media_modes if engine is not None else MODES)
+    limits.setdefault("mrope_modes", profile_of(engine).mrope_modes if engine is not None else MODES)
     cases = []
     for case in (*SEED_CASES, *REACH_CASES):
-        if not within_limits(case, **limits):
-            continue
         if mode in ("packed", "padded"):
             case = case.with_(use_remove_padding=mode == "packed")
+        if engine is not None:  # an image-only engine gets the reach case's images
+            case = media_within_profile(case, profile_of(engine))
+        if not within_limits(case, **limits):
+            continue
         if limits.get("padding") and case.use_remove_padding and limits.get("allow_bucket", True) \
                 and case.pad_to_length is None:  # an invariant on padding: a packed tail to poison, as drawn
             case = case.with_(pad_to_length=8 if case.total_nnz % 8 else 9, distillation_keys=(), distillation_only=False)

@@ -40,6 +40,7 @@ from unittest import mock
 import torch
 
 from ...protocol import EngineUnderTest, Feature, InputsView, Precision
+from ...protocol.engine import media_view
 from ...protocol.errors import ModelNotCalled, StopForward
 from .stubs import GatheredParameters, StubReport, import_with_stubs, library_imports, without_init
 
@@ -158,7 +159,7 @@ def rows_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -
     as handed, the labels those rows rolled by one, token by token (``view_inputs = staticmethod(rows_view)``)."""
     labels = torch.roll(output_args["sequences"], -1, 1)[output_args["attention_mask"].bool()]
     return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), model_inputs["attention_mask"],
-                      labels=labels)
+                      labels=labels, media=media_view(model_inputs))
 
 
 def in_logits_dtype(key: str, case: Any) -> Precision:
@@ -175,7 +176,7 @@ _LIMITS = {"allow_sp": Feature.SP, "allow_bucket": Feature.BUCKET, "allow_fused"
 
 class ThirdPartyEngine(EngineUnderTest):
     """A library's LM-head preparation with no engine settings. Set ``library`` (for messages), ``offers`` (the
-    features it has beyond running at all and on CUDA), ``reasons`` (why not, for features it lacks; the rest get
+    features it has beyond running at all, on CUDA and the media its profile lists), ``reasons`` (why not, for features it lacks; the rest get
     "<library> has no <feature>"), and implement :meth:`engine_object`."""
 
     library = "this library"
@@ -217,7 +218,7 @@ class ThirdPartyEngine(EngineUnderTest):
 
     def lacks(self, feature: "str | Feature") -> str | None:
         feature = Feature.parse(feature)
-        if feature in {Feature.ENGINE, Feature.CUDA} | set(self.offers):
+        if feature in {Feature.ENGINE, Feature.CUDA, Feature.MEDIA} | set(self.offers):  # media: the profile's
             return super().lacks(feature)
         return self.reasons.get(feature, f"{self.library} has no {feature.value}")
 
@@ -273,13 +274,14 @@ class HiddenStatesModel(torch.nn.Module):
     heads look for it: ``get_output_embeddings()``, ``lm_head``, ``model.lm_head`` (a wrapper's ``.model``: the
     head read as ``model.model.lm_head.weight``), an ``nn.Module`` whose weight may be gathered in a context manager
     (deepspeed's ``GatheredParameters``: :class:`GatheredParameters`, a no-op here, where nothing is partitioned).
-    Its own ``forward`` is never the one run."""
+    ``backbone``, where given, is the backbone instead (a recorder of what the library hands it). Its own
+    ``forward`` is never the one run."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, backbone: Callable[..., Any] | None = None):
         super().__init__()
         self.config = SimpleNamespace(get_text_config=lambda: self.config, model_type="stand-in")
         self.lm_head = _Head(weight)
-        self.model = self.base_model = _Backbone(hidden, self.lm_head)
+        self.model = self.base_model = backbone or _Backbone(hidden, self.lm_head)
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -7,7 +7,9 @@ them out as ``generate`` returns them with the library's own pad function (:func
 shifted packed row's values back on the sequences (:func:`from_shifted_row`) and read the single float
 temperature both libraries take (:func:`one_temperature`); flags are read with the contract's typed reader
 (``impl.flags.BatchFlags``). SkyRL's adapter uses them too, and turns its response-only ``(B, R)`` outputs, left- or
-right-aligned, into nested ones (:func:`sequences_from_response_rows`).
+right-aligned, into nested ones (:func:`sequences_from_response_rows`). A vision-language micro-batch's images and
+videos are read per sample (:func:`media_samples`, each sample's processor dict) with the model config's media token
+ids beside them (:func:`media_token_ids`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import torch
 
 from impl.flags import BatchFlags, read_flag
 
+from ...cases.media import MEDIA_TOKEN_FLAGS, MULTI_MODAL_KEY
 from ...protocol import sequences_from_responses
 from ...protocol.errors import OneTemperatureError
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows", "left_aligned", "sequences_from_response_rows"]
+           "LeftRightRows", "left_aligned", "sequences_from_response_rows", "media_samples", "media_token_ids"]
 
 
 def samples(mb, key: str) -> list[torch.Tensor]:
@@ -95,3 +98,20 @@ def sequences_from_response_rows(outputs: dict[str, torch.Tensor | None], mb, *,
     lens = mb["responses"].offsets().diff()
     return {key: sequences_from_responses(left_aligned(rows, lens) if right_aligned else rows, mb)
             for key, rows in outputs.items() if rows is not None}
+
+
+def media_samples(mb) -> list[dict[str, torch.Tensor]] | None:
+    """Each sample's images and videos as its processor returned them (``multi_modal_inputs``: ``pixel_values``,
+    ``image_grid_thw``, the video keys), ``{}`` for a text-only sample (an entry ``None``, or keys holding None,
+    dropped); None for a micro-batch without ``multi_modal_inputs`` (a text-only batch)."""
+    if MULTI_MODAL_KEY not in mb.keys():
+        return None
+    stack = mb.get(MULTI_MODAL_KEY)
+    entries = [getattr(item, "data", item) for item in (stack.tolist() if hasattr(stack, "tolist") else stack)]
+    return [{k: v for k, v in (entry or {}).items() if v is not None} for entry in entries]
+
+
+def media_token_ids(mb) -> tuple[int, int]:
+    """The model config's image and video token ids a vision-language micro-batch carries beside its media (a
+    library that marks the media tokens itself reads them from its model's config: ``config.image_token_id``)."""
+    return tuple(int(read_flag(mb, key, -1)) for key in MEDIA_TOKEN_FLAGS)

@@ -31,4 +31,5 @@ UNCLAMPED = When("a temperature below 1e-8 (not clamped)", lambda case: min(case
 LOW_PRECISION_LOGITS = When("logits in bfloat16 or float16", lambda case: case.logits_dtype != "float32")
 
 #: the checks that compare log-probs / entropy with the oracle
-ORACLE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006")
+ORACLE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006",
+                     "INV-MM-002")

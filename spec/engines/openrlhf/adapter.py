@@ -17,18 +17,22 @@ the harness's output (:func:`~spec.engines.kit.replaying`). Module-level imports
 a name nobody declared raises when used); flash-attn's pure-torch ``bert_padding`` is the real file
 from the flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding``, the `trl-openrlhf` CI step), since
 the packed path runs it. A vision model (mRoPE positions) computes its own positions in the padded path
-(``is_vlm``): the adapter hands the stand-in model the sample's own. docs/engines/openrlhf.md.
+(``is_vlm``): the adapter hands the stand-in model the sample's own. A vision-language micro-batch's images and videos
+are each sample's processor outputs, merged by OpenRLHF's ``merge_mm_train_inputs`` as its PPO actor merges an
+experience's and handed to ``forward`` (``**mm_inputs``), the VLM config's media token ids beside them (``_vlm_config``,
+for the token types the padded path builds). docs/engines/openrlhf.md.
 """
 
 from __future__ import annotations
 
 import sys
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 
 from ...protocol import Feature, sequences_from_rows
-from ..kit.hf_batch import BatchFlags, one_temperature
+from ..kit.hf_batch import BatchFlags, media_samples, media_token_ids, one_temperature
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
 from .config import forward_kwargs, merged_rows
 from .records import PROFILE, RECORDS
@@ -48,18 +52,22 @@ def _openrlhf():
     sys.modules["flash_attn.bert_padding"] = require(
         "flash_attn_bert_padding", "flash-attn 2.8.3's bert_padding.py as this module (.ci/steps/bert_padding.py)")
     strict_module("pylatexenc.latex2text")  # openrlhf.utils' math grader, never run here
-    return stub_imports("openrlhf.models.actor", PACKAGES).Actor, stub_imports("openrlhf.utils.utils", PACKAGES)
+    return (stub_imports("openrlhf.models.actor", PACKAGES).Actor, stub_imports("openrlhf.utils.utils", PACKAGES),
+            stub_imports("openrlhf.utils.vlm_utils", (*PACKAGES, "PIL")).merge_mm_train_inputs)
 
 
 class OpenRLHFObject:
     def __init__(self, **config):  # OpenRLHF's switches drawn (spec/engines/openrlhf/config.py)
-        (self.actor_class, self.utils), self.stack, self.config = _openrlhf(), config.get("stack", True), config
+        (self.actor_class, self.utils, self.merge_mm), self.stack, self.config = (
+            _openrlhf(), config.get("stack", True), config)
 
     def _forward(self, model, a, **kwargs):
         actor = self.actor_class(model, temperature=a["temperature"])
         actor.packing_samples, actor.is_vlm = a["packed"], a["vlm"]
-        with EAGER:
-            return actor(a["sequences"], attention_mask=a["attention_mask"], return_output=True, **kwargs)
+        actor._vlm_config = a["vlm_config"]  # what Actor.__init__ keeps of a VLM's config (its media token ids)
+        with EAGER:  # a VLM's images as the PPO actor merges each experience's (merge_mm_train_inputs)
+            return actor(a["sequences"], attention_mask=a["attention_mask"], return_output=True, **kwargs,
+                         **self.merge_mm(a["mm_train_inputs"], a["sequences"].device))
 
     def prepare_model_inputs(self, mb):
         f, pad = refuse_flags(BatchFlags.from_batch(mb), "OpenRLHF's Actor.forward"), self.utils.zero_pad_sequences
@@ -67,7 +75,10 @@ class OpenRLHFObject:
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding,
              "vlm": pos[0].dim() == 2 and not f.use_remove_padding,  # packed: 1-D positions for any model
              "sequences": merged_rows(pad, list(seqs), self.stack, side="right", value=f.pad_token_id),
-             "attention_mask": merged_rows(pad, [torch.ones_like(s) for s in seqs], self.stack, side="right")}
+             "attention_mask": merged_rows(pad, [torch.ones_like(s) for s in seqs], self.stack, side="right"),
+             # each sample's processor outputs (None for a text-only one), as the experience carries them
+             "mm_train_inputs": [d or None for d in media_samples(mb) or ()],
+             "vlm_config": SimpleNamespace(**dict(zip(("image_token_id", "video_token_id"), media_token_ids(mb))))}
         inputs = inputs_seen_by_model(lambda model: self._forward(model, a))
         if a["vlm"]:  # the vision model's own (mRoPE) positions
             inputs["position_ids"] = pad(list(pos), "right", stack=True).transpose(0, 1)

@@ -23,7 +23,8 @@ PACKED_MROPE = ("packed (packing_samples), unpad_and_slice_tensor hands every mo
 MROPE_PACKED = When("mRoPE positions in the packed mode", lambda case: case.mrope and case.use_remove_padding)
 MROPE = When("mRoPE positions (the packed run of the padded-vs-packed comparison)", lambda case: case.mrope)
 #: the checks whose packed outputs or inputs the 1-D positions change
-MROPE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006")
+MROPE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006",
+                    "INV-MM-002")
 
 RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, PACKED_MROPE, matches=MISMATCH, when=MROPE_PACKED, modes=("packed",)) for inv in MROPE_INVARIANTS),
@@ -37,12 +38,13 @@ RECORDS: tuple[KnownFailure, ...] = (
 )
 
 #: OpenRLHF's preparation the adapter runs, whose lines and branches ``spec verify`` measures (the profile's surface,
-#: spec/run/engine_coverage.py): Actor.forward and what it calls (log-probs, entropy, ring-attention slicing), the padder
+#: spec/run/engine_coverage.py): Actor.forward and what it calls (log-probs, entropy, ring-attention slicing), the padder,
+#: the merge of a VLM experience's per-sample images
 SURFACE = (
     "openrlhf.models.actor:Actor.forward", "openrlhf.models.utils:log_probs_from_logits",
     "openrlhf.models.utils:_logsumexp_by_chunk", "openrlhf.models.utils:compute_entropy",
     "openrlhf.models.ring_attn_utils:unpad_and_slice_tensor", "openrlhf.models.ring_attn_utils:gather_and_pad_tensor",
-    "openrlhf.utils.utils:zero_pad_sequences")
+    "openrlhf.utils.utils:zero_pad_sequences", "openrlhf.utils.vlm_utils:merge_mm_train_inputs")
 
 #: branches of SURFACE no CPU run of the suite reaches (OpenRLHF 0.11.2's lines), each with its reason (a ``gap:``
 #: reason names the input a real trainer sends that the case space does not draw yet)
@@ -51,9 +53,9 @@ _RING = "needs ring attention: a ring_attn_group (ring_flash_attn and a process 
 _FLOAT32 = ("Actor.forward casts the logits to float32 before it calls log_probs_from_logits (OpenRLHF PR 634): the "
             "low-precision row loop serves other callers only")
 UNREACHABLE: dict[str, str] = {
-    f"{_A}:253->254": "needs a vision-language model: images handed as mm_inputs (pixel_values, image_grid_thw) to "
-                      "its vision tower; the stand-in model has none (the mRoPE cases hand text positions only)",
-    f"{_A}:256": "needs a vision-language model's images (mm_inputs), as 253",
+    f"{_A}:256->259": "a VLM config without a video_token_id (Gemma 3's: images only, marked in token_type_ids for "
+                      "its bidirectional image attention; google/gemma-3-4b-it): the stand-in's config, a Qwen-VL one, "
+                      "has both ids",
     f"{_A}:281->282": "the logits-only return (no action_mask, no return_logprobs): the adapter's first forward "
                       "stops at the model (it records the inputs the model sees), its second asks for log-probs; "
                       "raw logits are no output of the contract",
@@ -76,6 +78,8 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
         "which no trainer's model emits and the cases do not draw, would have their logsumexp rounded to float32)",
 }
 
-#: the adapter's profile: the default one with this surface (the engine declares no conventions)
+#: the adapter's profile: the default one with this surface (the engine declares no conventions), a VLM's images and
+#: videos in both modes (packed: F13)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE,
-                  equivalent_mutants=EQUIVALENT_MUTANTS, config_space=SWITCHES)  # spec/engines/openrlhf/config.py
+                  equivalent_mutants=EQUIVALENT_MUTANTS, config_space=SWITCHES,  # spec/engines/openrlhf/config.py
+                  media=("image", "video"))

@@ -8,17 +8,20 @@ responses (``PaddedLayout.LEFT_RIGHT``), 0.4.0 left-pads whole rows (``PaddedLay
 worker slices the entropy so): response-only outputs, 0.4.0's right-aligned. ``forward`` calls the model itself, so
 it runs twice (``inputs_seen_by_model``, ``replaying``). The kit's loader (``ThirdPartyEngine.load``) imports the modules
 with transformers, peft, ray, datasets and flash-attn's CUDA package stubbed, flash-attn's ``bert_padding`` installed;
-0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run.
-docs/engines/skyrl.md.
+0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run. An mRoPE
+micro-batch is a vision-language model's (0.4.0's ``is_vlm`` path, padded only), its images as SkyRL's backend hands
+them (:mod:`spec.engines.skyrl.media`). docs/engines/skyrl.md.
 """
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 from ...protocol import Feature
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
 from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
+from .media import VisionModel, image_token_id, own_positions, vlm_inputs
 from .records import PROFILE, RECORDS, TRAIN_PROFILE
 from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
@@ -32,9 +35,12 @@ class SkyRLObject:
 
     def _forward(self, model, a):
         unpad = {"remove_microbatch_padding" if self.new else "use_sample_packing": a["packed"]}
+        if a["vlm"]:  # a vision-language model (skyrl.media): its config, its images
+            model = VisionModel(model, a["image_token_id"])
         wrapper = self.wrapper(model, use_flash_attention_2=a["packed"], **unpad)
+        wrapper.is_vlm = a["vlm"]  # as __init__ sets it from the config's vision_config
         return wrapper(a["sequences"], a["num_actions"], attention_mask=a["attention_mask"],
-                       temperature=a["temperature"], return_output=True, compute_entropy=a["entropy"])
+                       temperature=a["temperature"], return_output=True, compute_entropy=a["entropy"], **a["images"])
 
     def prepare_model_inputs(self, mb):
         f = refuse_flags(BatchFlags.from_batch(mb), "SkyRL's HFModelWrapper.forward")
@@ -45,8 +51,12 @@ class SkyRLObject:
         device = mb["input_ids"].device
         args = {"sequences": seqs.to(device), "attention_mask": mask.to(device), "packed": f.use_remove_padding,
                 "num_actions": max(map(len, responses)), "temperature": one_temperature(mb),
-                "entropy": f.calculate_entropy}
-        return inputs_seen_by_model(lambda model: self._forward(model, args)), args
+                "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3, "image_token_id": image_token_id(mb),
+                "images": vlm_inputs(mb, sys.modules[self.wrapper.__module__].TensorList) if self.new else {}}
+        inputs = inputs_seen_by_model(lambda model: self._forward(model, args))
+        if args["vlm"]:  # the VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own
+            inputs["position_ids"] = own_positions(mb).to(device)
+        return inputs, args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         a = output_args
@@ -86,4 +96,4 @@ class SkyRLEngine(SkyRLTrainEngine):
     modules = ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
                "skyrl.backends.skyrl_train.workers.model_wrapper:HFModelWrapper",
                f"skyrl.train.dataset.preprocess:{COLLATE}")
-    profile = PROFILE  # whole rows left-padded (outputs right-aligned); the VLM path (is_vlm) is not run
+    profile = PROFILE  # whole rows left-padded (outputs right-aligned); a VLM's images padded only (skyrl/media.py)

@@ -1,9 +1,10 @@
 """Known-failure records of SkyRL (engines ``skyrl-train`` 0.3.1 and ``skyrl`` 0.4.0); docs/engines/skyrl.md and
 docs/findings/F22, F23 reproduce the library's in plain torch.
 
-``RECORDS`` are the library's (real differences from the contract), nothing else: a text-only engine is never drawn
-mRoPE positions (its profile's ``positions``), and verl's int32 mask and untouched logits are verl's conventions
-(docs/contract.md), asserted of no SkyRL engine.
+``RECORDS`` are the library's (real differences from the contract), nothing else: 0.3.1, text only, is never drawn
+mRoPE positions and 0.4.0's VLM is drawn them (and its images) padded only, where it takes them (their profiles'
+``positions``, ``mrope_modes``); verl's int32 mask and untouched logits are verl's conventions (docs/contract.md),
+asserted of no SkyRL engine.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ TRAIN_UNREACHABLE: dict[str, str] = {
     "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
     "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
 }
-_VLM = ("a vision-language model (is_vlm: the model config has a vision_config; its 3-D positions and image inputs): "
-        "the adapter drives a text-only causal LM (its profile's positions: rope)")
+_CONCATENATED = ("images handed already concatenated (a tensor, not SkyRL's TensorList): no SkyRL caller does (its RL "
+                 "trainer and its Tinker backend build per-sample TensorLists, as the adapter does)")
 _SUPPORT = ("sample-support replay (trainer.algorithm.enable_sample_support_replay, off by default): log-probs "
             "renormalised over the sampler's recorded top-k support, not the full-vocabulary log-probs the contract "
             "asks; the adapter passes no sample support")
@@ -78,7 +79,7 @@ _WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "sky
 UNREACHABLE: dict[str, str] = {
     **_RAISE,
     **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
-    **{f"{_WRAPPER}:{line}": _VLM for line in ("329->333", "338", "340", "342", "384->389", "389", "396")},
+    f"{_WRAPPER}:340->342": _CONCATENATED, f"{_WRAPPER}:342->345": _CONCATENATED,
     **{f"{_WRAPPER}:{line}": _SUPPORT for line in ("323->324", "324->326", "326->328", "362->363", "367->368",
                                                     "416->418", "456->457")},
     f"{_WRAPPER}:469->470": _INT_ACTIONS, f"{_WRAPPER}:470": _INT_ACTIONS, f"{_WRAPPER}:476->479": _OUTPUT,
@@ -105,10 +106,12 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
 }
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
-#: whole rows (outputs right-aligned in (B, max r_i)); no VLM path: 1-D positions
+#: whole rows (outputs right-aligned in (B, max r_i)); 0.3.1 has no VLM path (1-D positions), 0.4.0's VLM (mRoPE
+#: positions, images) refuses packing
 #: (both: log_probs[:, -num_actions - 1:-1], the positions that score a response token)
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
                               unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS,
                               output_span=OutputSpan.RESPONSE)
-PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope",), surface=SURFACE,
-                        unreachable=UNREACHABLE, output_span=OutputSpan.RESPONSE)
+PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
+                        mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE,
+                        output_span=OutputSpan.RESPONSE)

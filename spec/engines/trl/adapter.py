@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...protocol import Feature, InputsView, PaddedLayout, sequences_from_responses, sequences_from_rows
+from ...protocol.engine import media_view
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
 from .config import completion_scores, padded_positions, padding_free_batch
@@ -88,4 +89,4 @@ class TrlEngine(ThirdPartyEngine):
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:  # labels: the next column, token by token
         return InputsView(model_inputs["input_ids"], model_inputs["position_ids"], model_inputs["attention_mask"],
-                          labels=output_args["rolled"])
+                          labels=output_args["rolled"], media=media_view(model_inputs))

@@ -3,7 +3,9 @@
 TRL's batches as in :mod:`spec.engines.trl.adapter`; the scoring patches a stand-in model (the kit's
 :class:`~spec.engines.kit.HiddenStatesModel`: the harness's ``hidden_states`` and ``lm_head_weight``, the fused-head
 protocol, ``HeadInput.HIDDEN``) with ``add_fused_lm_head`` and runs ``GRPOTrainer._get_per_token_logps_and_entropies``
-(padded) or the fused forward with the collator's labels (packed). docs/engines/trl.md.
+(padded) or the fused forward with the collator's labels (packed). A vision-language batch goes through GRPO only
+(padded: TRL's trainers refuse padding-free training on vision data): its images as GRPO hands them
+(:mod:`spec.engines.trl.media`). docs/engines/trl.md.
 """
 
 from __future__ import annotations
@@ -13,37 +15,61 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from ...protocol import HeadInput
-from ..kit import HiddenStatesModel, require
+from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
 from .config import FUSED_SWITCHES
+from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
 
 
 class TrlFusedObject(TrlObject):
-    def scores(self, output, a, entropy):
-        model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
+    def prepare_model_inputs(self, mb):
+        inputs, a = super().prepare_model_inputs(mb)
+        a["media"] = {} if a["packed"] else grpo_media(mb, self.utils.pad, a["keep"])
+        if a["media"]:  # what GRPO hands the backbone (its ids, mask and media), the sample's own positions beside
+            seen = inputs_seen_by_model(lambda backbone: self._grpo(HiddenStatesModel(None, None, backbone), a, False))
+            inputs = {**{k: seen[k] for k in ("input_ids", "attention_mask", *BACKBONE_MEDIA) if k in seen},
+                      "position_ids": inputs["position_ids"]}
+        return inputs, a
+
+    def _fused(self, model, a):
         self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"),
                                      cast_lm_head_to_fp32=bool(self.config.get("cast_lm_head_to_fp32")))
-        if a["packed"]:
-            out = model(input_ids=None, labels=a["labels"], fused_lm_head=True)
-            return out.log_probs, out.entropy if entropy else None
+        return model
+
+    def _grpo(self, model, a, entropy):  # GRPO's padded scoring, its images beside
+        self._fused(model, a)
         grpo = require("trl.trainer.grpo_trainer", "pip install trl==1.16.0").GRPOTrainer
         trainer = SimpleNamespace(accelerator=SimpleNamespace(autocast=nullcontext))
         return grpo._get_per_token_logps_and_entropies.__wrapped__(
-            trainer, model, a["input_ids"], a["attention_mask"], a["keep"], compute_entropy=entropy)[:2]
+            trainer, model, a["input_ids"], a["attention_mask"], a["keep"], compute_entropy=entropy, **a["media"])[:2]
+
+    def scores(self, output, a, entropy):
+        model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
+        if a["packed"]:
+            out = self._fused(model, a)(input_ids=None, labels=a["labels"], fused_lm_head=True)
+            return out.log_probs, out.entropy if entropy else None
+        return self._grpo(model, a, entropy)
 
 
 class TrlFusedEngine(TrlEngine):
     name, library, known_failures = "trl-fused", "TRL's fused head", FUSED_RECORDS
     # trl's profile (GRPO's layout) with its own surface: the batch builders and GRPO's fused head (trl/records.py);
-    # add_fused_lm_head scores hidden states with the LM-head weight
+    # add_fused_lm_head scores hidden states with the LM-head weight; GRPO's images (SFT refuses padding-free on
+    # vision data)
     profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, head_input=HeadInput.HIDDEN,
-                      config_space=FUSED_SWITCHES)
+                      config_space=FUSED_SWITCHES, media=("image",), media_modes=("padded",))
 
     def engine_object(self, **config):
         return TrlFusedObject(**config)
 
     def config_space(self):
         return FUSED_SWITCHES
+
+    def step_layer(self):
+        """None: GRPO's step is declared for ``trl`` (the same _compute_loss on the same log-probs); the step driver
+        hands a logits model's output, not the fused-head protocol's hidden states (INV-STEP-* raised
+        AttributeError 'hidden_states' here), as verl-veomni declares no step beside verl's."""
+        return None

@@ -72,13 +72,25 @@ _LOGITS_UNREACHABLE: dict[str, str] = {
     f"{_U}:710->712": "the adapter always hands row_mask (the collator's -100 at each sequence start, as TPO masks "
                       "them); without it no entropy is masked",
 }
-_MULTIMODAL = "another model family: a vision-language model's image inputs; the suite's cases are text-only"
+#: GRPO's per-chunk slicing of other vision families' processor outputs: the suite's images are Qwen2-VL's (patches
+#: ``(rows, dim)`` with ``image_grid_thw`` and ``mm_token_type_ids``, spec.truth.vision), which reach 1451-1461 and 1487;
+#: each of these needs that family's processor output and weights (its vision tower reads them)
+_FAMILY = "another vision family's processor output, which the suite's Qwen2-VL-style images are not: needs "
+_MULTIMODAL = {
+    1462: _FAMILY + "Gemma 4's image_position_ids (google/gemma-4 vision checkpoints' processor and tower)",
+    1465: _FAMILY + "LFM2-VL's tiles (spatial_shapes, pixel_attention_mask; LiquidAI/LFM2-VL-450M)",
+    1472: _FAMILY + "InternVL's tile-indexed pixel_values with num_tiles (OpenGVLab/InternVL3-1B-hf)",
+    1477: _FAMILY + "one pixel_values image per image, (images, C, H, W) (llava-hf/llava-1.5-7b-hf, google/gemma-3-4b-it)",
+    1479: _FAMILY + "one pixel_values entry per sample, not per image (a processor without per-image counts)",
+    1481: _FAMILY + "pixel_attention_mask without spatial_shapes (HuggingFaceTB/SmolVLM-256M-Instruct, Idefics3)",
+    1483: _FAMILY + "image_sizes (llava-hf/llava-v1.6-mistral-7b-hf, mistralai/Mistral-Small-3.1-24B-Instruct-2503)",
+}
 _MOE = ("another model family: an MoE model's router logits and load-balancing loss (output_router_logits); the "
         "stand-in model has no router")
 _FUSED_UNREACHABLE: dict[str, str] = {
-    **{f"{_GRPO}:{line}": _MULTIMODAL for line in (1451, 1454, 1462, 1465, 1472, 1477, 1479, 1481, 1483, 1487)},
-    f"{_GRPO}:1485": "another model family: token_type_ids (Gemma-3's and PaliGemma's image tokens); the suite's cases "
-                     "are text-only",
+    **{f"{_GRPO}:{line}": reason for line, reason in _MULTIMODAL.items()},
+    f"{_GRPO}:1485": _FAMILY + "token_type_ids (Gemma 3's and PaliGemma's image tokens: google/gemma-3-4b-it, "
+                               "google/paligemma2-3b-pt-224)",
     f"{_GRPO}:1491": _MOE, f"{_GRPO}:1502": _MOE, f"{_U}:1614": _MOE, f"{_U}:1665": _MOE, f"{_U}:1669": _MOE,
     f"{_U}:1674": _MOE,
     f"{_U}:1581": "another model family: a config with logit_scale (Cohere's); the stand-in's config scales no logits",

@@ -6,7 +6,8 @@ FSDP's ``prepare_model_inputs`` / ``prepare_model_outputs`` and add their own in
 VL image/video masks, VeOmni's sequence-parallel slicing; fused kernels: ``labels``/``shift_labels``/
 ``return_log_probs``; router replay). The object is built without its constructor, exactly like the
 FSDP adapter (:class:`spec.engines.verl.adapter.VerlEngine`, reused here); the extra attributes VeOmni reads
-are set to "off": ``_router_replay = None``, a model type that is not a VL type.
+are set to "off": ``_router_replay = None``, a model type that is not a VL type (a media micro-batch's is one:
+:mod:`spec.engines.veomni.media`).
 
 ``veomni`` itself installs CPU-only from the package index (``pip install --no-deps veomni``); when it
 does not import, its module-level imports are stubbed (:mod:`spec.engines.kit.stubs`) and the varlen
@@ -23,7 +24,9 @@ from ...protocol.known import as_records
 from dataclasses import replace
 
 from ..verl.adapter import VerlEngine, VerlEngineObject
+from ..verl.media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from ..verl.profile import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
+from .media import VeOmniEngineObject
 from ..kit.stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
@@ -42,9 +45,9 @@ _TOPK = ("gap: fused kernels with top-K distillation (distillation_use_topk, tea
 UNREACHABLE: dict[str, str] = {
     **{k: v for k, v in VERL_UNREACHABLE.items() if not k.startswith(_ULYSSES)},
     f"{_FSDP}:687->688": _SP, f"{_FSDP}:1218->1219": _SP, f"{_FSDP}:1220": _SP,
-    f"{MODULE}:112->113": "needs a vision-language model type (VL_TYPE2INDEX: image and video masks); the adapter's "
-                          "model type is not one",
-    f"{MODULE}:117": "needs a vision-language model type and sequence parallelism", f"{MODULE}:123->124": _SP,
+    **VERL_MM_UNREACHABLE,
+    f"{MODULE}:117": "needs a vision-language model type and sequence parallelism (VeOmni's sp_shard_collator on the "
+                     "image/video masks); " + _SP, f"{MODULE}:123->124": _SP,
     f"{MODULE}:861->862": _TOPK, f"{MODULE}:862->868": _TOPK, f"{MODULE}:873": _SP,
     f"{MODULE}:VeOmniEngineWithLMHead._prepare_router_replay_inputs": _REPLAY,
     f"{MODULE}:936->937": _REPLAY, f"{MODULE}:941->942": _REPLAY, f"{MODULE}:942->953": _REPLAY,
@@ -64,9 +67,11 @@ class VeOmniEngine(VerlEngine):
     """The installed verl's VeOmni engines, through the FSDP adapter's construction."""
 
     name = "verl-veomni"
+    object_class = VeOmniEngineObject
     #: FSDP's surface (VeOmni's engines inherit its preparation) and VeOmni's own input transforms
     #: (verl's Ulysses helpers are not on its path: sp > 1 is not run, see lacks)
-    profile = replace(VerlEngine.profile, surface=(*(e for e in VERL_SURFACE if not e.startswith(_ULYSSES)), *(
+    profile = replace(VerlEngine.profile, surface=(*(e for e in VERL_SURFACE if not e.startswith(_ULYSSES)),
+                                                   *VERL_MM_SURFACE, *(
         f"{MODULE}:{f}" for f in (
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
@@ -92,7 +97,8 @@ class VeOmniEngine(VerlEngine):
         obj = super().make(head, **settings)
         eng = obj.verl_engine
         eng._router_replay = None  # router replay off (VeOmniEngine.__init__ sets it from the config)
-        eng.module.config.model_type = "toy"  # not a VL model type: no image/video masks
+        eng.module.config.model_type = "toy"  # a text model; a VL type for a media micro-batch (veomni/media.py)
+        obj.vl_types = self.stubs.module.VL_TYPE2INDEX
         return obj
 
     def __repr__(self) -> str:

@@ -248,6 +248,8 @@ class VerlEngine(EngineUnderTest):
     profile = PROFILE  # verl 0.9.1's (a release that divides the logits in place: __init__, release_profile)
     #: sp > 1 needs a real process group: spec.execute.harness sends those cases to real ranks
     sp_on_real_ranks = True
+    #: what make() builds around verl's engine object (VeOmni's adds its model type per micro-batch)
+    object_class = VerlEngineObject
 
     def __init__(self) -> None:
         with warnings.catch_warnings():  # verl's engine registry warns about every optional backend it lacks
@@ -411,7 +413,7 @@ class VerlEngine(EngineUnderTest):
         if self.caps.bucket:
             eng.pad_to_length = bool(bucket)
             eng.pad_to_length_bucket = int(bucket) if bucket else 1
-        return VerlEngineObject(eng, self.caps, self._ulysses)
+        return self.object_class(eng, self.caps, self._ulysses)
 
     def step_layer(self) -> StepLayer | None:
         """verl's training step: its cut, loss functions and restore (spec/engines/verl/step.py). Declared for the FSDP
