@@ -65,7 +65,7 @@ class StepCase(SampleLengths):
 
     @property
     def plan(self) -> CutPlan:
-        return CutPlan(self.dp, Cut(self.cut), self.micro_batch_size, self.max_token_len)
+        return CutPlan(self.dp, Cut(self.cut), self.micro_batch_size, self.max_token_len, self.batch_size)
 
     @property
     def setting(self) -> LossSetting:
