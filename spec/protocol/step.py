@@ -195,11 +195,17 @@ class StepLayer:
     #: exactly ``dp`` ranks. Otherwise the DP group is handed to it, a subgroup of the suite's rank pool (the other
     #: ranks idle), so a size or count read off another group than the one handed shows
     world_is_dp: bool = False
+    #: a layer without ``forward_backward`` whose DP > 1 steps run their ranks one after the other in one process: why
+    #: that is the library's step (no collective in it, or where the collective it has lives and what it computes)
+    in_process: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.functions) - set(STEP_FUNCTIONS)
         if unknown:
             raise ValueError(f"step layer {self.name!r}: unknown functions {sorted(unknown)}; known: {STEP_FUNCTIONS}")
+        if "forward_backward" not in self.functions and max(self.dp_sizes) > 1 and not self.in_process:
+            raise ValueError(f"step layer {self.name!r}: DP sizes {self.dp_sizes} without the library's own step "
+                             "function (forward_backward): say why its ranks may run in one process (in_process=...)")
 
     def get(self, name: str) -> Callable[..., Any]:
         if name not in STEP_FUNCTIONS:

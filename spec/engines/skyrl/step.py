@@ -95,4 +95,8 @@ def skyrl_train_step_layer(load) -> StepLayer | None:
     return StepLayer("skyrl-train", cuts=(Cut.COUNT,), facts=(Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
                      losses=SKYRL_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                      "restore": concatenated},
-                     dp_sizes=(1, 2), equal_micro_batches=True)
+                     dp_sizes=(1, 2), equal_micro_batches=True,
+                     in_process="skyrl-train 0.3.1's policy step (BatchIterator's cut, ppo_policy_loss, loss / "
+                                "accumulation_steps) runs no collective: no fact of the step is reduced over the DP "
+                                "group (its token_mean is each micro-batch's own, the records below); DDP/FSDP's "
+                                "gradient average is the suite's mean of the ranks' gradients")

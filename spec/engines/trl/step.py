@@ -55,6 +55,13 @@ GRPO_LOSSES = (
 )
 
 
+#: why TRL's ranks run in one process: its step has no collective; the one fact it all-reduces is made at generation
+IN_PROCESS = ("TRL's step (split_tensor_dict's cut, _compute_loss) runs no collective: its one global fact, "
+              "num_items_in_batch, is accelerator.gather(loss_mask.sum()).sum() in _generate_and_score_completions, "
+              "the generation that precedes the step (a vLLM or model.generate rollout, not run here): stated here as "
+              "that gather's sum, and accelerator.num_processes as the DP size")
+
+
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
     items = sum(int(m.get("response_mask").values().sum()) for m in minis)
     steps = -(-int(minis[0].batch_size[0]) // plan.micro_batch_size)
@@ -102,5 +109,5 @@ def trl_step_layer() -> StepLayer | None:
         return None
     return StepLayer("trl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
                      losses=GRPO_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss, "restore": concatenated},
-                     dp_sizes=(1, 2), equal_micro_batches=True)
+                     dp_sizes=(1, 2), equal_micro_batches=True, in_process=IN_PROCESS)
 
