@@ -1,5 +1,5 @@
-"""Real engines' training steps (spec/engines/verl/step.py, trl_step.py, skyrl_step.py), each in its own venv (skipped
-where its library is not installed; CI runs it in the verl091, trl-openrlhf and skyrl steps): the library's own loss
+"""Real engines' training steps (spec/engines/<engine>/step.py: verl, TRL, skyrl-train, OpenRLHF), each in its own venv
+(skipped where its library is not installed; CI runs it in the verl091, trl-openrlhf (both venvs) and skyrl steps): the library's own loss
 code runs, its records are real (the failure shows on a case under the record's condition, and a case outside it
 passes), and a mode the library documents as local is held to that documented normalisation (declared global, it
 fails). Each test checks one or two hand-picked step cases: a few seconds (verl's held-out mutants of its own
@@ -150,3 +150,35 @@ def test_verl_forward_backward_batch_mutants_fail_a_step_check(what, case, invar
             _check(engine, case, invariant)
     finally:
         probe.set_mutant(None)
+
+
+#: two ranks, two one-sample micro-batches each; sample 3's response mask is all 0 (seed 29): no loss token
+EMPTY_SAMPLE = StepCase((2, 1, 2, 1), (2, 3, 1, 3), dp=2, cut="count", micro_batch_size=1, loss="ppo",
+                        mode="sequence", holes=0.5, seed=29)
+
+
+@pytest.mark.skipif(not _has("openrlhf"), reason="OpenRLHF is not installed (the trl-openrlhf step's venv)")
+def test_openrlhf_sequence_level_loss_counts_the_samples_with_a_loss_token() -> None:
+    """OpenRLHF's PolicyLoss with token_level_loss=False divides by the non-empty samples over the DP group (its own
+    all-reduce, on real ranks): passes as declared, and the same mode declared over every sample fails."""
+    from spec.execute.step import run_step
+    from spec.protocol.step import Divisor
+    from spec.run.registry import load_engine
+
+    engine = load_engine("openrlhf")
+    for invariant in ("INV-STEP-003", "INV-STEP-004"):
+        _check(engine, EMPTY_SAMPLE, invariant)
+    _check(engine, EMPTY_SAMPLE.with_(mode="token"))
+    facts = run_step(engine, EMPTY_SAMPLE).handed_facts
+    assert {f["global_batch_size"] for rank in facts for f in rank} == {1.5}  # 3 non-empty samples / gas 2
+    layer = engine.step_layer()
+    ppo = layer.loss("ppo")
+    every = replace(ppo, modes=tuple(replace(m, divisors=(Divisor.SEQUENCES,)) if m.name == "sequence" else m
+                                     for m in ppo.modes))
+
+    class EverySample(type(engine)):
+        def step_layer(self):
+            return replace(layer, losses=(every, *layer.losses[1:]))
+
+    with pytest.raises(AssertionError, match="in sequence: gradient"):
+        _check(EverySample(), EMPTY_SAMPLE.with_(dp=1))

@@ -88,6 +88,8 @@ class Divisor(str, Enum):
 
     TOKENS = "tokens"  #: valid loss tokens (of the scope)
     SEQUENCES = "sequences"  #: samples (of the scope)
+    #: samples with at least one loss token (of the scope): OpenRLHF's aggregate_loss leaves fully masked ones out
+    VALID_SEQUENCES = "valid_sequences"
     HORIZON = "horizon"  #: a constant length: the mode's setting (verl's loss_scale_factor, TRL's max_completion_length)
 
 

@@ -18,11 +18,12 @@ import torch
 from tensordict import TensorDict
 
 from ...cases.step import select_rows
+from ...protocol.engine import response_view
 
 from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, LossDeclaration, PerToken, Weighting
 
 __all__ = ["AGG_LOSS_MODES", "TOKEN_MEAN", "agg_loss_losses", "HORIZONS", "with_plan", "cut_with", "consecutive_cut",
-           "concatenated", "sequence_values"]
+           "concatenated", "sequence_values", "policy_columns"]
 
 TOKEN_MEAN = Aggregation("token-mean", Weighting.TOKEN, (Divisor.TOKENS,))
 AGG_LOSS_MODES = (
@@ -105,3 +106,13 @@ def sequence_values(mb: TensorDict, key: str) -> torch.Tensor:
     values = torch.zeros(int(lengths.sum()), dtype=value.values().dtype)
     values[(ids.offsets()[1:] - responses - 1)[rows] + cols] = value.values()
     return torch.nested.nested_tensor_from_jagged(values, ids.offsets())
+
+
+def policy_columns(outputs: dict, mb: TensorDict) -> tuple[torch.Tensor, ...]:
+    """A policy loss's ``(B, R)`` inputs over the response columns, as a consumer reads them (:func:`response_view`):
+    the engine's log-probs, the loss mask (zero past each response), the old log-probs and the advantages."""
+    log_probs, real = response_view(outputs["log_probs"], mb)
+    width = log_probs.shape[1]
+    mask, old, advantages = (response_view(sequence_values(mb, key), mb, width)[0]
+                             for key in ("response_mask", "old_log_probs", "advantages"))
+    return log_probs, (mask * real).to(log_probs.dtype), old, advantages

@@ -32,6 +32,7 @@ from ..kit.hf_batch import BatchFlags, one_temperature
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
 from .config import SWITCHES, forward_kwargs, merged_rows
 from .records import PROFILE, RECORDS
+from .step import openrlhf_step_layer
 from ..kit.stubs import strict_module
 
 __all__ = ["OpenRLHFEngine"]
@@ -96,6 +97,12 @@ class OpenRLHFEngine(ThirdPartyEngine):
 
     def engine_object(self, **config):
         return OpenRLHFObject(**config)
+
+    def step_layer(self):
+        """The PPO actor step: PolicyLoss normalised per optimizer-step window (spec/engines/openrlhf/step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = openrlhf_step_layer(_openrlhf)
+        return self._step
 
     def config_space(self):
         return SWITCHES
