@@ -200,11 +200,18 @@ class StepLayer:
     #: a layer without ``forward_backward`` whose DP > 1 steps run their ranks one after the other in one process: why
     #: that is the library's step (no collective in it, or where the collective it has lives and what it computes)
     in_process: str = ""
+    #: functions of the layer that state the library's behaviour in the suite's code (the library's own cannot take
+    #: the suite's batches), each with what it states: checks that would read only such a function are not the
+    #: library's and are skipped with this reason (spec/invariants/microbatch_step.py)
+    restated: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.functions) - set(STEP_FUNCTIONS)
         if unknown:
             raise ValueError(f"step layer {self.name!r}: unknown functions {sorted(unknown)}; known: {STEP_FUNCTIONS}")
+        if set(self.restated) - set(self.functions):
+            raise ValueError(f"step layer {self.name!r}: restated functions {sorted(set(self.restated) - set(self.functions))} "
+                             "it does not offer")
         if "forward_backward" not in self.functions and max(self.dp_sizes) > 1 and not self.in_process:
             raise ValueError(f"step layer {self.name!r}: DP sizes {self.dp_sizes} without the library's own step "
                              "function (forward_backward): say why its ranks may run in one process (in_process=...)")

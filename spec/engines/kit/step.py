@@ -49,12 +49,16 @@ def agg_loss_losses() -> tuple[LossDeclaration, ...]:
 
 
 def with_plan(mini: TensorDict, plan: CutPlan) -> TensorDict:
-    """A shallow copy of one rank's mini-batch with the settings ``prepare_micro_batches`` reads for ``plan``."""
+    """A shallow copy of one rank's mini-batch with the settings ``prepare_micro_batches`` reads for ``plan`` (the
+    other path's setting, which it does not read, left as the mini-batch has it)."""
     td = mini.copy()
-    settings = {"use_dynamic_bsz": plan.cut is Cut.TOKENS, "max_token_len_per_gpu": plan.max_token_len,
-                "micro_batch_size_per_gpu": plan.micro_batch_size, "force_group_size": 1, "sp_size": 1}
-    for key, value in settings.items():
+    path = {"max_token_len_per_gpu": plan.max_token_len} if plan.cut is Cut.TOKENS else \
+        {"micro_batch_size_per_gpu": plan.micro_batch_size}
+    for key, value in {"use_dynamic_bsz": plan.cut is Cut.TOKENS, **path}.items():
         td.set_non_tensor(key, value)
+    for key in ("force_group_size", "sp_size"):  # one sample per group, no sequence parallelism, unless it says
+        if key not in td.keys():
+            td.set_non_tensor(key, 1)
     return td
 
 

@@ -122,5 +122,9 @@ def openrlhf_step_layer(load) -> StepLayer | None:
     return StepLayer("openrlhf", cuts=(Cut.COUNT,), facts=FACTS, losses=OPENRLHF_LOSSES,
                      functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss, "restore": concatenated,
                                 "forward_backward": _forward_backward},
-                     dp_sizes=(1, 2), equal_micro_batches=True, world_is_dp=True)
+                     dp_sizes=(1, 2), equal_micro_batches=True, world_is_dp=True,
+                     restated={"cut": "the replay buffer's DataLoader (shuffle off), consecutive chunks of "
+                                      "micro_train_batch_size (kit.step.consecutive_cut): OpenRLHF's own iterates "
+                                      "its Experience items",
+                               "restore": "the order is kept, the outputs concatenated (kit.step.concatenated)"})
 

@@ -91,6 +91,9 @@ def skyrl_train_step_layer(load) -> StepLayer | None:
                      losses=SKYRL_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                      "restore": concatenated},
                      dp_sizes=(1, 2), equal_micro_batches=True,
+                     restated={"cut": "BatchIterator's TrainingInputBatch.chunk, consecutive chunks "
+                                      "(kit.step.consecutive_cut): skyrl-train's own takes its TrainingInputBatch",
+                               "restore": "the order is kept, the outputs concatenated (kit.step.concatenated)"},
                      in_process="skyrl-train 0.3.1's policy step (BatchIterator's cut, ppo_policy_loss, loss / "
                                 "accumulation_steps) runs no collective: no fact of the step is reduced over the DP "
                                 "group (its token_mean is each micro-batch's own, the records below); DDP/FSDP's "
