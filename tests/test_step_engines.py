@@ -169,6 +169,9 @@ def test_openrlhf_sequence_level_loss_counts_the_samples_with_a_loss_token() -> 
     for invariant in ("INV-STEP-003", "INV-STEP-004"):
         _check(engine, EMPTY_SAMPLE, invariant)
     _check(engine, EMPTY_SAMPLE.with_(mode="token"))
+    critic = EMPTY_SAMPLE.with_(loss="value", mode="token")  # the critic's ValueLoss on OpenRLHF's critic forward
+    for invariant in ("INV-STEP-001", "INV-STEP-004"):
+        _check(engine, critic, invariant)
     facts = run_step(engine, EMPTY_SAMPLE).handed_facts
     assert {f["global_batch_size"] for rank in facts for f in rank} == {1.5}  # 3 non-empty samples / gas 2
     layer = engine.step_layer()

@@ -18,10 +18,11 @@ mesh (its DP group is then the world: ``world_is_dp``), each micro-batch through
 At DP = 1 the same ``_optimizer_step_loss_norm`` runs in one process (no process group: no all-reduce).
 
 Declared losses: ``ppo`` (``policy_loss_type="ppo"``, the clip range 0.2, no dual clip: the ratio stays inside it)
-in ``token`` and ``sequence`` aggregation, and ``gspo`` (the sequence-level ratio; sequence aggregation only).
-Not drawn: the critic's ``ValueLoss`` (the same ``aggregate_loss``; its values come from another model class,
-``get_llm_for_sequence_regression``, which the adapter does not run) and the dynamic-batch path (the replay
-buffer's token-balanced partitions and per-step normalisers, ``setup_dynamic_batch``).
+in ``token`` and ``sequence`` aggregation, ``gspo`` (the sequence-level ratio; sequence aggregation only), and the
+critic's ``value`` (``PPOCritic.training_step``: ``ValueLoss(value_clip)`` on OpenRLHF's own critic forward,
+spec/engines/openrlhf/critic.py, normalised by the same windows; always token-level, as ``PPOCritic`` never sets
+``token_level_loss``). Not drawn: the dynamic-batch path (the replay buffer's token-balanced partitions and per-step
+normalisers, ``setup_dynamic_batch``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ OPENRLHF_LOSSES = (
     LossDeclaration("ppo", PerToken.RATIO, (TOKEN_LEVEL, SEQUENCE_LEVEL)),
     LossDeclaration("gspo", PerToken.SEQUENCE_RATIO, (SEQUENCE_LEVEL,),
                     undrawn={"token": "PolicyLoss sets token_level_loss=False for gspo"}),
+    LossDeclaration("value", PerToken.VALUE, (TOKEN_LEVEL,), head="value",
+                    undrawn={"sequence": "PPOCritic builds ValueLoss(value_clip): token_level_loss is never set, the "
+                                         "critic's loss is always token-level"}),
 )
+#: the critic's value clip (PPOCritic's ValueLoss(value_clip); the old values lie inside it)
+VALUE_CLIP = 0.5
 #: the facts a micro-batch is handed (its non-tensor entries on real ranks)
 FACTS = (Fact.BATCH_NUM_TOKENS, Fact.GLOBAL_BATCH_SIZE, Fact.DP_SIZE, Fact.ACCUMULATION_STEPS)
 
@@ -69,7 +75,23 @@ def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
     return [_window_facts(loss_utils, consecutive_cut([mini], plan)[0][0], None, len(minis)) for mini in minis]
 
 
+def _value_loss(outputs: dict, mb: TensorDict, facts: dict) -> torch.Tensor:
+    """PPOCritic.training_step's loss: ``ValueLoss(value_clip)`` on the critic's action values, the old values and the
+    returns, with the window's facts."""
+    loss_module = importlib.import_module("openrlhf.models.loss")
+    values, real = response_view(outputs["values"], mb)
+    width = values.shape[1]
+    mask, old, returns = (response_view(sequence_values(mb, key), mb, width)[0]
+                          for key in ("response_mask", "values", "returns"))
+    loss = loss_module.ValueLoss(VALUE_CLIP)(values, old, returns, action_mask=(mask * real).to(values.dtype),
+                                             dp_size=facts["dp_size"], batch_num_tokens=facts["batch_num_tokens"],
+                                             global_batch_size=facts["global_batch_size"])
+    return loss / facts["accumulation_steps"]  # DeepSpeed's engine.backward: loss / gradient_accumulation_steps
+
+
 def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
+    if setting.loss == "value":
+        return _value_loss(outputs, mb, facts)
     loss_module = importlib.import_module("openrlhf.models.loss")
     log_probs, mask, old, advantages = policy_columns(outputs, mb)
     policy = loss_module.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, token_level_loss=setting.mode == "token",
