@@ -10,20 +10,28 @@ which changes with the cut (docs/findings/F24-seq-mean-token-sum-norm-width.md).
 
 The global facts (``batch_num_tokens``, ``global_batch_size``, ``response_width``, ``dp_size``) come from
 :func:`local_facts` gathered over the data-parallel ranks (:func:`global_facts`; the gather is a seam, e.g.
-``torch.distributed.all_gather_into_tensor`` on the DP group). Masked positions never reach the loss, whatever they hold (a
+:func:`group_gather`: ``torch.distributed.all_gather`` on the DP group). Masked positions never reach the loss, whatever they hold (a
 ``where``, not a product: a NaN at a padded or masked position stays out). Vectorised; nothing is mutated.
+
+:func:`forward_backward_batch` is one rank's whole step, verl's ``FSDPEngine.forward_backward_batch`` for impl's
+engines: the global facts gathered over the DP group it is handed (never another group), assigned to the mini-batch;
+the cut (``prepare_micro_batches`` with the group: every rank the same micro-batch count); each micro-batch through the
+engine and the model, its loss backpropagated; the outputs restored (``postprocess_batch_func``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict
 
 from .errors import ShapeError, UnsupportedConfigError
+from .microbatch import postprocess_batch_func, prepare_micro_batches
 
 __all__ = ["AGG_MODES", "agg_loss", "policy_loss", "value_loss", "sft_loss", "local_facts", "global_facts",
-           "padded_responses"]
+           "padded_responses", "group_gather", "forward_backward_batch"]
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -114,7 +122,7 @@ def local_facts(response_mask: torch.Tensor) -> torch.Tensor:
 def global_facts(local: torch.Tensor, all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> dict[str, int]:
     """The facts every micro-batch of the step is handed, from the ranks' :func:`local_facts`: ``all_gather(local)``
-    returns every rank's ``(world, 4)`` (a seam, e.g. ``torch.distributed.all_gather_into_tensor`` on the DP group;
+    returns every rank's ``(world, 4)`` (a seam, e.g. :func:`group_gather`, an all-gather on the DP group;
     None: one rank). Tokens, samples and ranks are summed, the longest response is the longest of all."""
     every = local.unsqueeze(0) if all_gather is None else all_gather(local)
     if every.dim() != 2 or every.shape[1] != 4:
@@ -140,3 +148,53 @@ def padded_responses(nested: torch.Tensor, width: int | None = None) -> torch.Te
     out = values.new_zeros((lengths.numel(), width, *values.shape[1:]))
     out[rows, cols] = values
     return out
+
+
+def group_gather(group: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """:func:`global_facts`' gather over the process group ``group`` (``all_gather``; None: one rank)."""
+    if group is None:
+        return None
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        every = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, local.contiguous(), group=group)
+        return torch.stack(every)
+
+    return gather
+
+
+def _agreed_cut(data: TensorDict, dp_group: Any) -> tuple[list, Any]:
+    return prepare_micro_batches(data, dp_group=dp_group, same_micro_num_in_dp=True)
+
+
+def forward_backward_batch(engine: Any, module: Callable[..., Any], data: TensorDict,
+                           loss_function: Callable[[dict, TensorDict], torch.Tensor], dp_group: Any = None,
+                           processor: Callable | None = None, forward_only: bool = False,
+                           cut: Callable[[TensorDict, Any], tuple[list, Any]] | None = None,
+                           restore: Callable[..., dict[str, Any]] = postprocess_batch_func) -> dict[str, Any]:
+    """One rank's step over its mini-batch ``data`` (its ``response_mask`` and the cut's flags: ``use_dynamic_bsz``,
+    ``max_token_len_per_gpu`` or ``micro_batch_size_per_gpu``): the global facts (:func:`global_facts` over
+    ``dp_group``) assigned to a shallow copy of ``data`` as non-tensor entries, the cut with ``dp_group``, every
+    micro-batch through ``engine``'s ``prepare_model_inputs``, ``module`` and ``prepare_model_outputs`` (``processor``
+    its logits processor), ``loss_function(model_output, micro_batch)`` backpropagated unless ``forward_only``.
+    ``cut(data, dp_group) -> (micro_batches, indices)``: the cut (default ``prepare_micro_batches`` with the group and
+    ``same_micro_num_in_dp``); ``restore(output_lst=, indices=, data=)``: the restore (default
+    ``postprocess_batch_func``). Returns its ``{"model_output", "loss", "metrics"}``, the outputs in ``data``'s
+    order."""
+    if "response_mask" not in data.keys():
+        raise ShapeError(f"forward_backward_batch: data has no 'response_mask' (keys {sorted(data.keys())})")
+    data = data.copy()
+    for key, value in global_facts(local_facts(data.get("response_mask")), group_gather(dp_group)).items():
+        data.set_non_tensor(key, value)
+    micro_batches, indices = (cut or _agreed_cut)(data, dp_group)
+    output_lst = []
+    for micro_batch in micro_batches:
+        with torch.no_grad() if forward_only else torch.enable_grad():
+            inputs, output_args = engine.prepare_model_inputs(micro_batch)
+            model_output = engine.prepare_model_outputs(module(**inputs), output_args, micro_batch, processor)
+            loss = loss_function(model_output, micro_batch)
+        if not forward_only:
+            loss.backward()
+        output_lst.append({"model_output": {k: v.detach() for k, v in model_output.items()},
+                           "loss": float(loss.detach())})
+    return restore(output_lst=output_lst, indices=indices, data=data)

@@ -121,7 +121,15 @@ def test_the_step_layer_protocol_refuses_unknown_functions() -> None:
     with pytest.raises(ValueError, match="unknown functions"):
         StepLayer("x", cuts=(), facts=(), losses=(), functions={"prepare": print})
     layer = ImplEngine().step_layer()
-    assert layer.lacks() is None and "cut" in StepLayer("y", (), (), (), {}).lacks()
+    assert layer.lacks() is None and "cut" in StepLayer("y", (), (), (), {}, dp_sizes=(1,)).lacks()
+    assert layer.collective and "forward_backward" not in StepLayer("y", (), (), (), {}, dp_sizes=(1,)).lacks()
+
+
+def test_ranks_in_one_process_are_a_declared_choice() -> None:
+    """A layer without the library's own step function that draws DP > 1 says why its ranks may run in one process."""
+    with pytest.raises(ValueError, match="in_process"):
+        StepLayer("y", (), (), (), {}, dp_sizes=(1, 2))
+    assert StepLayer("y", (), (), (), {}, dp_sizes=(1, 2), in_process="no collective").in_process
 
 
 @pytest.mark.parametrize("invariant", ["INV-STEP-001", "INV-STEP-002", "INV-STEP-003", "INV-STEP-004"])

@@ -1,12 +1,22 @@
-"""Real engines' training steps (spec/engines/verl/step.py, trl_step.py, skyrl_step.py), each in its own venv (skipped
-where its library is not installed; CI runs it in the verl091, trl-openrlhf and skyrl steps): the library's own loss
+"""Real engines' training steps (spec/engines/<engine>/step.py: verl, TRL, skyrl-train, OpenRLHF), each in its own venv
+(skipped where its library is not installed; CI runs it in the verl091, trl-openrlhf (both venvs) and skyrl steps): the library's own loss
 code runs, its records are real (the failure shows on a case under the record's condition, and a case outside it
 passes), and a mode the library documents as local is held to that documented normalisation (declared global, it
-fails). Each test checks one or two hand-picked step cases: a few seconds."""
+fails). Each test checks one or two hand-picked step cases: a few seconds (verl's held-out mutants of its own
+``forward_backward_batch`` on real ranks: a pool of 2 ranks started, about 10 s, then a second per mutant).
+
+verl's step at DP > 1 is its own ``FSDPEngine.forward_backward_batch`` on real gloo ranks: a mutant of that function
+(installed by ``spec.execute.probe`` in every rank, as ``spec mutate`` installs one) that drops the token count's
+all-reduce, takes the DP size from the sequence-parallel group or cuts without agreeing on the micro-batch count
+fails a step check; the in-process step before it restated these facts and simulated the agreement, so none of the
+three could fail there."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
+import textwrap
 from dataclasses import replace
 
 import pytest
@@ -80,3 +90,98 @@ def test_skyrl_train_token_mean_is_per_micro_batch() -> None:
         _check(engine, TWO_MICRO_BATCHES.with_(mode="token_mean"))
     _check(engine, TWO_MICRO_BATCHES.with_(mode="sequence_mean"))
     _check(engine, TWO_MICRO_BATCHES.with_(mode="seq_mean_token_sum_norm", horizon=16))
+
+
+class _Mutant(ast.NodeTransformer):
+    """One held-out-style mutation of verl's ``forward_backward_batch`` source (``what``: which)."""
+
+    def __init__(self, what: str):
+        self.what, self.applied = what, 0
+
+    def visit_Expr(self, node: ast.Expr):  # the all-reduce of batch_num_tokens dropped: each rank's own count
+        call = node.value
+        if self.what == "no_all_reduce" and isinstance(call, ast.Call) and ast.unparse(call.func).endswith(
+                "distributed.all_reduce"):
+            self.applied += 1
+            return ast.Pass()
+        return self.generic_visit(node)
+
+    def visit_keyword(self, node: ast.keyword):
+        if self.what == "dp_size_from_sp_group" and node.arg == "dp_size":  # the SP group's size (1 here)
+            self.applied += 1
+            return ast.keyword("dp_size", ast.parse("self.ulysses_sequence_parallel_size", mode="eval").body)
+        if self.what == "count_not_agreed" and node.arg == "same_micro_num_in_dp":
+            self.applied += 1
+            return ast.keyword("same_micro_num_in_dp", ast.Constant(False))
+        return node
+
+
+def _mutated_forward_backward(what: str) -> tuple[str, str, str]:
+    from verl.workers.engine.fsdp import transformer_impl
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(transformer_impl.FSDPEngine.forward_backward_batch)))
+    mutant = _Mutant(what)
+    tree = ast.fix_missing_locations(mutant.visit(tree))
+    assert mutant.applied == 1, f"mutant {what} applied {mutant.applied} times"
+    return transformer_impl.__name__, "FSDPEngine.forward_backward_batch", ast.unparse(tree)
+
+
+#: two ranks whose loss tokens differ (rank 0: 1 + 4, rank 1: 3 + 2), two micro-batches each; and a token budget
+#: under which rank 0 needs two micro-batches alone and rank 1 one
+RANKS = StepCase((2, 1, 1, 2), (1, 4, 3, 2), dp=2, cut="count", micro_batch_size=1, seed=3)
+RANKS_BUDGET = StepCase((2, 2, 1, 1), (1, 3, 1, 1), dp=2, cut="tokens", max_token_len=5, seed=0)
+
+
+@pytest.mark.skipif(not _has("verl.trainer.distillation"), reason="verl 0.9.1 is not installed (the verl091 step)")
+@pytest.mark.parametrize("what, case, invariant, message", [
+    ("no_all_reduce", RANKS, "INV-STEP-004", "in token-mean: gradient"),
+    ("dp_size_from_sp_group", RANKS, "INV-STEP-004", "in token-mean: gradient"),
+    ("count_not_agreed", RANKS_BUDGET, "INV-STEP-002", r"ranks run \[2, 1\] micro-batches"),
+])
+def test_verl_forward_backward_batch_mutants_fail_a_step_check(what, case, invariant, message) -> None:
+    from spec.execute import probe
+    from spec.run.registry import load_engine
+
+    engine = load_engine("verl")
+    _check(engine, case, invariant)  # verl as released passes
+    probe.set_mutant(_mutated_forward_backward(what))
+    try:
+        with pytest.raises(AssertionError, match=message):
+            _check(engine, case, invariant)
+    finally:
+        probe.set_mutant(None)
+
+
+#: two ranks, two one-sample micro-batches each; sample 3's response mask is all 0 (seed 29): no loss token
+EMPTY_SAMPLE = StepCase((2, 1, 2, 1), (2, 3, 1, 3), dp=2, cut="count", micro_batch_size=1, loss="ppo",
+                        mode="sequence", holes=0.5, seed=29)
+
+
+@pytest.mark.skipif(not _has("openrlhf"), reason="OpenRLHF is not installed (the trl-openrlhf step's venv)")
+def test_openrlhf_sequence_level_loss_counts_the_samples_with_a_loss_token() -> None:
+    """OpenRLHF's PolicyLoss with token_level_loss=False divides by the non-empty samples over the DP group (its own
+    all-reduce, on real ranks): passes as declared, and the same mode declared over every sample fails."""
+    from spec.execute.step import run_step
+    from spec.protocol.step import Divisor
+    from spec.run.registry import load_engine
+
+    engine = load_engine("openrlhf")
+    for invariant in ("INV-STEP-003", "INV-STEP-004"):
+        _check(engine, EMPTY_SAMPLE, invariant)
+    _check(engine, EMPTY_SAMPLE.with_(mode="token"))
+    critic = EMPTY_SAMPLE.with_(loss="value", mode="token")  # the critic's ValueLoss on OpenRLHF's critic forward
+    for invariant in ("INV-STEP-001", "INV-STEP-004"):
+        _check(engine, critic, invariant)
+    facts = run_step(engine, EMPTY_SAMPLE).handed_facts
+    assert {f["global_batch_size"] for rank in facts for f in rank} == {1.5}  # 3 non-empty samples / gas 2
+    layer = engine.step_layer()
+    ppo = layer.loss("ppo")
+    every = replace(ppo, modes=tuple(replace(m, divisors=(Divisor.SEQUENCES,)) if m.name == "sequence" else m
+                                     for m in ppo.modes))
+
+    class EverySample(type(engine)):
+        def step_layer(self):
+            return replace(layer, losses=(every, *layer.losses[1:]))
+
+    with pytest.raises(AssertionError, match="in sequence: gradient"):
+        _check(EverySample(), EMPTY_SAMPLE.with_(dp=1))

@@ -39,4 +39,4 @@ ENGINE_COVERAGE_REPORTS="reports/trl/verify-trl.json reports/trl-fused/verify-tr
 .venv-openrlhf/bin/python -m spec verify --engine openrlhf --profile ci --out "reports/openrlhf"
 ENGINE_COVERAGE_REPORTS="reports/openrlhf/verify-openrlhf.json" \
     .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
-.venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py
+.venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py tests/test_step_engines.py

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from ..protocol.step import Cut, CutPlan, Divisor, LossSetting, StepLayer
 from ..truth.rules import response_index
@@ -65,7 +65,7 @@ class StepCase(SampleLengths):
 
     @property
     def plan(self) -> CutPlan:
-        return CutPlan(self.dp, Cut(self.cut), self.micro_batch_size, self.max_token_len)
+        return CutPlan(self.dp, Cut(self.cut), self.micro_batch_size, self.max_token_len, self.batch_size)
 
     @property
     def setting(self) -> LossSetting:
@@ -186,8 +186,8 @@ def materialize_step(case: StepCase) -> TensorDict:
 
 
 def select_rows(td: TensorDict, rows: list[int]) -> TensorDict:
-    """Samples ``rows`` of ``td`` in that order: nested tensors rebuilt from their values and offsets, dense ones by
-    row, flags kept (the suite's own selection: a rank's share of the mini-batch)."""
+    """Samples ``rows`` of ``td`` in that order: nested tensors rebuilt from their values and offsets, dense ones and
+    per-sample stacks (uids) by row, flags kept (the suite's own selection: a rank's share of the mini-batch)."""
     out = TensorDict({}, batch_size=[len(rows)])
     index = torch.tensor(rows, dtype=torch.int64)
     for key in td.keys():
@@ -200,6 +200,9 @@ def select_rows(td: TensorDict, rows: list[int]) -> TensorDict:
             out.set(key, jagged(torch.cat(parts, dim=ragged - 1), tuple(lens), jagged_dim=ragged))
         elif isinstance(value, torch.Tensor):
             out.set(key, value[index])
+        elif isinstance(value, NonTensorStack):  # one item per sample (uids): by row
+            items = value.tolist()
+            out.set(key, NonTensorStack(*[items[i] for i in rows]))
         else:
             out.set_non_tensor(key, getattr(value, "data", value))
     return out

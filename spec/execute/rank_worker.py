@@ -40,9 +40,11 @@ from .handoff import (POISONS, _call_model, check_media_inputs, _fields, _settin
                       rank_outputs)
 from .pickling import dumps
 from ..cases.materialize import materialize, move
+from .step_rank import STEP_TASK, RankStep
 from ..truth.oracle import TopKProcessor, topk_terms
 
-__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task", "dumps"]
+__all__ = ["WORLDS", "ShardedTopKProcessor", "task_timeout", "worker_main", "on_device", "micro_batch_task", "step_task",
+           "dumps"]
 
 WORLDS = (2, 3, 4)
 
@@ -162,6 +164,8 @@ class _Worker:
         probe.apply(task.get("probe"))
         if task.get("kind") == "microbatch":
             return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
+        if task.get("kind") == STEP_TASK:
+            return step_task(self.engine(task["engine"], task["recipe"]), task, self.rank, self.groups)
         topology: Topology = task["topology"]
         index = topology.group_of(self.rank)  # this rank's SP group; its rank there is what it slices by
         members = topology.groups[index]
@@ -271,6 +275,22 @@ def micro_batch_task(engine: EngineUnderTest, case: MiniBatchCase, rank: int, gr
     reply.update(alone=alone, count=len(micro),
                  rows=[[int(i) for i in part] for part in indices] if indices is not None else None,
                  tokens=[int(mb["input_ids"].offsets()[-1]) for mb in micro])
+    return reply
+
+
+def step_task(engine: EngineUnderTest, task: dict[str, Any], rank: int, groups: dict[Any, Any]) -> dict[str, Any]:
+    """One data-parallel rank of :func:`spec.execute.step.run_step` (:class:`spec.execute.step_rank.RankStep`): the
+    framework's own step function with the DP group (the whole world where the framework reads it there, else the
+    subgroup of the case's ``dp`` ranks). What its loss was handed is replied even when the step raised."""
+    case = task["case"]
+    group = dist.group.WORLD if task["world_is_dp"] else groups[case.dp]
+    step = RankStep(engine, case, rank, task["measure"])
+    reply: dict[str, Any] = {"rank": rank}
+    try:
+        reply.update(_nested_safe(step.run(group)))
+    except Exception as exc:  # noqa: BLE001 - the framework's step raised: re-raised by the caller
+        reply["error"] = (rank, *_describe(tag(exc, ENGINE)))
+    reply["handed"] = _nested_safe(step.handed)
     return reply
 
 

@@ -263,7 +263,7 @@ class RankPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_POOLS: dict[str, RankPool] = {}
+_POOLS: dict[tuple[str, int], RankPool] = {}
 _RESTARTS = [0]  # pools replaced after a rank died, hung or errored (a run's bound on them: spec.run.runner)
 
 
@@ -273,16 +273,20 @@ def restarts() -> int:
     return _RESTARTS[0]
 
 
-def pool(device: str = "cpu") -> RankPool:
-    """The live pool for ``device``'s backend, started (or restarted) on demand."""
-    backend = backend_for(device)
-    current = _POOLS.get(backend)
+def pool(device: str = "cpu", world: int = MAX_WORLD) -> RankPool:
+    """The live pool of ``world`` ranks for ``device``'s backend, started (or restarted) on demand. Every check uses
+    the pool of :data:`MAX_WORLD` ranks (its subgroups), except a training step whose framework reads its DP size off
+    the whole world (``StepLayer.world_is_dp``): that one runs in a pool of exactly ``dp`` ranks."""
+    if not 2 <= world <= MAX_WORLD:
+        raise ValueError(f"a rank pool holds 2..{MAX_WORLD} ranks, not {world}")
+    key = (backend_for(device), world)
+    current = _POOLS.get(key)
     if current is None or not current.alive():
         if current is not None:
             current.close(force=True)
             _RESTARTS[0] += 1
-        _POOLS[backend] = RankPool(backend)
-    return _POOLS[backend]
+        _POOLS[key] = RankPool(key[0], world)
+    return _POOLS[key]
 
 
 def shutdown() -> None:

@@ -27,6 +27,7 @@ from ..execute.handoff import execution_context
 from ..protocol.profile import profile_of
 from ..execute.harness import execute, model_for
 from ..execute.microbatch import dp_micro_batch_counts
+from ..execute.step import step_layer_of
 from ..protocol.engine import OutputSpan
 from ..protocol.microbatch import MicroBatchLayer
 from ..truth import microbatch_checks as checks
@@ -34,6 +35,7 @@ from ..truth.microbatch_checks import check_nested, check_sample_keys, is_stack,
 from ..truth.oracle import expected
 from ..truth.rules import read_positions
 from .core import CATALOGUE, Ctx, InvariantInfo, fail, held, same
+from .microbatch_step import BRIDGED, bridge_skip_reason, fit, step_microbatch_layer
 
 __all__ = ["MicroBatchInfo", "PINNED"]
 
@@ -67,14 +69,22 @@ class MicroBatchInfo(InvariantInfo):
         if "engine" in self.needs:  # end to end: engine-level features only where the engine's own records allow
             kwargs.update(engine_extras(engine))
         strategy = minibatch_cases(**kwargs)
-        return strategy.map(self.adjust) if self.adjust else strategy
+        strategy = strategy.map(self.adjust) if self.adjust else strategy
+        step = _bridged_step(engine)
+        return strategy.map(lambda case: fit(case, step)) if step is not None else strategy
 
     def skip_reason_for(self, engine) -> str | None:
         layer = engine.microbatch_layer()
-        reason = engine.lacks("microbatch") if layer is None else layer.lacks(self.functions)
-        step = getattr(engine, "step_layer", None)
-        if reason and step is not None and step() is not None:  # its own cut and restore, by its own names
-            reason += "; the engine's own cut, padding and restore are checked by INV-STEP-* (its step_layer)"
+        if layer is not None:
+            return layer.lacks(self.functions)
+        reason = engine.lacks("microbatch")
+        step = step_layer_of(engine)
+        if step is not None:  # its own cut and restore, by its own names
+            why = bridge_skip_reason(self.id, step)
+            if why is None:
+                return None
+            reason += (f"; not run through its step layer ({why}); the engine's own cut, padding and restore are "
+                       "checked by INV-STEP-* (its step_layer)")
         return reason
 
     def pinned(self, mode: str, engine=None) -> list[MiniBatchCase]:
@@ -96,7 +106,13 @@ class MicroBatchInfo(InvariantInfo):
             if kwargs.get("min_group_size", 1) > 1 and case.batch_size % 2 == 0:
                 case = case.with_(force_group_size=2, max_token_len=max(case.max_token_len, max(case.group_tokens)))
             cases.append(case)
-        return cases
+        step = _bridged_step(engine) if engine is not None else None
+        return [fit(case, step) for case in cases] if step is not None else cases
+
+
+def _bridged_step(engine):
+    """The engine's step layer where its micro-batch checks run through it (no micro-batch layer of verl's names)."""
+    return step_layer_of(engine) if engine.microbatch_layer() is None else None
 
 
 def engine_extras(engine) -> dict[str, bool]:
@@ -112,6 +128,9 @@ def engine_extras(engine) -> dict[str, bool]:
 def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: str, modes=("any",),
                  needs: tuple[str, ...] = ("microbatch",), adjust=None, example_share: float = 0.4,
                  **strategy_kwargs: Any):
+    if id in BRIDGED:  # an engine without verl's layer may answer it with its step layer (skip_reason_for decides)
+        needs = tuple(need for need in needs if need != "microbatch")
+
     def register(check):
         if id in CATALOGUE:
             raise ValueError(f"duplicate invariant id {id}")
@@ -128,7 +147,7 @@ def layer(ctx: Ctx) -> MicroBatchLayer:
     """The engine's layer with each function tagged as the engine's (what it raises is the engine's failure), each
     called in the case's autograd context (a trainer cuts the mini-batch of an old-policy or reference pass under
     ``no_grad`` or ``inference_mode``, of a policy update with grad on)."""
-    raw = ctx.engine.microbatch_layer()
+    raw = ctx.engine.microbatch_layer() or step_microbatch_layer(step_layer_of(ctx.engine))
     return MicroBatchLayer(raw.name, {name: _in_context(engine_side(fn, name), ctx.case)
                                       for name, fn in raw.functions.items()}, dict(raw.missing))
 

@@ -309,12 +309,14 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                step=SB.loss_normalized_per_micro_batch,
                quiet="two or more micro-batches (or ranks) whose token counts differ"),
     PlantedBug("token_count_from_one_rank", ("INV-STEP-004", "INV-STEP-003"), step=SB.token_count_from_one_rank,
-               quiet="data-parallel ranks (dp > 1) and a token-mean loss"),
+               quiet="data-parallel ranks (dp > 1, real ranks) and a token-mean loss"),
+    PlantedBug("dp_size_from_world", ("INV-STEP-004", "INV-STEP-003"), step=SB.dp_size_from_world,
+               quiet="a DP group smaller than the world (dp = 2 on the suite's pool of 4 real ranks)"),
     PlantedBug("scale_from_padded_width", ("INV-STEP-004", "INV-STEP-003"), step=SB.scale_from_padded_width,
                quiet="seq-mean-token-sum-norm without a loss_scale_factor, a micro-batch narrower than the longest "
                      "response"),
     PlantedBug("padding_micro_batch_missing_key", ("INV-STEP-002",), step=SB.padding_micro_batch_missing_key,
-               quiet="data-parallel ranks whose own micro-batch counts differ (a token budget)"),
+               quiet="data-parallel ranks (real ranks) whose own micro-batch counts differ (a token budget)"),
     PlantedBug("restore_after_losses_reordered", ("INV-STEP-001",), step=SB.restore_after_losses_reordered,
                quiet="two or more micro-batches whose losses are not in descending order"),
     # in the engine's own companion, the top-K distillation processor it hands itself (spec/planted/companion_bugs.py)

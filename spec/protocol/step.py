@@ -22,7 +22,17 @@ must, under the neutral names of :data:`STEP_FUNCTIONS` (any framework binds its
                         the full sequences) and the micro-batch's step keys (:data:`STEP_KEYS`)
 ``restore``             ``(outputs: list[dict], indices, mini: TensorDict) -> dict``: one rank's per-micro-batch
                         outputs back in its mini-batch's sample order
+``forward_backward``    optional: ``(obj, model, mini, plan, setting, group, loss_function, processor) -> dict``:
+                        one rank's whole step as the framework's own step function runs it on a real data-parallel
+                        rank (verl's ``forward_backward_batch``): the cut, the global facts (the framework's own
+                        collectives over ``group``, the DP group), every micro-batch through the engine object ``obj``'s
+                        preparation and ``model``, ``loss_function(model_output, micro_batch) -> 0-d tensor``
+                        backpropagated, the outputs restored (returned, the framework's ``model_output``). The facts a
+                        micro-batch is handed are its non-tensor entries of the :class:`Fact` names
 ======================= ===========================================================================================
+
+A layer with ``forward_backward`` runs its DP > 1 steps on real ranks (spec/execute/step_rank.py): the suite restates
+no fact and simulates no collective there; at DP = 1 the four functions above run in one process.
 
 The oracle (spec/truth/step_oracle.py) evaluates each :class:`Aggregation` on the uncut mini-batch in float64; the
 invariants (spec/invariants/step.py) compare the step with it over every cut the layer allows. A mode a library
@@ -33,15 +43,17 @@ documents as local (TRL's ``bnpo``: each micro-batch normalised by its own token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["STEP_FUNCTIONS", "STEP_KEYS", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
+__all__ = ["STEP_FUNCTIONS", "REQUIRED_STEP_FUNCTIONS", "STEP_KEYS", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
            "LossDeclaration", "LossSetting", "CutPlan", "StepLayer"]
 
 #: the functions a step layer offers, by neutral name (a framework binds its own callables)
-STEP_FUNCTIONS = ("cut", "facts", "loss", "restore")
+STEP_FUNCTIONS = ("cut", "facts", "loss", "restore", "forward_backward")
+#: the functions every step layer must offer (``forward_backward`` is optional: a framework with a collective step)
+REQUIRED_STEP_FUNCTIONS = STEP_FUNCTIONS[:4]
 #: the per-sample step keys every micro-batch carries besides the preparation's (nested over each response):
 #: the loss mask, the old policy's log-probs, the advantages, the old values and the returns
 STEP_KEYS = ("response_mask", "old_log_probs", "advantages", "values", "returns")
@@ -76,6 +88,8 @@ class Divisor(str, Enum):
 
     TOKENS = "tokens"  #: valid loss tokens (of the scope)
     SEQUENCES = "sequences"  #: samples (of the scope)
+    #: samples with at least one loss token (of the scope): OpenRLHF's aggregate_loss leaves fully masked ones out
+    VALID_SEQUENCES = "valid_sequences"
     HORIZON = "horizon"  #: a constant length: the mode's setting (verl's loss_scale_factor, TRL's max_completion_length)
 
 
@@ -159,6 +173,9 @@ class CutPlan:
     cut: Cut
     micro_batch_size: int = 1
     max_token_len: int = 0
+    #: the mini-batch's samples on every rank, as the trainer's configuration states it (verl's
+    #: ``ppo_mini_batch_size * rollout.n``, handed as ``global_batch_size``); 0: not stated
+    global_batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,18 +192,36 @@ class StepLayer:
     equal_micro_batches: bool = False
     #: where a rank that needs fewer micro-batches gets padding micro-batches (rather than a finer cut)
     padding_micro_batches: bool = False
+    #: a ``forward_backward`` that reads its DP group and size off the whole world (verl's FSDP engine without a
+    #: device mesh: ``torch.distributed.group.WORLD``, ``get_world_size() // sp``): its ranks run in a world of
+    #: exactly ``dp`` ranks. Otherwise the DP group is handed to it, a subgroup of the suite's rank pool (the other
+    #: ranks idle), so a size or count read off another group than the one handed shows
+    world_is_dp: bool = False
+    #: a layer without ``forward_backward`` whose DP > 1 steps run their ranks one after the other in one process: why
+    #: that is the library's step (no collective in it, or where the collective it has lives and what it computes)
+    in_process: str = ""
+    #: functions of the layer that state the library's behaviour in the suite's code (the library's own cannot take
+    #: the suite's batches), each with what it states: checks that would read only such a function are not the
+    #: library's and are skipped with this reason (spec/invariants/microbatch_step.py)
+    restated: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.functions) - set(STEP_FUNCTIONS)
         if unknown:
             raise ValueError(f"step layer {self.name!r}: unknown functions {sorted(unknown)}; known: {STEP_FUNCTIONS}")
+        if set(self.restated) - set(self.functions):
+            raise ValueError(f"step layer {self.name!r}: restated functions {sorted(set(self.restated) - set(self.functions))} "
+                             "it does not offer")
+        if "forward_backward" not in self.functions and max(self.dp_sizes) > 1 and not self.in_process:
+            raise ValueError(f"step layer {self.name!r}: DP sizes {self.dp_sizes} without the library's own step "
+                             "function (forward_backward): say why its ranks may run in one process (in_process=...)")
 
     def get(self, name: str) -> Callable[..., Any]:
         if name not in STEP_FUNCTIONS:
             raise ValueError(f"unknown step function {name!r}; known: {STEP_FUNCTIONS}")
         return self.functions[name]
 
-    def lacks(self, names: Iterable[str] = STEP_FUNCTIONS) -> str | None:
+    def lacks(self, names: Iterable[str] = REQUIRED_STEP_FUNCTIONS) -> str | None:
         absent = [n for n in names if n not in self.functions]
         return None if not absent else f"{self.name}'s step layer has no {', '.join(absent)}"
 
@@ -200,5 +235,9 @@ class StepLayer:
         """The same layer with some functions replaced (planted bugs, wrappers)."""
         for key in replaced:
             self.get(key)
-        return StepLayer(name, self.cuts, self.facts, self.losses, {**self.functions, **replaced}, self.dp_sizes,
-                         self.equal_micro_batches, self.padding_micro_batches)
+        return replace(self, name=name, functions={**self.functions, **replaced})
+
+    @property
+    def collective(self) -> bool:
+        """Whether the framework's own step function runs on real ranks (``forward_backward`` offered)."""
+        return "forward_backward" in self.functions

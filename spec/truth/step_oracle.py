@@ -3,7 +3,7 @@
 A step's loss is a function of the per-token losses of every response token of the mini-batch (on every rank) and of
 the aggregation mode (:class:`spec.protocol.step.Aggregation`): ``L = sum_i sum_t w_i m_it l_it / D`` with ``w_i``
 1 or one over sequence i's valid tokens and ``D`` the product of the mode's divisors (valid tokens, samples, a
-horizon) counted over the whole mini-batch; for a mode a library documents as local, each micro-batch's own ``D`` and
+horizon; or the samples with a loss token) counted over the whole mini-batch; for a mode a library documents as local, each micro-batch's own ``D`` and
 the micro-batches' losses averaged (what gradient accumulation over ``k`` micro-batches per rank, ``1/k`` each, and
 the DDP/FSDP average over the ranks give). The per-token loss ``l`` is one of :class:`spec.protocol.step.PerToken`,
 evaluated on the head's float64 logits ``z = features @ weight`` of each response token's scoring row (the token
@@ -102,6 +102,8 @@ def aggregate(losses: torch.Tensor, x: StepInputs, mode: Aggregation, horizon: i
                 divisor = divisor * valid[samples].sum().clamp(min=1.0)
             elif factor is Divisor.SEQUENCES:
                 divisor = divisor * samples.numel()
+            elif factor is Divisor.VALID_SEQUENCES:
+                divisor = divisor * (valid[samples] > 0).sum().clamp(min=1)
             else:
                 divisor = divisor * width
         return share[samples].sum() / divisor

@@ -5,6 +5,9 @@ every rank cut to the count the ranks agree on (the most any rank needs: what ``
 the global facts are ``impl.step.global_facts`` over every rank's ``local_facts`` (the in-process ranks' gather); the
 loss is ``impl.step``'s policy, value or SFT loss on the engine's per-token outputs sliced to the responses
 (``impl.no_padding_2_padding``) with the step keys padded alike; the restore is ``impl.postprocess_batch_func``.
+
+On real ranks (DP > 1) the step is impl's own ``impl.step.forward_backward_batch`` with the DP group the suite hands
+it (a subgroup of the rank pool): its facts gathered and its micro-batch count agreed over that group.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ import impl
 import impl.step
 
 from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
-from ..kit.step import agg_loss_losses, cut_with
+from ..kit.step import agg_loss_losses, cut_with, with_plan
 
-__all__ = ["impl_step_layer", "in_process_facts", "impl_loss", "impl_restore"]
+__all__ = ["impl_step_layer", "in_process_facts", "impl_loss", "impl_restore", "impl_forward_backward"]
 
 
 def in_process_facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:  # noqa: ARG001 - the cut changes no fact
@@ -59,10 +62,17 @@ def impl_restore(output_lst: list[dict], indices, mini: TensorDict) -> dict:
     return impl.postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)["model_output"]
 
 
+def impl_forward_backward(obj, model, mini: TensorDict, plan: CutPlan, setting: LossSetting, group, loss_function,
+                          processor) -> dict:  # noqa: ARG001 - impl's loss reads the setting through loss_function
+    """One rank's step: ``impl.step.forward_backward_batch`` over ``mini`` with the plan's cut flags."""
+    return impl.step.forward_backward_batch(obj, model, with_plan(mini, plan), loss_function, dp_group=group,
+                                            processor=processor)["model_output"]
+
+
 def impl_step_layer() -> StepLayer:
     return StepLayer("impl", cuts=(Cut.COUNT, Cut.TOKENS),
                      facts=(Fact.BATCH_NUM_TOKENS, Fact.DP_SIZE, Fact.GLOBAL_BATCH_SIZE, Fact.RESPONSE_WIDTH),
                      losses=agg_loss_losses(),
                      functions={"cut": cut_with(impl.prepare_micro_batches), "facts": in_process_facts,
-                                "loss": impl_loss, "restore": impl_restore},
+                                "loss": impl_loss, "restore": impl_restore, "forward_backward": impl_forward_backward},
                      dp_sizes=(1, 2, 4))

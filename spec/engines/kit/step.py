@@ -18,11 +18,12 @@ import torch
 from tensordict import TensorDict
 
 from ...cases.step import select_rows
+from ...protocol.engine import response_view
 
 from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, LossDeclaration, PerToken, Weighting
 
 __all__ = ["AGG_LOSS_MODES", "TOKEN_MEAN", "agg_loss_losses", "HORIZONS", "with_plan", "cut_with", "consecutive_cut",
-           "concatenated", "sequence_values"]
+           "concatenated", "sequence_values", "policy_columns"]
 
 TOKEN_MEAN = Aggregation("token-mean", Weighting.TOKEN, (Divisor.TOKENS,))
 AGG_LOSS_MODES = (
@@ -48,12 +49,16 @@ def agg_loss_losses() -> tuple[LossDeclaration, ...]:
 
 
 def with_plan(mini: TensorDict, plan: CutPlan) -> TensorDict:
-    """A shallow copy of one rank's mini-batch with the settings ``prepare_micro_batches`` reads for ``plan``."""
+    """A shallow copy of one rank's mini-batch with the settings ``prepare_micro_batches`` reads for ``plan`` (the
+    other path's setting, which it does not read, left as the mini-batch has it)."""
     td = mini.copy()
-    settings = {"use_dynamic_bsz": plan.cut is Cut.TOKENS, "max_token_len_per_gpu": plan.max_token_len,
-                "micro_batch_size_per_gpu": plan.micro_batch_size, "force_group_size": 1, "sp_size": 1}
-    for key, value in settings.items():
+    path = {"max_token_len_per_gpu": plan.max_token_len} if plan.cut is Cut.TOKENS else \
+        {"micro_batch_size_per_gpu": plan.micro_batch_size}
+    for key, value in {"use_dynamic_bsz": plan.cut is Cut.TOKENS, **path}.items():
         td.set_non_tensor(key, value)
+    for key in ("force_group_size", "sp_size"):  # one sample per group, no sequence parallelism, unless it says
+        if key not in td.keys():
+            td.set_non_tensor(key, 1)
     return td
 
 
@@ -105,3 +110,13 @@ def sequence_values(mb: TensorDict, key: str) -> torch.Tensor:
     values = torch.zeros(int(lengths.sum()), dtype=value.values().dtype)
     values[(ids.offsets()[1:] - responses - 1)[rows] + cols] = value.values()
     return torch.nested.nested_tensor_from_jagged(values, ids.offsets())
+
+
+def policy_columns(outputs: dict, mb: TensorDict) -> tuple[torch.Tensor, ...]:
+    """A policy loss's ``(B, R)`` inputs over the response columns, as a consumer reads them (:func:`response_view`):
+    the engine's log-probs, the loss mask (zero past each response), the old log-probs and the advantages."""
+    log_probs, real = response_view(outputs["log_probs"], mb)
+    width = log_probs.shape[1]
+    mask, old, advantages = (response_view(sequence_values(mb, key), mb, width)[0]
+                             for key in ("response_mask", "old_log_probs", "advantages"))
+    return log_probs, (mask * real).to(log_probs.dtype), old, advantages

@@ -36,6 +36,8 @@ from ..kit.hf_batch import BatchFlags, media_samples, media_token_ids, one_tempe
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
 from .config import forward_kwargs, merged_rows
 from .records import PROFILE, RECORDS
+from .critic import OpenRLHFCritic
+from .step import openrlhf_step_layer
 from ..kit.stubs import strict_module
 
 __all__ = ["OpenRLHFEngine"]
@@ -98,7 +100,8 @@ class OpenRLHFEngine(ThirdPartyEngine):
     name, library, known_failures, profile = "openrlhf", "OpenRLHF's Actor.forward", RECORDS, PROFILE
     reasons = {
         Feature.SP: "ring attention needs ring_flash_attn and a process group (not run here)",
-        Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not Actor.forward",
+        Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not Actor.forward (its "
+                       "forward is run by the training step's value loss only: spec/engines/openrlhf/critic.py)",
         Feature.TEMPERATURE_HANDOFF: "one float temperature per actor (self.temperature); nothing is handed over",
         Feature.CU_SEQLENS: "the packed path hands the model no cu_seqlens (flash-attn finds them from positions)",
         Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per actor (Actor(temperature=...))",
@@ -107,4 +110,17 @@ class OpenRLHFEngine(ThirdPartyEngine):
 
     def engine_object(self, **config):
         return OpenRLHFObject(**config)
+
+    def make(self, head: str = "lm", **settings):
+        """``Actor.forward`` (the engine under test); for the training step's value loss, OpenRLHF's critic forward
+        (spec/engines/openrlhf/critic.py: the preparation's value invariants stay skipped, ``Feature.VALUE``)."""
+        if head == "value" and not settings:
+            return OpenRLHFCritic(_openrlhf()[1])
+        return super().make(head, **settings)
+
+    def step_layer(self):
+        """The PPO actor step: PolicyLoss normalised per optimizer-step window (spec/engines/openrlhf/step.py)."""
+        if not hasattr(self, "_step"):
+            self._step = openrlhf_step_layer(_openrlhf)
+        return self._step
 

@@ -25,11 +25,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ...protocol.engine import response_view
 from ...protocol.known import KnownFailure, When
 from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken,
                              StepLayer, Weighting)
-from ..kit.step import concatenated, consecutive_cut, sequence_values
+from ..kit.step import concatenated, consecutive_cut, policy_columns
 
 __all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "token_counts_differ"]
 
@@ -75,12 +74,8 @@ def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
 
 def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
     ppo = importlib.import_module("skyrl_train.utils.ppo_utils")
-    log_probs, real = response_view(outputs["log_probs"], mb)
-    width = log_probs.shape[1]
-    mask, old, advantages = (response_view(sequence_values(mb, key), mb, width)[0]
-                             for key in ("response_mask", "old_log_probs", "advantages"))
-    loss, _ = ppo.ppo_policy_loss(log_probs, old, advantages, _config(setting.mode, setting.horizon),
-                                  loss_mask=(mask * real).to(log_probs.dtype))
+    log_probs, mask, old, advantages = policy_columns(outputs, mb)
+    loss, _ = ppo.ppo_policy_loss(log_probs, old, advantages, _config(setting.mode, setting.horizon), loss_mask=mask)
     return loss / facts["accumulation_steps"]  # PolicyWorkerBase.forward_backward
 
 
@@ -96,4 +91,11 @@ def skyrl_train_step_layer(load) -> StepLayer | None:
     return StepLayer("skyrl-train", cuts=(Cut.COUNT,), facts=(Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
                      losses=SKYRL_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                      "restore": concatenated},
-                     dp_sizes=(1, 2), equal_micro_batches=True)
+                     dp_sizes=(1, 2), equal_micro_batches=True,
+                     restated={"cut": "BatchIterator's TrainingInputBatch.chunk, consecutive chunks "
+                                      "(kit.step.consecutive_cut): skyrl-train's own takes its TrainingInputBatch",
+                               "restore": "the order is kept, the outputs concatenated (kit.step.concatenated)"},
+                     in_process="skyrl-train 0.3.1's policy step (BatchIterator's cut, ppo_policy_loss, loss / "
+                                "accumulation_steps) runs no collective: no fact of the step is reduced over the DP "
+                                "group (its token_mean is each micro-batch's own, the records below); DDP/FSDP's "
+                                "gradient average is the suite's mean of the ranks' gradients")

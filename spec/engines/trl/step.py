@@ -1,8 +1,8 @@
 """TRL 1.16's GRPO step as a step layer: every ``loss_type``'s aggregation through ``GRPOTrainer._compute_loss`` itself.
 
 TRL cuts a process's generation batch into ``steps_per_generation`` consecutive chunks of ``per_device_train_batch_size``
-samples (``split_tensor_dict``), one per gradient-accumulation step, so every micro-batch holds the same number of
-samples (a COUNT cut, equal micro-batches; ``steps_per_generation`` = ``gradient_accumulation_steps``, TRL's default).
+samples (``split_tensor_dict``, TRL's own, called here), one per gradient-accumulation step, so every micro-batch holds
+the same number of samples (a COUNT cut, equal micro-batches; ``steps_per_generation`` = ``gradient_accumulation_steps``, TRL's default).
 Each micro-batch is handed ``num_items_in_batch`` (the generation batch's loss tokens over every process:
 ``accelerator.gather(loss_mask.sum()).sum()``), ``current_gradient_accumulation_steps`` and
 ``accelerator.num_processes``. The loss is TRL's own ``GRPOTrainer._compute_loss``, called unbound on a trainer that
@@ -30,11 +30,12 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict
 
+from ...cases.step import select_rows
 from ...protocol.engine import response_view
 from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken, Scope,
                              StepLayer, Weighting)
 from ..kit import require
-from ..kit.step import concatenated, consecutive_cut, sequence_values
+from ..kit.step import concatenated, sequence_values
 
 __all__ = ["trl_step_layer", "GRPO_LOSSES"]
 
@@ -55,6 +56,26 @@ GRPO_LOSSES = (
                  "vespo": "dapo's aggregation; a Gamma weight of the sequence ratio per token"}),
     LossDeclaration("luspo", PerToken.SEQUENCE_RATIO, (Aggregation("luspo", Weighting.TOKEN, (Divisor.SEQUENCES,)),)),
 )
+
+
+#: why TRL's ranks run in one process: its step has no collective; the one fact it all-reduces is made at generation
+IN_PROCESS = ("TRL's step (split_tensor_dict's cut, _compute_loss) runs no collective: its one global fact, "
+              "num_items_in_batch, is accelerator.gather(loss_mask.sum()).sum() in _generate_and_score_completions, "
+              "the generation that precedes the step (a vLLM or model.generate rollout, not run here): stated here as "
+              "that gather's sum, and accelerator.num_processes as the DP size")
+
+
+def _split_cut(minis: list[TensorDict], plan: CutPlan) -> list:
+    """Each process's generation batch cut by TRL's own ``split_tensor_dict`` into ``steps_per_generation`` chunks
+    (the batch over ``per_device_train_batch_size``): TRL decides which samples each micro-batch holds (it is handed
+    the samples' indices, as it slices every key alike), the suite assembles each micro-batch's keys for them."""
+    utils = require("trl.trainer.utils", HOW)
+    out = []
+    for mini in minis:
+        size = int(mini.batch_size[0])
+        chunks = utils.split_tensor_dict({"index": torch.arange(size)}, max(1, size // plan.micro_batch_size))
+        out.append(([select_rows(mini, chunk["index"].tolist()) for chunk in chunks], None))
+    return out
 
 
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
@@ -104,6 +125,8 @@ def trl_step_layer() -> StepLayer | None:
     except ImportError:
         return None
     return StepLayer("trl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
-                     losses=GRPO_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss, "restore": concatenated},
-                     dp_sizes=(1, 2), equal_micro_batches=True)
+                     losses=GRPO_LOSSES, functions={"cut": _split_cut, "facts": _facts, "loss": _loss, "restore": concatenated},
+                     dp_sizes=(1, 2), equal_micro_batches=True, in_process=IN_PROCESS,
+                     restated={"restore": "TRL restores nothing: the order is kept, the completions' outputs "
+                                          "concatenated (kit.step.concatenated)"})
 

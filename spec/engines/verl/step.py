@@ -8,8 +8,22 @@ mode), ``verl.trainer.distillation.losses.distillation_loss`` (the supervised to
 computes in ``prepare_model_outputs``, every mode) and ``sft_loss`` (a token mean), each with verl's own ``FSDPActorConfig``/``FSDPCriticConfig``; the restore is
 ``postprocess_batch_func``. The global facts are what ``FSDPEngine.forward_backward_batch`` assigns to the mini-batch
 before the cut (``batch_num_tokens``: ``data["loss_mask"].sum()`` all-reduced over the DP group; ``dp_size``) and what the
-trainer hands it (``global_batch_size``: ``ppo_mini_batch_size``, the samples on every rank), stated here for the
-in-process ranks (``forward_backward_batch`` itself needs an initialised process group and an FSDP module).
+trainer hands it (``global_batch_size``: ``ppo_mini_batch_size``, the samples on every rank), stated here for a
+DP = 1 step in one process.
+
+On real ranks (DP > 1) the step is verl's own ``FSDPEngine.forward_backward_batch`` (:func:`verl_forward_backward`),
+in a gloo world of exactly ``dp`` ranks (verl's engine without a device mesh reads its DP group and size off the
+world: ``torch.distributed.group.WORLD``, ``get_world_size() // sp``): its all-reduced ``batch_num_tokens``, its
+``dp_size``, its cut with ``same_micro_num_in_dp`` over the group, its ``forward_step`` and backward, its
+``postprocess_batch_func``. What the adapter sets is device plumbing only, each a value verl's constructor would set
+on a CPU float32 engine without sequence parallelism: ``ulysses_device_mesh = None`` (sp = 1), ``_autocast_dtype =
+float32`` (fp32 parameters: verl skips autocast), ``module`` the stand-in model (with the ``config`` its preparation
+reads), and, during the call, ``transformer_impl.get_device_id`` and ``seqlen_balancing.get_device_name`` returning
+``"cpu"``, the device of the suite's gloo group (verl's own answer ``"cuda"`` without an accelerator, and the first
+raises "Torch not compiled with CUDA enabled" on a CPU-only torch: they only name where ``.to()`` moves the micro-batch
+and where the token count and micro-batch count tensors of the all-reduces live). The trainer's facts stay the trainer's: ``global_batch_size`` (``ppo_mini_batch_size * rollout.n``) and the
+cut's settings are assigned to the mini-batch as verl's trainer and worker assign them, and ``return_model_output``
+is set so the restored outputs come back (Tinker's switch).
 
 verl 0.9.1's ``seq-mean-token-sum-norm`` without ``loss_scale_factor`` divides by the micro-batch's padded width
 (``loss_mask.shape[-1]``), not a constant: its loss and gradient change with the cut (the records below;
@@ -20,6 +34,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from typing import Any
+from unittest import mock
 
 import torch
 from tensordict import TensorDict
@@ -28,9 +43,10 @@ from ...protocol.known import KnownFailure, When
 from ...cases.step import step_inputs
 from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
 from ..kit import require
-from ..kit.step import agg_loss_losses, cut_with
+from ..kit.step import agg_loss_losses, cut_with, with_plan
 
-__all__ = ["verl_step_layer", "STEP_RECORDS", "width_default_applies", "a_sample_without_loss_tokens"]
+__all__ = ["verl_step_layer", "verl_forward_backward", "STEP_RECORDS", "width_default_applies",
+           "a_sample_without_loss_tokens"]
 
 HOW = "pip install verl==0.9.1"
 
@@ -142,6 +158,42 @@ def _restore(output_lst: list[dict], indices, mini: TensorDict) -> dict:
     return utils.postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)["model_output"]
 
 
+class _StandIn:
+    """The stand-in model where verl's ``forward_step`` calls ``self.module(**model_inputs, use_cache=False)``, with
+    the ``config`` verl's preparation reads (spec/engines/verl/adapter.py sets it on the engine object)."""
+
+    def __init__(self, model: Any, config: Any):
+        self.model, self.config = model, config
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.model(**inputs)
+
+
+def verl_forward_backward(obj, model, mini: TensorDict, plan: CutPlan, setting: LossSetting, group, loss_function,
+                          processor) -> dict:  # noqa: ARG001 - verl reads its DP group off the world (world_is_dp)
+    """One rank's step through verl's ``forward_backward_batch`` (see the module docstring for what is set)."""
+    impl_module = require("verl.workers.engine.fsdp.transformer_impl", HOW)
+    eng = obj.verl_engine
+    eng.ulysses_device_mesh = None
+    eng._autocast_dtype = torch.float32
+    eng.module = _StandIn(model, eng.module.config)
+    data = with_plan(mini, plan)
+    if setting.loss == "sft":  # SFT's data carry a loss mask over each whole sequence (verl's SFT dataset)
+        data.set("loss_mask", _sequence_loss_mask(data))
+    require("verl.utils.tensordict_utils", HOW).assign_non_tensor(
+        data, global_batch_size=plan.global_batch_size or None, return_model_output=True)
+
+    def verl_loss(model_output=None, data=None, dp_group=None, student_logits=None, **kwargs):  # noqa: ARG001
+        if student_logits is not None:  # called as the logits processor (distillation_ppo_loss's first role)
+            return processor(student_logits=student_logits, data=data, **kwargs)
+        return loss_function(model_output, data), {}
+
+    balancing = require("verl.utils.seqlen_balancing", HOW)
+    with mock.patch.object(impl_module, "get_device_id", lambda: "cpu"), \
+            mock.patch.object(balancing, "get_device_name", lambda: "cpu"):
+        return eng.forward_backward_batch(data, verl_loss, forward_only=False)["model_output"]
+
+
 def verl_step_layer() -> StepLayer | None:
     """verl's step, where verl ships every loss function it declares (None otherwise: verl 0.7.1 has no
     ``verl.trainer.distillation``; its padded path is the mask failure of issue #6278 either way)."""
@@ -155,5 +207,5 @@ def verl_step_layer() -> StepLayer | None:
                                                                   Fact.GLOBAL_BATCH_SIZE),
                      losses=agg_loss_losses(),
                      functions={"cut": cut_with(utils.prepare_micro_batches), "facts": _facts, "loss": _loss,
-                                "restore": _restore},
-                     dp_sizes=(1, 2, 4))
+                                "restore": _restore, "forward_backward": verl_forward_backward},
+                     dp_sizes=(1, 2, 4), world_is_dp=True)
