@@ -194,6 +194,9 @@ class ThirdPartyEngine(EngineUnderTest):
     #: adapter (:data:`spec.engines.kit.stubs.WELL_KNOWN`: availability probes False, JIT/remote decorators that return
     #: what they decorate, ...): ``{"lib.module": {"name": value}}``
     stub_values: Mapping[str, Mapping[str, object]] = {}
+    #: the value model a training step's value loss runs (``make("value")``), where the library has one apart from its
+    #: LM engine (OpenRLHF's critic forward); None: ``make`` refuses a value head
+    value_model: Callable[[], Any] | None = None
 
     def engine_object(self, **config: Any) -> Any:
         """The library's engine object; ``config``: the values of its own switches drawn for the case
@@ -209,7 +212,10 @@ class ThirdPartyEngine(EngineUnderTest):
 
     def make(self, head: str = "lm", **settings: Any) -> Any:
         """The engine object, handed the library's own switches drawn for the case (:meth:`config_space`: each by its
-        name, ``engine_object(**{name: value})``); any suite setting is refused."""
+        name, ``engine_object(**{name: value})``); any suite setting is refused. A value head with no settings is
+        :attr:`value_model`'s, where the adapter declares one."""
+        if head == "value" and not settings and self.value_model is not None:
+            return self.value_model()
         switches = {switch.name for switch in self.config_space() if switch.setting is None}
         config = {key: settings.pop(key) for key in list(settings) if key in switches}
         if head != "lm" or any(v not in (None, False, 0, 1) for k, v in settings.items() if k != "sp_rank"):

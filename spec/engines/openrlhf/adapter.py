@@ -25,43 +25,25 @@ for the token types the padded path builds). docs/engines/openrlhf.md.
 
 from __future__ import annotations
 
-import sys
-from functools import lru_cache
-from types import SimpleNamespace
-
 import torch
 
-from ...protocol import Feature, sequences_from_rows
-from ..kit.hf_batch import BatchFlags, media_samples, media_token_ids, one_temperature
-from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, require, rows_view, stub_imports
+from ...protocol import sequences_from_rows
+from ..kit.hf_batch import BatchFlags, one_temperature
+from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, rows_view
 from .config import forward_kwargs, merged_rows
-from .records import PROFILE, RECORDS
 from .critic import OpenRLHFCritic
+from .library import EAGER, openrlhf_modules
+from .media import vlm_args, with_own_positions
+from .records import REASONS, PROFILE, RECORDS
 from .step import openrlhf_step_layer
-from ..kit.stubs import strict_module
 
 __all__ = ["OpenRLHFEngine"]
-
-PACKAGES = ("peft", "transformers", "deepspeed", "flash_attn")
-#: compute_entropy is @torch.compile'd: every new (n, V) shape would compile it (seconds each on CPU); its code
-#: runs eagerly instead (the same torch calls; a compiled kernel may round differently)
-EAGER = torch._dynamo.config.patch(disable=True)
-
-
-@lru_cache(maxsize=1)
-def _openrlhf():
-    strict_module("flash_attn")
-    sys.modules["flash_attn.bert_padding"] = require(
-        "flash_attn_bert_padding", "flash-attn 2.8.3's bert_padding.py as this module (.ci/steps/bert_padding.py)")
-    strict_module("pylatexenc.latex2text")  # openrlhf.utils' math grader, never run here
-    return (stub_imports("openrlhf.models.actor", PACKAGES).Actor, stub_imports("openrlhf.utils.utils", PACKAGES),
-            stub_imports("openrlhf.utils.vlm_utils", (*PACKAGES, "PIL")).merge_mm_train_inputs)
 
 
 class OpenRLHFObject:
     def __init__(self, **config):  # OpenRLHF's switches drawn (spec/engines/openrlhf/config.py)
         (self.actor_class, self.utils, self.merge_mm), self.stack, self.config = (
-            _openrlhf(), config.get("stack", True), config)
+            openrlhf_modules(), config.get("stack", True), config)
 
     def _forward(self, model, a, **kwargs):
         actor = self.actor_class(model, temperature=a["temperature"])
@@ -75,16 +57,10 @@ class OpenRLHFObject:
         f, pad = refuse_flags(BatchFlags.from_batch(mb), "OpenRLHF's Actor.forward"), self.utils.zero_pad_sequences
         seqs, pos = mb["input_ids"].unbind(), mb["position_ids"].unbind()
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding,
-             "vlm": pos[0].dim() == 2 and not f.use_remove_padding,  # packed: 1-D positions for any model
              "sequences": merged_rows(pad, list(seqs), self.stack, side="right", value=f.pad_token_id),
              "attention_mask": merged_rows(pad, [torch.ones_like(s) for s in seqs], self.stack, side="right"),
-             # each sample's processor outputs (None for a text-only one), as the experience carries them
-             "mm_train_inputs": [d or None for d in media_samples(mb) or ()],
-             "vlm_config": SimpleNamespace(**dict(zip(("image_token_id", "video_token_id"), media_token_ids(mb))))}
-        inputs = inputs_seen_by_model(lambda model: self._forward(model, a))
-        if a["vlm"]:  # the vision model's own (mRoPE) positions
-            inputs["position_ids"] = pad(list(pos), "right", stack=True).transpose(0, 1)
-        return inputs, a
+             **vlm_args(mb, pos, f.use_remove_padding)}  # a VLM's images, config and own positions (media.py)
+        return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, a)), a, list(pos), pad), a
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         entropy = BatchFlags.from_batch(mb).calculate_entropy
@@ -98,29 +74,15 @@ class OpenRLHFObject:
 
 class OpenRLHFEngine(ThirdPartyEngine):
     name, library, known_failures, profile = "openrlhf", "OpenRLHF's Actor.forward", RECORDS, PROFILE
-    reasons = {
-        Feature.SP: "ring attention needs ring_flash_attn and a process group (not run here)",
-        Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not Actor.forward (its "
-                       "forward is run by the training step's value loss only: spec/engines/openrlhf/critic.py)",
-        Feature.TEMPERATURE_HANDOFF: "one float temperature per actor (self.temperature); nothing is handed over",
-        Feature.CU_SEQLENS: "the packed path hands the model no cu_seqlens (flash-attn finds them from positions)",
-        Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per actor (Actor(temperature=...))",
-    }
+    reasons = REASONS  # why it lacks the others (records.py, beside its profile)
     view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one, token by token
 
     def engine_object(self, **config):
         return OpenRLHFObject(**config)
 
-    def make(self, head: str = "lm", **settings):
-        """``Actor.forward`` (the engine under test); for the training step's value loss, OpenRLHF's critic forward
-        (spec/engines/openrlhf/critic.py: the preparation's value invariants stay skipped, ``Feature.VALUE``)."""
-        if head == "value" and not settings:
-            return OpenRLHFCritic(_openrlhf()[1])
-        return super().make(head, **settings)
+    # the training step's value loss runs OpenRLHF's critic forward (critic.py; Feature.VALUE stays lacking)
+    value_model = staticmethod(lambda: OpenRLHFCritic(openrlhf_modules()[1]))
 
-    def step_layer(self):
-        """The PPO actor step: PolicyLoss normalised per optimizer-step window (spec/engines/openrlhf/step.py)."""
-        if not hasattr(self, "_step"):
-            self._step = openrlhf_step_layer(_openrlhf)
-        return self._step
+    def step_layer(self):  # the PPO actor step: PolicyLoss normalised per optimizer-step window (step.py)
+        return openrlhf_step_layer()
 

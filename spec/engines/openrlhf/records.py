@@ -3,6 +3,8 @@ torch."""
 
 from __future__ import annotations
 
+from ...protocol.profile import Feature
+
 from dataclasses import replace
 
 from ...protocol.engine import EngineUnderTest
@@ -10,7 +12,7 @@ from ...protocol.known import KnownFailure, When
 from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
 from .config import SWITCHES
 
-__all__ = ["RECORDS"]
+__all__ = ["REASONS", "RECORDS"]
 
 NO_CLAMP = ("Actor.forward divides the logits by its temperature as given (output['logits'].div_(self.temperature)), "
             "with no 1e-8 clamp: T = 5e-9 doubles the log-probs of the clamped contract; library difference")
@@ -83,3 +85,12 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE,
                   equivalent_mutants=EQUIVALENT_MUTANTS, config_space=SWITCHES,  # spec/engines/openrlhf/config.py
                   media=("image", "video"))
+
+#: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
+REASONS = {
+    Feature.SP: "ring attention needs ring_flash_attn and a process group (not run here)",
+    Feature.VALUE: "the critic is another model class, not Actor.forward (the step's value loss runs it: critic.py)",
+    Feature.TEMPERATURE_HANDOFF: "one float temperature per actor (self.temperature); nothing is handed over",
+    Feature.CU_SEQLENS: "the packed path hands the model no cu_seqlens (flash-attn finds them from positions)",
+    Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per actor (Actor(temperature=...))",
+}

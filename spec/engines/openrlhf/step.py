@@ -28,6 +28,7 @@ normalisers, ``setup_dynamic_batch``).
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tensordict import TensorDict
 from ...protocol.engine import response_view
 from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken,
                               StepLayer, Weighting)
+from .library import openrlhf_modules
 from ..kit.step import concatenated, consecutive_cut, policy_columns, sequence_values
 
 __all__ = ["openrlhf_step_layer", "OPENRLHF_LOSSES"]
@@ -132,11 +134,12 @@ class _Strategy:
     ds_device_mesh = None
 
 
-def openrlhf_step_layer(load) -> StepLayer | None:
-    """OpenRLHF's PPO actor step, its modules imported after ``load()`` (the adapter's stubs); None where they do not
-    import."""
+@lru_cache(maxsize=1)
+def openrlhf_step_layer() -> StepLayer | None:
+    """OpenRLHF's PPO actor step, its modules imported after the adapter's (library.py: the stubs); None where they
+    do not import."""
     try:
-        load()
+        openrlhf_modules()
         for module in ("openrlhf.models.loss", "openrlhf.utils.loss_utils"):
             importlib.import_module(module)
     except ImportError:

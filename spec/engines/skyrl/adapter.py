@@ -18,11 +18,10 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
-from ...protocol import Feature
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
 from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
-from .media import VisionModel, image_token_id, own_positions, vlm_inputs
-from .records import PROFILE, RECORDS, TRAIN_PROFILE
+from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
+from .records import REASONS, PROFILE, RECORDS, TRAIN_PROFILE
 from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
@@ -35,8 +34,7 @@ class SkyRLObject:
 
     def _forward(self, model, a):
         unpad = {"remove_microbatch_padding" if self.new else "use_sample_packing": a["packed"]}
-        if a["vlm"]:  # a vision-language model (skyrl.media): its config, its images
-            model = VisionModel(model, a["image_token_id"])
+        model = VisionModel(model, a["image_token_id"]) if a["vlm"] else model  # a VLM's config, images (media.py)
         wrapper = self.wrapper(model, use_flash_attention_2=a["packed"], **unpad)
         wrapper.is_vlm = a["vlm"]  # as __init__ sets it from the config's vision_config
         return wrapper(a["sequences"], a["num_actions"], attention_mask=a["attention_mask"],
@@ -53,10 +51,8 @@ class SkyRLObject:
                 "num_actions": max(map(len, responses)), "temperature": one_temperature(mb),
                 "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3, "image_token_id": image_token_id(mb),
                 "images": vlm_inputs(mb, sys.modules[self.wrapper.__module__].TensorList) if self.new else {}}
-        inputs = inputs_seen_by_model(lambda model: self._forward(model, args))
-        if args["vlm"]:  # the VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own
-            inputs["position_ids"] = own_positions(mb).to(device)
-        return inputs, args
+        # a VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own (media.py)
+        return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, args)), args, mb), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         a = output_args
@@ -73,13 +69,7 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     modules = ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils", "skyrl_train.dataset.dataset",
                "skyrl_train.model_wrapper:HFModelWrapper", f"skyrl_train.dataset.preprocess:{COLLATE}")
     profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (records.py)
-    reasons = {
-        Feature.SP: "Ulysses sequence parallelism needs a process group (not run here)",
-        Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not HFModelWrapper",
-        Feature.TEMPERATURE_HANDOFF: "one float temperature per forward call; nothing is handed over",
-        Feature.CU_SEQLENS: "the unpadded path hands the model no cu_seqlens (flash-attn finds them from positions)",
-        Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per forward call (the sampling temperature)",
-    }
+    reasons = REASONS  # why it lacks the others (records.py, beside its profile)
     precision = staticmethod(in_logits_dtype)  # F22: log-probs and entropy taken and returned in the logits' dtype
     view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one
 

@@ -21,7 +21,7 @@ from ...protocol import PaddedLayout
 from ...protocol.profile import token_columns
 from ..kit.hf_batch import media_samples, media_token_ids, samples
 
-__all__ = ["VisionModel", "vlm_inputs", "own_positions"]
+__all__ = ["VisionModel", "vlm_inputs", "own_positions", "with_own_positions"]
 
 _KEYS = ("pixel_values", "image_grid_thw")
 
@@ -68,3 +68,11 @@ def own_positions(mb) -> torch.Tensor:
 def image_token_id(mb) -> int:
     """The VLM config's image token id (the micro-batch's flag beside its media)."""
     return media_token_ids(mb)[0]
+
+
+def with_own_positions(inputs: dict, args: dict, mb) -> dict:
+    """``inputs`` with the samples' own mRoPE positions where the model is a VLM (``args["vlm"]``), which computes
+    its own (:func:`own_positions`); a text model's inputs unchanged."""
+    if args["vlm"]:
+        inputs["position_ids"] = own_positions(mb).to(mb["input_ids"].device)
+    return inputs

@@ -9,12 +9,13 @@ asserted of no SkyRL engine.
 
 from __future__ import annotations
 
+
 from ...protocol import OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
-from ...protocol.profile import EngineProfile
+from ...protocol.profile import EngineProfile, Feature
 from ..kit.records import LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED
 
-__all__ = ["RECORDS", "LIBRARY_RECORDS", "TRAIN_PROFILE", "PROFILE"]
+__all__ = ["REASONS", "RECORDS", "LIBRARY_RECORDS", "TRAIN_PROFILE", "PROFILE"]
 
 IN_LOGITS_DTYPE = ("logprobs_from_logits_v2 takes a per-row F.log_softmax in the logits' dtype and chunked_entropy_from_logits "
                    "writes into a tensor of the logits' dtype: bf16/fp16 logits give bf16/fp16 log-probs and entropy "
@@ -115,3 +116,12 @@ TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positio
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
                         mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE,
                         output_span=OutputSpan.RESPONSE)
+
+#: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
+REASONS = {
+    Feature.SP: "Ulysses sequence parallelism needs a process group (not run here)",
+    Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not HFModelWrapper",
+    Feature.TEMPERATURE_HANDOFF: "one float temperature per forward call; nothing is handed over",
+    Feature.CU_SEQLENS: "the unpadded path hands the model no cu_seqlens (flash-attn finds them from positions)",
+    Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per forward call (the sampling temperature)",
+}

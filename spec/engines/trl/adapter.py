@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from ...protocol import Feature, InputsView, PaddedLayout, sequences_from_responses, sequences_from_rows
+from ...protocol import InputsView, PaddedLayout, sequences_from_responses, sequences_from_rows
 from ...protocol.engine import media_view
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
 from .config import completion_scores, padded_positions, padding_free_batch
-from .records import PROFILE, LOGITS_RECORDS
+from .records import REASONS, PROFILE, LOGITS_RECORDS
 from .step import trl_step_layer
 
 __all__ = ["TrlEngine", "TrlObject"]
@@ -71,15 +71,7 @@ class TrlObject:
 
 class TrlEngine(ThirdPartyEngine):
     name, library, known_failures, profile = "trl", "TRL's logits API", LOGITS_RECORDS, PROFILE
-    reasons = {
-        Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
-        Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
-        Feature.FUSED: "TRL hands the model no temperature or shift_labels: its fused head is engine trl-fused",
-        Feature.TEMPERATURE_HANDOFF: "one float temperature per trainer (self.temperature); nothing is handed over",
-        Feature.CU_SEQLENS: "the padding-free collator always hands flash-attention cu_seq_lens_q/k; no setting",
-        Feature.CHUNKING: "entropy_from_logits' chunk_size bounds memory only; TRL exposes no setting for it here",
-        Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per trainer (GRPOConfig.temperature)",
-    }
+    reasons = REASONS  # why it lacks the others (records.py, beside its profile)
 
     def engine_object(self, **config):
         return TrlObject(**config)

@@ -3,6 +3,8 @@ plain torch. Each names the invariants whose check compares an output with the p
 
 from __future__ import annotations
 
+from ...protocol.profile import Feature
+
 from dataclasses import replace
 
 from ...protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
@@ -10,7 +12,7 @@ from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
 from .config import HEAD_IN_LOGITS_DTYPE, TRL_SWITCHES
 
-__all__ = ["LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
+__all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
 
 IN_LOGITS_DTYPE = ("selective_log_softmax and entropy_from_logits compute in the logits' dtype (a per-row "
                    "log_softmax in bf16/fp16; outputs bf16/fp16): up to 0.06 nats of log-prob error in bf16, and "
@@ -128,3 +130,14 @@ PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATC
                   output_span=OutputSpan.RESPONSE, config_space=TRL_SWITCHES)  # TRL's switches: spec/engines/trl/config.py
 #: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl/fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}
+
+#: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
+REASONS = {
+    Feature.SP: "sequence parallelism goes through accelerate's context parallelism, outside this API",
+    Feature.VALUE: "no value head (TRL 1.16's GRPO/RLOO are critic-free)",
+    Feature.FUSED: "TRL hands the model no temperature or shift_labels: its fused head is engine trl-fused",
+    Feature.TEMPERATURE_HANDOFF: "one float temperature per trainer (self.temperature); nothing is handed over",
+    Feature.CU_SEQLENS: "the padding-free collator always hands flash-attention cu_seq_lens_q/k; no setting",
+    Feature.CHUNKING: "entropy_from_logits' chunk_size bounds memory only; TRL exposes no setting for it here",
+    Feature.PER_SAMPLE_TEMPERATURE: "one float temperature per trainer (GRPOConfig.temperature)",
+}

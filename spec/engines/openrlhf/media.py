@@ -1,0 +1,27 @@
+"""A vision-language micro-batch as OpenRLHF's PPO actor hands it to ``Actor.forward``: each sample's processor
+outputs (None for a text-only one), as an experience carries them, merged by ``merge_mm_train_inputs``; the VLM
+config's media token ids (``_vlm_config``, for the token types the padded path builds); and, padded, the vision
+model's own (mRoPE) positions, which the stand-in model is handed as the sample's own (``is_vlm``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from ..kit.hf_batch import media_samples, media_token_ids
+
+__all__ = ["vlm_args", "with_own_positions"]
+
+
+def vlm_args(mb: Any, positions: list, packed: bool) -> dict[str, Any]:
+    """The forward's VLM arguments of ``mb`` (packed: 1-D positions for any model, no VLM path)."""
+    return {"vlm": positions[0].dim() == 2 and not packed,
+            "mm_train_inputs": [d or None for d in media_samples(mb) or ()],
+            "vlm_config": SimpleNamespace(**dict(zip(("image_token_id", "video_token_id"), media_token_ids(mb))))}
+
+
+def with_own_positions(inputs: dict, a: dict, positions: list, pad: Any) -> dict:
+    """``inputs`` with a VLM's own (mRoPE) positions, right-padded as the rows (a text model's: unchanged)."""
+    if a["vlm"]:
+        inputs["position_ids"] = pad(positions, "right", stack=True).transpose(0, 1)
+    return inputs
