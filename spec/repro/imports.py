@@ -39,12 +39,13 @@ def alias(module: str) -> str:
     return "_written_" + module.replace(".", "_")
 
 
-_RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+([^()\n]+)$", re.MULTILINE)
+#: a relative import, on one line or parenthesised over several
+_RELATIVE = re.compile(r"^from\s+(\.+[\w.]*)\s+import\s+(\([^)]*\)|[^()\n]+)$", re.MULTILINE)
 
 
 def inline_module(name: str, done: dict[str, str] | None = None) -> tuple[dict[str, str] | None, str | None]:
     """``{alias: source}`` writing out the suite module ``name`` and the suite modules it imports (relative
-    single-line imports only, rewritten to the aliases), dependencies first; ``(None, why)`` where one imports the
+    imports only, one line or parenthesised, rewritten to the aliases), dependencies first; ``(None, why)`` where one imports the
     suite otherwise."""
     done = {} if done is None else done
     module = sys.modules.get(name) or importlib.import_module(name)

@@ -33,17 +33,18 @@ IMPL_UNREACHABLE: dict[str, str] = {
     "impl.padding:_report": _ERR, "impl.padding:156": _ERR, "impl.padding:96": _ERR, "impl.padding:99": _ERR,
     "impl.outputs:68": _ERR, "impl.outputs:132": _ERR, "impl.outputs:TokenRoute.check": _ERR,
     f"{_MB}:85": _ERR, f"{_MB}:188": _ERR, f"{_TD}:173": _ERR, f"{_TD}:93": _ERR, f"{_NE}:72": _ERR,
-    "impl.dense:20->21": "this torch has the aten op (the branch is for a torch without it)",
-    "impl.dense:36->37": "this torch has the aten op (the branch is for a torch without it)",
-    "impl.dense:75->76": "needs the op's CPU kernel: torch 2.4 has _jagged_to_padded_dense_forward for CUDA only "
+    "impl.dense:22->23": "this torch has the aten op (the branch is for a torch without it)",
+    "impl.dense:38->39": "this torch has the aten op (the branch is for a torch without it)",
+    "impl.dense:83->85": "needs the op's CPU kernel: torch 2.4 has _jagged_to_padded_dense_forward for CUDA only "
     "(torch >= 2.5 has a CPU kernel, and there the branch is reached)",
-    "impl.dense:88->89": "needs the op's CPU kernel: torch 2.4 has _padded_dense_to_jagged_forward for CUDA only "
+    "impl.dense:97->99": "needs the op's CPU kernel: torch 2.4 has _padded_dense_to_jagged_forward for CUDA only "
     "(torch >= 2.5 has a CPU kernel, and there the branch is reached)",
     "impl.layout:129->132": "needs CUDA: offsets on an accelerator", f"{_NE}:170": "gap: a row index over more than "
     "BLOCK_TOKENS tokens (a mini-batch of over a million tokens)", f"{_NE}:181": "gap: as 170 (several blocks)",
     f"{_NE}:189": "gap: as 170 (several blocks)",
-    "impl.dense:55->59": "gap: a per-sample tensor that requires grad or has trailing dims expanded per token",
-    "impl.dense:75->79": "gap: a bool per-token key padded from its jagged values",
+    "impl.dense:57->61": "gap: a per-sample tensor that requires grad or has trailing dims expanded per token",
+    "impl.dense:83->88": "gap: a bool per-token key padded from its jagged values (values a loss backpropagates through take it "
+    "too: the step's critic, not run by the preparation's cases)",
     "impl.layout:84->86": "gap: a nested tensor whose values()/offsets() are not plain tensors (a tensor subclass)",
     "impl.layout:110->111": "gap: int32 offsets (a jagged tensor built with int32 offsets)",
     f"{_NE}:37->38": "gap: int32 offsets (as impl.layout:110)",
