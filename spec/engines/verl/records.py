@@ -194,8 +194,8 @@ FUSED_DEFAULT_MAX_RESPONSE = When(
 
 
 #: every invariant that reads a padded output value or its layout (a dense response slice fails each)
-FUSED_PADDED_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-CHUNK-001", "INV-LAYOUT-001",
-                           "INV-LEAK-001", "INV-LEAK-002",
+FUSED_PADDED_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-CHUNK-001", "INV-EDGE-001",
+                           "INV-LAYOUT-001", "INV-LEAK-001", "INV-LEAK-002",
                            *sorted(MASK_INVARIANTS - {"INV-MB-015"}))  # micro-batch cases draw no fused kernels
 
 
