@@ -44,6 +44,7 @@ MASK_INVARIANTS = frozenset({
     "INV-TEMP-006",   # padded log_probs vs the oracle at temperatures at and below the 1e-8 clamp
     "INV-MB-015",     # padded log_probs/entropy after micro-batching vs the oracle
     "INV-SLICE-006",  # the protocol's response view of padded log_probs vs the oracle
+    "INV-MM-002",     # padded log_probs of a vision-language batch vs the oracle
 })
 
 
