@@ -164,7 +164,7 @@ def the_cut(ctx: Ctx) -> None:
                 fail(f"rank {rank}, micro-batch {k} (samples {part}): keys {missing} missing (has {sorted(mb.keys())})",
                      key=missing[0])
             for key in (k for k in STEP_KEYS if k in mini.keys() and part):  # a padding micro-batch holds no sample
-                got, want = mb.get(key), mini.get(key)
+                got, want = mb.get(key), mini.get(key).unbind()  # (torch 2.4's jagged tensors have no select())
                 local = [i - own[0] for i in part]
                 if int(got.size(0)) != len(part) or not all(
                         torch.equal(g, want[i]) for g, i in zip(got.unbind(), local)):
