@@ -161,6 +161,9 @@ MEGATRON_UNREACHABLE: dict[str, str] = {
     f"{_U}:503->516": _BACK_CHUNK, f"{_U}:520->434": _BACK_CHUNK,
     f"{_U}:732->733": _BSHD_ROLL, f"{_U}:765->766": _BSHD_ROLL,
     f"{_U}:768->770": _NPU, f"{_U}:786->787": _NPU,
+    "verl.utils.seqlen_balancing:580->585": "gap: restore_dynamic_batch of a dense (B, ...) tensor (its non-nested "
+                                            "branch): the same function is reached under --engine verl; this run's "
+                                            "micro-batch draws restored nested outputs only",
     "verl.utils.tensordict_utils:130->132": "a value that is no NonTensorData (a metadata key's default): only "
                                             "Megatron's packing and the layer run here, and every value the layer "
                                             "unwraps is NonTensorData; the engine code that reads absent keys is not run",
