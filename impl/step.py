@@ -188,6 +188,8 @@ def forward_backward_batch(engine: Any, module: Callable[..., Any], data: Tensor
         data.set_non_tensor(key, value)
     micro_batches, indices = (cut or _agreed_cut)(data, dp_group)
     output_lst = []
+    # one model call and one backward per micro-batch, in turn: gradient accumulation bounds the activations' memory
+    # by running them apart (each micro-batch's tokens are vectorised inside the engine's calls)
     for micro_batch in micro_batches:
         with torch.no_grad() if forward_only else torch.enable_grad():
             inputs, output_args = engine.prepare_model_inputs(micro_batch)

@@ -158,13 +158,15 @@ def the_cut(ctx: Ctx) -> None:
         fail(f"ranks run {counts} micro-batches: every rank must run the same number (micro-batches {_cut_text(run)})")
     for rank, (micro, rows, mini) in enumerate(zip(run.micro_batches, run.rows, run.minis)):
         own = ctx.case.rank_rows(rank)
+        # each step key's samples, unbound once per rank (torch 2.4's jagged tensors have no select())
+        samples = {key: mini.get(key).unbind() for key in STEP_KEYS if key in mini.keys()}
         for k, (mb, part) in enumerate(zip(micro, rows)):
             missing = sorted(key for key in (*STEP_KEYS, "input_ids") if key in mini.keys() and key not in mb.keys())
             if missing:
                 fail(f"rank {rank}, micro-batch {k} (samples {part}): keys {missing} missing (has {sorted(mb.keys())})",
                      key=missing[0])
-            for key in (k for k in STEP_KEYS if k in mini.keys() and part):  # a padding micro-batch holds no sample
-                got, want = mb.get(key), mini.get(key).unbind()  # (torch 2.4's jagged tensors have no select())
+            for key, want in (samples.items() if part else ()):  # a padding micro-batch holds no sample
+                got = mb.get(key)
                 local = [i - own[0] for i in part]
                 if int(got.size(0)) != len(part) or not all(
                         torch.equal(g, want[i]) for g, i in zip(got.unbind(), local)):
