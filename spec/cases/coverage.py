@@ -221,7 +221,7 @@ def domains(engine: Any) -> dict[str, dict[str, str | None]]:
     def pair_reason(pair: str) -> str | None:
         features = pair.split(" x ")
         mode = next((m for m in MODES if m in features), None)
-        if "mRoPE" in features and mode is not None and mode not in profile.mrope_modes:  # a VLM that refuses packing
+        if "mRoPE" in features and mode is not None and profile.runs(mode) and not profile.takes(mode, mrope=True):
             return (f"the engine takes mRoPE positions in the {' and '.join(profile.mrope_modes)} mode only (its "
                     f"profile: mrope_modes={profile.mrope_modes!r})")
         return next((feature_is_not.get(f) or lacks(FEATURES[f][1]) for f in features

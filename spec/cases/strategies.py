@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from ..protocol.profile import POSITIONS, EngineProfile
+from ..protocol.profile import POSITIONS, EngineProfile, takes_mode
 from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase, Media)
@@ -202,7 +202,7 @@ def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str, media
     with media ids, a short tier, a mode the engine takes media in: ``media_modes``, both of them where the target
     left the mode to the draw (``pinned`` False: it may compare the two); a drawn key's residue, shrinking to none), the
     prompts lengthened by their tokens."""
-    in_mode = case.mode in media_modes if pinned else set(MODES) <= set(media_modes)
+    in_mode = takes_mode(case.mode if pinned else "both", media=True, media_modes=media_modes)
     if not kinds or not in_mode or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
             draw(st.integers(0, 2 ** 16 - 1)) % 3 == 0:
         return case
@@ -226,13 +226,11 @@ def within_limits(case: EngineCase, **limits) -> bool:
     for key, excludes in _LIMIT_EXCLUDES.items():
         if limits.get(key, True) is False and excludes(case):
             return False
-    if case.mode not in limits.get("modes", MODES) or \
+    if not takes_mode(case.mode, mrope=case.mrope, media=bool(case.media), modes=limits.get("modes", MODES),
+                      mrope_modes=limits.get("mrope_modes", MODES), media_modes=limits.get("media_modes", MODES)) or \
             ("mrope" if case.mrope else "rope") not in limits.get("positions", POSITIONS):
         return False
     if not {item.kind for items in case.media for item in items} <= set(limits.get("media", ())):
-        return False
-    if case.media and case.mode not in limits.get("media_modes", MODES) or \
-            case.mrope and case.mode not in limits.get("mrope_modes", MODES):
         return False
     per_sample = limits.get("per_sample_temperature")
     if per_sample is not None and not case.use_fused_kernels and case.per_sample_temperature != per_sample:
@@ -345,8 +343,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         prompt_lens=prompts, response_lens=responses,
         vocab=vocab,
         temperature=temperature,
-        mrope=draw_mrope(draw, positions) and (packed and "packed" in mrope_modes or not packed and "padded" in mrope_modes
-                                               if mode is not None else set(MODES) <= set(mrope_modes)),
+        mrope=draw_mrope(draw, positions) and takes_mode(("packed" if packed else "padded") if mode is not None
+                                                         else "both", mrope=True, mrope_modes=mrope_modes),
         use_remove_padding=packed,
         calculate_entropy=head == "lm" and draw(st.booleans()),
         calculate_sum_pi_squared=head == "lm" and not fused and allow_sum_pi_squared and draw(st.booleans()),

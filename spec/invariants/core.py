@@ -176,7 +176,7 @@ def within_profile(case: Any, profile: EngineProfile) -> Any:
     execution context (the profile's first), media of a kind it does not take (their tokens left as text). The strategies draw nothing else (:func:`profile_draws`); a case
     already inside the profile is returned as it is."""
     mrope = getattr(case, "mrope", None)
-    if mrope and isinstance(case, EngineCase) and case.mode not in profile.mrope_modes:
+    if mrope and isinstance(case, EngineCase) and profile.runs(case.mode) and not profile.takes(case.mode, mrope=True):
         case, mrope = case.with_(mrope=False), False
     if mrope is not None and ("mrope" if mrope else "rope") not in profile.positions:
         case = case.with_(mrope=not mrope) if isinstance(case, EngineCase) else replace(case, mrope=not mrope)

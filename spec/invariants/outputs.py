@@ -179,8 +179,7 @@ def alone_nonfinite(ctx: Ctx, i: int) -> dict[str, torch.Tensor]:
     cache = ctx.__dict__.setdefault("_alone_nonfinite", {})
     if i not in cache:
         profile = profile_of(ctx.engine)  # a padded-only engine (or a VLM that refuses packing): one row, no padding
-        packed = profile.runs("packed") and (not ctx.case.mrope or "packed" in profile.mrope_modes) \
-            and (not ctx.case.media or "packed" in profile.media_modes)
+        packed = profile.takes("packed", mrope=ctx.case.mrope, media=bool(ctx.case.media))
         mb = select_rows(ctx.run.micro_batch, [i])
         mb.set_non_tensor("use_remove_padding", packed)
         alone = ctx.case.subset([i]).with_(use_remove_padding=packed, sp_size=1, pad_to_length=None,

@@ -69,7 +69,7 @@ import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
-           "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS"]
+           "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS", "takes_mode"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -88,6 +88,17 @@ AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
 CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
 #: the outputs an engine may declare metrics only (``EngineProfile.metrics``): logged, never differentiated
 METRIC_OUTPUTS = ("entropy", "sum_pi_squared")
+
+
+def takes_mode(mode: str, *, mrope: bool = False, media: bool = False, modes: tuple[str, ...] = MODES,
+               mrope_modes: tuple[str, ...] = MODES, media_modes: tuple[str, ...] = MODES) -> bool:
+    """The one rule of whether an engine takes a case in ``mode`` (``packed``, ``padded``, or ``both``: a target
+    that compares the two, or leaves the mode to the draw, needs both): a mode it runs (``modes``), and, for a case
+    with mRoPE positions or with images and videos, a mode it takes those in (``mrope_modes``, ``media_modes``: a
+    vision-language library that refuses to pack). :meth:`EngineProfile.takes` applies it to a profile; the
+    strategies, which carry a profile's limits as plain values, call it with those."""
+    wanted = MODES if mode == "both" else (mode,)
+    return all(m in modes and (not mrope or m in mrope_modes) and (not media or m in media_modes) for m in wanted)
 
 
 class Feature(str, Enum):
@@ -322,6 +333,12 @@ class EngineProfile:
     def runs(self, mode: str) -> bool:
         return mode in self.modes
 
+    def takes(self, mode: str, *, mrope: bool = False, media: bool = False) -> bool:
+        """Whether the engine takes a case in ``mode`` (or ``both``), with mRoPE positions and with media as
+        asked (:func:`takes_mode`: the one rule every caller applies)."""
+        return takes_mode(mode, mrope=mrope, media=media, modes=self.modes, mrope_modes=self.mrope_modes,
+                          media_modes=self.media_modes)
+
     @property
     def padded_layout(self) -> PaddedLayout:
         """The layout of the engine's padded model input (the first of :attr:`padded_layouts`)."""
@@ -353,8 +370,8 @@ class EngineProfile:
         """Why a target of ``mode`` (``packed``, ``padded``, ``both``: one comparing the two) draws no images or
         videos, or None (an engine without media: :meth:`media_reason`)."""
         wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
-        allowed = [m for m in self.media_modes if m in self.mrope_modes]
-        missing = [m for m in wanted if m in self.modes and m not in allowed]
+        allowed = [m for m in MODES if self.takes(m, mrope=True, media=True)]
+        missing = [m for m in wanted if self.runs(m) and not self.takes(m, mrope=True, media=True)]
         if not self.media or not missing:
             return None
         return (f"the engine takes images and videos in the {' and '.join(allowed)} mode only (its profile: "
