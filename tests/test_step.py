@@ -159,3 +159,35 @@ def test_per_token_losses_by_hand() -> None:
               PerToken.VALUE: [2.0, 0.5], PerToken.TOPK_FORWARD_KL: [math.log(2)] * 2}
     for kind, want in expect.items():
         assert per_token_loss(kind, z, x).tolist() == pytest.approx(want), kind
+    # the parameterised forms on policy (ratio 1): CISPO's weight 1 under its cap, SAPO's gate sigmoid(0) = 1/2,
+    # VESPO's phi(1) = 1
+    gate = {"tau_pos": 1.0, "tau_neg": 2.0}
+    gamma = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
+    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, x, {"cap": 5.0}).tolist() == pytest.approx(
+        [0.5 * math.log(4), -2 * math.log(4)])
+    assert per_token_loss(PerToken.SOFT_GATE, z, x, gate).tolist() == pytest.approx([-1.0, 2.0])
+    assert per_token_loss(PerToken.GAMMA_WEIGHT, z, x, gamma).tolist() == pytest.approx(
+        [0.5 * math.log(4), -2 * math.log(4)])
+    # off policy: each token's log-ratio 0.1 (ratio e^0.1), the sequence's 0.2
+    off = StepInputs(**{**x.__dict__, "old_log_probs": torch.full((n,), lp - 0.1, dtype=torch.float64)})
+    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, off, {"cap": 1.05}).tolist() == pytest.approx(
+        [1.05 * 0.5 * math.log(4), -1.05 * 2 * math.log(4)])
+    r = math.exp(0.1)
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    assert per_token_loss(PerToken.SOFT_GATE, z, off, gate).tolist() == pytest.approx(
+        [-sig(r - 1) * 4 * 0.5, -sig(2 * (r - 1)) * 4 / 2 * -2.0])
+    w = math.exp(0.2)
+    phi_pos, phi_neg = math.exp(3 + 2 * 0.2 - 3 * w), math.exp(2 + 3 * 0.2 - 2 * w)
+    assert per_token_loss(PerToken.GAMMA_WEIGHT, z, off, gamma).tolist() == pytest.approx(
+        [phi_pos * 0.5 * math.log(4), phi_neg * -2 * math.log(4)])
+
+
+def test_loss_declaration_names_its_parameters() -> None:
+    """A per-token form's parameters are named in its declaration: one missing or unknown is an error there, not a
+    KeyError in the oracle mid-run."""
+    from spec.protocol.step import Aggregation, LossDeclaration
+
+    with pytest.raises(ValueError, match="reads the parameters"):
+        LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo"),))
+    with pytest.raises(ValueError, match="reads the parameters"):
+        LossDeclaration("grpo", PerToken.RATIO, (Aggregation("grpo"),), parameters={"cap": 5.0})

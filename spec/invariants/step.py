@@ -105,7 +105,7 @@ def _truth(ctx: Ctx, run: StepRun):
     agg = loss.mode(case.mode)
     groups = [rows for rank in run.rows for rows in rank if rows] if agg.scope is Scope.MICRO_BATCH else None
     model = StepModel(case.vocab, seed=case.seed, out_dim=1 if loss.head == "value" else None)
-    return agg, step_truth(step_inputs(case), model.weight, loss.per_token, agg, case.horizon, groups)
+    return agg, step_truth(step_inputs(case), model.weight, loss.per_token, agg, case.horizon, groups, loss.parameters)
 
 
 @step_invariant(

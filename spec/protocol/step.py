@@ -48,7 +48,7 @@ from enum import Enum
 from typing import Any, Callable, Iterable, Mapping
 
 __all__ = ["STEP_FUNCTIONS", "REQUIRED_STEP_FUNCTIONS", "STEP_KEYS", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
-           "LossDeclaration", "LossSetting", "CutPlan", "StepLayer"]
+           "PER_TOKEN_PARAMETERS", "LossDeclaration", "LossSetting", "CutPlan", "StepLayer"]
 
 #: the functions a step layer offers, by neutral name (a framework binds its own callables)
 STEP_FUNCTIONS = ("cut", "facts", "loss", "restore", "forward_backward")
@@ -110,6 +110,21 @@ class PerToken(str, Enum):
     NLL = "nll"  #: -log_prob (SFT)
     #: max(0, sum_j exp(p_j) (p_j - q_j)) over the teacher's top-K ids (verl's forward_kl_topk distillation, clamped at 0)
     TOPK_FORWARD_KL = "topk_forward_kl"
+    #: -min(ratio, cap).detach() * A * log_prob (CISPO: the importance weight clipped and stopped, times the log-prob;
+    #: parameter ``cap``)
+    CLIPPED_WEIGHT = "clipped_weight"
+    #: -sigmoid(tau * (ratio - 1)) * 4 / tau * A, tau = ``tau_pos`` where A > 0, else ``tau_neg`` (SAPO's soft gate)
+    SOFT_GATE = "soft_gate"
+    #: -phi(w).detach() * A * log_prob with w the sequence's importance ratio exp(sum of masked log-ratios, each
+    #: clamped to +-20, the sum to [log 1e-8, 20]) and phi(w) = exp(lam + k log w - lam w), (k, lam) = (``k_pos``,
+    #: ``lambda_pos``) where A >= 0, else (``k_neg``, ``lambda_neg``) (VESPO's Gamma weight)
+    GAMMA_WEIGHT = "gamma_weight"
+
+
+#: the parameters each per-token form reads (:attr:`LossDeclaration.parameters`)
+PER_TOKEN_PARAMETERS: dict[PerToken, tuple[str, ...]] = {
+    PerToken.CLIPPED_WEIGHT: ("cap",), PerToken.SOFT_GATE: ("tau_pos", "tau_neg"),
+    PerToken.GAMMA_WEIGHT: ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,14 @@ class LossDeclaration:
     undrawn: Mapping[str, str] = field(default_factory=dict)
     #: the teacher's top-K the loss reads (distillation: the engine's top-K processor computes its per-token terms)
     topk: int = 0
+    #: the per-token form's parameters (:data:`PER_TOKEN_PARAMETERS`), as the library is configured for the step
+    parameters: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        wanted = set(PER_TOKEN_PARAMETERS.get(PerToken(self.per_token), ()))
+        if set(self.parameters) != wanted:
+            raise ValueError(f"loss {self.name!r}: per-token form {PerToken(self.per_token).value!r} reads the parameters "
+                             f"{sorted(wanted)}, got {sorted(self.parameters)}")
 
     def mode(self, name: str) -> Aggregation:
         for mode in self.modes:

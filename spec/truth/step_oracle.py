@@ -19,7 +19,9 @@ any factor (a micro-batch count, a rank count, a padded width) is far outside it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -63,9 +65,11 @@ class StepTruth:
     grad_bound: torch.Tensor
 
 
-def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs) -> torch.Tensor:
-    """``(n,)`` per-token losses from the head's logits ``z`` ``(n, out)``."""
-    kind = PerToken(kind)
+def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs, parameters: Mapping[str, float] | None = None
+                   ) -> torch.Tensor:
+    """``(n,)`` per-token losses from the head's logits ``z`` ``(n, out)``; ``parameters``: the form's
+    (:data:`spec.protocol.step.PER_TOKEN_PARAMETERS`)."""
+    kind, p = PerToken(kind), dict(parameters or {})
     if kind is PerToken.VALUE:
         return 0.5 * (z[:, 0] - x.returns) ** 2
     if kind is PerToken.TOPK_FORWARD_KL:
@@ -75,12 +79,25 @@ def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs) -> torch.Tens
     log_probs = torch.log_softmax(z, dim=-1).gather(-1, x.labels.unsqueeze(-1)).squeeze(-1)
     if kind is PerToken.NLL:
         return -log_probs
+    log_ratio, mask = log_probs - x.old_log_probs, x.mask.to(z.dtype)
     if kind is PerToken.SEQUENCE_RATIO:
-        mask = x.mask.to(z.dtype)
-        total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * (log_probs - x.old_log_probs))
+        total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * log_ratio)
         count = torch.zeros(x.batch_size, dtype=z.dtype).index_add_(0, x.sample, mask).clamp(min=1.0)
         return -x.advantages * torch.exp(total / count)[x.sample]
-    return -x.advantages * torch.exp(log_probs - x.old_log_probs)
+    if kind is PerToken.CLIPPED_WEIGHT:
+        return -torch.exp(log_ratio).clamp(max=p["cap"]).detach() * x.advantages * log_probs
+    if kind is PerToken.SOFT_GATE:
+        tau = torch.where(x.advantages > 0, p["tau_pos"], p["tau_neg"]).to(z.dtype)
+        return -torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * 4.0 / tau * x.advantages
+    if kind is PerToken.GAMMA_WEIGHT:
+        total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * log_ratio.clamp(-20.0, 20.0))
+        log_w = total.clamp(math.log(1e-8), 20.0)[x.sample].detach()
+        positive = x.advantages >= 0
+        k = torch.where(positive, p["k_pos"], p["k_neg"]).to(z.dtype)
+        lam = torch.where(positive, p["lambda_pos"], p["lambda_neg"]).to(z.dtype).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        return -phi * x.advantages * log_probs
+    return -x.advantages * torch.exp(log_ratio)
 
 
 def aggregate(losses: torch.Tensor, x: StepInputs, mode: Aggregation, horizon: int | None = None,
@@ -116,11 +133,11 @@ def aggregate(losses: torch.Tensor, x: StepInputs, mode: Aggregation, horizon: i
 
 
 def step_truth(x: StepInputs, weight: torch.Tensor, kind: PerToken, mode: Aggregation, horizon: int | None = None,
-               groups: list[list[int]] | None = None) -> StepTruth:
+               groups: list[list[int]] | None = None, parameters: Mapping[str, float] | None = None) -> StepTruth:
     """The loss and its gradient with respect to the head ``weight`` ``(H, out)``, in float64, and their bounds."""
     w = weight.detach().to(torch.float64)
     z = (x.features @ w).requires_grad_(True)
-    losses = per_token_loss(kind, z, x)
+    losses = per_token_loss(kind, z, x, parameters)
     loss = aggregate(losses, x, mode, horizon, groups)
     (dz,) = torch.autograd.grad(loss, z)
     scale = BOUND_FACTOR * EPS32 * (1.0 + float(z.detach().abs().max()) if z.numel() else 1.0)

@@ -14,10 +14,12 @@ TRL's. There is no restore: the order is kept (the micro-batches' outputs are co
 The loss types, as GRPOConfig documents them: ``grpo`` (each sequence's token mean, averaged over the micro-batch,
 divided by the accumulation steps: the global sequence mean, the micro-batches being equal), ``bnpo`` (the micro-batch's
 own token count: *documented* local, "normalization is performed over the local batch only"), ``dr_grpo`` (a global
-constant, ``max_completion_length`` times the samples), ``dapo`` (the token count of the global accumulated batch) and
-``luspo`` (each sequence's token sum, averaged; GSPO's sequence-level ratio, ``importance_sampling_level="sequence"``).
-``cispo``, ``sapo`` and ``vespo`` aggregate as ``dapo``, ``grpo`` and ``dapo`` do; their per-token losses (a clipped
-weight times the log-prob, a soft gate, a Gamma weight) are not among the oracle's (spec/truth/step_oracle.py).
+constant, ``max_completion_length`` times the samples), ``dapo`` (the token count of the global accumulated batch),
+``luspo`` (each sequence's token sum, averaged; GSPO's sequence-level ratio, ``importance_sampling_level="sequence"``),
+and ``cispo``, ``sapo``, ``vespo``, which aggregate as ``dapo``, ``grpo`` and ``dapo`` do, with per-token forms of their
+own (the clipped, stopped importance weight times the log-prob; the soft sigmoid gate; the Gamma weight of the
+sequence's ratio: spec.protocol.step.PerToken), at GRPOConfig's documented settings (CISPO's cap ``epsilon_high`` both
+at its recommended 5.0 and unset, when it is ``epsilon``).
 """
 
 from __future__ import annotations
@@ -45,17 +47,29 @@ DOCUMENTED_BNPO = ("GRPOConfig.loss_type 'bnpo': 'normalizing with the number of
 #: max_completion_length, dr_grpo's constant
 MAX_COMPLETION_LENGTH = 16
 
+#: the clip range of the ratio losses (GRPOConfig's epsilon; epsilon_high unset takes it)
+EPSILON = 0.2
+_SEQUENCE_MEAN = (Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,))
+_GLOBAL_TOKENS = (Weighting.TOKEN, (Divisor.TOKENS,))
+
 GRPO_LOSSES = (
     LossDeclaration("grpo", PerToken.RATIO, (
-        Aggregation("grpo", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
+        Aggregation("grpo", *_SEQUENCE_MEAN),
         Aggregation("bnpo", Weighting.TOKEN, (Divisor.TOKENS,), Scope.MICRO_BATCH, documented=DOCUMENTED_BNPO),
         Aggregation("dr_grpo", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)),
-        Aggregation("dapo", Weighting.TOKEN, (Divisor.TOKENS,))), horizons=(MAX_COMPLETION_LENGTH,),
-        undrawn={"cispo": "dapo's aggregation; its per-token loss, -min(ratio, epsilon_high).detach() * A * log_prob, "
-                          "is not among the oracle's", "sapo": "grpo's aggregation; a soft sigmoid gate per token",
-                 "vespo": "dapo's aggregation; a Gamma weight of the sequence ratio per token"}),
+        Aggregation("dapo", *_GLOBAL_TOKENS)), horizons=(MAX_COMPLETION_LENGTH,)),
     LossDeclaration("luspo", PerToken.SEQUENCE_RATIO, (Aggregation("luspo", Weighting.TOKEN, (Divisor.SEQUENCES,)),)),
+    # CISPO's cap is epsilon_high: GRPOConfig documents 5.0 for it ("the recommended value"); left unset it is epsilon,
+    # 0.2, below any on-policy ratio, so every weight is clipped (both drawn)
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo", *_GLOBAL_TOKENS),), parameters={"cap": 5.0}),
+    LossDeclaration("cispo@epsilon", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo", *_GLOBAL_TOKENS),),
+                    parameters={"cap": EPSILON}),
+    LossDeclaration("sapo", PerToken.SOFT_GATE, (Aggregation("sapo", *_SEQUENCE_MEAN),),
+                    parameters={"tau_pos": 1.0, "tau_neg": 1.05}),  # GRPOConfig's sapo_temperature_pos/_neg
+    LossDeclaration("vespo", PerToken.GAMMA_WEIGHT, (Aggregation("vespo", *_GLOBAL_TOKENS),),  # GRPOConfig's vespo_*
+                    parameters={"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}),
 )
+_DECLARED = {loss.name: loss for loss in GRPO_LOSSES}
 
 
 #: why TRL's ranks run in one process: its step has no collective; the one fact it all-reduces is made at generation
@@ -87,15 +101,19 @@ def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
 def _trainer(setting: LossSetting, facts: dict, log_probs: torch.Tensor) -> SimpleNamespace:
     """What ``_compute_loss`` reads of its trainer (GRPOConfig's defaults otherwise)."""
     steps = facts["accumulation_steps"]
+    p = _DECLARED[setting.loss].parameters
     identity = lambda tensor, *args, **kwargs: tensor  # noqa: E731 - one process's view of a collective
     return SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (log_probs, torch.zeros_like(log_probs.detach()), None),
-        loss_type=setting.mode, epsilon_low=0.2, epsilon_high=0.2, beta=0.0, top_entropy_quantile=1.0,
+        loss_type=setting.mode, epsilon_low=EPSILON, epsilon_high=p.get("cap", EPSILON), beta=0.0,
+        top_entropy_quantile=1.0,
         importance_sampling_level="sequence" if setting.loss == "luspo" else "token", off_policy_mask_threshold=None,
         use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
         _entropy_bonus_enabled=False, current_gradient_accumulation_steps=steps,
         max_completion_length=setting.horizon or MAX_COMPLETION_LENGTH, model=SimpleNamespace(training=True),
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=steps),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=steps,
+                             sapo_temperature_pos=p.get("tau_pos"), sapo_temperature_neg=p.get("tau_neg"),
+                             **{f"vespo_{key}": p.get(key) for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}),
         accelerator=SimpleNamespace(num_processes=facts["num_processes"], gather=identity, reduce=identity,
                                     gather_for_metrics=identity, sync_gradients=True),
         _metrics=defaultdict(lambda: defaultdict(list)))
@@ -114,7 +132,9 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
               "completion_mask": completion_mask.to(torch.int64), "tool_mask": padded["response_mask"].to(torch.int64),
               "advantages": padded["advantages"], "old_per_token_logps": padded["old_log_probs"],
               "num_items_in_batch": torch.tensor(float(facts["num_items_in_batch"]))}
-    return grpo._compute_loss(_trainer(setting, facts, log_probs), None, inputs)
+    trainer = _trainer(setting, facts, log_probs)
+    trainer.get_gamma_weights = grpo.get_gamma_weights  # VESPO's weights, a static method of TRL's
+    return grpo._compute_loss(trainer, None, inputs)
 
 
 @lru_cache(maxsize=None)
