@@ -163,14 +163,24 @@ def test_per_token_losses_by_hand() -> None:
     # VESPO's phi(1) = 1
     gate = {"tau_pos": 1.0, "tau_neg": 2.0}
     gamma = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
-    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, x, {"cap": 5.0}).tolist() == pytest.approx(
+    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, x, {"low": 0.0, "high": 5.0}).tolist() == pytest.approx(
         [0.5 * math.log(4), -2 * math.log(4)])
     assert per_token_loss(PerToken.SOFT_GATE, z, x, gate).tolist() == pytest.approx([-1.0, 2.0])
     assert per_token_loss(PerToken.GAMMA_WEIGHT, z, x, gamma).tolist() == pytest.approx(
         [0.5 * math.log(4), -2 * math.log(4)])
+    # GSPO-token's value is the sequence ratio's, its gradient each token's own: on policy, d/dz_t of the losses' sum
+    # is -A_t (onehot - 1/4) for GSPO-token, -(mean of A over the sequence) (onehot - 1/4) through the sequence mean
+    onehot = torch.nn.functional.one_hot(x.labels, 4).to(torch.float64) - 0.25
+    for kind, factor in ((PerToken.SEQUENCE_RATIO_TOKEN, -x.advantages.unsqueeze(1)),
+                         (PerToken.SEQUENCE_RATIO, -x.advantages.mean().expand(n, 1))):
+        zz = z.clone().requires_grad_(True)
+        values = per_token_loss(kind, zz, x)
+        assert values.tolist() == pytest.approx([-0.5, 2.0]), kind
+        (grad,) = torch.autograd.grad(values.sum(), zz)
+        assert torch.allclose(grad, factor * onehot), kind
     # off policy: each token's log-ratio 0.1 (ratio e^0.1), the sequence's 0.2
     off = StepInputs(**{**x.__dict__, "old_log_probs": torch.full((n,), lp - 0.1, dtype=torch.float64)})
-    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, off, {"cap": 1.05}).tolist() == pytest.approx(
+    assert per_token_loss(PerToken.CLIPPED_WEIGHT, z, off, {"low": 0.0, "high": 1.05}).tolist() == pytest.approx(
         [1.05 * 0.5 * math.log(4), -1.05 * 2 * math.log(4)])
     r = math.exp(0.1)
     sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
@@ -190,4 +200,4 @@ def test_loss_declaration_names_its_parameters() -> None:
     with pytest.raises(ValueError, match="reads the parameters"):
         LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo"),))
     with pytest.raises(ValueError, match="reads the parameters"):
-        LossDeclaration("grpo", PerToken.RATIO, (Aggregation("grpo"),), parameters={"cap": 5.0})
+        LossDeclaration("grpo", PerToken.RATIO, (Aggregation("grpo"),), parameters={"high": 5.0})

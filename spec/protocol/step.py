@@ -110,9 +110,12 @@ class PerToken(str, Enum):
     NLL = "nll"  #: -log_prob (SFT)
     #: max(0, sum_j exp(p_j) (p_j - q_j)) over the teacher's top-K ids (verl's forward_kl_topk distillation, clamped at 0)
     TOPK_FORWARD_KL = "topk_forward_kl"
-    #: -min(ratio, cap).detach() * A * log_prob (CISPO: the importance weight clipped and stopped, times the log-prob;
-    #: parameter ``cap``)
+    #: -clamp(ratio, low, high).detach() * A * log_prob (CISPO: the importance weight clipped and stopped, times the
+    #: log-prob; parameters ``low``, ``high``)
     CLIPPED_WEIGHT = "clipped_weight"
+    #: -A * exp(log_prob - sg(log_prob) + sg(the sequence's mean masked log-ratio)) (GSPO-token: the sequence's ratio
+    #: as the value, each token's own log-prob carrying the gradient)
+    SEQUENCE_RATIO_TOKEN = "sequence_ratio_token"
     #: -sigmoid(tau * (ratio - 1)) * 4 / tau * A, tau = ``tau_pos`` where A > 0, else ``tau_neg`` (SAPO's soft gate)
     SOFT_GATE = "soft_gate"
     #: -phi(w).detach() * A * log_prob with w the sequence's importance ratio exp(sum of masked log-ratios, each
@@ -123,7 +126,7 @@ class PerToken(str, Enum):
 
 #: the parameters each per-token form reads (:attr:`LossDeclaration.parameters`)
 PER_TOKEN_PARAMETERS: dict[PerToken, tuple[str, ...]] = {
-    PerToken.CLIPPED_WEIGHT: ("cap",), PerToken.SOFT_GATE: ("tau_pos", "tau_neg"),
+    PerToken.CLIPPED_WEIGHT: ("low", "high"), PerToken.SOFT_GATE: ("tau_pos", "tau_neg"),
     PerToken.GAMMA_WEIGHT: ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
 
 

@@ -80,12 +80,15 @@ def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs, parameters: M
     if kind is PerToken.NLL:
         return -log_probs
     log_ratio, mask = log_probs - x.old_log_probs, x.mask.to(z.dtype)
-    if kind is PerToken.SEQUENCE_RATIO:
+    if kind in (PerToken.SEQUENCE_RATIO, PerToken.SEQUENCE_RATIO_TOKEN):
         total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * log_ratio)
         count = torch.zeros(x.batch_size, dtype=z.dtype).index_add_(0, x.sample, mask).clamp(min=1.0)
-        return -x.advantages * torch.exp(total / count)[x.sample]
+        sequence = (total / count)[x.sample]
+        if kind is PerToken.SEQUENCE_RATIO_TOKEN:
+            sequence = log_probs - log_probs.detach() + sequence.detach()
+        return -x.advantages * torch.exp(sequence)
     if kind is PerToken.CLIPPED_WEIGHT:
-        return -torch.exp(log_ratio).clamp(max=p["cap"]).detach() * x.advantages * log_probs
+        return -torch.exp(log_ratio).clamp(p["low"], p["high"]).detach() * x.advantages * log_probs
     if kind is PerToken.SOFT_GATE:
         tau = torch.where(x.advantages > 0, p["tau_pos"], p["tau_neg"]).to(z.dtype)
         return -torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * 4.0 / tau * x.advantages

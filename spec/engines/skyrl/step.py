@@ -1,5 +1,5 @@
-"""skyrl-train 0.3.1's policy step as a step layer: ``ppo_policy_loss`` and its ``reduce_loss`` in every
-``loss_reduction``.
+"""skyrl-train 0.3.1's policy step as a step layer: its policy losses (``regular``, ``dual_clip``, ``gspo``, ``sapo``,
+``cispo``) and their ``reduce_loss`` in every ``loss_reduction``.
 
 SkyRL's worker cuts a mini-batch on each rank into consecutive micro-batches of ``micro_train_batch_size_per_gpu``
 (``BatchIterator``, ``drop_last=False``), computes each micro-batch's policy loss with ``ppo_policy_loss`` (the PPO clip
@@ -35,13 +35,30 @@ __all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "token_counts_differ"
 #: reduce_loss' max_seq_len (the generator's max input + generate length), seq_mean_token_sum_norm's constant
 MAX_SEQ_LEN = 16
 
-SKYRL_LOSSES = (LossDeclaration("policy", PerToken.RATIO, (
-    Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
-    Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
-    Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON))),
-    horizons=(MAX_SEQ_LEN,),
-    undrawn={"gspo, sapo, clip_cov, kl_cov": "other policy_loss_types: per-token losses outside the oracle's; they "
-                                              "reduce with the same reduce_loss, drawn here with the regular loss"}),)
+#: reduce_loss' modes, which every policy_loss_type reduces by
+REDUCTIONS = (Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
+              Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
+              Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)))
+#: ppo_base_config.yaml's defaults: sapo.tau_pos/tau_neg, cispo.cispo_eps_clip_low/high (offsets from 1)
+SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (0.0, 5.0)
+
+SKYRL_LOSSES = (
+    LossDeclaration("policy", PerToken.RATIO, REDUCTIONS, horizons=(MAX_SEQ_LEN,), undrawn={
+        "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
+                            "micro-batch (clip_cov a random subset by torch.randperm, kl_cov a top-k): the per-token "
+                            "loss depends on the micro-batch by design, outside the oracle's forms"}),
+    # dual_clip's extra bound (-A * clip_ratio_c, advantages < 0) binds only past a ratio of clip_ratio_c (3.0): the
+    # regular clip's form inside the clip range the cases draw
+    LossDeclaration("dual_clip", PerToken.RATIO, REDUCTIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, REDUCTIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("sapo", PerToken.SOFT_GATE, REDUCTIONS, horizons=(MAX_SEQ_LEN,),
+                    parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}),
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, REDUCTIONS, horizons=(MAX_SEQ_LEN,),
+                    parameters={"low": 1.0 - CISPO_OFFSETS[0], "high": 1.0 + CISPO_OFFSETS[1]}),
+)
+#: each policy_loss_type's function (skyrl-train's PolicyLossRegistry, whose lookup goes through a ray actor)
+LOSS_FUNCTIONS = {"policy": "ppo_policy_loss", "dual_clip": "ppo_policy_loss", "gspo": "gspo_policy_loss",
+                  "sapo": "sapo_policy_loss", "cispo": "compute_policy_loss_cispo"}
 
 
 def token_counts_differ(case: Any) -> bool:
@@ -59,12 +76,15 @@ SKYRL_STEP_RECORDS = tuple(
     for invariant, what in (("INV-STEP-003", "the micro-batches' losses"), ("INV-STEP-004", "gradient")))
 
 
-@lru_cache(maxsize=8)
-def _config(mode: str, horizon: int | None) -> Any:
+@lru_cache(maxsize=32)
+def _config(loss: str, mode: str, horizon: int | None) -> Any:
     omegaconf = importlib.import_module("omegaconf")
-    return omegaconf.OmegaConf.create({"policy_loss_type": "regular", "loss_reduction": mode, "eps_clip_low": 0.2,
-                                       "eps_clip_high": 0.2, "clip_ratio_c": 3.0, "use_tis": False,
-                                       "max_seq_len": horizon or MAX_SEQ_LEN})
+    return omegaconf.OmegaConf.create({"policy_loss_type": "regular" if loss == "policy" else loss,
+                                       "loss_reduction": mode, "eps_clip_low": 0.2, "eps_clip_high": 0.2,
+                                       "clip_ratio_c": 3.0, "use_tis": False, "max_seq_len": horizon or MAX_SEQ_LEN,
+                                       "sapo": {"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]},
+                                       "cispo": {"cispo_eps_clip_low": CISPO_OFFSETS[0],
+                                                 "cispo_eps_clip_high": CISPO_OFFSETS[1]}})
 
 
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
@@ -75,7 +95,8 @@ def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
 def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
     ppo = importlib.import_module("skyrl_train.utils.ppo_utils")
     log_probs, mask, old, advantages = policy_columns(outputs, mb)
-    loss, _ = ppo.ppo_policy_loss(log_probs, old, advantages, _config(setting.mode, setting.horizon), loss_mask=mask)
+    policy_loss = getattr(ppo, LOSS_FUNCTIONS[setting.loss])
+    loss, _ = policy_loss(log_probs, old, advantages, _config(setting.loss, setting.mode, setting.horizon), loss_mask=mask)
     return loss / facts["accumulation_steps"]  # PolicyWorkerBase.forward_backward
 
 
@@ -88,6 +109,8 @@ def skyrl_train_step_layer(load) -> StepLayer | None:
         importlib.import_module("skyrl_train.utils.ppo_utils")
     except ImportError:
         return None
+    # GSPO's and SAPO's advice to reduce by sequence_mean, logged on every call: the suite draws every reduction
+    importlib.import_module("loguru").logger.disable("skyrl_train.utils.ppo_utils")
     return StepLayer("skyrl-train", cuts=(Cut.COUNT,), facts=(Fact.ACCUMULATION_STEPS, Fact.DP_SIZE),
                      losses=SKYRL_LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                      "restore": concatenated},

@@ -59,11 +59,11 @@ GRPO_LOSSES = (
         Aggregation("dr_grpo", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)),
         Aggregation("dapo", *_GLOBAL_TOKENS)), horizons=(MAX_COMPLETION_LENGTH,)),
     LossDeclaration("luspo", PerToken.SEQUENCE_RATIO, (Aggregation("luspo", Weighting.TOKEN, (Divisor.SEQUENCES,)),)),
-    # CISPO's cap is epsilon_high: GRPOConfig documents 5.0 for it ("the recommended value"); left unset it is epsilon,
-    # 0.2, below any on-policy ratio, so every weight is clipped (both drawn)
-    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo", *_GLOBAL_TOKENS),), parameters={"cap": 5.0}),
+    # CISPO's cap is epsilon_high (no lower bound: a ratio is positive): GRPOConfig documents 5.0 for it ("the
+    # recommended value"); left unset it is epsilon, 0.2, below any on-policy ratio, so every weight is clipped (both)
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo", *_GLOBAL_TOKENS),), parameters={"low": 0.0, "high": 5.0}),
     LossDeclaration("cispo@epsilon", PerToken.CLIPPED_WEIGHT, (Aggregation("cispo", *_GLOBAL_TOKENS),),
-                    parameters={"cap": EPSILON}),
+                    parameters={"low": 0.0, "high": EPSILON}),
     LossDeclaration("sapo", PerToken.SOFT_GATE, (Aggregation("sapo", *_SEQUENCE_MEAN),),
                     parameters={"tau_pos": 1.0, "tau_neg": 1.05}),  # GRPOConfig's sapo_temperature_pos/_neg
     LossDeclaration("vespo", PerToken.GAMMA_WEIGHT, (Aggregation("vespo", *_GLOBAL_TOKENS),),  # GRPOConfig's vespo_*
@@ -105,7 +105,7 @@ def _trainer(setting: LossSetting, facts: dict, log_probs: torch.Tensor) -> Simp
     identity = lambda tensor, *args, **kwargs: tensor  # noqa: E731 - one process's view of a collective
     return SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (log_probs, torch.zeros_like(log_probs.detach()), None),
-        loss_type=setting.mode, epsilon_low=EPSILON, epsilon_high=p.get("cap", EPSILON), beta=0.0,
+        loss_type=setting.mode, epsilon_low=EPSILON, epsilon_high=p.get("high", EPSILON), beta=0.0,
         top_entropy_quantile=1.0,
         importance_sampling_level="sequence" if setting.loss == "luspo" else "token", off_policy_mask_threshold=None,
         use_vllm=False, vllm_importance_sampling_correction=False, aux_loss_enabled=False,
