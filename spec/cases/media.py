@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import NonTensorData, NonTensorStack
 
+from ..truth.media_checks import samples_media
 from ..truth.rules import offsets as _offsets
 from ..truth.vision import MEDIA_KEYS, MIN_MEDIA_VOCAB, PATCH_DIM, media_token_ids, rope_index
 from .structure import EngineCase, Media
@@ -38,9 +39,7 @@ class MediaDraws:
 
     def model_inputs(self, rows: list[int] | None = None) -> dict[str, torch.Tensor]:
         """The samples' dicts (``rows``, default all, in that order) concatenated per key, as a model takes them."""
-        dicts = [self.per_sample[i] for i in (range(len(self.per_sample)) if rows is None else rows)]
-        keys = [k for kind in MEDIA_KEYS.values() for k in kind if any(k in d for d in dicts)]
-        return {key: torch.cat([d[key] for d in dicts if key in d]) for key in keys}
+        return samples_media([self.per_sample[i] for i in (range(len(self.per_sample)) if rows is None else rows)])
 
 
 def _token_slots(case: EngineCase) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,26 +10,14 @@ the stream's draws (``spec.cases.strategies``) and in the pinned reach case (``s
 
 from __future__ import annotations
 
-import torch
-
 from ..cases.materialize import draws
 from ..cases.media import with_media
-from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES
 from ..protocol.profile import MEDIA_INPUT_KEYS
+from ..truth.media_checks import joined_ids, media_inputs_handed
 from ..truth.vision import media_token_ids
-from .core import Ctx, fail, invariant, match_oracle
+from .core import Ctx, invariant, match_oracle
 
 _MEDIA = ("media",)
-
-
-def _joined_ids(ctx: Ctx) -> torch.Tensor:
-    """The ids the model embeds: the ranks' slices joined (or, where every rank was handed the same whole padded row,
-    verl's vision-language Ulysses path, that row)."""
-    ids = [view.input_ids for view in ctx.inputs_run.views]
-    if len(ids) > 1 and all(torch.equal(i, ids[0]) for i in ids[1:]) and \
-            ids[0].shape[-1] == ctx.case.total_nnz + ctx.inputs_run.views[0].pad_size:
-        return ids[0]
-    return torch.cat(ids, dim=-1)
 
 
 @invariant("INV-MM-001", "the model is handed every sample's image/video features and grids, concatenated in sample "
@@ -39,39 +27,14 @@ def _joined_ids(ctx: Ctx) -> torch.Tensor:
 def media_handed(ctx: Ctx) -> None:
     """Where the engine also hands marks of the media tokens (``mm_token_type_ids``, which a transformers-5 model
     computes its mRoPE positions from; VeOmni's ``image_mask``/``video_mask``, where its models place the features),
-    they mark exactly the image (1) and video (2) tokens of the ids handed beside them."""
-    want = draws(ctx.case).media_inputs()
-    image_id, video_id = media_token_ids(ctx.case.vocab)
-    for rank, view in enumerate(ctx.inputs_run.views):
-        got = {key: value for key, value in view.media.items() if key not in MEDIA_TOKEN_MARKS}
-        ids = view.input_ids.detach().cpu()
-        marks = {MEDIA_TOKEN_TYPES: (ids == image_id).long() + 2 * (ids == video_id).long(),
-                 "image_mask": (ids == image_id).long(), "video_mask": (ids == video_id).long()}
-        for key in set(view.media) & set(marks):
-            have, expected = view.media[key].detach().cpu(), marks[key]
-            if tuple(have.shape) != tuple(expected.shape) or not torch.equal(have.long(), expected):
-                wrong = int((have.long() != expected).sum()) if have.shape == expected.shape else -1
-                fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} does not mark the image and video tokens of "
-                     f"the input_ids {tuple(ids.shape)} handed beside it ({wrong} positions differ; -1: the shapes "
-                     "differ)", key=key)
-        if set(got) != set(want):
-            fail(f"rank {rank}: the model is handed media keys {sorted(got)}, the micro-batch's samples carry "
-                 f"{sorted(want)}", key=sorted(set(got) ^ set(want))[0])
-        for key, value in want.items():
-            have = got[key]
-            if have.device != view.input_ids.device:
-                fail(f"rank {rank}: {key!r} is on {have.device}, the ids on {view.input_ids.device}", key=key)
-            if tuple(have.shape) != tuple(value.shape) or not torch.equal(have.detach().cpu().to(value.dtype), value):
-                rows = (have.shape[0] if have.dim() else 0, value.shape[0])
-                fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} is not the samples' {key} concatenated in "
-                     f"sample order {tuple(value.shape)} (rows handed {rows[0]}, the samples' {rows[1]})", key=key)
-    ids = _joined_ids(ctx)
-    for token_id, (kind, (features, grids)) in zip(media_token_ids(ctx.case.vocab), MEDIA_INPUT_KEYS.items()):
-        tokens = int((ids == token_id).sum())
-        groups = sum(m.tokens for items in ctx.case.media for m in items if m.kind == kind)
-        if tokens != groups:
-            fail(f"the ids handed to the model hold {tokens} {kind} tokens, the samples' {grids} name {groups} "
-                 "merged groups", key="input_ids")
+    they mark exactly the image (1) and video (2) tokens of the ids handed beside them. The check is
+    :func:`spec.truth.media_checks.media_inputs_handed` (a reproducer runs the same)."""
+    views = ctx.inputs_run.views
+    groups = {kind: sum(m.tokens for items in ctx.case.media for m in items if m.kind == kind)
+              for kind in MEDIA_INPUT_KEYS}
+    joined = joined_ids([view.input_ids for view in views], ctx.case.total_nnz, views[0].pad_size)
+    media_inputs_handed([(view.input_ids, view.media) for view in views], draws(ctx.case).media_inputs(),
+                        *media_token_ids(ctx.case.vocab), joined, groups)
 
 
 @invariant("INV-MM-002", "with images and videos (text-only samples among them) log_probs equal the oracle's: each "

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from tensordict import NonTensorStack
 
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
@@ -41,6 +42,9 @@ def case_data(case: EngineCase) -> dict[str, Any]:
         "response_width": case.response_width, "split_view": case.split_view,
         # the autograd context the engine runs in and the engine's own switches (spec/execute/handoff.py)
         "context": case.context, "engine_config": [list(item) for item in case.engine_config],
+        # each sample's images and videos as structure (INV-MM-001 counts their merged groups per kind)
+        "media": [[{"kind": m.kind, "grid": list(m.grid), "gap": m.gap, "tokens": m.tokens} for m in items]
+                  for items in case.media],
     }
 
 
@@ -76,16 +80,35 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+def _entry(name: str, item: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """A per-sample stack's entry as data: a dict's tensors by name (``<key>/<sample>/<dict key>``, their values put
+    in ``tensors``) with their dtype and shape, ``None`` and plain values as they are."""
+    if not isinstance(item, dict):
+        return _plain(item)
+    out = {}
+    for key, value in item.items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+            out[key] = {"tensor": f"{name}/{key}", "dtype": str(value.dtype).removeprefix("torch."),
+                        "shape": list(value.shape)}
+        else:
+            out[key] = _plain(value)
+    return out
+
+
 def batch_data(case: EngineCase) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
     """``(data, tensors, elements)``: ``data`` describes every key of the case's micro-batch (nested: dtype,
-    shape of the values, offsets, ragged dim; dense: dtype and shape; flags: the value), ``tensors`` holds the
+    shape of the values, offsets, ragged dim; dense: dtype and shape; a per-sample stack: its entries; flags: the
+    value), ``tensors`` holds the
     values by key, ``elements`` counts them (the writer inlines them below :data:`INLINE_LIMIT`)."""
     td = materialize(case, "cpu")
-    data: dict[str, Any] = {"nested": {}, "dense": {}, "flags": {}}
+    data: dict[str, Any] = {"nested": {}, "dense": {}, "stacks": {}, "flags": {}}
     tensors: dict[str, torch.Tensor] = {}
     for key in td.keys():
         value = td.get(key)
-        if isinstance(value, torch.Tensor) and value.is_nested:
+        if isinstance(value, NonTensorStack):
+            data["stacks"][key] = [_entry(f"{key}/{i}", item, tensors) for i, item in enumerate(value.tolist())]
+        elif isinstance(value, torch.Tensor) and value.is_nested:
             values = value.values().contiguous()
             data["nested"][key] = {"dtype": str(values.dtype).removeprefix("torch."), "shape": list(values.shape),
                                    "offsets": value.offsets().tolist(),

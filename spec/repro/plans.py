@@ -25,7 +25,9 @@ invariant calls):
   ``tail`` / ``tail_fill`` (the packed tail padding's length, pad_size and restarting positions; its ids 0 and
   temperature 1), ``rolled_row`` (the labels are the whole packed row rolled by one, zeros after),
   ``token_temperature`` / ``padded_temperature`` (each token's or sample's own temperature handed to the output
-  step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``;
+  step), ``fused_inputs`` / ``return_dict`` (what a fused-kernel model gets), ``cu_seqlens`` / ``cu_seqlens_cpu``,
+  ``media_handed`` (each sample's image and video features and grids, in sample order, beside as many media tokens:
+  spec/truth/media_checks.py);
 * on the helpers, with per-token tensors built from the seed (no run of the case; spec/truth/slice_checks.py):
   ``mask_helper``, ``slice_reads`` (the slice reads only response positions, NaN elsewhere never leaks),
   ``from_nested``, ``round_trip``, ``slice_dtypes``;
@@ -203,6 +205,10 @@ PLANS: dict[str, Plan] = {
     # one engine object kept across two micro-batches
     "INV-BATCH-003": Plan(("reused",), _after_sibling),
     "INV-MUT-005": Plan(("earlier_kept",), _after_sibling),
+    # images and videos: what prepare_model_inputs hands the model of them (the samples' own dicts, from the micro-batch
+    # built afresh), and the log-probs of each sample with its own images against the reference (its own media dict)
+    "INV-MM-001": Plan(("media_handed",)),
+    "INV-MM-002": Plan(("keys", "values"), keys=("log_probs",)),
 }
 
 

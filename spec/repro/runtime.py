@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
@@ -52,7 +52,11 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "held", "batch_items", "micro_batch_unchanged", "model_output_unchanged", "output_args_unchanged",
               "handoff_as_fresh", "earlier_kept",
               # the flags and settings (spec/truth/settings_checks.py)
-              "same_run", "defaulted_flags", "flag_value", "slice_without_width", "slice_with_width")
+              "same_run", "defaulted_flags", "flag_value", "slice_without_width", "slice_with_width",
+              # images and videos: what a model takes of them (spec/protocol/engine.py, spec/truth/vision.py) and the
+              # check of what it is handed (spec/truth/media_checks.py)
+              "MEDIA_INPUT_KEYS", "media_view", "media_token_ids", "samples_media", "joined_ids",
+              "media_inputs_handed")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -84,6 +88,16 @@ def _tensor(values, dtype, shape):
     return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
 
 
+def _stack(entries, values):
+    """A per-sample stack (``multi_modal_inputs``) from its entries: each dict's tensors rebuilt from ``values``."""
+    def entry(item):
+        if not isinstance(item, dict):
+            return item
+        return {k: _tensor(values[v["tensor"]], v["dtype"], v["shape"]) if isinstance(v, dict) and "tensor" in v
+                else v for k, v in item.items()}
+    return NonTensorStack.from_list([NonTensorData(entry(item)) for item in entries])
+
+
 def build_micro_batch(run):
     data, c = run["data"], run["case"]
     values = run["values"] if run["values"] is not None else torch.load(DATA)[run["label"]]
@@ -99,6 +113,8 @@ def build_micro_batch(run):
     for key, meta in data["dense"].items():
         out[key] = _tensor(values[key], meta["dtype"], meta["shape"])
     td = TensorDict(out, batch_size=[c["batch_size"]])
+    for key, entries in data.get("stacks", {}).items():
+        td.set(key, _stack(entries, values))
     for key, value in data["flags"].items():
         td.set_non_tensor(key, PadMode(value) if key == "pad_mode" else value)
     return td
@@ -106,9 +122,9 @@ def build_micro_batch(run):
 
 # ---- one run: engine inputs -> the stand-in model -> poisoned padding -> engine outputs ----
 #: what one rank hands the model and its own output step (the suite's InputsView fields); a key a snippet's
-#: view_inputs leaves out reads as None (pad_size as 0)
+#: view_inputs leaves out reads as None (pad_size as 0; media as the model takes them of the model inputs)
 VIEW_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seqlens", "cu_seqlens_host", "labels", "temperature",
-             "pad_size", "model_temperature", "model_labels", "return_dict")
+             "pad_size", "model_temperature", "model_labels", "return_dict", "media")
 
 
 def _views_in(model_inputs, output_args):
@@ -124,6 +140,8 @@ def _views_in(model_inputs, output_args):
                 "pad_size": int(output_args.get("pad_size", 0) or 0),
                 "model_temperature": model_inputs.get("temperature"), "model_labels": model_inputs.get("shift_labels"),
                 "return_dict": model_inputs.get("return_dict")}
+    if view.get("media") is None:  # the images' and videos' keys the model takes, as handed (the suite's media_view)
+        view["media"] = media_view(model_inputs)
     return {key: view.get(key, 0 if key == "pad_size" else None) for key in VIEW_KEYS}
 
 
@@ -344,6 +362,18 @@ def check_packed_inputs(c, mb, run):
     if c.use_remove_padding:
         packed_inputs(_parts(run, "attention_mask"), _parts(run, "input_ids"), _parts(run, "position_ids"),
                       mb["position_ids"].values().dim() > 1, mb["input_ids"].values(), mb["position_ids"].values())
+
+
+def check_media_handed(c, mb, run, fresh):
+    """INV-MM-001 (spec/truth/media_checks.py): every rank handed the samples' features and grids in sample order,
+    beside as many media tokens as their merged groups; the samples' own dicts read off the micro-batch built afresh
+    (as the suite reads them off the case's draws: what the engine did to its micro-batch cannot move them)."""
+    entries = fresh.get("multi_modal_inputs").tolist() if "multi_modal_inputs" in fresh.keys() else []
+    groups = {kind: sum(m["tokens"] for items in c.media for m in items if m["kind"] == kind)
+              for kind in MEDIA_INPUT_KEYS}
+    joined = joined_ids(_parts(run, "input_ids"), c.total_nnz, run.views[0]["pad_size"])
+    media_inputs_handed([(v["input_ids"], v["media"]) for v in run.views], samples_media(entries),
+                        *media_token_ids(c.vocab), joined, groups)
 
 
 def check_grad(c, mb, run):
@@ -629,6 +659,10 @@ def check_on_cuda(c, mb, run):
         raise NotStandalone("INV-DEV-002 compares a CUDA run with the CPU's: this machine has no CUDA device")
     try:
         on_device = mb.to("cuda")
+        for key in ("multi_modal_inputs",) if "multi_modal_inputs" in mb.keys() else ():  # its dicts' tensors too
+            on_device.set(key, NonTensorStack.from_list([NonTensorData(
+                {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in item.items()}
+                if isinstance(item, dict) else item) for item in mb.get(key).tolist()]))
     except Exception as exc:  # noqa: BLE001 - the file's own copy failed, not the engine
         raise NotStandalone(f"could not copy the micro-batch to cuda ({type(exc).__name__}: {exc})") from exc
     on_cuda = execute(c, on_device, POISON, device="cuda")
@@ -692,7 +726,10 @@ NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_help
 #: checks that read what prepare_model_inputs handed over, and nothing after it
 INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
                "shard_labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
-               "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu"}
+               "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu",
+               "media_handed"}
+#: checks that also read the micro-batch built afresh (what the engine was handed, untouched)
+WITH_FRESH = {"unchanged": check_unchanged, "media_handed": check_media_handed}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
 
@@ -728,7 +765,7 @@ def _run_checks(c, mb, result, fresh, label):
     """Each check on the run; 0 when all hold, 1 at the first that fails, 3 on the file's own error."""
     for name in CHECK_NAMES:
         try:
-            problem = check_unchanged(c, mb, result, fresh) if name == "unchanged" else CHECKS[name](c, mb, result)
+            problem = WITH_FRESH[name](c, mb, result, fresh) if name in WITH_FRESH else CHECKS[name](c, mb, result)
         except NotStandalone:
             raise
         except AssertionError as exc:  # the check's own failure (spec/truth/failing.py), not the engine's assertion

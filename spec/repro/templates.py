@@ -17,11 +17,11 @@ from pathlib import Path
 
 from ..execute import handoff, harness
 from ..protocol import engine as protocol_engine
-from ..protocol.engine import OutputSpan, PaddedLayout, ReproSnippet
+from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES, OutputSpan, PaddedLayout, ReproSnippet
 from ..protocol.profile import MEDIA_INPUT_KEYS, layout_starts
 from ..protocol.vendor import assignments, definitions, source
-from ..truth import (closeness, failing, handoff_checks, microbatch_checks, oracle, outputs_checks, rank_checks, rules,
-                     settings_checks, slice_checks, state_checks, toy_model, vision)
+from ..truth import (closeness, failing, handoff_checks, media_checks, microbatch_checks, oracle, outputs_checks,
+                     rank_checks, rules, settings_checks, slice_checks, state_checks, toy_model, vision)
 from . import runtime
 from .vendored import loader, preamble, suite_guard
 
@@ -68,10 +68,14 @@ def suite_blocks() -> str:
     for fn in (OutputSpan, rules.read_positions, rules.full_length_mask, protocol_engine._flag_width,
                protocol_engine._lengths, protocol_engine._response_index, protocol_engine.response_view):
         parts += [inspect.getsource(fn), ""]
+    parts += ["# ---- the media keys a model takes, as handed (spec/protocol/engine.py) ----",
+              assignments({"MEDIA_TOKEN_TYPES": MEDIA_TOKEN_TYPES, "MEDIA_TOKEN_MARKS": MEDIA_TOKEN_MARKS}),
+              inspect.getsource(protocol_engine.media_view), ""]
     parts += ["# ---- the checks, as the invariants run them (spec/truth/failing.py, closeness.py, handoff_checks.py, "
-              "outputs_checks.py, slice_checks.py, microbatch_checks.py, rank_checks.py, state_checks.py, "
-              "settings_checks.py) ----",
-              definitions(failing), definitions(closeness), definitions(handoff_checks), definitions(outputs_checks),
+              "media_checks.py, outputs_checks.py, slice_checks.py, microbatch_checks.py, rank_checks.py, "
+              "state_checks.py, settings_checks.py) ----",
+              definitions(failing), definitions(closeness), definitions(handoff_checks), definitions(media_checks),
+              definitions(outputs_checks),
               definitions(slice_checks), definitions(microbatch_checks), definitions(rank_checks),
               definitions(state_checks), definitions(settings_checks)]
     return "\n".join(parts)

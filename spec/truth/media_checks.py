@@ -1,0 +1,79 @@
+"""The check of what a vision-language micro-batch hands the model, stated once (INV-MM-001): each sample's image and
+video features and grids, concatenated in sample order, beside as many media tokens as their merged groups, and the
+token marks some engines hand beside them. The invariant (spec/invariants/media.py) calls it on the suite's run; a
+standalone reproducer calls the same functions, vendored beside it (spec/repro/templates.py writes this module's
+source into ``repro_suite.py``; spec/repro/runtime.py calls them). So they take plain values (each rank's ids and
+media as handed, the samples' own dicts, the token ids, the merged groups per kind), import only torch and the
+protocol's names, and fail by :func:`~spec.truth.failing.fail`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES
+from ..protocol.profile import MEDIA_INPUT_KEYS
+from .failing import fail
+
+__all__ = ["samples_media", "joined_ids", "media_inputs_handed"]
+
+
+def samples_media(entries) -> dict[str, torch.Tensor]:
+    """The samples' media dicts (one per sample, as ``multi_modal_inputs`` holds them; a text-only sample's ``None``,
+    ``{}`` or a processor's keys holding ``None``) concatenated per key in sample order, the image keys first: what a
+    model takes of the batch's media (``{}`` without any)."""
+    dicts = [{key: value for key, value in (entry or {}).items() if value is not None} for entry in entries]
+    keys = [key for pair in MEDIA_INPUT_KEYS.values() for key in pair if any(key in d for d in dicts)]
+    return {key: torch.cat([d[key] for d in dicts if key in d]) for key in keys}
+
+
+def joined_ids(ids, total_nnz: int, pad_size: int) -> torch.Tensor:
+    """The ids the model embeds, from each rank's ``ids``: the ranks' slices joined, or, where every rank was handed
+    the same whole padded row (verl's vision-language Ulysses path), that row."""
+    ids = list(ids)
+    if len(ids) > 1 and all(torch.equal(i, ids[0]) for i in ids[1:]) and ids[0].shape[-1] == total_nnz + pad_size:
+        return ids[0]
+    return torch.cat(ids, dim=-1)
+
+
+def _marks_match(rank: int, ids: torch.Tensor, media: dict, image_id: int, video_id: int) -> None:
+    """Where the engine also hands marks of the media tokens (``mm_token_type_ids``: text 0, image 1, video 2;
+    VeOmni's ``image_mask`` / ``video_mask``), they mark exactly the media tokens of the ids handed beside them."""
+    marks = {MEDIA_TOKEN_TYPES: (ids == image_id).long() + 2 * (ids == video_id).long(),
+             "image_mask": (ids == image_id).long(), "video_mask": (ids == video_id).long()}
+    for key in set(media) & set(marks):
+        have, expected = media[key].detach().cpu(), marks[key]
+        if tuple(have.shape) != tuple(expected.shape) or not torch.equal(have.long(), expected):
+            wrong = int((have.long() != expected).sum()) if have.shape == expected.shape else -1
+            fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} does not mark the image and video tokens of "
+                 f"the input_ids {tuple(ids.shape)} handed beside it ({wrong} positions differ; -1: the shapes "
+                 "differ)", key=key)
+
+
+def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined: torch.Tensor,
+                        groups: dict) -> None:
+    """INV-MM-001: ``handed`` is each rank's ``(input_ids, media)`` as handed to the model (media by the model's key
+    names, :data:`MEDIA_TOKEN_MARKS` among them where handed); ``want`` the samples' features and grids concatenated
+    in sample order (:func:`samples_media`); ``joined`` the ids the model embeds (:func:`joined_ids`); ``groups`` the
+    merged groups of each kind (``image``, ``video``) the samples' items name. Every rank is handed exactly ``want``'s
+    keys and values, on its ids' device, and the ids hold as many tokens of each kind as its groups."""
+    for rank, (input_ids, media) in enumerate(handed):
+        ids = input_ids.detach().cpu()
+        _marks_match(rank, ids, media, image_id, video_id)
+        got = {key: value for key, value in media.items() if key not in MEDIA_TOKEN_MARKS}
+        if set(got) != set(want):
+            fail(f"rank {rank}: the model is handed media keys {sorted(got)}, the micro-batch's samples carry "
+                 f"{sorted(want)}", key=sorted(set(got) ^ set(want))[0])
+        for key, value in want.items():
+            have = got[key]
+            if have.device != input_ids.device:
+                fail(f"rank {rank}: {key!r} is on {have.device}, the ids on {input_ids.device}", key=key)
+            if tuple(have.shape) != tuple(value.shape) or not torch.equal(have.detach().cpu().to(value.dtype), value):
+                rows = (have.shape[0] if have.dim() else 0, value.shape[0])
+                fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} is not the samples' {key} concatenated in "
+                     f"sample order {tuple(value.shape)} (rows handed {rows[0]}, the samples' {rows[1]})", key=key)
+    for token_id, (kind, (_, grids)) in zip((image_id, video_id), MEDIA_INPUT_KEYS.items()):
+        tokens = int((joined == token_id).sum())
+        if tokens != groups.get(kind, 0):
+            fail(f"the ids handed to the model hold {tokens} {kind} tokens, the samples' {grids} name "
+                 f"{groups.get(kind, 0)} merged groups", key="input_ids")
