@@ -30,16 +30,17 @@ from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDecl
                              StepLayer, Weighting)
 from ..kit.step import concatenated, consecutive_cut, policy_columns
 
-__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "token_counts_differ"]
+__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "SKYRL_AGGREGATIONS", "MAX_SEQ_LEN", "token_counts_differ"]
 
 #: reduce_loss' max_seq_len (the generator's max input + generate length), seq_mean_token_sum_norm's constant
 MAX_SEQ_LEN = 16
 
-SKYRL_LOSSES = (LossDeclaration("policy", PerToken.RATIO, (
+#: SkyRL's loss_reduction modes (0.3.1's and 0.4.0's: spec/engines/skyrl/prescaled_step.py)
+SKYRL_AGGREGATIONS = (
     Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
     Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
-    Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON))),
-    horizons=(MAX_SEQ_LEN,),
+    Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)))
+SKYRL_LOSSES = (LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
     undrawn={"gspo, sapo, clip_cov, kl_cov": "other policy_loss_types: per-token losses outside the oracle's; they "
                                               "reduce with the same reduce_loss, drawn here with the regular loss"}),)
 
