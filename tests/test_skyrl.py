@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from spec.cases import EngineCase
 from spec.cases.structure import Media
 from spec.cases.materialize import draws
-from spec.engines.skyrl import records as skyrl_records
+from spec.engines.skyrl import config as skyrl_config, records as skyrl_records
 from spec.engines.kit.hf_batch import left_aligned
 from spec.execute.harness import execute, model_for
 from spec.invariants import CATALOGUE
@@ -55,10 +56,15 @@ def test_the_vlm_path_takes_the_images_as_skyrl_hands_them() -> None:
     assert torch.equal(inputs["image_grid_thw"], media["image_grid_thw"])
     assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
     assert inputs["position_ids"].shape == (4, 2, 6)  # the VLM's own positions, in SkyRL's left-padded rows
-    want = expected(VLM_CASE, model_for(VLM_CASE, "cpu", engine), draws(VLM_CASE))
+    _assert_the_oracles(engine, VLM_CASE, run)
+
+
+def _assert_the_oracles(engine, case: EngineCase, run) -> None:
+    """``run``'s log-probs and entropy equal the float64 oracle's at every position that scores a response token."""
+    want = expected(case, model_for(case, "cpu", engine), draws(case))
     for key in ("log_probs", "entropy"):
         got = run.outputs[key].unbind()
-        for i, (p, r) in enumerate(zip(VLM_CASE.prompt_lens, VLM_CASE.response_lens)):
+        for i, (p, r) in enumerate(zip(case.prompt_lens, case.response_lens)):
             cols = torch.arange(p - 1, p + r - 1)
             assert torch.allclose(got[i][cols].double(), want.__dict__[key][i][cols], atol=1e-5), (key, i)
 
@@ -96,3 +102,34 @@ def test_batch_layout_and_outputs_equal_the_oracle(name: str) -> None:
             got = run.outputs[key].unbind()
             for i, cols in enumerate(read):  # the positions scoring a response token (NaN elsewhere: never read)
                 assert torch.allclose(got[i][cols].double(), want.__dict__[key][i][cols], atol=1e-5), (name, key, i)
+
+
+def _replayed(monkeypatch, case: EngineCase, support=None):
+    """``case`` run by the ``skyrl`` engine with sample-support replay on (spec/engines/skyrl/config.py), its
+    recorded support the whole vocabulary or ``support(responses, vocab)``."""
+    if not HAS["skyrl"]:
+        pytest.skip("skyrl is not installed (.ci/steps/engines-skyrl.sh)")
+    if support is not None:
+        monkeypatch.setattr(skyrl_config, "full_support", support)
+    return execute(load_engine("skyrl"), case.with_(engine_config=(("sample_support_replay", True),)))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sample_support_replay_over_the_whole_vocabulary_is_the_contracts(monkeypatch, packed: bool) -> None:
+    """SkyRL renormalises over the recorded support: over every id that is log_softmax itself, so the outputs equal
+    the oracle's, and they come back in float32 even from bf16 logits (sample_support_scores computes there)."""
+    case = CASE.with_(use_remove_padding=packed)
+    _assert_the_oracles(load_engine("skyrl"), case, _replayed(monkeypatch, case))
+    low = _replayed(monkeypatch, case.with_(logits_dtype="bfloat16"))
+    assert {v.dtype for v in low.outputs.values()} == {torch.float32}
+
+
+def test_sample_support_replay_renormalises_over_the_recorded_support(monkeypatch) -> None:
+    """A support of the sampled token alone: renormalised over {t}, its log-prob is log 1 = 0 and the entropy 0 at
+    every response position (the switch runs SkyRL's replay, not the plain log_softmax)."""
+    run = _replayed(monkeypatch, CASE, lambda responses, vocab: [np.asarray(r, dtype=np.int32)[:, None]
+                                                                 for r in responses])
+    for key in ("log_probs", "entropy"):
+        got = run.outputs[key].unbind()
+        for i, (p, r) in enumerate(zip(CASE.prompt_lens, CASE.response_lens)):
+            assert got[i][p - 1:p + r - 1].abs().max() < 1e-6, (key, i, got[i])

@@ -1,4 +1,4 @@
-"""Real engines' training steps (spec/engines/<engine>/step.py: verl, TRL, skyrl-train, OpenRLHF), each in its own venv
+"""Real engines' training steps (spec/engines/<engine>/step.py: verl, TRL, skyrl-train, skyrl, OpenRLHF), each in its own venv
 (skipped where its library is not installed; CI runs it in the verl091, trl-openrlhf (both venvs) and skyrl steps): the library's own loss
 code runs, its records are real (the failure shows on a case under the record's condition, and a case outside it
 passes), and a mode the library documents as local is held to that documented normalisation (declared global, it
@@ -91,6 +91,22 @@ def test_skyrl_train_token_mean_is_per_micro_batch() -> None:
     _check(engine, TWO_MICRO_BATCHES.with_(mode="sequence_mean"))
     _check(engine, TWO_MICRO_BATCHES.with_(mode="seq_mean_token_sum_norm", horizon=16))
 
+
+
+@pytest.mark.skipif(not _has("skyrl"), reason="skyrl is not installed (the skyrl step's venv)")
+def test_skyrl_token_mean_is_the_mini_batchs(monkeypatch) -> None:
+    """skyrl 0.4.0 pre-scales the advantages over the mini-batch (PR #1296): token_mean no longer depends on the cut,
+    on one rank or two; the same step normalised per micro-batch (0.3.1's, token_mean_legacy) fails."""
+    from spec.engines.skyrl import prescaled_step
+    from spec.run.registry import load_engine
+
+    engine = load_engine("skyrl")
+    for case in (TWO_MICRO_BATCHES, replace(TWO_MICRO_BATCHES, dp=2, micro_batch_size=1)):
+        for mode, horizon in (("token_mean", None), ("sequence_mean", None), ("seq_mean_token_sum_norm", 16)):
+            _check(engine, case.with_(mode=mode, horizon=horizon))
+    monkeypatch.setattr(prescaled_step, "prescaled", lambda a, mask, facts, setting: a / mask.sum().clamp(min=1))
+    with pytest.raises(AssertionError, match="in token_mean: gradient"):
+        _check(engine, TWO_MICRO_BATCHES.with_(mode="token_mean"))
 
 class _Mutant(ast.NodeTransformer):
     """One held-out-style mutation of verl's ``forward_backward_batch`` source (``what``: which)."""

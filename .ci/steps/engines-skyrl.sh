@@ -8,7 +8,7 @@
 # `--no-deps --ignore-requires-python` (their code parses and runs on 3.11: the adapter imports only the preparation
 # modules), and of their dependency sets only what those modules import at module level, pure Python and small
 # (numpy, jaxtyping, loguru, packaging, omegaconf; einops and flash-attn 2.8.3's pure-torch bert_padding.py for
-# the unpadded path, .ci/steps/bert_padding.py). transformers, peft, ray, datasets
+# the unpadded path, .ci/steps/bert_padding.py). transformers, peft, ray, datasets, skyrl-gym
 # and flash-attn's CUDA package are not installed: spec/engines/skyrl/adapter.py stubs those imports (they load models and
 # start clusters; the preparation never calls them); skyrl 0.4.0's skyrl/backends/__init__.py (the Tinker API: pydantic
 # models that need Python 3.12) is not run. The two packages install side by side (skyrl_train, skyrl).

@@ -15,13 +15,14 @@ them (:mod:`spec.engines.skyrl.media`). docs/engines/skyrl.md.
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
-from ..kit import ThirdPartyEngine, in_logits_dtype, inputs_seen_by_model, refuse_flags, replaying, rows_view
+from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, rows_view
+from .config import batch_builder, num_actions, precision, replay_kwargs
 from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
 from .records import REASONS, PROFILE, RECORDS, TRAIN_PROFILE
+from .prescaled_step import PPO_UTILS, skyrl_step_layer
 from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
@@ -29,61 +30,63 @@ COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in 
 
 
 class SkyRLObject:
-    def __init__(self, engine: "SkyRLTrainEngine"):
-        self.new, (*_, self.wrapper, self.collate) = engine.name == "skyrl", engine.load()
+    def __init__(self, engine: "SkyRLTrainEngine", **config):  # SkyRL's switches drawn (skyrl/config.py)
+        self.new, (*_, self.wrapper, self.collate), self.config = engine.name == "skyrl", engine.load(), config
 
-    def _forward(self, model, a):
+    def _forward(self, model, a, vocab=None):
         unpad = {"remove_microbatch_padding" if self.new else "use_sample_packing": a["packed"]}
         model = VisionModel(model, a["image_token_id"]) if a["vlm"] else model  # a VLM's config, images (media.py)
         wrapper = self.wrapper(model, use_flash_attention_2=a["packed"], **unpad)
         wrapper.is_vlm = a["vlm"]  # as __init__ sets it from the config's vision_config
-        return wrapper(a["sequences"], a["num_actions"], attention_mask=a["attention_mask"],
-                       temperature=a["temperature"], return_output=True, compute_entropy=a["entropy"], **a["images"])
+        replay = replay_kwargs(a["batch"], a["responses"], self.config, a["vlm"], vocab)  # config.py
+        out = wrapper(a["sequences"], num_actions(self.config, a["num_actions"]), attention_mask=a["attention_mask"],
+                      temperature=a["temperature"], return_output=a["entropy"], compute_entropy=a["entropy"],
+                      **a["images"], **replay)  # the output only where the entropy rides on it, sliced as the worker does
+        return (out[0], out[1]["entropy"][:, -a["num_actions"] - 1:-1]) if a["entropy"] else (out, None)
 
     def prepare_model_inputs(self, mb):
         f = refuse_flags(BatchFlags.from_batch(mb), "SkyRL's HFModelWrapper.forward")
         prompts, responses = [[t.tolist() for t in samples(mb, k)] for k in ("prompts", "responses")]
         pad = f.pad_token_id if self.new else SimpleNamespace(pad_token_id=f.pad_token_id)  # 0.3.1 takes a tokenizer
-        seqs, mask = self.collate(pad, prompts, responses, [[0.0] * len(r) for r in responses],
-                                  [[1] * len(r) for r in responses])[:2]
-        device = mb["input_ids"].device
+        batch = batch_builder(self.collate, pad, prompts, responses, self.config, self.new)  # config.py
+        (seqs, mask), device = batch()[:2], mb["input_ids"].device
         args = {"sequences": seqs.to(device), "attention_mask": mask.to(device), "packed": f.use_remove_padding,
-                "num_actions": max(map(len, responses)), "temperature": one_temperature(mb),
-                "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3, "image_token_id": image_token_id(mb),
-                "images": vlm_inputs(mb, sys.modules[self.wrapper.__module__].TensorList) if self.new else {}}
+                "num_actions": max(map(len, responses)), "temperature": one_temperature(mb), "batch": batch,
+                "responses": responses, "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3,
+                "image_token_id": image_token_id(mb),
+                "images": vlm_inputs(mb, self.wrapper, self.config) if self.new else {}}
         # a VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own (media.py)
         return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, args)), args, mb), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
-        a = output_args
-        log_probs, out = self._forward(replaying(output), a)
-        entropy = out["entropy"][:, -a["num_actions"] - 1:-1] if a["entropy"] else None  # the worker's slice
+        log_probs, entropy = self._forward(replaying(output), output_args, vocab=output.logits.shape[-1])
         return sequences_from_response_rows({"log_probs": log_probs, "entropy": entropy}, mb, right_aligned=self.new)
 
 
 class SkyRLTrainEngine(ThirdPartyEngine):
     name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", (*RECORDS, *SKYRL_STEP_RECORDS)
     wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", ".ci/steps/engines-skyrl.sh", True, False
-    heavy = ("transformers", "peft", "ray", "datasets", "flash_attn")  # they load models and start clusters
+    # they load models, start clusters, run environments (skyrl_gym: 0.4.0's loss config module imports it)
+    heavy = ("transformers", "peft", "ray", "datasets", "flash_attn", "skyrl_gym")
     # the modules importing heavy packages first, then the wrapper and the batch builder
     modules = ("skyrl_train.distributed.ulysses.monkey_patch", "skyrl_train.utils.utils", "skyrl_train.dataset.dataset",
                "skyrl_train.model_wrapper:HFModelWrapper", f"skyrl_train.dataset.preprocess:{COLLATE}")
     profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (records.py)
     reasons = REASONS  # why it lacks the others (records.py, beside its profile)
-    precision = staticmethod(in_logits_dtype)  # F22: log-probs and entropy taken and returned in the logits' dtype
+    precision = staticmethod(precision)  # F22: in the logits' dtype (sample-support replay: float32, config.py)
     view_inputs = staticmethod(rows_view)  # the labels forward scores: its rows rolled by one
 
-    def engine_object(self):
-        return SkyRLObject(self)
+    def engine_object(self, **config):
+        return SkyRLObject(self, **config)
 
-    def step_layer(self):  # skyrl-train 0.3.1's policy step (step.py); skyrl 0.4.0's is not declared
-        return skyrl_train_step_layer(self.load) if self.name == "skyrl-train" else None
+    def step_layer(self):  # skyrl-train 0.3.1's policy step (step.py), skyrl 0.4.0's (prescaled_step.py)
+        return (skyrl_train_step_layer if self.name == "skyrl-train" else skyrl_step_layer)(self.load)
 
 
 class SkyRLEngine(SkyRLTrainEngine):
     name, wheel, without_init = "skyrl", "skyrl==0.4.0", ("skyrl.backends",)  # its __init__: the Tinker API
-    known_failures = RECORDS  # no step declared (skyrl-train's step records do not apply)
-    modules = ("skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
+    known_failures = RECORDS  # its step passes (skyrl-train's token_mean records do not apply: prescaled_step.py)
+    modules = (PPO_UTILS, "skyrl.backends.skyrl_train.distributed.ulysses.monkey_patch", "skyrl.train.dataset.dataset",
                "skyrl.backends.skyrl_train.workers.model_wrapper:HFModelWrapper",
                f"skyrl.train.dataset.preprocess:{COLLATE}")
     profile = PROFILE  # whole rows left-padded (outputs right-aligned); a VLM's images padded only (skyrl/media.py)

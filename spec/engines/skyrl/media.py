@@ -12,6 +12,7 @@ text-only sample of a mixed batch. SkyRL takes images only (no video keys).
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,10 +38,13 @@ class VisionModel:
         return self.model(*args, **kwargs)
 
 
-def vlm_inputs(mb, tensor_list: type) -> dict[str, Any]:
-    """``forward``'s image keyword arguments for ``mb`` (``{}`` without media): per key a ``tensor_list`` (SkyRL's
-    ``TensorList``) of each sample's tensor, a text-only sample's an empty placeholder of the others' trailing shape."""
-    per_sample = media_samples(mb)
+def vlm_inputs(mb, wrapper: type, config: dict | None = None) -> dict[str, Any]:
+    """``forward``'s image keyword arguments for ``mb`` (``{}`` without media): per key a ``TensorList`` (SkyRL's,
+    from the module of ``wrapper``, its ``HFModelWrapper``) of each sample's tensor, a text-only sample's an empty
+    placeholder of the others' trailing shape;
+    the samples' tensors concatenated, as the Hugging Face model takes them, where ``config`` draws the
+    ``images_concatenated`` switch (spec/engines/skyrl/config.py)."""
+    per_sample, tensor_list = media_samples(mb), sys.modules[wrapper.__module__].TensorList
     if per_sample is None:
         return {}
     out = {}
@@ -49,7 +53,8 @@ def vlm_inputs(mb, tensor_list: type) -> dict[str, Any]:
         ref = next((v for v in values if v is not None), None)
         if ref is not None:
             placeholder = torch.empty(0, *ref.shape[1:], dtype=ref.dtype, device=ref.device)
-            out[key] = tensor_list([v if v is not None else placeholder for v in values])
+            tensors = [v if v is not None else placeholder for v in values]
+            out[key] = torch.cat(tensors) if (config or {}).get("images_concatenated") else tensor_list(tensors)
     return out
 
 

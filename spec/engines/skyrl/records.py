@@ -14,6 +14,7 @@ from ...protocol import OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
 from ...protocol.profile import EngineProfile, Feature
 from ..kit.records import LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED
+from .config import SUPPORT_REPLAY, SWITCHES, TRAIN_SWITCHES
 
 __all__ = ["REASONS", "RECORDS", "LIBRARY_RECORDS", "TRAIN_PROFILE", "PROFILE"]
 
@@ -29,7 +30,8 @@ LIBRARY_RECORDS: tuple[KnownFailure, ...] = (
     # the adapter declares this precision (SkyRLTrainEngine.precision): the value checks judge at it, and most examples
     # then pass; some still fall outside the bf16 rounding rule (long rows, wide vocabularies): possible, not certain
     *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS, certain=False) for inv in ORACLE_INVARIANTS),
-    KnownFailure("INV-DEV-001", IN_LOGITS_DTYPE, matches=DTYPE, when=LOW_PRECISION_LOGITS),
+    # sample-support replay scores bf16/fp16 logits in float32 (sample_support_scores): no dtype failure there
+    KnownFailure("INV-DEV-001", IN_LOGITS_DTYPE, matches=DTYPE, when=LOW_PRECISION_LOGITS & ~SUPPORT_REPLAY),
     *(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED, certain=inv == "INV-TEMP-006")
       for inv in ("INV-VAL-001", "INV-TEMP-006", "INV-SLICE-006")),
 )
@@ -53,42 +55,23 @@ SURFACE = _surface("skyrl.train.dataset.preprocess", "skyrl.backends.skyrl_train
 _RAISE = {"*:raise": "an error path: SkyRL raises for an input it rejects; the suite's valid cases never take it"}
 _SP = "needs Ulysses sequence parallelism (sequence_parallel_size > 1: a process group; Feature.SP is not run)"
 _FLASH_CE = "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn; FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE)"
-_INT_ACTIONS = "no caller passes num_actions as a list: the workers pass the batch's response_length, an int"
-_OUTPUT = ("the adapter asks for the output (return_output=True: the entropy rides on it); without it forward returns "
-           "the same log-probs alone")
-_REWARD_TENSOR = ("the rewards are no input of the preparation the suite checks: the adapter hands per-token lists; "
-                  "a reward already a tensor only skips the conversion")
-_ROLLOUT_LOGPROBS = ("the rollout's own log-probs are passed through, padded, for off-policy corrections: no input of "
-                     "the forward the suite checks; the adapter passes none")
+_SEVERAL_ACTIONS = ("an error path: num_actions as a list of several counts becomes a NumPy array, which the slice "
+                    "log_probs[:, -num_actions - 1:-1] rejects (TypeError: only integer scalar arrays can be converted "
+                    "to a scalar index); the list of one count is drawn (config.py, num_actions_list)")
 TRAIN_UNREACHABLE: dict[str, str] = {
     **_RAISE,
     **{f"skyrl_train.model_wrapper:{line}": _SP for line in ("311->313", "343->344", "370->371")},
-    "skyrl_train.model_wrapper:384->385": _INT_ACTIONS, "skyrl_train.model_wrapper:385": _INT_ACTIONS,
-    "skyrl_train.model_wrapper:391->394": _OUTPUT, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
-    "skyrl_train.dataset.preprocess:120->122": _REWARD_TENSOR, "skyrl_train.dataset.preprocess:125->126": _ROLLOUT_LOGPROBS,
+    "skyrl_train.model_wrapper:385->388": _SEVERAL_ACTIONS, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
 }
-_CONCATENATED = ("images handed already concatenated (a tensor, not SkyRL's TensorList): no SkyRL caller does (its RL "
-                 "trainer and its Tinker backend build per-sample TensorLists, as the adapter does)")
-_SUPPORT = ("sample-support replay (trainer.algorithm.enable_sample_support_replay, off by default): log-probs "
-            "renormalised over the sampler's recorded top-k support, not the full-vocabulary log-probs the contract "
-            "asks; the adapter passes no sample support")
-_EXPERTS = ("the rollout's routed expert indices (MoE router replay), collated for the trainer's router mask: no input "
-            "of the forward the suite checks; the adapter passes none")
-_MAX_SEQ_LEN = ("a warning only (the trainer passes trainer.algorithm.max_seq_len, default None): nothing is truncated "
-                "and the tensors are the same; the adapter passes none")
+_EXPERTS = ("another model family's configuration: a mixture-of-experts model's routed expert indices (MoE router "
+            "replay, generator.inference_engine.enable_return_routed_experts), collated for the trainer's router "
+            "mask; the suite's models are dense (HFModelWrapper.forward takes no routes)")
 _WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess"
 UNREACHABLE: dict[str, str] = {
     **_RAISE,
     **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
-    f"{_WRAPPER}:340->342": _CONCATENATED, f"{_WRAPPER}:342->345": _CONCATENATED,
-    **{f"{_WRAPPER}:{line}": _SUPPORT for line in ("323->324", "324->326", "326->328", "362->363", "367->368",
-                                                    "416->418", "456->457")},
-    f"{_WRAPPER}:469->470": _INT_ACTIONS, f"{_WRAPPER}:470": _INT_ACTIONS, f"{_WRAPPER}:476->479": _OUTPUT,
-    "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
-    f"{_PREPROCESS}:337->338": _MAX_SEQ_LEN, f"{_PREPROCESS}:388->389": _ROLLOUT_LOGPROBS,
-    f"{_PREPROCESS}:390": _ROLLOUT_LOGPROBS,
+    f"{_WRAPPER}:470->473": _SEVERAL_ACTIONS, "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
     **{f"{_PREPROCESS}:{line}": _EXPERTS for line in ("395->396", "397->399", "399->402")},
-    **{f"{_PREPROCESS}:{line}": _SUPPORT for line in ("405->406", "406->408", "408->411")},
 }
 
 #: survivors of ``spec mutate --engine skyrl-train`` that no input tells from SkyRL's code, each with why (by id)
@@ -112,10 +95,10 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
 #: (both: log_probs[:, -num_actions - 1:-1], the positions that score a response token)
 TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positions=("rope",), surface=TRAIN_SURFACE,
                               unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS,
-                              output_span=OutputSpan.RESPONSE)
+                              output_span=OutputSpan.RESPONSE, config_space=TRAIN_SWITCHES)  # skyrl/config.py
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
                         mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE,
-                        output_span=OutputSpan.RESPONSE)
+                        output_span=OutputSpan.RESPONSE, config_space=SWITCHES)  # skyrl/config.py
 
 #: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
 REASONS = {

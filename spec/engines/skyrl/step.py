@@ -30,30 +30,31 @@ from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDecl
                              StepLayer, Weighting)
 from ..kit.step import concatenated, consecutive_cut, policy_columns
 
-__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "token_counts_differ"]
+__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "SKYRL_AGGREGATIONS", "MAX_SEQ_LEN", "token_counts_differ"]
 
 #: reduce_loss' max_seq_len (the generator's max input + generate length), seq_mean_token_sum_norm's constant
 MAX_SEQ_LEN = 16
 
-#: reduce_loss' modes, which every policy_loss_type reduces by
-REDUCTIONS = (Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
-              Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
-              Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)))
+#: SkyRL's loss_reduction modes, which every policy_loss_type reduces by (0.3.1's and 0.4.0's:
+#: spec/engines/skyrl/prescaled_step.py)
+SKYRL_AGGREGATIONS = (Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
+                      Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
+                      Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)))
 #: ppo_base_config.yaml's defaults: sapo.tau_pos/tau_neg, cispo.cispo_eps_clip_low/high (offsets from 1)
 SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (0.0, 5.0)
 
 SKYRL_LOSSES = (
-    LossDeclaration("policy", PerToken.RATIO, REDUCTIONS, horizons=(MAX_SEQ_LEN,), undrawn={
+    LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,), undrawn={
         "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
                             "micro-batch (clip_cov a random subset by torch.randperm, kl_cov a top-k): the per-token "
                             "loss depends on the micro-batch by design, outside the oracle's forms"}),
     # dual_clip's extra bound (-A * clip_ratio_c, advantages < 0) binds only past a ratio of clip_ratio_c (3.0): the
     # regular clip's form inside the clip range the cases draw
-    LossDeclaration("dual_clip", PerToken.RATIO, REDUCTIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, REDUCTIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("sapo", PerToken.SOFT_GATE, REDUCTIONS, horizons=(MAX_SEQ_LEN,),
+    LossDeclaration("dual_clip", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("sapo", PerToken.SOFT_GATE, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
                     parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}),
-    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, REDUCTIONS, horizons=(MAX_SEQ_LEN,),
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
                     parameters={"low": 1.0 - CISPO_OFFSETS[0], "high": 1.0 + CISPO_OFFSETS[1]}),
 )
 #: each policy_loss_type's function (skyrl-train's PolicyLossRegistry, whose lookup goes through a ray actor)

@@ -1,0 +1,97 @@
+"""skyrl 0.4.0's policy step as a step layer: advantages pre-scaled over the mini-batch, ``ppo_policy_loss`` summing.
+
+SkyRL 0.4.0 (PR #1296, the fix of issue #794 that skyrl-train 0.3.1's records in step.py name) moves the loss
+reduction out of the micro-batch: the trainer (``RayPPOTrainer``, before it dispatches a mini-batch to the DP ranks)
+scales each mini-batch's advantages with ``apply_loss_reduction_to_advantages_minibatch`` so that a plain sum gives the
+mode's reduction, ``token_mean`` ``A / (the mini-batch's loss tokens)``, ``sequence_mean`` ``A / (B * n_i)``,
+``seq_mean_token_sum_norm`` ``A / (B * max_seq_len)`` (``B`` the mini-batch's samples on every rank); the worker cuts
+its share into consecutive micro-batches (``BatchIterator``), takes ``ppo_policy_loss`` (the PPO clip, then
+``reduce_loss``: a masked **sum**) and backpropagates ``policy_loss * dp_size`` (``grad_sum_correction_factor``:
+DDP/FSDP average the ranks' gradients). The loss function is skyrl 0.4.0's own (``skyrl.backends.skyrl_train.utils.
+ppo_utils``, imported with the adapter's stubs); the pre-scaling is the trainer's, stated here per micro-batch from
+the mini-batch's facts (the loss tokens and samples of every rank), as ``apply_loss_reduction_to_advantages_minibatch``
+takes the whole mini-batch, which a micro-batch's loss is not handed. ``ppo_policy_loss`` is linear in the advantages
+(``-min(r A, clip(r) A)`` for a positive scale), so pre-scaling and reducing after are the same loss.
+
+Not drawn: ``token_mean_legacy`` (the old per-micro-batch behaviour, kept for comparison: 0.3.1's records say how it
+depends on the cut) and ``prompt_mean`` (needs the prompts' group boundaries, which the suite's mini-batches do not
+carry).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from ...protocol.step import Cut, CutPlan, Fact, LossDeclaration, LossSetting, PerToken, StepLayer
+from ..kit.step import concatenated, consecutive_cut, policy_columns
+from .step import MAX_SEQ_LEN, SKYRL_AGGREGATIONS
+
+__all__ = ["skyrl_step_layer", "PPO_UTILS"]
+
+#: the module of skyrl 0.4.0's policy losses (the adapter imports it with its stubs: spec/engines/skyrl/adapter.py)
+PPO_UTILS = "skyrl.backends.skyrl_train.utils.ppo_utils"
+#: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len
+LOSSES = (LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
+    undrawn={"token_mean_legacy": "the pre-fix per-micro-batch token mean, kept for comparison (skyrl-train 0.3.1's "
+                                  "behaviour and records, spec/engines/skyrl/step.py)",
+             "prompt_mean": "needs the prompts' group boundaries (prompt_boundaries), which the suite's mini-batches "
+                            "do not carry",
+             "gspo, sapo, clip_cov, kl_cov": "other policy_loss_types: per-token losses outside the oracle's"}),)
+
+
+@lru_cache(maxsize=8)
+def _config(mode: str, horizon: int | None) -> Any:
+    config = importlib.import_module("skyrl.train.config")
+    return config.AlgorithmConfig(policy_loss_type="regular", loss_reduction=mode, eps_clip_low=0.2, eps_clip_high=0.2,
+                                  max_seq_len=horizon or MAX_SEQ_LEN)
+
+
+def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:  # noqa: ARG001 - the cut changes no fact
+    """The trainer's mini-batch (every rank's share): its loss tokens, its samples, the DP size."""
+    tokens = sum(float(mini.get("response_mask").values().sum()) for mini in minis)
+    samples = sum(int(mini.batch_size[0]) for mini in minis)
+    return [{"batch_num_tokens": tokens, "global_batch_size": samples, "dp_size": len(minis)} for _ in minis]
+
+
+def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting: LossSetting) -> torch.Tensor:
+    """``apply_loss_reduction_to_advantages_minibatch`` of the micro-batch's rows, with the mini-batch's facts."""
+    if setting.mode == "token_mean":
+        return advantages / max(facts["batch_num_tokens"], 1.0)
+    if setting.mode == "sequence_mean":
+        return advantages / (facts["global_batch_size"] * mask.sum(dim=-1, keepdim=True).clamp(min=1))
+    return advantages / (facts["global_batch_size"] * (setting.horizon or MAX_SEQ_LEN))
+
+
+def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
+    ppo = importlib.import_module(PPO_UTILS)
+    log_probs, mask, old, advantages = policy_columns(outputs, mb)
+    loss, _ = ppo.ppo_policy_loss(log_probs, old, prescaled(advantages, mask, facts, setting),
+                                  _config(setting.mode, setting.horizon), loss_mask=mask)
+    return loss * facts["dp_size"]  # the worker's grad_sum_correction_factor
+
+
+@lru_cache(maxsize=None)
+def skyrl_step_layer(load) -> StepLayer | None:
+    """skyrl 0.4.0's policy step, its loss function imported by ``load()`` (the adapter's modules, with its stubs);
+    None where it does not import. One per adapter (cached by its bound ``load``)."""
+    try:
+        load()
+        importlib.import_module(PPO_UTILS)
+    except ImportError:
+        return None
+    return StepLayer("skyrl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.GLOBAL_BATCH_SIZE, Fact.DP_SIZE),
+                     losses=LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
+                                               "restore": concatenated},
+                     dp_sizes=(1, 2),
+                     restated={"cut": "BatchIterator's TrainingInputBatch.chunk, consecutive chunks "
+                                      "(kit.step.consecutive_cut): skyrl's own takes its TrainingInputBatch",
+                               "restore": "the order is kept, the outputs concatenated (kit.step.concatenated)"},
+                     in_process="skyrl 0.4.0's policy step runs no collective: the trainer pre-scales the advantages "
+                                "over the whole mini-batch before it dispatches the ranks' shares (the facts), the "
+                                "worker multiplies by dp_size; DDP/FSDP's gradient average is the suite's mean of the "
+                                "ranks' gradients")
