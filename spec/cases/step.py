@@ -17,13 +17,13 @@ from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
-from tensordict import NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from ..protocol.step import Cut, CutPlan, Divisor, LossSetting, StepLayer
 from ..truth.rules import response_index
 from ..truth.step_model import StepModel
 from ..truth.step_oracle import StepInputs
-from .materialize import draws, jagged, materialize
+from .materialize import draws, jagged, materialize, select_rows
 from .structure import EngineCase, SampleLengths
 
 __all__ = ["StepCase", "step_cases", "materialize_step", "step_inputs", "select_rows", "SHIFT"]
@@ -183,26 +183,3 @@ def materialize_step(case: StepCase) -> TensorDict:
     for key, values in keys.items():
         td.set(key, jagged(values.to(torch.float32), lens))
     return td
-
-
-def select_rows(td: TensorDict, rows: list[int]) -> TensorDict:
-    """Samples ``rows`` of ``td`` in that order: nested tensors rebuilt from their values and offsets, dense ones and
-    per-sample stacks (uids) by row, flags kept (the suite's own selection: a rank's share of the mini-batch)."""
-    out = TensorDict({}, batch_size=[len(rows)])
-    index = torch.tensor(rows, dtype=torch.int64)
-    for key in td.keys():
-        value = td.get(key)
-        if isinstance(value, torch.Tensor) and value.is_nested:
-            ragged = getattr(value, "_ragged_idx", 1)
-            offsets = value.offsets()
-            parts = [value.values().narrow(ragged - 1, int(offsets[i]), int(offsets[i + 1] - offsets[i])) for i in rows]
-            lens = [p.shape[ragged - 1] for p in parts]
-            out.set(key, jagged(torch.cat(parts, dim=ragged - 1), tuple(lens), jagged_dim=ragged))
-        elif isinstance(value, torch.Tensor):
-            out.set(key, value[index])
-        elif isinstance(value, NonTensorStack):  # one item per sample (uids): by row
-            items = value.tolist()
-            out.set(key, NonTensorStack(*[items[i] for i in rows]))
-        else:
-            out.set_non_tensor(key, getattr(value, "data", value))
-    return out

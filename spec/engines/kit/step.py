@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDict
 
-from ...cases.step import select_rows
+from ...cases.materialize import select_rows
 from ...protocol.engine import response_view
 
 from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, LossDeclaration, PerToken, Weighting

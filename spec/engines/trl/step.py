@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict
 
-from ...cases.step import select_rows
+from ...cases.materialize import select_rows
 from ...protocol.engine import response_view
 from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken, Scope,
                              StepLayer, Weighting)
