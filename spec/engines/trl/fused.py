@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
+from .step import trl_step_layer
 from .config import FUSED_SWITCHES, sft_fused_scores
 from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
@@ -70,8 +71,5 @@ class TrlFusedEngine(TrlEngine):
     def padded_layout_of(self, case):  # a vision-language batch stays GRPO's, whatever the SFT switch (config.py)
         return self.padded_layout if any(getattr(case, "media", ())) else super().padded_layout_of(case)
 
-    def step_layer(self):
-        """None: GRPO's step is declared for ``trl`` (the same _compute_loss on the same log-probs); the step driver
-        hands a logits model's output, not the fused-head protocol's hidden states (INV-STEP-* raised
-        AttributeError 'hidden_states' here), as verl-veomni declares no step beside verl's."""
-        return None
+    def step_layer(self):  # GRPO's step (step.py) on its fused scoring: the step model hands hidden states
+        return trl_step_layer()
