@@ -19,8 +19,10 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
 
 
 @pytest.mark.parametrize("name, switches", [
-    ("trl", {"pad_to_multiple_of", "prepacked", "model_takes_logits_to_keep", "index_k"}),
-    ("trl-fused", {"pad_to_multiple_of", "prepacked", "cast_lm_head_to_fp32"}),
+    ("trl", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "entropy_requires_grad",
+             "row_mask", "model_takes_logits_to_keep", "index_k"}),
+    ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
+                   "compute_loss_func", "shift_labels"}),
     ("openrlhf", {"action_mask", "stack"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
@@ -48,7 +50,13 @@ def _same_as_off(name: str, config: tuple, packed: bool) -> None:
 @pytest.mark.parametrize("name, config, packed", [
     ("trl", (("pad_to_multiple_of", 8),), True), ("trl", (("prepacked", True),), True),
     ("trl", (("model_takes_logits_to_keep", True),), False), ("trl", (("index_k", 2),), False),
-    ("trl-fused", (("cast_lm_head_to_fp32", True),), True), ("trl-fused", (("pad_to_multiple_of", 8),), True)])
+    ("trl", (("entropy_requires_grad", False),), True), ("trl", (("row_mask", False),), True),
+    ("trl", (("sft_collator", True),), False), ("trl", (("sft_collator", True), ("return_position_ids", True)), False),
+    ("trl", (("sft_collator", True), ("row_mask", False)), False),
+    ("trl-fused", (("cast_lm_head_to_fp32", True),), True), ("trl-fused", (("pad_to_multiple_of", 8),), True),
+    ("trl-fused", (("sft_collator", True),), False), ("trl-fused", (("shift_labels", True),), True),
+    ("trl-fused", (("sft_collator", True), ("shift_labels", True)), False),
+    ("trl-fused", (("compute_loss_func", True),), True)])
 def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> None:
     _same_as_off(name, config, packed)
 
@@ -57,6 +65,27 @@ def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> N
 def test_trl_padding_free_row_padded_to_a_multiple() -> None:
     run = execute(load_engine("trl"), CASE.with_(engine_config=(("pad_to_multiple_of", 8),)))
     assert run.inputs[0]["input_ids"].shape[-1] == 16 and run.inputs[0]["position_ids"][0, 12:].tolist() == [0] * 4
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.parametrize("name", ["trl", "trl-fused"])
+def test_trl_sft_collator_right_pads_whole_sequences(name) -> None:
+    engine = load_engine(name)
+    case = CASE.with_(use_remove_padding=False, engine_config=(("sft_collator", True),))
+    inputs = execute(engine, case).inputs[0]
+    assert engine.padded_layout_of(case).value == "right" and engine.padded_layout_of(CASE).value == "left_right"
+    assert inputs["attention_mask"].tolist() == [[1] * 5, [1] * 5, [1, 1, 0, 0, 0]]
+    assert inputs["input_ids"].shape == (3, 5)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.parametrize("name, config, detached", [
+    ("trl", (("entropy_requires_grad", False),), {"entropy"}),
+    ("trl-fused", (("compute_loss_func", True),), {"log_probs", "entropy"}),
+    ("trl", (), set()), ("trl-fused", (), set())])
+def test_trl_metric_switches_detach_their_outputs(name, config, detached) -> None:
+    outputs = execute(load_engine(name), CASE.with_(engine_config=config)).outputs
+    assert {key for key, value in outputs.items() if not value.requires_grad} == detached
 
 
 @pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")

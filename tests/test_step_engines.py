@@ -81,6 +81,21 @@ def test_trl_bnpo_is_held_to_its_documented_local_normalisation() -> None:
     _check(engine, case.with_(mode="dapo"))  # dapo: the global accumulated batch's tokens
 
 
+@pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl-openrlhf step's venv)")
+@pytest.mark.parametrize("packed", [False, True])
+def test_trl_fused_steps_through_its_fused_head(packed) -> None:
+    """trl-fused's step: GRPO's _compute_loss on the fused head's log-probs (the step model hands hidden states and
+    its trainable head weight, the fused-head protocol): the gradient through TRL's chunked backward is the oracle's."""
+    from spec.execute.step import run_step
+    from spec.run.registry import load_engine
+
+    engine = load_engine("trl-fused")
+    case = TWO_MICRO_BATCHES.with_(loss="grpo", mode="dapo", use_remove_padding=packed)
+    for invariant in ("INV-STEP-001", "INV-STEP-004"):
+        _check(engine, case, invariant)
+    assert all(grad.abs().sum() > 0 for grad in run_step(engine, case).rank_grads)
+
+
 @pytest.mark.skipif(not _has("skyrl_train"), reason="skyrl-train is not installed (the skyrl step's venv)")
 def test_skyrl_train_token_mean_is_per_micro_batch() -> None:
     from spec.run.registry import load_engine

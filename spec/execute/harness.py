@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest
-from ..protocol.profile import profile_of
+from ..protocol.profile import padded_layout_of
 from ..truth.oracle import TopKProcessor, scaled_logits
 from . import coverage_hook, ranks
 from .handoff import (
@@ -130,7 +130,7 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     attach_views(run, engine)
     if stop_after_inputs:
         return run
-    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison], profile_of(engine).padded_layout)
+    run.model_outputs = _call_model(run.model, run.inputs, case, POISONS[poison], padded_layout_of(engine, case))
     if case.use_fused_kernels and case.distillation_use_topk and case.fused_aux and case.use_remove_padding \
             and len(engines) == 1:
         run.model_outputs[0].fused_linear_aux = fused_linear_aux(run.model_outputs[0].logits, case, mb,

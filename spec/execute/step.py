@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from ..cases.step import StepCase, materialize_step, select_rows
+from ..protocol.engine import HeadInput
 from ..protocol.step import StepLayer
 from ..truth.step_model import StepModel
 from . import probe, ranks
@@ -174,7 +175,8 @@ def run_step(engine: Any, case: StepCase, layer: StepLayer | None = None) -> Ste
     fns = {name: engine_side(fn, f"step {name}") for name, fn in layer.functions.items()}
     head = layer.loss(case.loss).head
     run = cut_step(engine, case, layer)
-    model = StepModel(case.vocab, seed=case.seed, out_dim=1 if head == "value" else None)
+    model = StepModel(case.vocab, seed=case.seed, out_dim=1 if head == "value" else None,
+                      hidden=getattr(engine, "head_input", HeadInput.LOGITS) == HeadInput.HIDDEN)
     processor = step_processor(engine, case)
     for rank, (micro, indices) in enumerate(zip(run.micro_batches, run.indices)):
         model.zero_grad()

@@ -6,7 +6,7 @@ import torch
 
 from ..cases.structure import TEMPERATURE_FLOOR
 from ..protocol.engine import PaddedLayout
-from ..protocol.profile import Convention, profile_of
+from ..protocol.profile import Convention, padded_layout_of, profile_of
 from ..truth import handoff_checks as checks
 from ..truth.rules import distinct_temperatures, token_temperatures
 from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle
@@ -20,8 +20,9 @@ def _values(ctx: Ctx, key: str) -> torch.Tensor:
 
 
 def _layout(ctx: Ctx) -> PaddedLayout:
-    """The padded layout the engine's profile declares (verl's right-padded full rows unless it says otherwise)."""
-    return profile_of(ctx.engine).padded_layout
+    """The padded layout the engine declares for the case (its profile's, verl's right-padded full rows unless it
+    says otherwise, or a drawn switch's: :func:`spec.protocol.profile.padded_layout_of`)."""
+    return padded_layout_of(ctx.engine, ctx.case)
 
 
 @invariant("INV-MASK-001", "padded attention mask row i marks exactly sample i's n_i tokens where the declared "

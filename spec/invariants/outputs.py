@@ -7,7 +7,7 @@ import torch
 from ..cases.structure import EngineCase
 from ..cases.materialize import select_rows
 from ..execute.harness import FUSED_AUX_KEYS, POISONS, execute
-from ..protocol.profile import profile_of
+from ..protocol.profile import padded_layout_of, profile_of
 from ..truth import outputs_checks as checks
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
 from .core import (VALUE_FACTS, Ctx, EveryFailure, fail, invariant, match_oracle, match_runs, per_seq,
@@ -165,7 +165,7 @@ def _has_padding(ctx: Ctx) -> bool:
         widths = sum(view.input_ids.shape[-1] for view in ctx.run.views)
         has = widths > case.total_nnz
     else:
-        layout = profile_of(ctx.engine).padded_layout
+        layout = padded_layout_of(ctx.engine, case)
         has = bool((layout_mask(case.prompt_lens, case.response_lens, layout) == 0).any())
     if not has:
         ctx.not_exercised("no padding to poison")

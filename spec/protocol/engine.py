@@ -277,6 +277,14 @@ class EngineUnderTest:
         spans = [switch.output_span for switch in self.config_space() if switch.output_span and switch.name in drawn]
         return spans[0] if spans else self.output_span
 
+    def padded_layout_of(self, case: Any) -> PaddedLayout:
+        """Where its padded model input puts each sequence on ``case``: :attr:`padded_layout`, unless a switch of its
+        own configuration drawn off its default for the case declares another (:attr:`ConfigSwitch.padded_layout`:
+        TRL's SFT collator, whole sequences right-padded)."""
+        drawn = dict(getattr(case, "engine_config", ()))
+        layouts = [switch.padded_layout for switch in self.config_space() if switch.padded_layout and switch.name in drawn]
+        return PaddedLayout(layouts[0]) if layouts else self.padded_layout
+
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,
         entropy_chunk_size."""

@@ -69,7 +69,8 @@ import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
-           "layout_starts", "token_columns", "profile_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS", "takes_mode"]
+           "layout_starts", "token_columns", "profile_of", "padded_layout_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
+           "takes_mode"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -248,6 +249,10 @@ class ConfigSwitch:
     #: the positions the engine's outputs cover when the switch is drawn off its default (OpenRLHF's ``action_mask``:
     #: ``OutputSpan.RESPONSE``), where it changes them (:meth:`EngineUnderTest.output_span_of`); None: it does not
     output_span: "OutputSpan | None" = None
+    #: the layout of the engine's padded model input when the switch is drawn off its default (TRL's SFT collator:
+    #: whole sequences right-padded, ``PaddedLayout.RIGHT``), one of the profile's ``padded_layouts``
+    #: (:meth:`EngineUnderTest.padded_layout_of`); None: it does not change it
+    padded_layout: "PaddedLayout | None" = None
 
     def __post_init__(self) -> None:
         if self.setting is None and not self.values:
@@ -394,3 +399,10 @@ DEFAULT_PROFILE = EngineProfile()
 def profile_of(engine: Any) -> EngineProfile:
     """``engine``'s profile (an object without one: :data:`DEFAULT_PROFILE`)."""
     return getattr(engine, "profile", None) or DEFAULT_PROFILE
+
+
+def padded_layout_of(engine: Any, case: Any) -> PaddedLayout:
+    """The layout of ``engine``'s padded model input on ``case``: its ``padded_layout_of(case)`` where it has one (a
+    switch of its configuration drawn for the case may change it), else its profile's."""
+    layout_of = getattr(engine, "padded_layout_of", None)
+    return PaddedLayout(layout_of(case)) if layout_of is not None else profile_of(engine).padded_layout

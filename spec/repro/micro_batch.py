@@ -18,7 +18,7 @@ from tensordict import NonTensorStack
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
-from ..protocol.profile import Convention, profile_of
+from ..protocol.profile import Convention, padded_layout_of, profile_of
 from ..protocol.vendor import assignments
 
 __all__ = ["batch_data", "case_data", "declarations", "declared_precision", "INLINE_LIMIT"]
@@ -58,12 +58,13 @@ def declared_precision(engine: EngineUnderTest, case: EngineCase) -> dict[str, t
             if p is not None and (p.returns, p.scaled_in) != ("float32", "float32")}
 
 
-def declarations(engine: EngineUnderTest) -> str:
-    """What the file's checks read of the engine's declarations, as its assignment lines: its padded layout and output
-    span, whether its profile promises verl's int32 attention mask, its tail multiple, the settings it refuses (the
+def declarations(engine: EngineUnderTest, case: Any = None) -> str:
+    """What the file's checks read of the engine's declarations, as its assignment lines: its padded layout (on
+    ``case``, where given: a drawn switch may change it) and output span, whether its profile promises verl's int32 attention mask, its tail multiple, the settings it refuses (the
     invariants read the same)."""
     return assignments({
-        "PADDED_LAYOUT": PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT)).value,
+        "PADDED_LAYOUT": (padded_layout_of(engine, case) if case is not None
+                          else PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT))).value,
         "OUTPUT_SPAN": OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value,
         "INT32_ATTENTION_MASK": profile_of(engine).promises(Convention.INT32_ATTENTION_MASK),
         "TAIL_MULTIPLE": profile_of(engine).tail_multiple,

@@ -201,7 +201,7 @@ def _source(header: str, invariant: str, plan: Plan, snippet: ReproSnippet, case
         header, PREAMBLE, LOADER, engine_block(snippet),
         f"INVARIANT = {invariant!r}", f"CHECK_NAMES = {list(plan.checks)!r}", f"POISON = {plan.poison!r}",
         f"KEYS = {list(plan.keys)!r}  # the outputs the invariant asserts, the only ones compared (none: every one)",
-        declarations(engine),
+        declarations(engine, case),
         "DATA = Path(__file__).with_suffix('.pt')  # the runs' tensors above 4,096 elements",
         "RUNS = " + pprint.pformat(runs, width=120, sort_dicts=False), "",
         SHARE, "", "", *([source(engine_case_main)] if last else [])])

@@ -20,10 +20,12 @@ __all__ = ["StepModel"]
 
 
 class StepModel:
-    """A causal LM (``out_dim=None``) or a value model (``out_dim=1``) whose head ``weight`` trains."""
+    """A causal LM (``out_dim=None``) or a value model (``out_dim=1``) whose head ``weight`` trains. ``hidden``: it
+    hands an engine of the fused-head protocol the head's input and weight (``hidden_states`` float32 and
+    ``lm_head_weight``, the trainable weight transposed) instead of the logits: the same product, in float32."""
 
-    def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None) -> None:
-        self.toy = ToyCausalLM(vocab, seed=seed, out_dim=out_dim)
+    def __init__(self, vocab: int, *, seed: int, out_dim: int | None = None, hidden: bool = False) -> None:
+        self.toy, self.hidden = ToyCausalLM(vocab, seed=seed, out_dim=out_dim), hidden
         #: the trainable head, (H, out) float32: the toy model's projection, a fresh copy per model
         self.weight = torch.nn.Parameter(self.toy.proj.detach().clone().to(torch.float32))
 
@@ -33,6 +35,8 @@ class StepModel:
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, **_ignored: object) -> SimpleNamespace:
         features = self.toy._features(input_ids, position_ids, attention_mask)
+        if self.hidden:  # the fused-head protocol's view of the same head: its input and its weight (V, H), float32
+            return SimpleNamespace(hidden_states=features.float(), lm_head_weight=self.weight.T)
         return SimpleNamespace(logits=(features @ self.weight.double()).float())
 
     def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, lens) -> torch.Tensor:

@@ -281,7 +281,8 @@ class HiddenStatesModel(torch.nn.Module):
     head read as ``model.model.lm_head.weight``), an ``nn.Module`` whose weight may be gathered in a context manager
     (deepspeed's ``GatheredParameters``: :class:`GatheredParameters`, a no-op here, where nothing is partitioned).
     ``backbone``, where given, is the backbone instead (a recorder of what the library hands it). Its own
-    ``forward`` is never the one run."""
+    ``forward`` (what a patched head falls back to unpatched: TRL's without ``fused_lm_head``) returns the head's
+    logits of the backbone's hidden states, as a causal LM does."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, backbone: Callable[..., Any] | None = None):
         super().__init__()
@@ -293,4 +294,4 @@ class HiddenStatesModel(torch.nn.Module):
         return self.lm_head
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError("only the library's patched (fused) forward is run")
+        return SimpleNamespace(logits=self.lm_head(self.base_model(*args, **kwargs).last_hidden_state))

@@ -24,7 +24,7 @@ from ...protocol import InputsView, PaddedLayout, sequences_from_responses, sequ
 from ...protocol.engine import media_view
 from ..kit.hf_batch import BatchFlags, from_shifted_row, left_right_rows, one_temperature, samples
 from ..kit import ThirdPartyEngine, refuse_flags, require
-from .config import completion_scores, padded_positions, padding_free_batch
+from .config import completion_scores, from_shifted_rows, sft_batch, sft_padded, sft_positions, sft_scores
 from .records import REASONS, PROFILE, LOGITS_RECORDS
 from .step import trl_step_layer
 
@@ -40,14 +40,15 @@ class TrlObject:
     def prepare_model_inputs(self, mb):
         f = refuse_flags(BatchFlags.from_batch(mb), "TRL's log-prob API")
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding}
-        if a["packed"]:  # SFT's padding-free collator: one row, labels -100 at each sequence start
-            batch = padding_free_batch(self.sft.DataCollatorForLanguageModeling, samples(mb, "input_ids"),
-                                       f.pad_token_id, self.config)
-            pos = samples(mb, "position_ids")
-            positions = padded_positions(torch.cat(pos).T.unsqueeze(1), batch["input_ids"].shape[1]) \
-                if pos[0].dim() == 2 else batch["position_ids"]
-            a.update(labels=batch["labels"], rolled=torch.roll(batch["input_ids"], -1, 1).reshape(-1))
-            return {"input_ids": batch["input_ids"], "position_ids": positions, "attention_mask": None}, a
+        a["sft"] = a["packed"] or sft_padded(self.config, mb)
+        if a["sft"]:  # SFT's collator: one padding-free row (labels -100 at each sequence start), or right-padded rows
+            batch = sft_batch(self.sft.DataCollatorForLanguageModeling, samples(mb, "input_ids"), f.pad_token_id,
+                              self.config, a["packed"])
+            rolled = torch.roll(batch["input_ids"], -1, 1)
+            a.update(labels=batch["labels"], rolled=rolled.reshape(-1) if a["packed"] else
+                     sequences_from_rows(rolled, mb, PaddedLayout.RIGHT).values())
+            return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "position_ids":
+                    sft_positions(self.utils.pad, batch, samples(mb, "position_ids"), a["packed"])}, a
         rows = left_right_rows(mb, self.utils.pad, f.pad_token_id)  # GRPO's batch
         rolled = sequences_from_rows(torch.roll(rows.input_ids, -1, 1), mb, PaddedLayout.LEFT_RIGHT).values()
         a.update(input_ids=rows.input_ids, attention_mask=rows.attention_mask, keep=rows.response_width, rolled=rolled)
@@ -56,16 +57,12 @@ class TrlObject:
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         a, entropy = output_args, BatchFlags.from_batch(mb).calculate_entropy
         out = dict(zip(("log_probs", "entropy"), self.scores(output, a, entropy)))
-        back = from_shifted_row if a["packed"] else sequences_from_responses
+        back = from_shifted_row if a["packed"] else from_shifted_rows if a["sft"] else sequences_from_responses
         return {k: back(v.float(), mb) for k, v in out.items() if v is not None}
 
     def scores(self, output, a, entropy):  # log-probs and entropy (or None), dense
-        if a["packed"]:  # as TPO scores the shifted row; the collator's labels hold the ids but at sequence starts
-            ids, row_mask = torch.where(a["labels"] == -100, 0, a["labels"])[:, 1:], (a["labels"][:, 1:] != -100).long()
-            if entropy:
-                return self.utils.selective_log_softmax_and_entropy(output.logits[:, :-1], ids,
-                                                                    temperature=a["temperature"], row_mask=row_mask)
-            return self.utils.selective_log_softmax(output.logits[:, :-1], ids, a["temperature"], row_mask), None
+        if a["sft"]:  # as TPO scores the shifted rows; the collator's labels hold the ids (-100 where none is scored)
+            return sft_scores(self.utils, output.logits, a["labels"], a["temperature"], self.config, entropy)
         return completion_scores(self.sdft, self.utils, output, a, self.config, entropy)  # GRPO's, via SDFT's
 
 

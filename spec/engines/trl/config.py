@@ -10,7 +10,23 @@ each changes the path TRL's own preparation takes, and each reaches the engine o
 * ``index_k``: ``selective_log_softmax`` handed an index of K columns per position (the top-K gather of TRL's
   distillation trainers): the label's log-prob is read from its column;
 * ``cast_lm_head_to_fp32`` (``GRPOConfig.cast_lm_head_to_fp32``, trl-fused): the fused head projects the hidden states
-  in float32.
+  in float32;
+* ``sft_collator`` (``SFTConfig(padding_free=False)``, SFT's default): a padded batch is SFT's, not GRPO's: the collator
+  right-pads each whole sequence (``PaddedLayout.RIGHT``, the switch's layout) with its attention mask and labels
+  (-100 on the padding), scored as the packed row is, each token scoring the next (a vision-language batch stays GRPO's:
+  SFT's vision collator runs the processor on raw images);
+* ``return_position_ids`` (``DataCollatorForLanguageModeling.return_position_ids``, which SFTTrainer sets under
+  sequence parallelism): the padded collator returns each sequence's positions too, handed to the model;
+* ``shift_labels`` (trl-fused): SFT's rows handed the fused forward as ``shift_labels``, the labels shifted by one
+  with -100 at the end (SFT under accelerate's context or sequence parallelism, which shifts them before sharding the
+  sequence; the fused head then scores every position, none cut);
+* ``compute_loss_func`` (trl-fused; ``SFTTrainer(compute_loss_func=...)``, or label smoothing): on SFT's rows the
+  trainer calls the unpatched forward (no ``fused_lm_head``, no labels) for the logits its loss function reads, then
+  the fused forward under ``torch.no_grad`` for its metrics: the log-probs and entropy are detached;
+* ``entropy_requires_grad`` (``trl``): ``selective_log_softmax_and_entropy(entropy_requires_grad=False)``, TPO's call:
+  the entropy computed under ``no_grad``;
+* ``row_mask`` (``trl``): the SFT rows' scoring handed no ``row_mask`` (the helpers' default): nothing masked, the
+  positions that score no label (sequence ends, padding) left as computed.
 
 GRPO's ``pad_to_multiple_of`` (its prompts and completions each padded to a multiple) is not drawn: the declared
 ``LEFT_RIGHT`` layout has no rounded blocks (spec.protocol.profile.layout_starts), so every mask and row check would
@@ -24,34 +40,65 @@ from typing import Any
 
 import torch
 
-from ...protocol.engine import ConfigSwitch
+from ...protocol.engine import ConfigSwitch, PaddedLayout, sequences_from_rows
 from ...protocol.known import When
+from ..kit.hf_batch import media_samples
 
 __all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "keeping_model", "gathered_log_probs", "padded_positions",
-           "HEAD_IN_LOGITS_DTYPE", "padding_free_batch", "completion_scores"]
+           "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions", "sft_scores", "from_shifted_rows",
+           "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores"]
 
-_PACKED = (
+_COLLATOR = (
     ConfigSwitch("pad_to_multiple_of", (None, 8), "SFTConfig.pad_to_multiple_of: the padding-free row padded at its "
                  "tail to a multiple of 8 tokens"),
     ConfigSwitch("prepacked", (False, True), "SFTConfig(packing=True): the collator gets the BFD packer's row, one "
                  "example with seq_lengths"),
+    ConfigSwitch("sft_collator", (False, True), "SFTConfig(padding_free=False): a padded batch is SFT's collator's, "
+                 "each whole sequence right-padded, every next token scored", padded_layout=PaddedLayout.RIGHT),
+    ConfigSwitch("return_position_ids", (False, True), "DataCollatorForLanguageModeling.return_position_ids (SFT "
+                 "under sequence parallelism): the padded collator returns the positions too"),
 )
 TRL_SWITCHES: tuple[ConfigSwitch, ...] = (
-    *_PACKED,
+    *_COLLATOR,
+    ConfigSwitch("entropy_requires_grad", (True, False), "selective_log_softmax_and_entropy(entropy_requires_grad="
+                 "False), TPO's call: the entropy computed under no_grad"),
+    ConfigSwitch("row_mask", (True, False), "the SFT rows scored without row_mask (the helpers' default): the "
+                 "positions scoring no label left unmasked"),
     ConfigSwitch("model_takes_logits_to_keep", (False, True), "the model's forward takes logits_to_keep: SDFT asks "
                  "for the last logits_to_keep + 1 positions' logits only"),
     ConfigSwitch("index_k", (None, 2), "selective_log_softmax gathers K columns per position (the top-K gather), the "
                  "label's first"),
 )
 FUSED_SWITCHES: tuple[ConfigSwitch, ...] = (
-    *_PACKED,
+    *_COLLATOR,
     ConfigSwitch("cast_lm_head_to_fp32", (False, True), "GRPOConfig.cast_lm_head_to_fp32: the fused head projects the "
                  "hidden states in float32"),
+    ConfigSwitch("compute_loss_func", (False, True), "SFTTrainer(compute_loss_func=...) (or label smoothing): the "
+                 "loss from the unpatched forward's logits; the fused log-probs and entropy under no_grad, metrics"),
+    ConfigSwitch("shift_labels", (False, True), "SFT's rows handed the fused forward as pre-shifted shift_labels "
+                 "(SFT under context or sequence parallelism: the labels shifted before the sequence is sharded)"),
 )
 
 #: where trl-fused's head projects in the hidden states' own dtype (cast_lm_head_to_fp32 off, GRPOConfig's default)
 HEAD_IN_LOGITS_DTYPE = When("cast_lm_head_to_fp32 off (GRPOConfig's default)",
                             lambda case: not dict(getattr(case, "engine_config", ())).get("cast_lm_head_to_fp32"))
+
+
+def _detached(case: Any) -> bool:
+    drawn = dict(getattr(case, "engine_config", ()))
+    return drawn.get("entropy_requires_grad") is False and case.calculate_entropy and (
+        case.use_remove_padding or bool(drawn.get("sft_collator")))
+
+
+#: where trl-fused scores SFT's rows (packed, or padded with sft_collator) under compute_loss_func
+METRICS_ONLY = When("compute_loss_func on SFT's rows (packed, or padded with sft_collator)", lambda case: bool(
+    dict(getattr(case, "engine_config", ())).get("compute_loss_func")) and (
+        case.use_remove_padding or bool(dict(case.engine_config).get("sft_collator")) and not any(case.media)))
+
+#: where trl scores SFT's rows with entropy_requires_grad=False (the selective_log_softmax_and_entropy path: packed,
+#: or padded with SFT's collator) and the entropy is asked for
+DETACHED_ENTROPY = When("entropy_requires_grad=False on SFT's rows (packed, or padded with sft_collator), entropy "
+                        "computed", _detached)
 
 
 def keeping_model(output: Any):
@@ -77,14 +124,75 @@ def padded_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(positions, (0, width - positions.shape[-1]))
 
 
-def padding_free_batch(collator: Any, ids: list[torch.Tensor], pad_token_id: int, config: dict) -> dict:
-    """SFT's padding-free collator (``collator``: ``DataCollatorForLanguageModeling``) on the samples ``ids``, as the
-    switches configure it: one example per sample, or the BFD packer's one row with ``seq_lengths`` (``prepacked``);
-    the row padded at its tail to ``pad_to_multiple_of``."""
+def sft_padded(config: dict, mb: Any) -> bool:
+    """Whether a padded micro-batch ``mb`` is SFT's collator's (``sft_collator``; a vision-language one stays GRPO's)."""
+    return bool(config.get("sft_collator")) and media_samples(mb) is None
+
+
+def sft_batch(collator: Any, ids: list[torch.Tensor], pad_token_id: int, config: dict, padding_free: bool) -> dict:
+    """SFT's collator (``collator``: ``DataCollatorForLanguageModeling``) on the samples ``ids``, as the switches
+    configure it. Padding-free: one example per sample, or the BFD packer's one row with ``seq_lengths``
+    (``prepacked``), the row padded at its tail to ``pad_to_multiple_of``. Padded: each sequence right-padded to the
+    longest (a multiple would add columns the ``RIGHT`` layout does not have), ``return_position_ids`` as drawn."""
     examples = ([{"input_ids": torch.cat(ids).tolist(), "seq_lengths": [len(t) for t in ids]}]
-                if config.get("prepacked") else [{"input_ids": t.tolist()} for t in ids])
-    return collator(pad_token_id=pad_token_id, padding_free=True,
-                    pad_to_multiple_of=config.get("pad_to_multiple_of"))(examples)
+                if padding_free and config.get("prepacked") else [{"input_ids": t.tolist()} for t in ids])
+    return collator(pad_token_id=pad_token_id, padding_free=padding_free,
+                    pad_to_multiple_of=config.get("pad_to_multiple_of") if padding_free else None,
+                    return_position_ids=bool(config.get("return_position_ids")))(examples)
+
+
+def sft_positions(pad: Any, batch: dict, positions: list[torch.Tensor], padding_free: bool) -> torch.Tensor:
+    """The positions handed the model with SFT's ``batch``: the collator's own (1-D rotary positions, where it returns
+    them), else the samples' own ``positions`` laid out as the batch (mRoPE ``(4, B, L)``; ``pad`` is TRL's)."""
+    width = batch["input_ids"].shape[1]
+    if positions[0].dim() == 2 and padding_free:
+        return padded_positions(torch.cat(positions).T.unsqueeze(1), width)
+    if "position_ids" in batch and positions[0].dim() == 1:
+        return batch["position_ids"]
+    rows = pad(positions, 0, "right")
+    return rows.permute(2, 0, 1) if rows.dim() == 3 else rows
+
+
+def sft_scores(utils: Any, logits: torch.Tensor, labels: torch.Tensor, temperature: float, config: dict,
+               entropy: bool) -> tuple:
+    """TPO's scoring of SFT's rows (``labels``: the collator's, -100 where no label is scored), each position scoring
+    the next token: ``selective_log_softmax_and_entropy`` (``entropy_requires_grad`` as drawn) or
+    ``selective_log_softmax``, with the labels' ``row_mask`` unless ``row_mask`` is drawn off."""
+    ids = torch.where(labels == -100, 0, labels)[:, 1:]
+    row_mask = (labels[:, 1:] != -100).long() if config.get("row_mask", True) else None
+    if entropy:
+        return utils.selective_log_softmax_and_entropy(
+            logits[:, :-1], ids, temperature=temperature, row_mask=row_mask,
+            entropy_requires_grad=config.get("entropy_requires_grad", True))
+    return utils.selective_log_softmax(logits[:, :-1], ids, temperature, row_mask), None
+
+
+def fused_labels(labels: torch.Tensor, config: dict) -> dict:
+    """The fused forward's label keyword for SFT's ``labels``: as they are, or (``shift_labels``) shifted by one with
+    -100 at each row's end, as accelerate's context parallelism hands them."""
+    if config.get("shift_labels"):
+        return {"shift_labels": torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]}
+    return {"labels": labels}
+
+
+def sft_fused_scores(model: Any, labels: torch.Tensor, config: dict, entropy: bool) -> tuple:
+    """SFT's scoring of its rows by ``model`` patched with the fused head: the fused forward with the collator's
+    ``labels`` (:func:`fused_labels`); under ``compute_loss_func`` SFT's compute_loss first calls the unpatched forward
+    for the logits its loss function reads (no labels), then the fused forward under no_grad, for the metrics."""
+    if config.get("compute_loss_func"):
+        model(input_ids=None)  # the logits of the user's loss (SFT's logits_inputs: no labels)
+        with torch.no_grad():
+            out = model(input_ids=None, fused_lm_head=True, **fused_labels(labels, config))
+    else:
+        out = model(input_ids=None, fused_lm_head=True, **fused_labels(labels, config))
+    return out.log_probs, out.entropy if entropy else None
+
+
+def from_shifted_rows(values: torch.Tensor, mb: Any) -> torch.Tensor:
+    """Per-token values of right-padded rows shifted by one (``(B, L - 1)``: each token scores the next) as a nested
+    tensor over the sequences, 0 at the longest rows' last token (which no consumer reads)."""
+    return sequences_from_rows(torch.cat([values, values.new_zeros(values.shape[0], 1)], 1).float(), mb,
+                               PaddedLayout.RIGHT)
 
 
 def completion_scores(sdft: Any, utils: Any, output: Any, a: dict, config: dict, entropy: bool) -> tuple:

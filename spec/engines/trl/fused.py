@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
-from .config import FUSED_SWITCHES
+from .step import trl_step_layer
+from .config import FUSED_SWITCHES, sft_fused_scores
 from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
@@ -27,7 +28,7 @@ __all__ = ["TrlFusedEngine"]
 class TrlFusedObject(TrlObject):
     def prepare_model_inputs(self, mb):
         inputs, a = super().prepare_model_inputs(mb)
-        a["media"] = {} if a["packed"] else grpo_media(mb, self.utils.pad, a["keep"])
+        a["media"] = {} if a["sft"] else grpo_media(mb, self.utils.pad, a["keep"])
         if a["media"]:  # what GRPO hands the backbone (its ids, mask and media), the sample's own positions beside
             seen = inputs_seen_by_model(lambda backbone: self._grpo(HiddenStatesModel(None, None, backbone), a, False))
             inputs = {**{k: seen[k] for k in ("input_ids", "attention_mask", *BACKBONE_MEDIA) if k in seen},
@@ -48,9 +49,8 @@ class TrlFusedObject(TrlObject):
 
     def scores(self, output, a, entropy):
         model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
-        if a["packed"]:
-            out = self._fused(model, a)(input_ids=None, labels=a["labels"], fused_lm_head=True)
-            return out.log_probs, out.entropy if entropy else None
+        if a["sft"]:  # SFT's scoring: the fused forward with the collator's labels
+            return sft_fused_scores(self._fused(model, a), a["labels"], self.config, entropy)
         return self._grpo(model, a, entropy)
 
 
@@ -68,8 +68,8 @@ class TrlFusedEngine(TrlEngine):
     def config_space(self):
         return FUSED_SWITCHES
 
-    def step_layer(self):
-        """None: GRPO's step is declared for ``trl`` (the same _compute_loss on the same log-probs); the step driver
-        hands a logits model's output, not the fused-head protocol's hidden states (INV-STEP-* raised
-        AttributeError 'hidden_states' here), as verl-veomni declares no step beside verl's."""
-        return None
+    def padded_layout_of(self, case):  # a vision-language batch stays GRPO's, whatever the SFT switch (config.py)
+        return self.padded_layout if any(getattr(case, "media", ())) else super().padded_layout_of(case)
+
+    def step_layer(self):  # GRPO's step (step.py) on its fused scoring: the step model hands hidden states
+        return trl_step_layer()

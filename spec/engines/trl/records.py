@@ -10,7 +10,7 @@ from dataclasses import replace
 from ...protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
-from .config import HEAD_IN_LOGITS_DTYPE, TRL_SWITCHES
+from .config import DETACHED_ENTROPY, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
 
 __all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
 
@@ -28,6 +28,14 @@ FUSED_ENTROPY = ("the fused head's entropy is log_z - sum(p z) / sum(p) in float
                  "low temperature (two tied top logits, true entropy ln 2: 0.6875 at T = 1e-6, 0 at T = 1e-8); "
                  "library bug (precision)")
 
+DETACHED = ("selective_log_softmax_and_entropy(entropy_requires_grad=False), TPO's call, computes the entropy under "
+            "torch.no_grad: the entropy is a metric only, detached (no loss term can backpropagate through it); "
+            "library difference (the contract's entropy carries the logits' gradient, for an entropy bonus)")
+
+SFT_METRICS = ("SFTTrainer with compute_loss_func (or label smoothing) trains on the user's loss of the unpatched "
+               "forward's logits and runs the fused forward under torch.no_grad for its metrics: the fused log-probs "
+               "and entropy are detached; library design (the contract's log-probs carry the gradient)")
+
 #: (INV-VAL-001 and INV-SLICE-006 read log-probs of drawn labels only: a label that is its row's argmax scores 0 at
 #: any T below the clamp, so the failure is possible, not certain; measured: a ci run whose packed INV-VAL-001
 #: examples under the condition all passed. INV-TEMP-006 draws its cases at the clamp to show it.)
@@ -36,13 +44,16 @@ _UNCLAMPED = tuple(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED,
 
 LOGITS_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS) for inv in ORACLE_INVARIANTS),
-    *_UNCLAMPED)
+    *_UNCLAMPED,
+    KnownFailure("INV-GRAD-001", DETACHED, matches=r"output 'entropy' does not require grad", when=DETACHED_ENTROPY))
 
 FUSED_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS & HEAD_IN_LOGITS_DTYPE)
       for inv in ORACLE_INVARIANTS),
     *_UNCLAMPED,
-    KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False))
+    KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False),
+    KnownFailure("INV-GRAD-001", SFT_METRICS, matches=r"output '(log_probs|entropy)' does not require grad",
+                 when=METRICS_ONLY))
 
 #: TRL's preparation the adapters run, whose lines and branches ``spec verify`` measures (the profile's surface,
 #: spec/run/engine_coverage.py): the batch builders (both engines), then each engine's scoring: ``trl`` the logits
@@ -59,20 +70,12 @@ FUSED_SURFACE = (*_BATCH, "trl.trainer.utils:add_fused_lm_head",
 #: reason names the input a real trainer sends that the case space does not draw yet)
 _U, _SFT, _GRPO = "trl.trainer.utils", "trl.trainer.sft_trainer", "trl.trainer.grpo_trainer"
 _TRITON = "needs Triton on a CUDA device (_supports_trl_loss_kernel: TRL's fused log-prob/entropy kernel)"
-_PADDED_COLLATOR = ("the adapter builds padded batches with GRPO's pad (GRPO's layout, the trainer that scores "
-                    "them); the SFT collator only packed, padding_free=True")
 _BATCH_UNREACHABLE: dict[str, str] = {
     "*:raise": "an error path: TRL raises for an input it rejects (a temperature <= 0, a padding_side other than "
                "left/right); the suite's valid cases never take it",
-    f"{_SFT}:179->184": _PADDED_COLLATOR, f"{_SFT}:184->185": _PADDED_COLLATOR, f"{_SFT}:189->195": _PADDED_COLLATOR,
-    f"{_SFT}:204->220": _PADDED_COLLATOR, f"{_SFT}:220": _PADDED_COLLATOR,
 }
 _LOGITS_UNREACHABLE: dict[str, str] = {
     f"{_U}:572->573": _TRITON, f"{_U}:625->626": _TRITON, f"{_U}:699->700": _TRITON,
-    f"{_U}:705->708": "entropy_requires_grad=False computes the same entropy under no_grad: the adapter passes the "
-                      "default (TPO's call); the values do not depend on it",
-    f"{_U}:710->712": "the adapter always hands row_mask (the collator's -100 at each sequence start, as TPO masks "
-                      "them); without it no entropy is masked",
 }
 #: GRPO's per-chunk slicing of other vision families' processor outputs: the suite's images are Qwen2-VL's (patches
 #: ``(rows, dim)`` with ``image_grid_thw`` and ``mm_token_type_ids``, spec.truth.vision), which reach 1451-1461 and 1487;
@@ -87,6 +90,11 @@ _MULTIMODAL = {
     1481: _FAMILY + "pixel_attention_mask without spatial_shapes (HuggingFaceTB/SmolVLM-256M-Instruct, Idefics3)",
     1483: _FAMILY + "image_sizes (llava-hf/llava-v1.6-mistral-7b-hf, mistralai/Mistral-Small-3.1-24B-Instruct-2503)",
 }
+_PLAIN_FORWARD = ("off the preparation's path (one exit of an on-path function, which off_path cannot name): the "
+                  "unpatched forward handed labels, shift_labels or num_items_in_batch, Hugging Face's own loss; no "
+                  "TRL 1.16 trainer calls it so (SFT, DPO, KTO, RLOO and GRPO pass labels with fused_lm_head=True; "
+                  "SFT's compute_loss_func path, drawn, and generation hand it none): only a user's own "
+                  "model(..., labels=...) call")
 _MOE = ("another model family: an MoE model's router logits and load-balancing loss (output_router_logits); the "
         "stand-in model has no router")
 _FUSED_UNREACHABLE: dict[str, str] = {
@@ -100,10 +108,7 @@ _FUSED_UNREACHABLE: dict[str, str] = {
     f"{_U}:1587": "another model family: lm_head_multiplier (Falcon-H1) or logits_scaling (Granite, MiniCPM3, "
                   "HyperCLOVA X); the stand-in's config scales no logits",
     f"{_U}:1594": "a vision-language model's text config under transformers < 5 (the suite runs transformers 5)",
-    f"{_U}:1602->1603": "the unpatched forward (generation): the preparation always calls with fused_lm_head=True",
-    **{f"{_U}:{line}": "the unpatched forward (generation), only without fused_lm_head" for line in (1603, 1605, 1607)},
-    f"{_U}:1617->1621": "shift_labels come from context/sequence parallelism (accelerate's), outside this API "
-                        "(the engine declares Feature.SP unsupported)",
+    **{f"{_U}:{line}": _PLAIN_FORWARD for line in ("1603->1604", "1605->1606", "1607->1608")},
     f"{_U}:1636": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1638": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",
@@ -115,18 +120,16 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_SFT}:DataCollatorForLanguageModeling.torch_call:190 dim: dim -> other dim":
         f"the examples' input_ids {_ONE_DIM}",
     f"{_SFT}:DataCollatorForLanguageModeling.torch_call:191 dim: dim -> other dim": f"the examples' labels {_ONE_DIM}",
-    f"{_SFT}:DataCollatorForLanguageModeling.torch_call:184 branch: condition negated":
-        "the adapter drives the SFT collator only with padding_free=True (its padded batches are GRPO's pad): the "
-        "mutant then builds a per-example attention_mask that nothing reads (the output gets one only when not "
-        "padding_free)",
     f"{_U}:entropy_from_logits:642 dim: dim -> other dim":
         "each chunk's entropy is 1-D (a slice of the flattened logits' rows): torch.cat along dim 0 is along dim -1",
 }
 
-#: trl's profile: GRPO's batch (left-padded prompts, right-padded completions), completion-only log-probs
+#: trl's profile: GRPO's batch (left-padded prompts, right-padded completions; SFT's right-padded rows where its
+#: ``sft_collator`` switch is drawn), completion-only log-probs
 #: (``logits_to_keep`` is the completion width), the surface and its unreachable branches (no conventions declared)
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE},
-                  equivalent_mutants=EQUIVALENT_MUTANTS, padded_layouts=(PaddedLayout.LEFT_RIGHT,),
+                  equivalent_mutants=EQUIVALENT_MUTANTS,
+                  padded_layouts=(PaddedLayout.LEFT_RIGHT, PaddedLayout.RIGHT),  # GRPO's; SFT's (its switch)
                   output_span=OutputSpan.RESPONSE, config_space=TRL_SWITCHES)  # TRL's switches: spec/engines/trl/config.py
 #: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl/fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}
