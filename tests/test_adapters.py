@@ -18,7 +18,7 @@ from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
 from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
-from spec.run.runner import run_invariant
+from spec.run.runner import run_invariant, skip_reason
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed (the verl tox envs run these)")
@@ -136,6 +136,17 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
             valid = ours.rows != 0  # x has no zeros: the valid rows (pad positions are no one's contract)
             assert torch.equal(ours.rows, verl.rows) and torch.equal(ours.positions[valid], verl.positions[valid])
             assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))
+
+
+@needs_verl
+def test_verl_megatron_runs_the_layer_checks_bridged_to_step_layers() -> None:
+    """verl-megatron has verl's micro-batch layer and no engine object: the micro-batch checks that also run through a
+    step layer (INV-MB-001/006/007/008, which drop the ``microbatch`` need) still run its layer, not skip for the
+    missing engine object; a check that runs the engine object still skips."""
+    engine = load_engine("verl-megatron")
+    for inv in ("INV-MB-001", "INV-MB-006", "INV-MB-007", "INV-MB-008"):
+        assert "microbatch" not in CATALOGUE[inv].needs and skip_reason(CATALOGUE[inv], engine, "cpu") is None, inv
+    assert skip_reason(CATALOGUE["INV-VAL-001"], engine, "cpu", "packed") == engine.lacks(Feature.ENGINE)
 
 
 @pytest.mark.parametrize("module, attr, page", [("spec.engines.torchtitan.adapter", "KNOWN_RECORDS", "verl-torchtitan"),

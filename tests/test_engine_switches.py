@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
+from spec.engines.openrlhf.config import GATHERED_LOGITS
 from spec.execute.harness import execute
 from spec.invariants import Ctx
 from spec.run.registry import load_engine
@@ -23,7 +24,7 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
              "row_mask", "model_takes_logits_to_keep", "index_k"}),
     ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
                    "compute_loss_func", "shift_labels"}),
-    ("openrlhf", {"action_mask", "stack"})])
+    ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
 
@@ -89,10 +90,29 @@ def test_trl_metric_switches_detach_their_outputs(name, config, detached) -> Non
 
 
 @pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
-@pytest.mark.parametrize("config", [(("action_mask", True),), (("stack", False),)])
+@pytest.mark.parametrize("config", [(("action_mask", True),), (("stack", False),), (("return_logprobs", False),),
+                                    (("return_logprobs", False), ("action_mask", True))])
 @pytest.mark.parametrize("packed", [True, False])
 def test_openrlhf_switches_change_the_path_not_the_outputs(config, packed) -> None:
     _same_as_off("openrlhf", config, packed)
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+def test_openrlhf_gathered_logits_padded_as_the_log_probs() -> None:
+    """Padded, ``allgather_logits`` leaves the logits-only return's logits as they are (no packing to undo)."""
+    _same_as_off("openrlhf", (("return_logprobs", False), ("allgather_logits", True)), False)
+
+
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+def test_openrlhf_gathered_packed_logits_keep_the_packed_axis() -> None:
+    """The known failure GATHERED_LOGITS (spec/engines/openrlhf/config.py): packed, ``allgather_logits`` re-pads the
+    logits-only return's ``(1, n, V)`` logits to ``(B, L, 1, V)``; its caller refuses them, naming the shape."""
+    engine = load_engine("openrlhf")
+    case = CASE.with_(use_remove_padding=True, engine_config=(("return_logprobs", False), ("allgather_logits", True)))
+    assert GATHERED_LOGITS(case) and not GATHERED_LOGITS(case.with_(use_remove_padding=False))
+    width = max(p + r for p, r in zip(CASE.prompt_lens, CASE.response_lens))
+    with pytest.raises(ValueError, match=rf"shape \(3, {width}, 1, 9\), expected \(B, L, V\) = \(3, {width}, 9\)"):
+        execute(engine, case)
 
 
 @pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")

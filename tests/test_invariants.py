@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from spec.run.runner import run_invariant
+from spec.run.runner import implied_reason, run_invariant
 
 
 def test_invariant(instance) -> None:
     info, engine, mode, device = instance
-    implied = engine.implied_needs(tuple(info.needs))  # e.g. verl-megatron: packing only, no engine object
+    implied = implied_reason(info, engine)  # e.g. verl-megatron: packing and its layer only, no engine object
     if implied:
         pytest.skip(implied)
     outcome = run_invariant(info, engine, mode, device)

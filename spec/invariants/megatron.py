@@ -132,19 +132,26 @@ def positions(ctx: Ctx) -> None:
             _same(ctx.engine.packer.unpack_thd(shards, want, spec), want, f"positions [{spec}]")
 
 
-@invariant("INV-MEG-004", "THD labels (need_roll) hold the next token within each sequence on every rank",
+@invariant("INV-MEG-004", "THD and BSHD labels (need_roll) hold the next token within each sequence on every rank",
            contract=5, modes=ANY, needs=NEEDS,
            protects="log-probs score the next token of the same sequence, never a neighbour's or a shard edge's")
 def labels(ctx: Ctx) -> None:
-    x = _batch(ctx)
+    x, packer = _batch(ctx), ctx.engine.packer
     for spec in _specs(ctx):
         with _at(spec):
-            shards = [ctx.engine.packer.pack_thd(x, spec, rank, need_roll=True) for rank in range(spec.cp)]
-            got = ctx.engine.packer.unpack_thd(shards, x, spec)
-        for i, (a, seq) in enumerate(zip(got.unbind(), x.unbind())):
-            if a.shape != seq.shape or not torch.equal(a[:-1], seq[1:]):
-                fail(f"labels [{spec}]: sequence {i} got {a.tolist()}, expected the next tokens {seq[1:].tolist()} "
-                     "(then anything)")
+            got = packer.unpack_thd([packer.pack_thd(x, spec, rank, need_roll=True) for rank in range(spec.cp)], x, spec)
+        _next_tokens(got, x, f"THD labels [{spec}]")
+    for spec in _specs(ctx, bshd=True):
+        with _at(spec):
+            got = packer.unpack_bshd([packer.pack_bshd(x, spec, rank, need_roll=True) for rank in range(spec.cp)], x,
+                                     spec)
+        _next_tokens(got, x, f"BSHD labels [{spec}]")
+
+
+def _next_tokens(got: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    for i, (a, seq) in enumerate(zip(got.unbind(), x.unbind())):
+        if a.shape != seq.shape or not torch.equal(a[:-1], seq[1:]):
+            fail(f"{what}: sequence {i} got {a.tolist()}, expected the next tokens {seq[1:].tolist()} (then anything)")
 
 
 @invariant("INV-MEG-005", "BSHD and THD agree: both round trips return x (BSHD padding poisoned), zig-zag CP",

@@ -29,7 +29,7 @@ from ..invariants.core import convention_skip, honour_engine, media_within_profi
 from ..protocol.errors import BudgetSpent, Failures, InvalidRecord, StreamDone
 from ..protocol.known import KnownFailure, applicable, as_records, excusing, parts_of, unexcused, unmatchable
 
-__all__ = ["Outcome", "instances", "skip_reason", "run_invariant", "run_group", "runs_on_ranks", "SEED_CASES",
+__all__ = ["Outcome", "instances", "skip_reason", "implied_reason", "run_invariant", "run_group", "runs_on_ranks", "SEED_CASES",
            "DEVICES", "fault_budget", "shrink_deadline", "stream_key", "stream_seed", "TargetRun", "StreamRun",
            "InvalidRecord", "record_problems", "check_records"]
 
@@ -142,6 +142,15 @@ def instances(infos=None) -> list[tuple[InvariantInfo, str]]:
     return [(info, mode) for info in infos for mode in info.modes]
 
 
+def implied_reason(info: InvariantInfo, engine: EngineUnderTest) -> str | None:
+    """Why ``info`` cannot run on ``engine`` beyond its needs (``EngineUnderTest.implied_needs``: e.g. verl-megatron,
+    its packing only, no engine object). A micro-batch check runs the layer alone, also one bridged to step layers
+    (INV-MB-001/006/007/008 drop the ``microbatch`` need; their ``skip_reason_for`` decides)."""
+    implied = getattr(engine, "implied_needs", None)
+    needs = (*info.needs, "microbatch") if getattr(info, "kind", None) == "microbatch" else tuple(info.needs)
+    return implied(tuple(dict.fromkeys(needs))) if implied is not None else None
+
+
 def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str, mode: str | None = None) -> str | None:
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
@@ -154,9 +163,7 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str, mode:
         reason = engine.lacks(need) or _real_ranks_unavailable(engine, need)
         if reason:
             return reason
-    # e.g. verl-megatron: its packing only, no engine object (spec.protocol.Feature.ENGINE)
-    implied = getattr(engine, "implied_needs", None)
-    reason = implied(tuple(info.needs)) if implied is not None else None
+    reason = implied_reason(info, engine)
     # an invariant that names the functions it calls (the micro-batch layer's) is skipped where one is missing
     extra = getattr(info, "skip_reason_for", None)
     return reason or (extra(engine) if extra is not None else None)

@@ -143,27 +143,29 @@ _U = "verl.models.mcore.util"
 _CONTIGUOUS = ("contiguous CP needs megatron-core's PackedSeqParams.cp_partition_mode, which megatron-core 0.16.1 "
                "lacks (verl refuses it with CP > 1): the adapter packs zig-zag only (layout_note)")
 _PIPELINE = "needs pipeline parallelism: a stage that is not the first (pre_process) or last (post_process)"
-_DYNAMIC_CP = ("gap: dynamic context parallelism (local_cp_size, model_forward's dynamic CP groups): the adapter packs "
-               "with the fixed CP group of its fake parallel state")
+_DYNAMIC_CP = ("needs a process group: dynamic context parallelism (local_cp_size) takes its CP group from "
+               "mpu.get_dynamic_data_context_parallel_groups and its rank from torch.distributed.get_rank(group=...) "
+               "(the adapter's fake parallel state answers the fixed CP group's size and rank only)")
 _NPU = "needs an Ascend NPU (npu_fusion_attention's attention-mask layout)"
-_BACK_CHUNK = ("gap: a zig-zag CP rank whose back chunk holds only padding (remain_len <= 0: a last sequence padded "
-               "by the static bucket beyond half its padded length)")
-_BSHD_ROLL = "gap: need_roll with the BSHD packing (INV-MEG-004 rolls the THD packing only)"
+_MIN_ROWS = ("needs another model family's configuration: verl 0.9.1 passes min_local_rows only for DeepSeek-V4's "
+             "hybrid attention (experimental_attention_variant 'dsv4_hybrid': its csa_window_size, in "
+             "model_forward_fused.py:279, router_replay_utils.py:338/473 and the dynamic-CP schedule); every other "
+             "model packs with None")
+_BACK_CHUNK = ("dead code for the contract's sequences (each holds its prompt, n_i = p_i + r_i >= 1, docs/contract.md): "
+               "remain_len is always half_seqlen (each sequence is first padded to pad_target >= seqlen_padded_i, so "
+               "remain_end is never cut), >= 1 as a non-empty sequence's seqlen_padded_i >= 2 x CP: a zig-zag rank's "
+               "back chunk is never empty, also with the static bucket's padding on the last sequence")
 #: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines), each with its reason
 MEGATRON_UNREACHABLE: dict[str, str] = {
     **VERL_LAYER_UNREACHABLE,  # (its "*:raise" covers the packers' refusals: a cp_layout, a bucket <= 0)
     f"{_U}:360->362": _DYNAMIC_CP, f"{_U}:596->597": _DYNAMIC_CP,
     f"{_U}:370->371": _CONTIGUOUS, f"{_U}:539->544": _CONTIGUOUS, f"{_U}:436": _CONTIGUOUS, f"{_U}:441": _CONTIGUOUS,
     f"{_U}:449": _CONTIGUOUS, f"{_U}:614->615": _CONTIGUOUS, f"{_U}:616": _CONTIGUOUS,
-    f"{_U}:396->397": "no caller in verl 0.9.1 passes min_local_rows", f"{_U}:398": "no caller passes min_local_rows",
+    f"{_U}:396->397": _MIN_ROWS, f"{_U}:398": _MIN_ROWS,
     f"{_U}:426->539": _PIPELINE, f"{_U}:561->564": _PIPELINE, f"{_U}:581->582": _PIPELINE,
     f"{_U}:783->784": _PIPELINE,
     f"{_U}:503->516": _BACK_CHUNK, f"{_U}:520->434": _BACK_CHUNK,
-    f"{_U}:732->733": _BSHD_ROLL, f"{_U}:765->766": _BSHD_ROLL,
     f"{_U}:768->770": _NPU, f"{_U}:786->787": _NPU,
-    "verl.utils.seqlen_balancing:580->585": "gap: restore_dynamic_batch of a dense (B, ...) tensor (its non-nested "
-                                            "branch): the same function is reached under --engine verl; this run's "
-                                            "micro-batch draws restored nested outputs only",
     "verl.utils.tensordict_utils:130->132": "a value that is no NonTensorData (a metadata key's default): only "
                                             "Megatron's packing and the layer run here, and every value the layer "
                                             "unwraps is NonTensorData; the engine code that reads absent keys is not run",

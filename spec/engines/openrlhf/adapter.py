@@ -7,7 +7,8 @@ float32, divides them by its one temperature (``div_``), takes ``compute_entropy
 re-pads packed outputs with ``pad_input`` and drops the last column. The batch is OpenRLHF's own: whole
 sequences right-padded by ``openrlhf.utils.utils.zero_pad_sequences`` (as ``make_experience_batch`` merges
 samples). ``return_logprobs=True`` without an ``action_mask`` returns every position (with one, the same
-log-probs times the mask).
+log-probs times the mask); the drawn switches (spec/engines/openrlhf/config.py) also make the PPO actor's call without
+``return_logprobs`` and the logits-only return, whose logits the caller scores with ``log_probs_from_logits``.
 
 The model runs between the suite's two steps, so ``forward`` runs twice (the kit, :mod:`spec.engines.kit`):
 ``prepare_model_inputs`` runs it with a model that records what it is handed and stops
@@ -30,7 +31,7 @@ import torch
 from ...protocol import sequences_from_rows
 from ..kit.hf_batch import BatchFlags, one_temperature
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, rows_view
-from .config import forward_kwargs, merged_rows
+from .config import forward_kwargs, merged_rows, scored
 from .critic import OpenRLHFCritic
 from .library import EAGER, openrlhf_modules
 from .media import vlm_args, with_own_positions
@@ -64,8 +65,9 @@ class OpenRLHFObject:
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         entropy = BatchFlags.from_batch(mb).calculate_entropy
-        log_probs, out = self._forward(replaying(output), output_args, return_logprobs=True, return_entropy=entropy,
-                                       **forward_kwargs(mb, output_args["sequences"], self.config))
+        kwargs = forward_kwargs(mb, output_args["sequences"], self.config)  # OpenRLHF's switches (config.py)
+        log_probs, out = scored(self._forward(replaying(output), output_args, return_entropy=entropy, **kwargs),
+                                self.config, self.actor_class, output_args)
         # (B, L - 1) rows: the last column (the longest row's last token, scoring nothing) is never computed
         return {k: sequences_from_rows(torch.cat([v, v.new_zeros(len(v), 1)], 1).float(), mb)
                 for k, v in {"log_probs": log_probs, "entropy": out.entropy if entropy else None}.items()

@@ -10,7 +10,7 @@ from dataclasses import replace
 from ...protocol.engine import EngineUnderTest
 from ...protocol.known import KnownFailure, When
 from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
-from .config import SWITCHES
+from .config import GATHERED, GATHERED_LOGITS, SWITCHES
 
 __all__ = ["REASONS", "RECORDS"]
 
@@ -28,7 +28,25 @@ MROPE = When("mRoPE positions (the packed run of the padded-vs-packed comparison
 MROPE_INVARIANTS = ("INV-VAL-001", "INV-VAL-002", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-SLICE-006",
                     "INV-MM-002")
 
+GATHERED_PADDING = ("packed with allgather_logits, gather_and_pad_tensor re-pads the logits-only return's (1, n, V) "
+                    "logits to (B, L, 1, V): pad_input keeps the packed row's batch axis and its squeeze(-1), written "
+                    "for (1, n) log-probs, drops nothing; the caller, expecting (B, L, V) logits as the padded path "
+                    "returns them, refuses them; library bug (latent: no caller in 0.11.2 asks allgather_logits)")
+GATHERED_SHAPE = (r"ValueError: output\['logits'\] of the logits-only return: shape \(\d+, \d+, 1, \d+\), "
+                  r"expected \(B, L, V\)")
+#: the checks that read a packed run's outputs (each fails where the caller refuses the gathered logits)
+GATHERED_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-BATCH-003", "INV-DEV-001", "INV-FLAG-001",
+                       "INV-FLAG-002", "INV-GRAD-001", "INV-KEYS-001", "INV-LAYOUT-001", "INV-LEAK-001",
+                       "INV-LEAK-002", "INV-MM-002", "INV-MUT-001", "INV-MUT-004", "INV-MUT-005", "INV-SLICE-006",
+                       "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-VAL-001", "INV-VAL-002")
+
 RECORDS: tuple[KnownFailure, ...] = (
+    *(KnownFailure(inv, GATHERED_PADDING, raises=ValueError, matches=GATHERED_SHAPE, when=GATHERED_LOGITS,
+                   modes=("packed",)) for inv in GATHERED_INVARIANTS),
+    *(KnownFailure(inv, GATHERED_PADDING, raises=ValueError, matches=GATHERED_SHAPE, when=GATHERED)
+      for inv in ("INV-KEYS-002", "INV-KEYS-003")),  # (their packed run)
+    KnownFailure("INV-EDGE-001", GATHERED_PADDING, matches="refused a zero-length response with " + GATHERED_SHAPE,
+                 when=GATHERED_LOGITS, modes=("packed",)),
     *(KnownFailure(inv, PACKED_MROPE, matches=MISMATCH, when=MROPE_PACKED, modes=("packed",)) for inv in MROPE_INVARIANTS),
     KnownFailure("INV-KEYS-003", PACKED_MROPE, matches=MISMATCH, when=MROPE),
     KnownFailure("INV-POS-002", PACKED_MROPE, matches=r"packed position_ids shape \(1, \d+\), expected \(4, 1, \d+\)",
@@ -52,28 +70,27 @@ SURFACE = (
 #: reason names the input a real trainer sends that the case space does not draw yet)
 _A, _R, _U = "openrlhf.models.actor", "openrlhf.models.ring_attn_utils", "openrlhf.models.utils"
 _RING = "needs ring attention: a ring_attn_group (ring_flash_attn and a process group; the engine declares Feature.SP)"
-_FLOAT32 = ("Actor.forward casts the logits to float32 before it calls log_probs_from_logits (OpenRLHF PR 634): the "
-            "low-precision row loop serves other callers only")
+#: dead code in 0.11.2: Actor.forward (line 289) is log_probs_from_logits' only caller in the package (its SFT, DPO,
+#: PPO and reference calls all go through it; the logits-only return's caller scores float32 logits too)
+_ONLY_CALLER = "dead code: log_probs_from_logits' only caller in OpenRLHF 0.11.2 is Actor.forward (line 289), which "
+_FLOAT32 = (f"{_ONLY_CALLER}casts the logits to float32 first (line 267, OpenRLHF PR 634), so the bf16/fp16 row loop "
+            "never runs (the logits-only return hands its caller those float32 logits too)")
 UNREACHABLE: dict[str, str] = {
     f"{_A}:256->259": "a VLM config without a video_token_id (Gemma 3's: images only, marked in token_type_ids for "
                       "its bidirectional image attention; google/gemma-3-4b-it): the stand-in's config, a Qwen-VL one, "
                       "has both ids",
-    f"{_A}:281->282": "the logits-only return (no action_mask, no return_logprobs): the adapter's first forward "
-                      "stops at the model (it records the inputs the model sees), its second asks for log-probs; "
-                      "raw logits are no output of the contract",
-    f"{_A}:283": "the logits-only return, as 281 (allgather_logits: a caller that wants the raw logits gathered)",
     f"{_R}:142->143": _RING, f"{_R}:177->178": _RING, f"{_R}:179": _RING,
-    f"{_U}:173->174": "Actor.forward divides the logits by its temperature itself and calls log_probs_from_logits "
-                      "with the default 1.0",
+    f"{_U}:173->174": f"{_ONLY_CALLER}divides the logits by its temperature itself (line 271) and passes the "
+                      "default temperature 1.0",
     f"{_U}:176->190": _FLOAT32, f"{_U}:191": _FLOAT32,
 }
 
 #: survivors of ``spec mutate --engine openrlhf`` that no input tells from OpenRLHF's code, each with why (by mutant id)
 EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_U}:log_probs_from_logits:173 branch: condition negated":
-        "Actor.forward divides the logits by its temperature itself and calls log_probs_from_logits with the "
-        "default 1.0 (173->174 is declared unreachable for that reason): the mutant then divides by 1.0 in place, "
-        "which leaves every value as it is",
+        "Actor.forward, its only caller, divides the logits by its temperature itself and calls "
+        "log_probs_from_logits with the default 1.0 (173->174 is declared dead code for that reason): the mutant "
+        "then divides by 1.0 in place, which leaves every value as it is",
     f"{_U}:_logsumexp_by_chunk:164 dtype: dtype= dropped":
         "torch.zeros without dtype= is float32; the chunked logsumexp runs only for float32 or float64 logits "
         "(bf16 and fp16 take the row loop), and a model's head hands float32: the same buffer (float64 logits, "

@@ -36,10 +36,10 @@ MODULE = "verl.workers.engine.veomni.transformer_impl"
 _ULYSSES, _FSDP = "verl.utils.ulysses:", "verl.workers.engine.fsdp.transformer_impl"
 _SP = ("needs VeOmni's sequence parallelism (veomni.distributed.parallel_state's process group): sp > 1 is not run "
        "(VeOmniEngine.lacks)")
-_REPLAY = ("router replay (RECORD / REPLAY) needs an MoE model's routers: the adapter sets _router_replay = None, as "
-           "VeOmniEngine.__init__ does with router replay off")
-_TOPK = ("gap: fused kernels with top-K distillation (distillation_use_topk, teacher_ids and teacher_logprobs: "
-         "VeOmni's chunk_topk_distill_function)")
+_REPLAY = ("needs an MoE model (another model family): router replay (RECORD / REPLAY) records and replays the "
+           "routers of an MoE model's expert layers (VeOmniRouterReplay.install hooks them, transformer_impl.py:251); "
+           "the stand-in models are dense, with no router to hook, so _router_replay stays None, as "
+           "VeOmniEngine.__init__ leaves it for a model run without router replay")
 #: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines): the FSDP ones but verl's Ulysses
 #: helpers' (off the surface here), and VeOmni's own
 UNREACHABLE: dict[str, str] = {
@@ -48,7 +48,7 @@ UNREACHABLE: dict[str, str] = {
     **VERL_MM_UNREACHABLE,
     f"{MODULE}:117": "needs a vision-language model type and sequence parallelism (VeOmni's sp_shard_collator on the "
                      "image/video masks); " + _SP, f"{MODULE}:123->124": _SP,
-    f"{MODULE}:861->862": _TOPK, f"{MODULE}:862->868": _TOPK, f"{MODULE}:873": _SP,
+    f"{MODULE}:873": _SP,
     f"{MODULE}:VeOmniEngineWithLMHead._prepare_router_replay_inputs": _REPLAY,
     f"{MODULE}:936->937": _REPLAY, f"{MODULE}:941->942": _REPLAY, f"{MODULE}:942->953": _REPLAY,
 }

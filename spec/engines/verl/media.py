@@ -21,7 +21,9 @@ _VARLEN = ("needs a processor's variable-length keys (_VARLEN_MULTI_MODAL_KEYS: 
 VERL_MM_UNREACHABLE: dict[str, str] = {
     f"{_MODEL}:_pad_last_dim_and_cat": _VARLEN,
     f"{_MODEL}:798->801": _VARLEN,
-    f"{_MODEL}:779->780": "the engine calls extract_multi_modal_inputs without indices (transformer_impl.py:1168)",
+    f"{_MODEL}:779->780": "dead code in verl 0.9.1: no caller of extract_multi_modal_inputs passes indices (the "
+                          "FSDP/VeOmni engines' prepare_model_inputs, transformer_impl.py:1168, and Megatron's, "
+                          "TorchTitan's and Automodel's: each hands the micro-batch's whole list)",
     f"{_MODEL}:787->788": "needs MiniCPM-o's image_bound key (another model family's processor output; its "
                           "per-sample lists are handed as lists, not concatenated)",
     f"{_MODEL}:796->797": "needs MiniCPM-o's image_bound key, as 787",

@@ -95,7 +95,9 @@ VERL_LOGITS_UNREACHABLE: dict[str, str] = {
 VERL_UNREACHABLE: dict[str, str] = {
     **VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE,
     f"{_FSDP}:1190->1198": _DEAD_PAD_MODE, f"{_FSDP}:1275->1312": _DEAD_PAD_MODE,
-    f"{_EU}:78->79": "the engine calls pad_packed_inputs only when _get_packed_pad_size returned a positive pad",
+    f"{_EU}:78->79": "dead code in verl 0.9.1: pad_packed_inputs' only caller, the FSDP engine's prepare_model_inputs "
+                     "(transformer_impl.py:1208), calls it under `if static_pad_size:` with _get_packed_pad_size's "
+                     "pad, never negative",
     f"{_FSDP}:1384->1385": NO_DTENSOR, f"{_FSDP}:1481->1482": NO_DTENSOR,
     "verl.utils.ulysses:271->272": "the engine gathers only under sequence parallelism, where the Ulysses group is set",
     "verl.utils.ulysses:274->279": "every caller in the engine passes unpad_dim",
