@@ -1,4 +1,4 @@
-"""skyrl 0.4.0's policy step as a step layer: advantages pre-scaled over the mini-batch, ``ppo_policy_loss`` summing.
+"""skyrl 0.4.0's policy step as a step layer: advantages pre-scaled over the mini-batch, its policy losses summing.
 
 SkyRL 0.4.0 (PR #1296, the fix of issue #794 that skyrl-train 0.3.1's records in step.py name) moves the loss
 reduction out of the micro-batch: the trainer (``RayPPOTrainer``, before it dispatches a mini-batch to the DP ranks)
@@ -10,8 +10,10 @@ its share into consecutive micro-batches (``BatchIterator``), takes ``ppo_policy
 DDP/FSDP average the ranks' gradients). The loss function is skyrl 0.4.0's own (``skyrl.backends.skyrl_train.utils.
 ppo_utils``, imported with the adapter's stubs); the pre-scaling is the trainer's, stated here per micro-batch from
 the mini-batch's facts (the loss tokens and samples of every rank), as ``apply_loss_reduction_to_advantages_minibatch``
-takes the whole mini-batch, which a micro-batch's loss is not handed. ``ppo_policy_loss`` is linear in the advantages
-(``-min(r A, clip(r) A)`` for a positive scale), so pre-scaling and reducing after are the same loss.
+takes the whole mini-batch, which a micro-batch's loss is not handed. Every policy loss drawn (``regular``,
+``dual_clip``, ``importance_sampling``, ``gspo``, ``sapo``, ``cispo``) is linear in the advantages for a positive scale
+(``-min(r A, clip(r) A)``; SAPO's gate temperature reads only A's sign), so pre-scaling and reducing after are the same
+loss.
 
 Not drawn: ``token_mean_legacy`` (the old per-micro-batch behaviour, kept for comparison: 0.3.1's records say how it
 depends on the cut) and ``prompt_mean`` (needs the prompts' group boundaries, which the suite's mini-batches do not
@@ -35,20 +37,48 @@ __all__ = ["skyrl_step_layer", "PPO_UTILS"]
 
 #: the module of skyrl 0.4.0's policy losses (the adapter imports it with its stubs: spec/engines/skyrl/adapter.py)
 PPO_UTILS = "skyrl.backends.skyrl_train.utils.ppo_utils"
-#: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len
-LOSSES = (LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-    undrawn={"token_mean_legacy": "the pre-fix per-micro-batch token mean, kept for comparison (skyrl-train 0.3.1's "
-                                  "behaviour and records, spec/engines/skyrl/step.py)",
-             "prompt_mean": "needs the prompts' group boundaries (prompt_boundaries), which the suite's mini-batches "
-                            "do not carry",
-             "gspo, sapo, clip_cov, kl_cov": "other policy_loss_types: per-token losses outside the oracle's"}),)
+#: SAPOConfig's temperatures and CISPOConfig's offsets from 1 (skyrl.train.config's defaults; cispo_anchor "old")
+SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (1.0, 4.0)
+_UNDRAWN = {
+    "token_mean_legacy": "the pre-fix per-micro-batch token mean, kept for comparison (skyrl-train 0.3.1's behaviour "
+                         "and records, spec/engines/skyrl/step.py)",
+    "prompt_mean": "needs the prompts' group boundaries (prompt_boundaries), which the suite's mini-batches do not carry",
+}
+_UNDRAWN_LOSSES = {
+    "rollout_is, dppo, cispo with cispo_anchor='rollout'": "policy_loss_types anchored on the rollout's own log-probs, "
+                                                           "which the suite's step keys do not carry",
+    "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
+                        "micro-batch (a random subset, a top-k): the per-token loss depends on the micro-batch by design",
+    "cross_entropy": "SFT's plain sum of -log_prob (Tinker's SUM semantics), which ignores the advantages and so every "
+                     "loss_reduction's pre-scaling",
+}
+#: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len; every
+#: policy_loss_type whose per-token form is linear in the advantages (so pre-scaling them is the reduction)
+LOSSES = (
+    LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
+                    undrawn={**_UNDRAWN, **_UNDRAWN_LOSSES}),
+    LossDeclaration("dual_clip", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),  # as 0.3.1's
+    LossDeclaration("importance_sampling", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
+    LossDeclaration("sapo", PerToken.SOFT_GATE, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
+                    parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}),
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
+                    parameters={"low": 1.0 - CISPO_OFFSETS[0], "high": 1.0 + CISPO_OFFSETS[1]}),
+)
+#: each policy_loss_type's function (the registry's lookup goes through a ray actor)
+LOSS_FUNCTIONS = {"policy": "ppo_policy_loss", "dual_clip": "ppo_policy_loss", "importance_sampling":
+                  "importance_sampling_loss", "gspo": "gspo_policy_loss", "sapo": "sapo_policy_loss",
+                  "cispo": "compute_policy_loss_cispo"}
 
 
-@lru_cache(maxsize=8)
-def _config(mode: str, horizon: int | None) -> Any:
+@lru_cache(maxsize=32)
+def _config(loss: str, mode: str, horizon: int | None) -> Any:
     config = importlib.import_module("skyrl.train.config")
-    return config.AlgorithmConfig(policy_loss_type="regular", loss_reduction=mode, eps_clip_low=0.2, eps_clip_high=0.2,
-                                  max_seq_len=horizon or MAX_SEQ_LEN)
+    return config.AlgorithmConfig(policy_loss_type="regular" if loss == "policy" else loss, loss_reduction=mode,
+                                  eps_clip_low=0.2, eps_clip_high=0.2, max_seq_len=horizon or MAX_SEQ_LEN,
+                                  sapo=config.SAPOConfig(tau_pos=SAPO_TAUS[0], tau_neg=SAPO_TAUS[1]),
+                                  cispo=config.CISPOConfig(cispo_eps_clip_low=CISPO_OFFSETS[0],
+                                                           cispo_eps_clip_high=CISPO_OFFSETS[1]))
 
 
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:  # noqa: ARG001 - the cut changes no fact
@@ -70,8 +100,9 @@ def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting
 def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> torch.Tensor:
     ppo = importlib.import_module(PPO_UTILS)
     log_probs, mask, old, advantages = policy_columns(outputs, mb)
-    loss, _ = ppo.ppo_policy_loss(log_probs, old, prescaled(advantages, mask, facts, setting),
-                                  _config(setting.mode, setting.horizon), loss_mask=mask)
+    policy_loss = getattr(ppo, LOSS_FUNCTIONS[setting.loss])
+    loss, _ = policy_loss(log_probs, old, prescaled(advantages, mask, facts, setting),
+                          _config(setting.loss, setting.mode, setting.horizon), loss_mask=mask)
     return loss * facts["dp_size"]  # the worker's grad_sum_correction_factor
 
 
@@ -84,6 +115,8 @@ def skyrl_step_layer(load) -> StepLayer | None:
         importlib.import_module(PPO_UTILS)
     except ImportError:
         return None
+    # GSPO's and SAPO's advice to reduce by sequence_mean, logged on every call: the suite draws every reduction
+    importlib.import_module("loguru").logger.disable(PPO_UTILS)
     return StepLayer("skyrl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.GLOBAL_BATCH_SIZE, Fact.DP_SIZE),
                      losses=LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                "restore": concatenated},
