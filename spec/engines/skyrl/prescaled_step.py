@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ...protocol.step import Cut, CutPlan, Fact, LossDeclaration, LossSetting, PerToken, StepLayer
+from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
 from ..kit.step import concatenated, consecutive_cut, policy_columns
-from .step import MAX_SEQ_LEN, SKYRL_AGGREGATIONS
+from .step import COVARIANCE_PICKED, LOSS_FUNCTIONS, MAX_SEQ_LEN, policy_losses
 
 __all__ = ["skyrl_step_layer", "PPO_UTILS"]
 
@@ -47,28 +47,13 @@ _UNDRAWN = {
 _UNDRAWN_LOSSES = {
     "rollout_is, dppo, cispo with cispo_anchor='rollout'": "policy_loss_types anchored on the rollout's own log-probs, "
                                                            "which the suite's step keys do not carry",
-    "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
-                        "micro-batch (a random subset, a top-k): the per-token loss depends on the micro-batch by design",
+    **COVARIANCE_PICKED,
     "cross_entropy": "SFT's plain sum of -log_prob (Tinker's SUM semantics), which ignores the advantages and so every "
                      "loss_reduction's pre-scaling",
 }
 #: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len; every
 #: policy_loss_type whose per-token form is linear in the advantages (so pre-scaling them is the reduction)
-LOSSES = (
-    LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-                    undrawn={**_UNDRAWN, **_UNDRAWN_LOSSES}),
-    LossDeclaration("dual_clip", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),  # as 0.3.1's
-    LossDeclaration("importance_sampling", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("sapo", PerToken.SOFT_GATE, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-                    parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}),
-    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-                    parameters={"low": 1.0 - CISPO_OFFSETS[0], "high": 1.0 + CISPO_OFFSETS[1]}),
-)
-#: each policy_loss_type's function (the registry's lookup goes through a ray actor)
-LOSS_FUNCTIONS = {"policy": "ppo_policy_loss", "dual_clip": "ppo_policy_loss", "importance_sampling":
-                  "importance_sampling_loss", "gspo": "gspo_policy_loss", "sapo": "sapo_policy_loss",
-                  "cispo": "compute_policy_loss_cispo"}
+LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, {**_UNDRAWN, **_UNDRAWN_LOSSES}, more=("importance_sampling",))
 
 
 @lru_cache(maxsize=32)

@@ -30,7 +30,8 @@ from ...protocol.step import (Aggregation, Cut, CutPlan, Divisor, Fact, LossDecl
                              StepLayer, Weighting)
 from ..kit.step import concatenated, consecutive_cut, policy_columns
 
-__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "SKYRL_AGGREGATIONS", "MAX_SEQ_LEN", "token_counts_differ"]
+__all__ = ["skyrl_train_step_layer", "SKYRL_STEP_RECORDS", "SKYRL_AGGREGATIONS", "MAX_SEQ_LEN", "token_counts_differ",
+           "policy_losses", "LOSS_FUNCTIONS", "COVARIANCE_PICKED"]
 
 #: reduce_loss' max_seq_len (the generator's max input + generate length), seq_mean_token_sum_norm's constant
 MAX_SEQ_LEN = 16
@@ -40,26 +41,36 @@ MAX_SEQ_LEN = 16
 SKYRL_AGGREGATIONS = (Aggregation("token_mean", Weighting.TOKEN, (Divisor.TOKENS,)),
                       Aggregation("sequence_mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,)),
                       Aggregation("seq_mean_token_sum_norm", Weighting.TOKEN, (Divisor.SEQUENCES, Divisor.HORIZON)))
+#: the policy_loss_types whose per-token loss is linear in the advantages, and their functions (both versions' names;
+#: the registry's lookup goes through a ray actor)
+LOSS_FUNCTIONS = {"policy": "ppo_policy_loss", "dual_clip": "ppo_policy_loss", "gspo": "gspo_policy_loss",
+                  "sapo": "sapo_policy_loss", "cispo": "compute_policy_loss_cispo",
+                  "importance_sampling": "importance_sampling_loss"}
+#: clip_cov and kl_cov, in both versions
+COVARIANCE_PICKED = {
+    "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
+                        "micro-batch (clip_cov a random subset by torch.randperm, kl_cov a top-k): the per-token loss "
+                        "depends on the micro-batch by design, outside the oracle's forms"}
+
+
+def policy_losses(sapo_taus: tuple[float, float], cispo_offsets: tuple[float, float], undrawn: dict[str, str],
+                  more: tuple[str, ...] = ()) -> tuple[LossDeclaration, ...]:
+    """SkyRL's policy losses in every reduction: ``regular`` (``policy``, carrying ``undrawn``), ``dual_clip`` (its
+    extra bound, -A * clip_ratio_c for A < 0, binds only past a ratio of 3.0: the regular form inside the clip range
+    the cases draw), ``gspo`` (GSPO-token), ``sapo`` (its temperatures), ``cispo`` (the weight clipped to
+    [1 - low offset, 1 + high offset]), and ``more`` of the regular ratio's form."""
+    def declared(name, form, **parameters):
+        return LossDeclaration(name, form, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,), parameters=parameters,
+                               undrawn=undrawn if name == "policy" else {})
+    return (declared("policy", PerToken.RATIO), declared("dual_clip", PerToken.RATIO),
+            *(declared(name, PerToken.RATIO) for name in more), declared("gspo", PerToken.SEQUENCE_RATIO_TOKEN),
+            declared("sapo", PerToken.SOFT_GATE, tau_pos=sapo_taus[0], tau_neg=sapo_taus[1]),
+            declared("cispo", PerToken.CLIPPED_WEIGHT, low=1.0 - cispo_offsets[0], high=1.0 + cispo_offsets[1]))
+
+
 #: ppo_base_config.yaml's defaults: sapo.tau_pos/tau_neg, cispo.cispo_eps_clip_low/high (offsets from 1)
 SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (0.0, 5.0)
-
-SKYRL_LOSSES = (
-    LossDeclaration("policy", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,), undrawn={
-        "clip_cov, kl_cov": "policy_loss_types that pick tokens by the covariance of advantage and log-prob over the "
-                            "micro-batch (clip_cov a random subset by torch.randperm, kl_cov a top-k): the per-token "
-                            "loss depends on the micro-batch by design, outside the oracle's forms"}),
-    # dual_clip's extra bound (-A * clip_ratio_c, advantages < 0) binds only past a ratio of clip_ratio_c (3.0): the
-    # regular clip's form inside the clip range the cases draw
-    LossDeclaration("dual_clip", PerToken.RATIO, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,)),
-    LossDeclaration("sapo", PerToken.SOFT_GATE, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-                    parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}),
-    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,),
-                    parameters={"low": 1.0 - CISPO_OFFSETS[0], "high": 1.0 + CISPO_OFFSETS[1]}),
-)
-#: each policy_loss_type's function (skyrl-train's PolicyLossRegistry, whose lookup goes through a ray actor)
-LOSS_FUNCTIONS = {"policy": "ppo_policy_loss", "dual_clip": "ppo_policy_loss", "gspo": "gspo_policy_loss",
-                  "sapo": "sapo_policy_loss", "cispo": "compute_policy_loss_cispo"}
+SKYRL_LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, COVARIANCE_PICKED)
 
 
 def token_counts_differ(case: Any) -> bool:
