@@ -15,9 +15,9 @@ takes the whole mini-batch, which a micro-batch's loss is not handed. Every poli
 (``-min(r A, clip(r) A)``; SAPO's gate temperature reads only A's sign), so pre-scaling and reducing after are the same
 loss.
 
-Not drawn: ``token_mean_legacy`` (the old per-micro-batch behaviour, kept for comparison: 0.3.1's records say how it
-depends on the cut) and ``prompt_mean`` (needs the prompts' group boundaries, which the suite's mini-batches do not
-carry).
+``token_mean_legacy`` (the old per-micro-batch behaviour, kept for comparison) is drawn as the local mode it is
+documented to be: each micro-batch's own token mean, averaged over the mini-batch's micro-batches. Not drawn:
+``prompt_mean`` (needs the prompts' group boundaries, which the suite's mini-batches do not carry).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
+from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, Fact, LossSetting, Scope, StepLayer, Weighting
 from ..kit.step import concatenated, consecutive_cut, policy_columns
-from .step import COVARIANCE_PICKED, LOSS_FUNCTIONS, MAX_SEQ_LEN, policy_losses
+from .step import COVARIANCE_PICKED, LOSS_FUNCTIONS, MAX_SEQ_LEN, SKYRL_AGGREGATIONS, policy_losses
 
 __all__ = ["skyrl_step_layer", "PPO_UTILS"]
 
@@ -39,9 +39,11 @@ __all__ = ["skyrl_step_layer", "PPO_UTILS"]
 PPO_UTILS = "skyrl.backends.skyrl_train.utils.ppo_utils"
 #: SAPOConfig's temperatures and CISPOConfig's offsets from 1 (skyrl.train.config's defaults; cispo_anchor "old")
 SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (1.0, 4.0)
+#: the pre-fix token mean, kept as a mode of its own: documented local
+LEGACY = Aggregation("token_mean_legacy", Weighting.TOKEN, (Divisor.TOKENS,), Scope.MICRO_BATCH,
+                     documented="apply_loss_reduction_to_advantages_minibatch: 'legacy token-mean that normalizes "
+                                "per-microbatch then averages across microbatches'")
 _UNDRAWN = {
-    "token_mean_legacy": "the pre-fix per-micro-batch token mean, kept for comparison (skyrl-train 0.3.1's behaviour "
-                         "and records, spec/engines/skyrl/step.py)",
     "prompt_mean": "needs the prompts' group boundaries (prompt_boundaries), which the suite's mini-batches do not carry",
 }
 _UNDRAWN_LOSSES = {
@@ -53,7 +55,8 @@ _UNDRAWN_LOSSES = {
 }
 #: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len; every
 #: policy_loss_type whose per-token form is linear in the advantages (so pre-scaling them is the reduction)
-LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, {**_UNDRAWN, **_UNDRAWN_LOSSES}, more=("importance_sampling",))
+LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, {**_UNDRAWN, **_UNDRAWN_LOSSES}, more=("importance_sampling",),
+                       aggregations=(*SKYRL_AGGREGATIONS, LEGACY))
 
 
 @lru_cache(maxsize=32)
@@ -66,17 +69,21 @@ def _config(loss: str, mode: str, horizon: int | None) -> Any:
                                                            cispo_eps_clip_high=CISPO_OFFSETS[1]))
 
 
-def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:  # noqa: ARG001 - the cut changes no fact
-    """The trainer's mini-batch (every rank's share): its loss tokens, its samples, the DP size."""
+def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
+    """The trainer's mini-batch (every rank's share): its loss tokens, its samples, the DP size, and its micro-batches
+    (``token_mean_legacy``'s count: the mini-batch's samples over ``micro_train_batch_size_per_gpu``)."""
     tokens = sum(float(mini.get("response_mask").values().sum()) for mini in minis)
     samples = sum(int(mini.batch_size[0]) for mini in minis)
-    return [{"batch_num_tokens": tokens, "global_batch_size": samples, "dp_size": len(minis)} for _ in minis]
+    return [{"batch_num_tokens": tokens, "global_batch_size": samples, "dp_size": len(minis),
+             "micro_batches": samples // plan.micro_batch_size} for _ in minis]
 
 
 def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting: LossSetting) -> torch.Tensor:
     """``apply_loss_reduction_to_advantages_minibatch`` of the micro-batch's rows, with the mini-batch's facts."""
     if setting.mode == "token_mean":
         return advantages / max(facts["batch_num_tokens"], 1.0)
+    if setting.mode == "token_mean_legacy":  # the micro-batch's own loss tokens, over the mini-batch's micro-batches
+        return advantages / (mask.sum().clamp(min=1) * facts["micro_batches"])
     if setting.mode == "sequence_mean":
         return advantages / (facts["global_batch_size"] * mask.sum(dim=-1, keepdim=True).clamp(min=1))
     return advantages / (facts["global_batch_size"] * (setting.horizon or MAX_SEQ_LEN))

@@ -54,13 +54,14 @@ COVARIANCE_PICKED = {
 
 
 def policy_losses(sapo_taus: tuple[float, float], cispo_offsets: tuple[float, float], undrawn: dict[str, str],
-                  more: tuple[str, ...] = ()) -> tuple[LossDeclaration, ...]:
+                  more: tuple[str, ...] = (), aggregations: tuple[Aggregation, ...] = SKYRL_AGGREGATIONS
+                  ) -> tuple[LossDeclaration, ...]:
     """SkyRL's policy losses in every reduction: ``regular`` (``policy``, carrying ``undrawn``), ``dual_clip`` (its
     extra bound, -A * clip_ratio_c for A < 0, binds only past a ratio of 3.0: the regular form inside the clip range
     the cases draw), ``gspo`` (GSPO-token), ``sapo`` (its temperatures), ``cispo`` (the weight clipped to
     [1 - low offset, 1 + high offset]), and ``more`` of the regular ratio's form."""
     def declared(name, form, **parameters):
-        return LossDeclaration(name, form, SKYRL_AGGREGATIONS, horizons=(MAX_SEQ_LEN,), parameters=parameters,
+        return LossDeclaration(name, form, aggregations, horizons=(MAX_SEQ_LEN,), parameters=parameters,
                                undrawn=undrawn if name == "policy" else {})
     return (declared("policy", PerToken.RATIO), declared("dual_clip", PerToken.RATIO),
             *(declared(name, PerToken.RATIO) for name in more), declared("gspo", PerToken.SEQUENCE_RATIO_TOKEN),
