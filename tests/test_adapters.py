@@ -13,7 +13,8 @@ import torch
 
 from spec.run.registry import ENGINES, builtin_engine_names, load_engine
 from spec.execute.harness import execute
-from spec.cases.structure import EngineCase
+from spec.cases.materialize import draws
+from spec.cases.structure import EngineCase, Media
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
@@ -115,6 +116,24 @@ def test_verl_engine_adapters_run_a_case_and_report_stubs(name: str) -> None:
         assert view.labels is not None and view.labels.reshape(-1)[0] == run.micro_batch["input_ids"].values()[1]
         assert (view.attention_mask is None) == packed
         assert [t.shape[0] for t in run.outputs["log_probs"].unbind()] == [5, 3]
+
+
+@needs_verl
+@pytest.mark.parametrize("name", ["verl-torchtitan", "verl-automodel"])
+def test_native_verl_engines_hand_the_model_the_samples_media(name: str) -> None:
+    """Both native engines call extract_multi_modal_inputs on every micro-batch: the adapter's engine object hands the
+    model its keys (TorchTitan's extra_inputs, Automodel's model_inputs) and the view reads them, in both modes."""
+    engine = load_engine(name)
+    assert engine.profile.media and "verl.utils.model:extract_multi_modal_inputs" in engine.profile.surface
+    case = EngineCase(prompt_lens=(5, 2), response_lens=(2, 1), vocab=16, mrope=True, seed=4,
+                      media=((Media("image", 1, 2, 4, 1),), (Media("video", 2, 2, 2, 0),)))
+    want = draws(case).media_inputs()
+    for packed in (True, False):
+        run = execute(engine, case.with_(use_remove_padding=packed))
+        view = engine.view_inputs(run.inputs[0], run.output_args[0])
+        assert set(view.media) == set(want), (packed, sorted(view.media))
+        for key, value in want.items():
+            assert torch.equal(view.media[key], value) and torch.equal(run.inputs[0][key], value), (packed, key)
 
 
 @needs_verl

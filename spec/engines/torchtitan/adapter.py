@@ -8,11 +8,14 @@ positions restart; padded: a dense mask), ``output_args["labels"]`` the rolled i
 ``prepare_model_outputs(logits, output_args, mb)``, which reads the temperature from the micro-batch.
 
 The engine object hands the suite's model what TorchTitan hands its own: ``input_ids``, ``position_ids``
-(TorchTitan's ``positions``), ``attention_mask`` (padded: TorchTitan's mask; packed: None) and
-``cu_seqlens`` (the varlen metadata's ``cu_seq_q``); TorchTitan's own ``output_args`` go back to it
-untouched. :meth:`TorchTitanEngine.view_inputs` reads the labels from ``output_args["labels"]``; the
-temperature is not handed over (the output step reads ``micro_batch["temperature"]``), so the engine
-lacks :attr:`Feature.TEMPERATURE_HANDOFF`.
+(TorchTitan's ``positions``), ``attention_mask`` (padded: TorchTitan's mask; packed: None),
+``cu_seqlens`` (the varlen metadata's ``cu_seq_q``) and the images' and videos' features and grids
+(the rest of ``extra_inputs``: ``extract_multi_modal_inputs``' keys, under their names); TorchTitan's own
+``output_args`` go back to it untouched. The varlen metadata always reaches the model (the suite's
+``pass_cu_seqlens`` setting changes nothing), so INV-CU-001 checks its ``cu_seq_q`` on every packed case.
+:meth:`TorchTitanEngine.view_inputs` reads the labels from ``output_args["labels"]``; the temperature
+is not handed over (the output step reads ``micro_batch["temperature"]``), so the engine lacks
+:attr:`Feature.TEMPERATURE_HANDOFF`.
 
 ``torchtitan`` is stubbed where verl imports it at module level and it does not import (the
 TorchTitan on the package index does not match verl 0.9.1's imports); ``VarlenMetadata`` is given a
@@ -29,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...protocol.known import KnownFailure, When
-from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision
+from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision, media_view
 from ...truth.rules import TEMPERATURE_FLOOR
 from ..kit.records import UNCLAMPED, VALUE_MISMATCH
 from ..verl.native import NativeVerlEngine, native_profile
@@ -59,6 +62,14 @@ PER_SAMPLE_INVARIANTS = ("INV-BATCH-001", "INV-BATCH-002", "INV-TEMP-001", "INV-
 AS_TENSOR_ON_VOCAB = When("B >= 2 samples with B != V (the check also hands the temperature as a (B,) tensor)",
                           lambda case: case.batch_size >= 2 and case.batch_size != case.vocab)
 
+MROPE_VARLEN = ("get_attention_masks -> _create_varlen_metadata_for_document is written for (batch, seq) positions: with "
+                "the packed mRoPE positions (4, 1, nnz), positions[:, :1] keeps the whole tensor and boundary_mask[0] is "
+                "a (1, 2 nnz) row whose nonzero(as_tuple=True)[0] holds row indices (all 0), so cu_seq_q = [0, nnz]: "
+                "one document over every sample of the micro-batch (a real varlen attention lets each sample see those "
+                "packed before it); engine bug")
+#: packed mRoPE positions over two or more samples (one sample's [0, nnz] is right)
+MROPE_SAMPLES = When("mRoPE positions, packed, over B >= 2 samples", lambda case: case.mrope and case.batch_size >= 2)
+
 #: the packed path divides by the temperature out of place: a (B,) float32 tensor promotes bf16/fp16 logits to float32
 PROMOTED = When("packed with a per-sample (B,) temperature (logits / a float32 tensor: float32 outputs)",
                 lambda case: case.use_remove_padding and case.per_sample_temperature and not case.use_fused_kernels)
@@ -79,6 +90,8 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
       for inv, modes in (("INV-TEMP-006", ()), ("INV-VAL-001", ()), ("INV-SLICE-006", ()))),
     # every padded case fails for the mask (records above excuse the cases they cover first)
     *loss_mask_attention(reason=MASK),
+    KnownFailure("INV-CU-001", MROPE_VARLEN, raises=AssertionError, modes=("packed",), when=MROPE_SAMPLES,
+                 matches=r"cu_seqlens \[0, (\d+)\], expected \[0, (\d+, )+\1\]"),
     entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the FSDP engine's low-precision records (the same functions in the logits' dtype), INV-DEV-001 but where a
@@ -106,8 +119,9 @@ class TorchTitanObject:
         input_ids, extra_inputs, extra_kwargs, output_args = self.verl_engine.prepare_model_inputs(micro_batch)
         masks = extra_kwargs["attention_masks"]
         packed = not isinstance(masks, torch.Tensor)
-        model_inputs = {"input_ids": input_ids, "position_ids": extra_inputs["positions"],
-                        "attention_mask": None if packed else masks}
+        # extra_inputs beyond the positions are extract_multi_modal_inputs' keys: handed under their own names
+        model_inputs = {**{k: v for k, v in extra_inputs.items() if k != "positions"}, "input_ids": input_ids,
+                        "position_ids": extra_inputs["positions"], "attention_mask": None if packed else masks}
         if packed:
             model_inputs["cu_seqlens"] = masks.cu_seq_q
         return model_inputs, output_args
@@ -150,15 +164,12 @@ class TorchTitanEngine(NativeVerlEngine):
         labels = output_args.get("labels")
         return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs["position_ids"],
                           attention_mask=model_inputs["attention_mask"], cu_seqlens=model_inputs.get("cu_seqlens"),
-                          labels=None if labels is None else labels.reshape(-1))
+                          labels=None if labels is None else labels.reshape(-1), media=media_view(model_inputs))
 
     def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
         if Feature.parse(feature) is Feature.TEMPERATURE_HANDOFF:
             return self._no("prepare_model_outputs reads micro_batch['temperature'] itself; the input step hands "
                             "no temperature over")
-        if Feature.parse(feature) is Feature.CU_SEQLENS:
-            return self._no("the packed boundaries always reach the model as varlen metadata "
-                            "(extra_kwargs['attention_masks']); there is no cu_seqlens setting to switch")
         return super().lacks(feature)
 
     def wrap(self, eng: Any) -> TorchTitanObject:

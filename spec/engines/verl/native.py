@@ -15,10 +15,11 @@ from typing import Any, Callable, Mapping
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import EngineUnderTest, Feature, Precision
-from ...protocol.profile import EngineProfile
+from ...protocol.profile import MEDIA, EngineProfile
 from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from .microbatch_layer import verl_microbatch_layer
+from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .records import verl_precision
 from .profile import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
                       VERL_LOGITS_UNREACHABLE)
@@ -29,9 +30,11 @@ __all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_O
 
 def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
     """A native engine's surface: its own prepare_model_inputs / prepare_model_outputs, verl's log-prob helpers it
-    calls (verl.utils.torch_functional; neither calls verl's padding or Ulysses helpers) and the micro-batch layer."""
+    calls (verl.utils.torch_functional; neither calls verl's padding or Ulysses helpers), verl's multi-modal helpers
+    (both call extract_multi_modal_inputs on every micro-batch: spec/engines/verl/media.py) and the micro-batch
+    layer."""
     return (f"{module}:{lm_class}.prepare_model_inputs", f"{module}:{lm_class}.prepare_model_outputs",
-            *VERL_LOGITS_HELPERS, *VERL_LAYER)
+            *VERL_LOGITS_HELPERS, *VERL_MM_SURFACE, *VERL_LAYER)
 
 
 def native_lines(module: str, reason: str, *lines: str) -> dict[str, str]:
@@ -40,7 +43,7 @@ def native_lines(module: str, reason: str, *lines: str) -> dict[str, str]:
 
 
 #: the branches of the shared part of their surfaces no CPU run reaches (verl 0.9.1's lines), with the reasons
-NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE}
+NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE, **VERL_MM_UNREACHABLE}
 NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
 #: the reason of an engine's ``if not self.engine_config.entropy_checkpointing`` (its other side)
 CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entropy under torch.utils.checkpoint (the "
@@ -49,10 +52,11 @@ CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entr
 
 def native_profile(base: EngineProfile, module: str, lm_class: str, checkpointed: tuple[str, ...],
                    own: Mapping[str, str]) -> EngineProfile:
-    """A native engine's profile: ``base`` with its surface (:func:`native_surface`), the shared off-path functions,
-    and as unreachable the shared branches, the lines of its ``checkpointed`` entropy (:data:`CHECKPOINTED_ENTROPY`)
+    """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
+    engines hand ``extract_multi_modal_inputs``' keys to the model beside mRoPE positions, in both modes), the shared
+    off-path functions, and as unreachable the shared branches, the lines of its ``checkpointed`` entropy (:data:`CHECKPOINTED_ENTROPY`)
     and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason)."""
-    return replace(base, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH,
+    return replace(base, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH, media=MEDIA,
                    unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, *checkpointed),
                                 **{f"{module}:{line}": why for line, why in own.items()}})
 
