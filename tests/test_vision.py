@@ -158,7 +158,7 @@ def test_cases_hold_media_consistently() -> None:
 def test_the_strategies_draw_what_the_contract_names() -> None:
     seen = set()
 
-    @settings(max_examples=300, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=300, database=None, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case=engine_cases(media=MEDIA))
     def look(case: EngineCase) -> None:
         if not case.media:
