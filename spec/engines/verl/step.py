@@ -41,14 +41,40 @@ from tensordict import TensorDict
 
 from ...protocol.known import KnownFailure, When
 from ...cases.step import step_inputs
-from ...protocol.step import Cut, CutPlan, Fact, LossSetting, StepLayer
+from ...protocol.step import Cut, CutPlan, Fact, LossDeclaration, LossSetting, PerToken, StepLayer
 from ..kit import require
-from ..kit.step import agg_loss_losses, cut_with, with_plan
+from ..kit.step import AGG_LOSS_MODES, HORIZONS, agg_loss_losses, cut_with, with_plan
 
 __all__ = ["verl_step_layer", "verl_forward_backward", "STEP_RECORDS", "width_default_applies",
            "a_sample_without_loss_tokens"]
 
 HOW = "pip install verl==0.9.1"
+#: the PPO clip range of the drawn actor config (clip_ratio; clip_ratio_low/high left unset take it)
+CLIP_RATIO = 0.2
+#: ActorConfig's SAPO temperatures (tau_pos, tau_neg: its defaults)
+SAPO_TAUS = (1.0, 1.05)
+#: verl's policy_loss.loss_mode forms beside vanilla (the "policy" loss), each through ppo_loss and its registered
+#: function: gspo (GSPO-token) and cispo (the stopped weight clipped to [1 - clip_ratio, 1 + clip_ratio]) in every
+#: loss_agg_mode; sapo aggregates by seq-mean-token-mean whatever loss_agg_mode says (compute_policy_loss_sapo passes
+#: it to agg_loss itself; "for SAPO, it is recommended to use seq-mean-token-mean"), so that is its one mode
+POLICY_FORMS = (
+    LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, AGG_LOSS_MODES, horizons=HORIZONS),
+    LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, AGG_LOSS_MODES, horizons=HORIZONS,
+                    parameters={"low": 1.0 - CLIP_RATIO, "high": 1.0 + CLIP_RATIO}),
+    LossDeclaration("sapo", PerToken.SOFT_GATE, tuple(m for m in AGG_LOSS_MODES if m.name == "seq-mean-token-mean"),
+                    parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}, undrawn={
+                        m.name: "compute_policy_loss_sapo aggregates by seq-mean-token-mean whatever loss_agg_mode "
+                                "says" for m in AGG_LOSS_MODES if m.name != "seq-mean-token-mean"}),
+)
+#: the loss_mode forms not drawn, with why
+UNDRAWN_POLICY_FORMS = {
+    "dppo_tv, dppo_kl, bypass_mode": "anchored on the rollout's own log-probs (rollout_log_probs), which the step keys "
+                                     "do not carry",
+    "clip_cov, kl_cov": "pick tokens by the covariance of advantage and log-prob over the micro-batch (a random subset, "
+                        "a top-k): the per-token loss depends on the micro-batch by design",
+    "gpg, geo_mean, dro": "per-token forms outside the oracle's (GPG's -A log_prob unclipped, GMPO's geometric mean "
+                          "of the clipped token ratios, DRO's regularised objective)",
+}
 
 
 def width_default_applies(case: Any) -> bool:
@@ -93,14 +119,16 @@ EMPTY_MICRO_BATCH_RECORDS = tuple(
 STEP_RECORDS = WIDTH_RECORDS + EMPTY_MICRO_BATCH_RECORDS
 
 
-@lru_cache(maxsize=32)
-def _config(kind: str, mode: str, horizon: int | None) -> Any:
+@lru_cache(maxsize=64)
+def _config(kind: str, mode: str, horizon: int | None, loss_mode: str = "vanilla") -> Any:
     configs = require("verl.workers.config", HOW)
     common = {"strategy": "fsdp", "ppo_mini_batch_size": 1, "ppo_micro_batch_size_per_gpu": 1, "rollout_n": 1,
               "loss_agg_mode": mode, "loss_scale_factor": horizon}
     if kind == "value":
         return configs.FSDPCriticConfig(**common, cliprange_value=0.5)
-    return configs.FSDPActorConfig(**common, clip_ratio=0.2, entropy_coeff=0.0, use_kl_loss=False)
+    return configs.FSDPActorConfig(**common, clip_ratio=CLIP_RATIO, entropy_coeff=0.0, use_kl_loss=False,
+                                   tau_pos=SAPO_TAUS[0], tau_neg=SAPO_TAUS[1],
+                                   policy_loss=configs.PolicyLossConfig(loss_mode=loss_mode))
 
 
 @lru_cache(maxsize=8)
@@ -147,7 +175,8 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
                                             _distillation_config(int(mb.get("teacher_ids").values().shape[-1])),
                                             dict(outputs), data)
     else:
-        loss, _ = losses.ppo_loss(_config("policy", setting.mode, setting.horizon), dict(outputs), data)
+        loss_mode = setting.loss if setting.loss in {form.name for form in POLICY_FORMS} else "vanilla"
+        loss, _ = losses.ppo_loss(_config("policy", setting.mode, setting.horizon, loss_mode), dict(outputs), data)
     return loss
 
 
@@ -205,7 +234,7 @@ def verl_step_layer() -> StepLayer | None:
         return None
     return StepLayer("verl", cuts=(Cut.COUNT, Cut.TOKENS), facts=(Fact.BATCH_NUM_TOKENS, Fact.DP_SIZE,
                                                                   Fact.GLOBAL_BATCH_SIZE),
-                     losses=agg_loss_losses(),
+                     losses=(*agg_loss_losses(), *POLICY_FORMS),
                      functions={"cut": cut_with(utils.prepare_micro_batches), "facts": _facts, "loss": _loss,
                                 "restore": _restore, "forward_backward": verl_forward_backward},
                      dp_sizes=(1, 2, 4), world_is_dp=True)
