@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 from .profile import (DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
-                      PaddedLayout, token_columns)
+                      PaddedLayout, drawn_config, token_columns)
 from .vendor import source
 
 __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", "Capabilities", "EngineObject",
@@ -269,21 +269,24 @@ class EngineUnderTest:
                 cls.profile = replace(cls.profile, **field_of(legacy))
                 delattr(cls, name)
 
+    def _switched(self, case: Any, field: str) -> Any:
+        """``field`` of the first switch of its own configuration drawn off its default for ``case`` that declares
+        one (:class:`ConfigSwitch`), or None."""
+        drawn = drawn_config(case)
+        return next((getattr(switch, field) for switch in self.config_space()
+                     if getattr(switch, field) and switch.name in drawn), None)
+
     def output_span_of(self, case: Any) -> OutputSpan:
         """Which positions its outputs cover on ``case``: :attr:`output_span`, unless a switch of its own
         configuration drawn off its default for the case declares another (:attr:`ConfigSwitch.output_span`:
         OpenRLHF's ``action_mask``, response-only log-probs)."""
-        drawn = dict(getattr(case, "engine_config", ()))
-        spans = [switch.output_span for switch in self.config_space() if switch.output_span and switch.name in drawn]
-        return spans[0] if spans else self.output_span
+        return self._switched(case, "output_span") or self.output_span
 
     def padded_layout_of(self, case: Any) -> PaddedLayout:
         """Where its padded model input puts each sequence on ``case``: :attr:`padded_layout`, unless a switch of its
         own configuration drawn off its default for the case declares another (:attr:`ConfigSwitch.padded_layout`:
         TRL's SFT collator, whole sequences right-padded)."""
-        drawn = dict(getattr(case, "engine_config", ()))
-        layouts = [switch.padded_layout for switch in self.config_space() if switch.padded_layout and switch.name in drawn]
-        return PaddedLayout(layouts[0]) if layouts else self.padded_layout
+        return PaddedLayout(self._switched(case, "padded_layout") or self.padded_layout)
 
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,

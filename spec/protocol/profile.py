@@ -70,7 +70,7 @@ import torch
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
            "layout_starts", "token_columns", "profile_of", "padded_layout_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
-           "takes_mode"]
+           "takes_mode", "drawn_config"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -394,6 +394,12 @@ class EngineProfile:
 
 
 DEFAULT_PROFILE = EngineProfile()
+
+
+def drawn_config(case: Any) -> dict[str, Any]:
+    """The engine's own switches drawn for ``case`` (its ``engine_config``: switch name -> value, those off their
+    defaults), ``{}`` for a case without any."""
+    return dict(getattr(case, "engine_config", ()) or ())
 
 
 def profile_of(engine: Any) -> EngineProfile:

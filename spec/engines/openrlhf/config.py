@@ -27,6 +27,7 @@ import torch
 
 from ...protocol.engine import ConfigSwitch, OutputSpan
 from ...protocol.known import When
+from ...protocol.profile import drawn_config
 
 __all__ = ["SWITCHES", "GATHERED", "GATHERED_LOGITS", "action_mask", "merged_rows", "forward_kwargs", "scored"]
 
@@ -49,8 +50,7 @@ def _logits_only(config: dict) -> bool:
 
 #: the logits-only return asked to re-pad packed logits (its packed run: the padded one has none to re-pad)
 GATHERED = When("the logits-only return (return_logprobs off, no action_mask) with allgather_logits",
-                lambda case: _logits_only(dict(case.engine_config)) and dict(case.engine_config).get("allgather_logits",
-                                                                                                      False))
+                lambda case: _logits_only(drawn_config(case)) and drawn_config(case).get("allgather_logits", False))
 #: where the caller of the logits-only return gets packed logits re-padded by OpenRLHF (``(B, L, 1, V)``)
 GATHERED_LOGITS = When("packed", lambda case: case.use_remove_padding) & GATHERED
 

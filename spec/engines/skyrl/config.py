@@ -37,6 +37,7 @@ import torch
 
 from ...protocol.engine import ConfigSwitch, Precision
 from ...protocol.known import When
+from ...protocol.profile import drawn_config
 
 __all__ = ["TRAIN_SWITCHES", "SWITCHES", "SUPPORT_REPLAY", "batch_builder", "num_actions", "replay_kwargs",
            "precision", "full_support"]
@@ -64,7 +65,7 @@ SWITCHES: tuple[ConfigSwitch, ...] = (
 
 #: the cases whose log-probs and entropy forward takes over the recorded support (a text micro-batch, switch on)
 SUPPORT_REPLAY = When("sample_support_replay on (a text micro-batch)", lambda case: (
-    not getattr(case, "mrope", False) and bool(dict(getattr(case, "engine_config", ())).get("sample_support_replay"))))
+    not getattr(case, "mrope", False) and bool(drawn_config(case).get("sample_support_replay"))))
 
 
 def batch_builder(collate: Callable[..., tuple], pad: Any, prompts: list[list[int]], responses: list[list[int]],

@@ -41,12 +41,13 @@ from typing import Any
 import torch
 
 from ...protocol.engine import ConfigSwitch, PaddedLayout, sequences_from_rows
+from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
 
 __all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "keeping_model", "gathered_log_probs", "padded_positions",
            "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions", "sft_scores", "from_shifted_rows",
-           "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores"]
+           "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
 
 _COLLATOR = (
     ConfigSwitch("pad_to_multiple_of", (None, 8), "SFTConfig.pad_to_multiple_of: the padding-free row padded at its "
@@ -81,24 +82,24 @@ FUSED_SWITCHES: tuple[ConfigSwitch, ...] = (
 
 #: where trl-fused's head projects in the hidden states' own dtype (cast_lm_head_to_fp32 off, GRPOConfig's default)
 HEAD_IN_LOGITS_DTYPE = When("cast_lm_head_to_fp32 off (GRPOConfig's default)",
-                            lambda case: not dict(getattr(case, "engine_config", ())).get("cast_lm_head_to_fp32"))
+                            lambda case: not drawn_config(case).get("cast_lm_head_to_fp32"))
 
 
-def _detached(case: Any) -> bool:
-    drawn = dict(getattr(case, "engine_config", ()))
-    return drawn.get("entropy_requires_grad") is False and case.calculate_entropy and (
-        case.use_remove_padding or bool(drawn.get("sft_collator")))
+def sft_rows(case: Any) -> bool:
+    """Whether TRL scores ``case`` as SFT's rows: packed (the padding-free collator), or padded with ``sft_collator``
+    drawn and no images (a vision-language batch stays GRPO's): the case-level twin of :func:`sft_padded`."""
+    return case.use_remove_padding or bool(drawn_config(case).get("sft_collator")) and not any(case.media)
 
 
 #: where trl-fused scores SFT's rows (packed, or padded with sft_collator) under compute_loss_func
-METRICS_ONLY = When("compute_loss_func on SFT's rows (packed, or padded with sft_collator)", lambda case: bool(
-    dict(getattr(case, "engine_config", ())).get("compute_loss_func")) and (
-        case.use_remove_padding or bool(dict(case.engine_config).get("sft_collator")) and not any(case.media)))
+METRICS_ONLY = When("compute_loss_func on SFT's rows (packed, or padded with sft_collator)",
+                    lambda case: bool(drawn_config(case).get("compute_loss_func")) and sft_rows(case))
 
 #: where trl scores SFT's rows with entropy_requires_grad=False (the selective_log_softmax_and_entropy path: packed,
 #: or padded with SFT's collator) and the entropy is asked for
 DETACHED_ENTROPY = When("entropy_requires_grad=False on SFT's rows (packed, or padded with sft_collator), entropy "
-                        "computed", _detached)
+                        "computed", lambda case: drawn_config(case).get("entropy_requires_grad") is False
+                        and case.calculate_entropy and sft_rows(case))
 
 
 def keeping_model(output: Any):

@@ -18,7 +18,7 @@ from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
 from .step import trl_step_layer
-from .config import FUSED_SWITCHES, sft_fused_scores
+from .config import FUSED_SWITCHES, sft_fused_scores, sft_rows
 from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
@@ -68,8 +68,8 @@ class TrlFusedEngine(TrlEngine):
     def config_space(self):
         return FUSED_SWITCHES
 
-    def padded_layout_of(self, case):  # a vision-language batch stays GRPO's, whatever the SFT switch (config.py)
-        return self.padded_layout if any(getattr(case, "media", ())) else super().padded_layout_of(case)
+    def padded_layout_of(self, case):  # SFT's rows' layout only where they are SFT's (a VLM batch stays GRPO's)
+        return super().padded_layout_of(case) if sft_rows(case) else self.padded_layout
 
     def step_layer(self):  # GRPO's step (step.py) on its fused scoring: the step model hands hidden states
         return trl_step_layer()
