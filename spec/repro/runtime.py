@@ -88,14 +88,16 @@ def _tensor(values, dtype, shape):
     return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
 
 
+def _each_value(items, value):
+    """A per-sample stack (``multi_modal_inputs``) of ``items``, each dict's values mapped by ``value``."""
+    return NonTensorStack.from_list([NonTensorData({k: value(v) for k, v in item.items()} if isinstance(item, dict)
+                                                   else item) for item in items])
+
+
 def _stack(entries, values):
     """A per-sample stack (``multi_modal_inputs``) from its entries: each dict's tensors rebuilt from ``values``."""
-    def entry(item):
-        if not isinstance(item, dict):
-            return item
-        return {k: _tensor(values[v["tensor"]], v["dtype"], v["shape"]) if isinstance(v, dict) and "tensor" in v
-                else v for k, v in item.items()}
-    return NonTensorStack.from_list([NonTensorData(entry(item)) for item in entries])
+    return _each_value(entries, lambda v: _tensor(values[v["tensor"]], v["dtype"], v["shape"])
+                       if isinstance(v, dict) and "tensor" in v else v)
 
 
 def build_micro_batch(run):
@@ -660,9 +662,8 @@ def check_on_cuda(c, mb, run):
     try:
         on_device = mb.to("cuda")
         for key in ("multi_modal_inputs",) if "multi_modal_inputs" in mb.keys() else ():  # its dicts' tensors too
-            on_device.set(key, NonTensorStack.from_list([NonTensorData(
-                {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in item.items()}
-                if isinstance(item, dict) else item) for item in mb.get(key).tolist()]))
+            on_device.set(key, _each_value(mb.get(key).tolist(),
+                                           lambda v: v.to("cuda") if isinstance(v, torch.Tensor) else v))
     except Exception as exc:  # noqa: BLE001 - the file's own copy failed, not the engine
         raise NotStandalone(f"could not copy the micro-batch to cuda ({type(exc).__name__}: {exc})") from exc
     on_cuda = execute(c, on_device, POISON, device="cuda")
