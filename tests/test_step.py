@@ -56,6 +56,29 @@ def test_a_documented_local_mode_averages_its_micro_batches() -> None:
         aggregate(LOSSES, _inputs(), bnpo)
 
 
+def test_a_prompt_mode_weighs_each_prompt_group_equally() -> None:
+    """Three samples in two prompt groups ({0, 1}, {2}): sample 0's tokens 1, 2, 4 (mask 1, 0, 1), sample 1's 8,
+    sample 2's 16 and 32. Group {0, 1}: 13 over 3 tokens; group {2}: 48 over 2; their mean over the 2 prompts."""
+    n = 6
+    x = StepInputs(features=torch.zeros(n, 2, dtype=torch.float64), labels=torch.zeros(n, dtype=torch.int64),
+                   sample=torch.tensor([0, 0, 0, 1, 2, 2]), mask=torch.tensor([1, 0, 1, 1, 1, 1]),
+                   advantages=torch.zeros(n, dtype=torch.float64), old_log_probs=torch.zeros(n, dtype=torch.float64),
+                   returns=torch.zeros(n, dtype=torch.float64), batch_size=3, response_width=3,
+                   prompt=torch.tensor([0, 0, 1]))
+    losses = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64)
+    prompt_mean = Aggregation("prompt_mean", Weighting.PROMPT_MEAN, (Divisor.PROMPTS,))
+    assert prompt_mean.reads_prompts and not MODES["token-mean"].reads_prompts
+    assert float(aggregate(losses, x, prompt_mean)) == pytest.approx((13 / 3 + 48 / 2) / 2)
+    # without prompt ids every sample is its own prompt: the mean of sequence means
+    alone = StepInputs(**{**x.__dict__, "prompt": None})
+    assert float(aggregate(losses, alone, prompt_mean)) == pytest.approx((5 / 2 + 8 + 48 / 2) / 3)
+    with pytest.raises(ValueError, match="prompt_groups"):
+        StepCase((1, 1), (1, 1), prompt_groups=(1, 2))
+    case = StepCase((1, 1, 1), (1, 2, 1), prompt_groups=(2, 1))
+    assert case.prompt_ids.tolist() == [0, 0, 1] and step_inputs(case).prompt.tolist() == [0, 0, 1]
+    assert "prompts=[2, 1]" in repr(case)
+
+
 def test_a_horizon_mode_takes_its_constant() -> None:
     assert float(aggregate(LOSSES, _inputs(), MODES["seq-mean-token-sum-norm"], horizon=16)) == pytest.approx(13 / 32)
 

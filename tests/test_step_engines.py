@@ -20,6 +20,7 @@ import textwrap
 from dataclasses import replace
 
 import pytest
+import torch
 
 from spec.cases.step import StepCase
 from spec.invariants import CATALOGUE
@@ -119,9 +120,53 @@ def test_skyrl_token_mean_is_the_mini_batchs(monkeypatch) -> None:
     for case in (TWO_MICRO_BATCHES, replace(TWO_MICRO_BATCHES, dp=2, micro_batch_size=1)):
         for mode, horizon in (("token_mean", None), ("sequence_mean", None), ("seq_mean_token_sum_norm", 16)):
             _check(engine, case.with_(mode=mode, horizon=horizon))
-    monkeypatch.setattr(prescaled_step, "prescaled", lambda a, mask, facts, setting: a / mask.sum().clamp(min=1))
+    monkeypatch.setattr(prescaled_step, "prescaled", lambda a, mask, *_: a / mask.sum().clamp(min=1))
     with pytest.raises(AssertionError, match="in token_mean: gradient"):
         _check(engine, TWO_MICRO_BATCHES.with_(mode="token_mean"))
+
+
+@pytest.mark.skipif(not _has("skyrl"), reason="skyrl is not installed (the skyrl step's venv)")
+def test_skyrl_prescaling_is_the_librarys() -> None:
+    """The step's per-micro-batch pre-scaling (prescaled_step.prescaled, from the mini-batch's facts) gives, row by
+    row, what skyrl 0.4.0's own ``apply_loss_reduction_to_advantages_minibatch`` gives of the whole mini-batch with
+    the trainer's ``compute_prompt_boundaries``, in every mode: prompt groups of unequal sizes that straddle ranks and
+    micro-batches, loss-mask holes, one rank or two."""
+    from spec.cases.materialize import select_rows
+    from spec.cases.step import materialize_step
+    from spec.engines.kit.step import consecutive_cut
+    from spec.engines.skyrl import prescaled_step
+    from spec.protocol.step import PROMPT_KEY, LossSetting
+    from spec.run.registry import load_engine
+
+    load_engine("skyrl").load()
+    ppo = importlib.import_module(prescaled_step.PPO_UTILS)
+    preprocess = importlib.import_module(prescaled_step.PREPROCESS)
+    cases = [StepCase((2, 1, 3, 1, 2, 2), (1, 4, 2, 3, 1, 2), dp=dp, micro_batch_size=mbs, holes=0.3, seed=seed,
+                      mode="prompt_mean", prompt_groups=groups)
+             for dp, mbs, groups, seed in ((1, 2, (3, 1, 2), 3), (2, 1, (2, 3, 1), 4), (2, 3, (1, 5), 5),
+                                           (1, 3, (6,), 6))]
+    for case in cases:
+        td = materialize_step(case)
+        whole = {key: td.get(key).to_padded_tensor(0.0) for key in ("advantages", "response_mask")}
+        boundaries = preprocess.compute_prompt_boundaries([str(int(u)) for u in td.get(PROMPT_KEY)])
+        minis = [select_rows(td, case.rank_rows(rank)) for rank in range(case.dp)]
+        facts = prescaled_step._facts(minis, case.plan)
+        cut = consecutive_cut(minis, case.plan)
+        for mode in ("token_mean", "token_mean_legacy", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean"):
+            want = ppo.apply_loss_reduction_to_advantages_minibatch(
+                whole["advantages"], whole["response_mask"], mode, case.micro_batch_size, 16,
+                prompt_boundaries=boundaries)
+            setting = LossSetting("policy", mode, 16)
+            for rank, (micro, _) in enumerate(cut):
+                rows = iter(case.rank_rows(rank))
+                for mb in micro:
+                    got = prescaled_step.prescaled(mb.get("advantages").to_padded_tensor(0.0),
+                                                   mb.get("response_mask").to_padded_tensor(0.0), facts[rank],
+                                                   setting, mb.get(PROMPT_KEY))
+                    for row in got:
+                        i = next(rows)
+                        r = case.response_lens[i]
+                        assert torch.allclose(row[:r], want[i, :r], rtol=1e-6, atol=0), (case, mode, i, row, want[i])
 
 class _Mutant(ast.NodeTransformer):
     """One held-out-style mutation of verl's ``forward_backward_batch`` source (``what``: which)."""

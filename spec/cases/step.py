@@ -4,7 +4,7 @@ A :class:`StepCase` is one mini-batch on every data-parallel rank (rank r holds 
 ``B / dp`` samples, as a trainer dispatches it), the cut a framework's step makes of each rank's share (a sample count
 or a token budget), the loss, its aggregation mode and horizon, and the preparation's mode (packed or padded).
 Tensors come from the seed (:func:`materialize_step`): the preparation's keys of :func:`spec.cases.materialize.
-materialize`, and the step keys (:data:`spec.protocol.step.STEP_KEYS`) nested over each response: the loss mask
+materialize`, and the step keys (:data:`spec.protocol.step.STEP_KEYS`) nested over each response (and, where the aggregation reads prompt groups, each sample's prompt id): the loss mask
 (the drawn holes, the first response token of sample 0 always counted so that no mini-batch is empty), the old
 policy's log-probs (the stand-in's own, moved by a seeded amount inside the clip range), advantages, old values
 (the value head's own, moved inside the value clip range) and returns. Failures shrink towards
@@ -19,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ..protocol.step import Cut, CutPlan, Divisor, LossSetting, StepLayer
+from ..protocol.step import PROMPT_KEY, Cut, CutPlan, Divisor, LossSetting, StepLayer
 from ..truth.rules import response_index
 from ..truth.step_model import StepModel
 from ..truth.step_oracle import StepInputs
@@ -48,13 +48,26 @@ class StepCase(SampleLengths):
     vocab: int = 16
     #: the teacher's top-K (a distillation loss), 0: none
     topk: int = 0
+    #: the sizes of the mini-batch's consecutive prompt groups (GRPO's responses to one prompt; they may straddle
+    #: ranks), summing to the batch size; (): no prompt ids handed (an aggregation that reads none)
+    prompt_groups: tuple[int, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
         self._check_lengths()
         if self.batch_size % self.dp:
             raise ValueError(f"{self.batch_size} samples do not split over dp={self.dp} ranks")
+        if self.prompt_groups and (sum(self.prompt_groups) != self.batch_size or min(self.prompt_groups) < 1):
+            raise ValueError(f"prompt_groups {list(self.prompt_groups)}: positive sizes summing to the "
+                             f"{self.batch_size} samples expected")
         Cut(self.cut)
+
+    @property
+    def prompt_ids(self) -> torch.Tensor | None:
+        """Each sample's prompt group ``(B,)`` int64 (:data:`spec.protocol.step.PROMPT_KEY`), None without groups."""
+        if not self.prompt_groups:
+            return None
+        return torch.repeat_interleave(torch.arange(len(self.prompt_groups)), torch.tensor(self.prompt_groups))
 
     @property
     def per_rank(self) -> int:
@@ -95,6 +108,8 @@ class StepCase(SampleLengths):
             parts.append(f"V={self.vocab}")
         if self.topk:
             parts.append(f"topk={self.topk}")
+        if self.prompt_groups:
+            parts.append(f"prompts={list(self.prompt_groups)}")
         return "StepCase(" + " ".join(parts + [f"seed={self.seed}"]) + ")"
 
 
@@ -126,9 +141,14 @@ def step_cases(draw, layer: StepLayer, modes: tuple[str, ...] = ("packed", "padd
     horizon = draw(st.sampled_from(loss.horizons)) if Divisor.HORIZON in mode.divisors else None
     packed = draw(st.sampled_from(tuple(m == "packed" for m in modes)))
     holes = draw(st.sampled_from((0.0, 0.3)))
+    groups: tuple[int, ...] = ()
+    if mode.reads_prompts:  # where each new prompt starts (shrinks to one group: the whole mini-batch's)
+        starts = draw(st.lists(st.booleans(), min_size=batch - 1, max_size=batch - 1))
+        cuts = [0, *(i + 1 for i, new in enumerate(starts) if new), batch]
+        groups = tuple(b - a for a, b in zip(cuts, cuts[1:]))
     return StepCase(prompts, responses, dp=dp, cut=cut.value, micro_batch_size=mbs, max_token_len=budget,
                     loss=loss.name, mode=mode.name, horizon=horizon, use_remove_padding=packed, holes=holes,
-                    topk=loss.topk, seed=draw(st.integers(0, 2 ** 16)))
+                    topk=loss.topk, prompt_groups=groups, seed=draw(st.integers(0, 2 ** 16)))
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
@@ -168,7 +188,8 @@ def step_inputs(case: StepCase) -> StepInputs:
     return StepInputs(features=r["features"], labels=r["labels"], sample=sample, mask=r["mask"],
                       advantages=as32(r["advantages"]), old_log_probs=as32(r["old"]), returns=as32(r["returns"]),
                       batch_size=case.batch_size, response_width=max(case.response_lens),
-                      teacher_ids=r.get("teacher_ids"), teacher_logprobs=r.get("teacher_logprobs"))
+                      teacher_ids=r.get("teacher_ids"), teacher_logprobs=r.get("teacher_logprobs"),
+                      prompt=case.prompt_ids)
 
 
 def materialize_step(case: StepCase) -> TensorDict:
@@ -182,4 +203,6 @@ def materialize_step(case: StepCase) -> TensorDict:
     keys = {"old_log_probs": r["old"], "advantages": r["advantages"], "values": r["old"], "returns": r["returns"]}
     for key, values in keys.items():
         td.set(key, jagged(values.to(torch.float32), lens))
+    if case.prompt_groups:
+        td.set(PROMPT_KEY, case.prompt_ids)
     return td

@@ -24,7 +24,7 @@ from ..execute.harness import model_for
 from ..execute.step import StepRun, cut_step, run_step, step_layer_of
 from ..protocol.engine import OutputSpan
 from ..protocol.profile import profile_of
-from ..protocol.step import STEP_KEYS, Cut, Divisor, Scope
+from ..protocol.step import PROMPT_KEY, STEP_KEYS, Cut, Divisor, Scope
 from ..truth.oracle import expected
 from ..truth.rules import read_positions
 from ..truth.step_model import StepModel
@@ -59,7 +59,8 @@ class StepInfo(InvariantInfo):
 def pinned_steps(layer, modes: tuple[str, ...]) -> list[StepCase]:
     """Every aggregation mode of every loss the layer offers (each horizon), on two samples per rank whose responses
     differ in length, cut into two micro-batches per rank (over two ranks where the layer has them), with holes in the
-    loss mask, each its own seed; and, where the layer cuts by a token budget over ranks, one case whose ranks need
+    loss mask, each its own seed (a mode that reads prompt groups: an unequal two, the first straddling the ranks
+    where there are two); and, where the layer cuts by a token budget over ranks, one case whose ranks need
     different micro-batch counts (rank 0's samples of 3 and 5 tokens under a budget of 5, rank 1's of 2 and 2)."""
     cut = Cut.COUNT if Cut.COUNT in layer.cuts else Cut.TOKENS
     dp = 2 if 2 in layer.dp_sizes else 1
@@ -68,11 +69,12 @@ def pinned_steps(layer, modes: tuple[str, ...]) -> list[StepCase]:
     cases = []
     for loss in layer.losses:
         for agg in loss.modes:
+            groups = (len(prompts) - 1, 1) if agg.reads_prompts else ()
             for horizon in (loss.horizons if Divisor.HORIZON in agg.divisors else (None,)):
                 cases.append(StepCase(prompts, responses, dp=dp, cut=cut.value, micro_batch_size=1,
                                       max_token_len=5 if cut is Cut.TOKENS else 0, loss=loss.name, mode=agg.name,
                                       horizon=horizon, use_remove_padding=packed, holes=0.3, topk=loss.topk,
-                                      seed=1 + len(cases)))
+                                      prompt_groups=groups, seed=1 + len(cases)))
     if Cut.TOKENS in layer.cuts and dp == 2:
         first = layer.losses[0]
         cases.append(StepCase((2, 2, 1, 1), (1, 3, 1, 1), dp=2, cut=Cut.TOKENS.value, max_token_len=5, loss=first.name,
@@ -147,7 +149,8 @@ def _restored(ctx: Ctx, run: StepRun, rank: int, outputs: dict, key: str, want, 
 @step_invariant(
     "INV-STEP-002", "the step's cut: every rank runs the same number of micro-batches, each rank's micro-batches "
     "partition its samples, and every micro-batch (a padding one included) carries every key of the mini-batch "
-    "(the preparation's and the step's: response mask, old log-probs, advantages, old values, returns) for its samples",
+    "(the preparation's and the step's: response mask, old log-probs, advantages, old values, returns, and the prompt "
+    "ids where handed) for its samples",
     protects="every rank joins every collective of the step, no sample is dropped or counted twice, and no "
              "micro-batch's loss reads a key it lacks or another sample's")
 def the_cut(ctx: Ctx) -> None:
@@ -159,9 +162,10 @@ def the_cut(ctx: Ctx) -> None:
     for rank, (micro, rows, mini) in enumerate(zip(run.micro_batches, run.rows, run.minis)):
         own = ctx.case.rank_rows(rank)
         # each step key's samples, unbound once per rank (torch 2.4's jagged tensors have no select())
-        samples = {key: mini.get(key).unbind() for key in STEP_KEYS if key in mini.keys()}
+        samples = {key: mini.get(key).unbind() for key in (*STEP_KEYS, PROMPT_KEY) if key in mini.keys()}
         for k, (mb, part) in enumerate(zip(micro, rows)):
-            missing = sorted(key for key in (*STEP_KEYS, "input_ids") if key in mini.keys() and key not in mb.keys())
+            missing = sorted(key for key in (*STEP_KEYS, PROMPT_KEY, "input_ids")
+                             if key in mini.keys() and key not in mb.keys())
             if missing:
                 fail(f"rank {rank}, micro-batch {k} (samples {part}): keys {missing} missing (has {sorted(mb.keys())})",
                      key=missing[0])

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["STEP_FUNCTIONS", "REQUIRED_STEP_FUNCTIONS", "STEP_KEYS", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
+__all__ = ["STEP_FUNCTIONS", "REQUIRED_STEP_FUNCTIONS", "STEP_KEYS", "PROMPT_KEY", "Cut", "Fact", "Weighting", "Divisor", "Scope", "PerToken", "Aggregation",
            "PER_TOKEN_PARAMETERS", "LossDeclaration", "LossSetting", "CutPlan", "StepLayer"]
 
 #: the functions a step layer offers, by neutral name (a framework binds its own callables)
@@ -57,6 +57,9 @@ REQUIRED_STEP_FUNCTIONS = STEP_FUNCTIONS[:4]
 #: the per-sample step keys every micro-batch carries besides the preparation's (nested over each response):
 #: the loss mask, the old policy's log-probs, the advantages, the old values and the returns
 STEP_KEYS = ("response_mask", "old_log_probs", "advantages", "values", "returns")
+#: the per-sample prompt id (int64 ``(B,)``: consecutive samples sampled from one prompt share it, GRPO's
+#: ``n_samples_per_prompt`` responses; verl's and SkyRL's ``uid``), carried where an aggregation reads the prompt groups
+PROMPT_KEY = "uid"
 
 
 class Cut(str, Enum):
@@ -74,6 +77,9 @@ class Fact(str, Enum):
     GLOBAL_BATCH_SIZE = "global_batch_size"  #: samples of the mini-batch on every rank
     ACCUMULATION_STEPS = "accumulation_steps"  #: micro-batches per rank (gradient accumulation)
     RESPONSE_WIDTH = "response_width"  #: the longest response of the mini-batch on every rank (a global horizon)
+    #: the mini-batch's prompt groups (each one's loss tokens on every rank, and their count: SkyRL's
+    #: ``prompt_boundaries``, computed from the samples' :data:`PROMPT_KEY`)
+    PROMPT_GROUPS = "prompt_groups"
 
 
 class Weighting(str, Enum):
@@ -81,6 +87,9 @@ class Weighting(str, Enum):
 
     TOKEN = "token"  #: each token as it is (a token sum)
     SEQUENCE_MEAN = "sequence_mean"  #: each token divided by its sequence's valid-token count (a token mean)
+    #: each token divided by its prompt group's valid-token count over the mini-batch (a token mean per prompt:
+    #: SkyRL's prompt_mean)
+    PROMPT_MEAN = "prompt_mean"
 
 
 class Divisor(str, Enum):
@@ -90,6 +99,7 @@ class Divisor(str, Enum):
     SEQUENCES = "sequences"  #: samples (of the scope)
     #: samples with at least one loss token (of the scope): OpenRLHF's aggregate_loss leaves fully masked ones out
     VALID_SEQUENCES = "valid_sequences"
+    PROMPTS = "prompts"  #: prompt groups (of the scope; one counted wherever any of its samples is)
     HORIZON = "horizon"  #: a constant length: the mode's setting (verl's loss_scale_factor, TRL's max_completion_length)
 
 
@@ -143,6 +153,11 @@ class Aggregation:
     divisors: tuple[Divisor, ...] = (Divisor.TOKENS,)
     scope: Scope = Scope.GLOBAL
     documented: str = ""
+
+    @property
+    def reads_prompts(self) -> bool:
+        """Whether the mode reads the samples' prompt groups (:data:`PROMPT_KEY`)."""
+        return self.weighting is Weighting.PROMPT_MEAN or Divisor.PROMPTS in self.divisors
 
     def __post_init__(self) -> None:
         if self.scope is Scope.MICRO_BATCH and not self.documented:

@@ -2,8 +2,9 @@
 
 A step's loss is a function of the per-token losses of every response token of the mini-batch (on every rank) and of
 the aggregation mode (:class:`spec.protocol.step.Aggregation`): ``L = sum_i sum_t w_i m_it l_it / D`` with ``w_i``
-1 or one over sequence i's valid tokens and ``D`` the product of the mode's divisors (valid tokens, samples, a
-horizon; or the samples with a loss token) counted over the whole mini-batch; for a mode a library documents as local, each micro-batch's own ``D`` and
+1, one over sequence i's valid tokens, or one over its prompt group's valid tokens (over the mini-batch), and ``D``
+the product of the mode's divisors (valid tokens, samples, a horizon; or the samples with a loss token, or the
+prompt groups) counted over the whole mini-batch; for a mode a library documents as local, each micro-batch's own ``D`` and
 the micro-batches' losses averaged (what gradient accumulation over ``k`` micro-batches per rank, ``1/k`` each, and
 the DDP/FSDP average over the ranks give). The per-token loss ``l`` is one of :class:`spec.protocol.step.PerToken`,
 evaluated on the head's float64 logits ``z = features @ weight`` of each response token's scoring row (the token
@@ -53,6 +54,8 @@ class StepInputs:
     #: the teacher's top-K ids and log-probs at each scoring row ``(n, K)`` (distillation only)
     teacher_ids: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    #: each sample's prompt group ``(batch_size,)`` int64 (None: every sample its own prompt)
+    prompt: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,13 @@ def aggregate(losses: torch.Tensor, x: StepInputs, mode: Aggregation, horizon: i
     mini-batch's longest response)."""
     mask = x.mask.to(losses.dtype)
     valid = torch.zeros(x.batch_size, dtype=losses.dtype).index_add_(0, x.sample, mask)
-    weight = torch.ones_like(losses) if mode.weighting is Weighting.TOKEN else \
-        torch.where(valid > 0, 1.0 / valid.clamp(min=1.0), torch.zeros_like(valid))[x.sample]
+    prompt = x.prompt if x.prompt is not None else torch.arange(x.batch_size)
+    if mode.weighting is Weighting.TOKEN:
+        weight = torch.ones_like(losses)
+    else:  # a token mean per sequence, or per prompt group (its loss tokens over the mini-batch)
+        per = valid if mode.weighting is Weighting.SEQUENCE_MEAN else \
+            torch.zeros(x.batch_size, dtype=losses.dtype).index_add_(0, prompt, valid)[prompt]
+        weight = torch.where(per > 0, 1.0 / per.clamp(min=1.0), torch.zeros_like(per))[x.sample]
     share = torch.zeros(x.batch_size, dtype=losses.dtype).index_add_(0, x.sample, weight * mask * losses)
     width = float(horizon if horizon is not None else x.response_width)
 
@@ -124,6 +132,8 @@ def aggregate(losses: torch.Tensor, x: StepInputs, mode: Aggregation, horizon: i
                 divisor = divisor * samples.numel()
             elif factor is Divisor.VALID_SEQUENCES:
                 divisor = divisor * (valid[samples] > 0).sum().clamp(min=1)
+            elif factor is Divisor.PROMPTS:
+                divisor = divisor * prompt[samples].unique().numel()
             else:
                 divisor = divisor * width
         return share[samples].sum() / divisor

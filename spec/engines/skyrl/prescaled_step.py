@@ -16,8 +16,12 @@ takes the whole mini-batch, which a micro-batch's loss is not handed. Every poli
 loss.
 
 ``token_mean_legacy`` (the old per-micro-batch behaviour, kept for comparison) is drawn as the local mode it is
-documented to be: each micro-batch's own token mean, averaged over the mini-batch's micro-batches. Not drawn:
-``prompt_mean`` (needs the prompts' group boundaries, which the suite's mini-batches do not carry).
+documented to be: each micro-batch's own token mean, averaged over the mini-batch's micro-batches. ``prompt_mean``
+(each prompt group's token mean, averaged over the prompts: ``A / (num_prompts * the group's loss tokens)``) is drawn
+with prompt groups of any sizes, straddling ranks and micro-batches: the trainer's ``prompt_boundaries`` come from the
+samples' ``uid`` through skyrl's own ``compute_prompt_boundaries`` (``skyrl.train.dataset.preprocess``), over the
+whole mini-batch. tests/test_step_engines.py holds :func:`prescaled` to the library's
+``apply_loss_reduction_to_advantages_minibatch`` on whole mini-batches, in every mode.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, Fact, LossSetting, Scope, StepLayer, Weighting
+from ...protocol.step import (PROMPT_KEY, Aggregation, Cut, CutPlan, Divisor, Fact, LossSetting, Scope, StepLayer,
+                              Weighting)
 from ..kit.step import concatenated, consecutive_cut, policy_columns
 from .step import COVARIANCE_PICKED, LOSS_FUNCTIONS, MAX_SEQ_LEN, SKYRL_AGGREGATIONS, policy_losses
 
@@ -43,9 +48,10 @@ SAPO_TAUS, CISPO_OFFSETS = (1.0, 1.05), (1.0, 4.0)
 LEGACY = Aggregation("token_mean_legacy", Weighting.TOKEN, (Divisor.TOKENS,), Scope.MICRO_BATCH,
                      documented="apply_loss_reduction_to_advantages_minibatch: 'legacy token-mean that normalizes "
                                 "per-microbatch then averages across microbatches'")
-_UNDRAWN = {
-    "prompt_mean": "needs the prompts' group boundaries (prompt_boundaries), which the suite's mini-batches do not carry",
-}
+#: each prompt group's token mean, averaged over the mini-batch's prompts (PR #1296's fourth mode)
+PROMPT_MEAN = Aggregation("prompt_mean", Weighting.PROMPT_MEAN, (Divisor.PROMPTS,))
+#: where the trainer's prompt boundaries come from (skyrl 0.4.0's, imported by the adapter's load())
+PREPROCESS = "skyrl.train.dataset.preprocess"
 _UNDRAWN_LOSSES = {
     "rollout_is, dppo, cispo with cispo_anchor='rollout'": "policy_loss_types anchored on the rollout's own log-probs, "
                                                            "which the suite's step keys do not carry",
@@ -55,8 +61,8 @@ _UNDRAWN_LOSSES = {
 }
 #: the same modes as 0.3.1's (step.py), seq_mean_token_sum_norm's constant trainer.algorithm.max_seq_len; every
 #: policy_loss_type whose per-token form is linear in the advantages (so pre-scaling them is the reduction)
-LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, {**_UNDRAWN, **_UNDRAWN_LOSSES}, more=("importance_sampling",),
-                       aggregations=(*SKYRL_AGGREGATIONS, LEGACY))
+LOSSES = policy_losses(SAPO_TAUS, CISPO_OFFSETS, _UNDRAWN_LOSSES, more=("importance_sampling",),
+                       aggregations=(*SKYRL_AGGREGATIONS, PROMPT_MEAN, LEGACY))
 
 
 @lru_cache(maxsize=32)
@@ -69,17 +75,38 @@ def _config(loss: str, mode: str, horizon: int | None) -> Any:
                                                            cispo_eps_clip_high=CISPO_OFFSETS[1]))
 
 
+def _prompt_groups(minis: list[TensorDict]) -> dict[int, float] | None:
+    """Each prompt's loss tokens over the mini-batch (every rank's share), by its id, from the trainer's
+    ``prompt_boundaries`` (skyrl's own ``compute_prompt_boundaries`` of the samples' uids); None without uids."""
+    if any(PROMPT_KEY not in mini.keys() for mini in minis):
+        return None
+    uids = torch.cat([mini.get(PROMPT_KEY) for mini in minis])
+    tokens = torch.cat([torch.stack([row.sum() for row in mini.get("response_mask").unbind()]) for mini in minis])
+    boundaries = importlib.import_module(PREPROCESS).compute_prompt_boundaries([str(int(u)) for u in uids])
+    return {int(uids[start]): float(tokens[start:end].sum()) for start, end in boundaries}
+
+
 def _facts(minis: list[TensorDict], plan: CutPlan) -> list[dict]:
-    """The trainer's mini-batch (every rank's share): its loss tokens, its samples, the DP size, and its micro-batches
-    (``token_mean_legacy``'s count: the mini-batch's samples over ``micro_train_batch_size_per_gpu``)."""
+    """The trainer's mini-batch (every rank's share): its loss tokens, its samples, the DP size, its micro-batches
+    (``token_mean_legacy``'s count: the mini-batch's samples over ``micro_train_batch_size_per_gpu``) and its prompt
+    groups' loss tokens (``prompt_mean``'s)."""
     tokens = sum(float(mini.get("response_mask").values().sum()) for mini in minis)
     samples = sum(int(mini.batch_size[0]) for mini in minis)
     return [{"batch_num_tokens": tokens, "global_batch_size": samples, "dp_size": len(minis),
-             "micro_batches": samples // plan.micro_batch_size} for _ in minis]
+             "micro_batches": samples // plan.micro_batch_size, "prompt_groups": _prompt_groups(minis)}
+            for _ in minis]
 
 
-def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting: LossSetting) -> torch.Tensor:
-    """``apply_loss_reduction_to_advantages_minibatch`` of the micro-batch's rows, with the mini-batch's facts."""
+def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting: LossSetting,
+              uids: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_loss_reduction_to_advantages_minibatch`` of the micro-batch's rows ``(b, R)``, with the mini-batch's
+    facts (``uids``: the rows' prompt ids, ``prompt_mean``'s)."""
+    if setting.mode == "prompt_mean":
+        groups = facts["prompt_groups"]
+        if groups is None or uids is None:
+            raise ValueError(f"prompt_mean: the micro-batch's rows need their prompt ids ({PROMPT_KEY!r}), got none")
+        own = torch.tensor([groups[int(u)] for u in uids], dtype=advantages.dtype).clamp(min=1).unsqueeze(-1)
+        return advantages / (len(groups) * own)
     if setting.mode == "token_mean":
         return advantages / max(facts["batch_num_tokens"], 1.0)
     if setting.mode == "token_mean_legacy":  # the micro-batch's own loss tokens, over the mini-batch's micro-batches
@@ -93,7 +120,8 @@ def _loss(outputs: dict, mb: TensorDict, facts: dict, setting: LossSetting) -> t
     ppo = importlib.import_module(PPO_UTILS)
     log_probs, mask, old, advantages = policy_columns(outputs, mb)
     policy_loss = getattr(ppo, LOSS_FUNCTIONS[setting.loss])
-    loss, _ = policy_loss(log_probs, old, prescaled(advantages, mask, facts, setting),
+    uids = mb.get(PROMPT_KEY) if PROMPT_KEY in mb.keys() else None
+    loss, _ = policy_loss(log_probs, old, prescaled(advantages, mask, facts, setting, uids),
                           _config(setting.loss, setting.mode, setting.horizon), loss_mask=mask)
     return loss * facts["dp_size"]  # the worker's grad_sum_correction_factor
 
@@ -109,7 +137,8 @@ def skyrl_step_layer(load) -> StepLayer | None:
         return None
     # GSPO's and SAPO's advice to reduce by sequence_mean, logged on every call: the suite draws every reduction
     importlib.import_module("loguru").logger.disable(PPO_UTILS)
-    return StepLayer("skyrl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.GLOBAL_BATCH_SIZE, Fact.DP_SIZE),
+    return StepLayer("skyrl", cuts=(Cut.COUNT,), facts=(Fact.BATCH_NUM_TOKENS, Fact.GLOBAL_BATCH_SIZE, Fact.DP_SIZE,
+                                                Fact.PROMPT_GROUPS),
                      losses=LOSSES, functions={"cut": consecutive_cut, "facts": _facts, "loss": _loss,
                                                "restore": concatenated},
                      dp_sizes=(1, 2),
