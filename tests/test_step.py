@@ -213,6 +213,12 @@ def test_per_token_losses_by_hand() -> None:
     phi_pos, phi_neg = math.exp(3 + 2 * 0.2 - 3 * w), math.exp(2 + 3 * 0.2 - 2 * w)
     assert per_token_loss(PerToken.GAMMA_WEIGHT, z, off, gamma).tolist() == pytest.approx(
         [phi_pos * 0.5 * math.log(4), phi_neg * -2 * math.log(4)])
+    # GPG's plain policy gradient, -A log_prob, on policy or off; DRO's adds beta/2 (log-ratio 0.1)^2
+    for inputs in (x, off):
+        assert per_token_loss(PerToken.POLICY_GRADIENT, z, inputs).tolist() == pytest.approx(
+            [0.5 * math.log(4), -2 * math.log(4)])
+    assert per_token_loss(PerToken.QUADRATIC_PENALTY, z, off, {"beta": 4.0}).tolist() == pytest.approx(
+        [0.5 * math.log(4) + 2 * 0.01, -2 * math.log(4) + 2 * 0.01])
 
 
 def test_loss_declaration_names_its_parameters() -> None:

@@ -109,6 +109,31 @@ def test_skyrl_train_token_mean_is_per_micro_batch() -> None:
 
 
 
+@pytest.mark.skipif(not _has("verl"), reason="verl is not installed (the verl091 step's venv)")
+def test_verl_geo_mean_is_each_micro_batchs_own_mean() -> None:
+    """verl 0.9.1's geo_mean (GMPO, F26, issue #7913): one micro-batch per rank passes every step check; two one-sample
+    micro-batches give twice the loss and gradient, a failure its record names (under its condition); gpg and dro
+    (agg_loss with the global facts) pass on the same cut."""
+    from spec.engines.verl.step import GEO_MEAN_RECORDS, a_rank_runs_several_micro_batches
+    from spec.run.registry import load_engine
+
+    engine = load_engine("verl")
+    if engine.step_layer() is None:
+        pytest.skip(f"verl {engine.caps.version} ships no distillation losses: its step is not declared")
+    whole = TWO_MICRO_BATCHES.with_(loss="geo_mean", mode="seq-mean-token-mean", micro_batch_size=2)
+    assert not a_rank_runs_several_micro_batches(whole)
+    for invariant in ("INV-STEP-001", "INV-STEP-002", "INV-STEP-003", "INV-STEP-004"):
+        _check(engine, whole, invariant)
+    cut = whole.with_(micro_batch_size=1)
+    assert a_rank_runs_several_micro_batches(cut)
+    for record in GEO_MEAN_RECORDS:
+        with pytest.raises(AssertionError) as failure:
+            _check(engine, cut, record.invariant)
+        assert record.excuses(cut, failure.value, engine), str(failure.value)
+    for loss in ("gpg", "dro"):
+        _check(engine, TWO_MICRO_BATCHES.with_(loss=loss, mode="token-mean"))
+
+
 @pytest.mark.skipif(not _has("skyrl"), reason="skyrl is not installed (the skyrl step's venv)")
 def test_skyrl_token_mean_is_the_mini_batchs(monkeypatch) -> None:
     """skyrl 0.4.0 pre-scales the advantages over the mini-batch (PR #1296): token_mean no longer depends on the cut,

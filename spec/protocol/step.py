@@ -132,12 +132,17 @@ class PerToken(str, Enum):
     #: clamped to +-20, the sum to [log 1e-8, 20]) and phi(w) = exp(lam + k log w - lam w), (k, lam) = (``k_pos``,
     #: ``lambda_pos``) where A >= 0, else (``k_neg``, ``lambda_neg``) (VESPO's Gamma weight)
     GAMMA_WEIGHT = "gamma_weight"
+    #: -A * log_prob (the plain policy gradient, no ratio: GPG, REINFORCE)
+    POLICY_GRADIENT = "policy_gradient"
+    #: -(A * log_prob - beta / 2 * (log_prob - old_log_prob)^2) (DRO: the policy gradient with a quadratic log-ratio
+    #: penalty; parameter ``beta``)
+    QUADRATIC_PENALTY = "quadratic_penalty"
 
 
 #: the parameters each per-token form reads (:attr:`LossDeclaration.parameters`)
 PER_TOKEN_PARAMETERS: dict[PerToken, tuple[str, ...]] = {
     PerToken.CLIPPED_WEIGHT: ("low", "high"), PerToken.SOFT_GATE: ("tau_pos", "tau_neg"),
-    PerToken.GAMMA_WEIGHT: ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
+    PerToken.GAMMA_WEIGHT: ("k_pos", "lambda_pos", "k_neg", "lambda_neg"), PerToken.QUADRATIC_PENALTY: ("beta",)}
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,10 @@ def per_token_loss(kind: PerToken, z: torch.Tensor, x: StepInputs, parameters: M
     if kind is PerToken.NLL:
         return -log_probs
     log_ratio, mask = log_probs - x.old_log_probs, x.mask.to(z.dtype)
+    if kind is PerToken.POLICY_GRADIENT:
+        return -x.advantages * log_probs
+    if kind is PerToken.QUADRATIC_PENALTY:
+        return -(x.advantages * log_probs - 0.5 * p["beta"] * log_ratio ** 2)
     if kind in (PerToken.SEQUENCE_RATIO, PerToken.SEQUENCE_RATIO_TOKEN):
         total = torch.zeros(x.batch_size, dtype=z.dtype).index_add(0, x.sample, mask * log_ratio)
         count = torch.zeros(x.batch_size, dtype=z.dtype).index_add_(0, x.sample, mask).clamp(min=1.0)

@@ -41,22 +41,31 @@ from tensordict import TensorDict
 
 from ...protocol.known import KnownFailure, When
 from ...cases.step import step_inputs
-from ...protocol.step import Cut, CutPlan, Fact, LossDeclaration, LossSetting, PerToken, StepLayer
+from ...protocol.step import Aggregation, Cut, CutPlan, Divisor, Fact, LossDeclaration, LossSetting, PerToken, StepLayer, \
+    Weighting
 from ..kit import require
 from ..kit.step import AGG_LOSS_MODES, HORIZONS, agg_loss_losses, cut_with, with_plan
 
 __all__ = ["verl_step_layer", "verl_forward_backward", "STEP_RECORDS", "width_default_applies",
-           "a_sample_without_loss_tokens"]
+           "a_sample_without_loss_tokens", "a_rank_runs_several_micro_batches"]
 
 HOW = "pip install verl==0.9.1"
 #: the PPO clip range of the drawn actor config (clip_ratio; clip_ratio_low/high left unset take it)
 CLIP_RATIO = 0.2
 #: ActorConfig's SAPO temperatures (tau_pos, tau_neg: its defaults)
 SAPO_TAUS = (1.0, 1.05)
+#: PolicyLossConfig.dro_beta of the drawn DRO config (required positive; no default)
+DRO_BETA = 0.5
+#: GMPO's objective (compute_policy_loss_geo_mean): each sequence's masked-mean advantage times the geometric mean of its
+#: clipped token ratios (the cases' ratios lie inside the clip range: the sequence ratio), averaged over the sequences
+#: with torch.mean whatever loss_agg_mode says; as the step's loss, the mean over the mini-batch's sequences
+GEO_MEAN = Aggregation("seq-mean-token-mean", Weighting.SEQUENCE_MEAN, (Divisor.SEQUENCES,))
 #: verl's policy_loss.loss_mode forms beside vanilla (the "policy" loss), each through ppo_loss and its registered
 #: function: gspo (GSPO-token) and cispo (the stopped weight clipped to [1 - clip_ratio, 1 + clip_ratio]) in every
 #: loss_agg_mode; sapo aggregates by seq-mean-token-mean whatever loss_agg_mode says (compute_policy_loss_sapo passes
-#: it to agg_loss itself; "for SAPO, it is recommended to use seq-mean-token-mean"), so that is its one mode
+#: it to agg_loss itself; "for SAPO, it is recommended to use seq-mean-token-mean"), so that is its one mode; gpg (the plain
+#: policy gradient) and dro (its quadratic log-ratio penalty, dro_beta) in every loss_agg_mode; geo_mean (GMPO) in its
+#: own aggregation, the mean over sequences, which ignores loss_agg_mode
 POLICY_FORMS = (
     LossDeclaration("gspo", PerToken.SEQUENCE_RATIO_TOKEN, AGG_LOSS_MODES, horizons=HORIZONS),
     LossDeclaration("cispo", PerToken.CLIPPED_WEIGHT, AGG_LOSS_MODES, horizons=HORIZONS,
@@ -65,6 +74,12 @@ POLICY_FORMS = (
                     parameters={"tau_pos": SAPO_TAUS[0], "tau_neg": SAPO_TAUS[1]}, undrawn={
                         m.name: "compute_policy_loss_sapo aggregates by seq-mean-token-mean whatever loss_agg_mode "
                                 "says" for m in AGG_LOSS_MODES if m.name != "seq-mean-token-mean"}),
+    LossDeclaration("gpg", PerToken.POLICY_GRADIENT, AGG_LOSS_MODES, horizons=HORIZONS),
+    LossDeclaration("dro", PerToken.QUADRATIC_PENALTY, AGG_LOSS_MODES, horizons=HORIZONS,
+                    parameters={"beta": DRO_BETA}),
+    LossDeclaration("geo_mean", PerToken.SEQUENCE_RATIO, (GEO_MEAN,), undrawn={
+        m.name: "compute_policy_loss_geo_mean ignores loss_agg_mode (torch.mean over the sequences)"
+        for m in AGG_LOSS_MODES if m.name != GEO_MEAN.name}),
 )
 #: the loss_mode forms not drawn, with why
 UNDRAWN_POLICY_FORMS = {
@@ -72,8 +87,6 @@ UNDRAWN_POLICY_FORMS = {
                                      "do not carry",
     "clip_cov, kl_cov": "pick tokens by the covariance of advantage and log-prob over the micro-batch (a random subset, "
                         "a top-k): the per-token loss depends on the micro-batch by design",
-    "gpg, geo_mean, dro": "per-token forms outside the oracle's (GPG's -A log_prob unclipped, GMPO's geometric mean "
-                          "of the clipped token ratios, DRO's regularised objective)",
 }
 
 
@@ -115,8 +128,30 @@ EMPTY_MICRO_BATCH_RECORDS = tuple(
                  when=When("a distillation step with a sample whose response mask is all 0", a_sample_without_loss_tokens))
     for invariant in ("INV-STEP-001", "INV-STEP-003", "INV-STEP-004"))
 
+def a_rank_runs_several_micro_batches(case: Any) -> bool:
+    """A geo_mean step whose ranks run more than one micro-batch: a count cut finer than a rank's share, or a token
+    budget some rank's share exceeds (verl then agrees on at least two micro-batches on every rank)."""
+    if getattr(case, "loss", None) != "geo_mean":
+        return False
+    if case.cut == "count":
+        return case.micro_batch_size < case.per_rank
+    lengths = case.seq_lens
+    return any(sum(lengths[i] for i in case.rank_rows(rank)) > case.max_token_len for rank in range(case.dp))
+
+
+#: verl 0.9.1's geo_mean: each micro-batch's own mean over its sequences, backpropagated as is
+GEO_MEAN_RECORDS = tuple(
+    KnownFailure(invariant, "compute_policy_loss_geo_mean (GMPO) ends with torch.mean over the micro-batch's sequences, "
+                 "not agg_loss with the global batch facts, and forward_backward_batch backpropagates each micro-batch's "
+                 "loss unscaled: k micro-batches per rank give k local means, about k times the mini-batch's loss "
+                 "and gradient (docs/findings/F26-verl-geo-mean-micro-batch-mean.md; verl issue #7913, open; PRs #5614, "
+                 "#7916)", matches=f"geo_mean loss in seq-mean-token-mean: {what}",
+                 when=When("a geo_mean step whose ranks run more than one micro-batch", a_rank_runs_several_micro_batches),
+                 certain=False)
+    for invariant, what in (("INV-STEP-003", "the micro-batches' losses"), ("INV-STEP-004", "gradient")))
+
 #: every record of verl's step
-STEP_RECORDS = WIDTH_RECORDS + EMPTY_MICRO_BATCH_RECORDS
+STEP_RECORDS = WIDTH_RECORDS + EMPTY_MICRO_BATCH_RECORDS + GEO_MEAN_RECORDS
 
 
 @lru_cache(maxsize=64)
@@ -128,7 +163,7 @@ def _config(kind: str, mode: str, horizon: int | None, loss_mode: str = "vanilla
         return configs.FSDPCriticConfig(**common, cliprange_value=0.5)
     return configs.FSDPActorConfig(**common, clip_ratio=CLIP_RATIO, entropy_coeff=0.0, use_kl_loss=False,
                                    tau_pos=SAPO_TAUS[0], tau_neg=SAPO_TAUS[1],
-                                   policy_loss=configs.PolicyLossConfig(loss_mode=loss_mode))
+                                   policy_loss=configs.PolicyLossConfig(loss_mode=loss_mode, dro_beta=DRO_BETA))
 
 
 @lru_cache(maxsize=8)
