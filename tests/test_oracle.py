@@ -121,3 +121,23 @@ def test_a_field_the_oracle_reads_moves_its_key() -> None:
     for change in ({"seed": 6}, {"temperature": 0.5}, {"calculate_entropy": True}, {"mask_hole_rate": 0.5},
                    {"engine_config": ((LOG_PROB_MIN_CLAMP, -5.0),)}):
         assert oracle_key(dataclasses.replace(case, **change)) != oracle_key(case), change
+
+
+def test_a_packed_row_splits_at_the_handed_cu_seqlens() -> None:
+    """The stand-in model splits a packed row where it is told to (a varlen kernel's ``cu_seqlens``, or Hugging
+    Face's ``cu_seq_lens_q``), else where the positions restart: the right boundaries give the logits the positions
+    give; one boundary too few (TorchTitan's mRoPE ``cu_seq_q = [0, nnz]``) changes the later sequences' logits and
+    not the first's; boundaries of another row (a shard's of the whole row) are not this row's and are ignored."""
+    from spec.truth.toy_model import ToyCausalLM
+
+    model = ToyCausalLM(16, seed=3)
+    ids = torch.tensor([[3, 5, 7, 2, 9, 4, 1]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
+    by_positions = model(ids, positions).logits
+    for name in ("cu_seqlens", "cu_seq_lens_q"):
+        right = model(ids, positions, **{name: torch.tensor([0, 3, 5, 7], dtype=torch.int32)}).logits
+        assert torch.equal(right, by_positions), name
+    one = model(ids, positions, cu_seqlens=torch.tensor([0, 7])).logits
+    assert torch.equal(one[:, :3], by_positions[:, :3])
+    assert not torch.allclose(one[:, 3:], by_positions[:, 3:])
+    assert torch.equal(model(ids, positions, cu_seqlens=torch.tensor([0, 3, 5, 7, 12])).logits, by_positions)

@@ -2,8 +2,10 @@
 
 Token t's output depends on its own id and position and on the mean embedding of the
 tokens it may attend to: earlier tokens of the same sequence that the attention mask
-keeps. Packed rows (no mask) are split into sequences where the (first-axis) position
-restarts at 0, as packed flash-attention models do. A wrong mask or wrong boundaries
+keeps. Packed rows (no mask) are split into sequences at the ``cu_seqlens`` the model is handed (verl's and
+TorchTitan's name, or Hugging Face's flash-attention keyword ``cu_seq_lens_q``) when they describe the row in hand
+(their last boundary its length), as a varlen flash-attention kernel splits them; otherwise where the (first-axis)
+position restarts at 0, as Hugging Face's packed flash-attention models find them. A wrong mask or wrong boundaries
 change the logits, as they changed verl's KL.
 
 The head is low rank: ``logits = tanh(hidden(8)) @ proj(8, V)``, so a vocabulary of 152k ids costs
@@ -60,6 +62,17 @@ def _weights(vocab: int, seed: int, out_dim: int, hidden: int, max_pos: int, dev
     return embed, pos_embed, proj, proj64, weight64
 
 
+def _row_bounds(cu_seqlens: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The handed ``cu_seqlens`` as the one packed row's boundaries (int64, on its device), where they describe that
+    row: one row, its length their last boundary (a shard of a longer row, or no boundaries: None)."""
+    if cu_seqlens is None or input_ids.shape[0] != 1:
+        return None
+    bounds = cu_seqlens.reshape(-1).to(device=input_ids.device, dtype=torch.int64)
+    if bounds.numel() < 2 or int(bounds[-1]) != input_ids.shape[1]:
+        return None
+    return bounds
+
+
 def rope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """The positions a RoPE model handed no ``position_ids`` works with: Hugging Face's models take ``arange`` over
     each row (their cache positions), and rotary attention depends only on the distance between two tokens, so a
@@ -94,12 +107,14 @@ class ToyCausalLM:
         return self._weight64.to(self.dtype, copy=True)  # the cached weight is shared: never hand it out
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                      **media: torch.Tensor) -> torch.Tensor:
         """The fused-head protocol's ``(R, n, H)`` hidden states in :attr:`dtype` (quantised: exact in it)."""
-        return self._hidden64(input_ids, position_ids, attention_mask, media).to(self.dtype)
+        return self._hidden64(input_ids, position_ids, attention_mask, media, cu_seqlens).to(self.dtype)
 
-    def _hidden64(self, input_ids, position_ids, attention_mask, media=None) -> torch.Tensor:
-        return (self._features(input_ids, position_ids, attention_mask, media) / _HIDDEN_STEP).round() * _HIDDEN_STEP
+    def _hidden64(self, input_ids, position_ids, attention_mask, media=None, cu_seqlens=None) -> torch.Tensor:
+        features = self._features(input_ids, position_ids, attention_mask, media, cu_seqlens)
+        return (features / _HIDDEN_STEP).round() * _HIDDEN_STEP
 
     def _embed(self, input_ids: torch.Tensor, media: dict | None) -> torch.Tensor:
         """The tokens' float64 embeddings, each media token's replaced by its merged group's (the vision tower)."""
@@ -114,7 +129,8 @@ class ToyCausalLM:
         return x
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-               attention_mask: torch.Tensor | None = None, **media: torch.Tensor) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+               **media: torch.Tensor) -> torch.Tensor:
         """``(R, n, out)`` logits in :attr:`dtype` for ids ``(R, n)`` and positions ``(R, n)`` / ``(C, R, n)``.
 
         Computed in float64 and rounded once, so the logits of a sequence do not depend on
@@ -122,11 +138,14 @@ class ToyCausalLM:
         (``head_input="hidden"``): ``hidden_states @ lm_head_weight.T``, exact, as float32.
         """
         if self.head_input == "hidden":
-            return (self._hidden64(input_ids, position_ids, attention_mask, media) @ self._weight64.T).float()
-        return (self._features(input_ids, position_ids, attention_mask, media) @ self._proj64).to(self.dtype)
+            hidden = self._hidden64(input_ids, position_ids, attention_mask, media, cu_seqlens)
+            return (hidden @ self._weight64.T).float()
+        features = self._features(input_ids, position_ids, attention_mask, media, cu_seqlens)
+        return (features @ self._proj64).to(self.dtype)
 
     def _features(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None, media: dict | None = None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None, media: dict | None = None,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``tanh(x + pos + ctx)`` in float64, ``(R, n, H)``: the head's input (``x``: the embeddings, media placed)."""
         x = self._embed(input_ids, media)
         axes = position_ids if position_ids.dim() == 3 else position_ids.unsqueeze(0)
@@ -134,9 +153,13 @@ class ToyCausalLM:
         keep = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).to(x.dtype).unsqueeze(-1)
         total = torch.cumsum(x * keep, dim=1)
         count = torch.cumsum(keep, dim=1)
-        if attention_mask is None:  # packed: a sequence starts where the position restarts at 0
+        if attention_mask is None:  # packed: a sequence starts at a handed boundary, or where the position restarts at 0
             steps = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            start = torch.cummax(torch.where(axes[0] == 0, steps, torch.zeros_like(steps)), dim=1).values
+            bounds = _row_bounds(cu_seqlens, input_ids)
+            if bounds is not None:  # the varlen kernel's segments: the last boundary at or before each token
+                start = bounds[(torch.searchsorted(bounds, steps[0], right=True) - 1).clamp(min=0)].expand_as(steps)
+            else:
+                start = torch.cummax(torch.where(axes[0] == 0, steps, torch.zeros_like(steps)), dim=1).values
             before = (start - 1).clamp(min=0).unsqueeze(-1)
             has_before = (start > 0).unsqueeze(-1).to(x.dtype)
             total = total - has_before * torch.gather(total, 1, before.expand_as(total))
@@ -178,6 +201,7 @@ class ToyCausalLM:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, *, temperature: float | None = None,
+                 cu_seqlens: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
@@ -186,7 +210,9 @@ class ToyCausalLM:
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
         (``head_input="hidden"``) it returns ``hidden_states`` and ``lm_head_weight`` instead of ``logits``. The media
         keys feed the vision tower (module doc). Without ``position_ids`` it computes them as a RoPE model does
-        (:func:`rope_positions`)."""
+        (:func:`rope_positions`). A packed row's ``cu_seqlens`` (``cu_seq_lens_q``) split its sequences (module doc)."""
+        if cu_seqlens is None:
+            cu_seqlens = cu_seq_lens_q
         media = {key: value for key, value in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
                                                ("pixel_values_videos", pixel_values_videos),
                                                ("video_grid_thw", video_grid_thw)) if value is not None}
@@ -194,12 +220,13 @@ class ToyCausalLM:
             position_ids = rope_positions(input_ids, attention_mask)
         if self.head_input == "hidden":
             out = SimpleNamespace(**{HIDDEN_STATES: self.hidden_states(input_ids, position_ids, attention_mask,
-                                                                       **media),
+                                                                       cu_seqlens=cu_seqlens, **media),
                                      HEAD_WEIGHT: self.lm_head_weight})
         else:
-            out = SimpleNamespace(logits=self.logits(input_ids, position_ids, attention_mask, **media))
+            out = SimpleNamespace(logits=self.logits(input_ids, position_ids, attention_mask, cu_seqlens=cu_seqlens,
+                                                     **media))
         if temperature is not None:
-            logits = self.logits(input_ids, position_ids, attention_mask, **media)
+            logits = self.logits(input_ids, position_ids, attention_mask, cu_seqlens=cu_seqlens, **media)
             labels = shift_labels if shift_labels is not None else torch.roll(input_ids, -1, dims=-1)
             scaled = logits.float() / max(float(temperature), 1e-8)
             lsm = torch.log_softmax(scaled, dim=-1)

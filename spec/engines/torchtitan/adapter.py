@@ -69,6 +69,14 @@ MROPE_VARLEN = ("get_attention_masks -> _create_varlen_metadata_for_document is 
                 "packed before it); engine bug")
 #: packed mRoPE positions over two or more samples (one sample's [0, nnz] is right)
 MROPE_SAMPLES = When("mRoPE positions, packed, over B >= 2 samples", lambda case: case.mrope and case.batch_size >= 2)
+#: the checks that compare a packed output with the per-sequence oracle (or a run of other samples), where the one
+#: varlen document shows: the stand-in model attends within the cu_seqlens it is handed, as a varlen kernel does, so
+#: every sample after the first sees the samples packed before it (the micro-batch layer's end-to-end check names
+#: samples, its own pattern)
+MROPE_VARLEN_VALUES = {inv: VALUE_MISMATCH for inv in (
+    "INV-VAL-001", "INV-VAL-002", "INV-VAL-003", "INV-VAL-004", "INV-VAL-005", "INV-TEMP-001", "INV-TEMP-003",
+    "INV-TEMP-006", "INV-SLICE-002", "INV-SLICE-006", "INV-BATCH-001", "INV-BATCH-002", "INV-EDGE-001", "INV-MM-001",
+    "INV-MM-002")} | {"INV-MB-015": r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"}
 
 #: the packed path divides by the temperature out of place: a (B,) float32 tensor promotes bf16/fp16 logits to float32
 PROMOTED = When("packed with a per-sample (B,) temperature (logits / a float32 tensor: float32 outputs)",
@@ -92,6 +100,10 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
     *loss_mask_attention(reason=MASK),
     KnownFailure("INV-CU-001", MROPE_VARLEN, raises=AssertionError, modes=("packed",), when=MROPE_SAMPLES,
                  matches=r"cu_seqlens \[0, (\d+)\], expected \[0, (\d+, )+\1\]"),
+    # (certain=False: a cut or a sub-batch of one sample per micro-batch has the right single document)
+    *(KnownFailure(inv, MROPE_VARLEN + " (seen in the outputs)", raises=AssertionError, modes=("packed",),
+                   when=MROPE_SAMPLES, matches=pattern, certain=False)
+      for inv, pattern in MROPE_VARLEN_VALUES.items()),
     entropy_cancellation(),  # both modes: the padded path takes the same entropy_from_logits
     flag_types(),
     # the FSDP engine's low-precision records (the same functions in the logits' dtype), INV-DEV-001 but where a
