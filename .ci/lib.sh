@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shared by .ci/steps.sh and .ci/steps/*.sh (sourced, never run): the virtual environments of the CI steps.
+# Shared by .ci/steps.sh and the engines' CI step scripts, spec/engines/*/ci*.sh (sourced, never run): the virtual environments of the CI steps.
 #
 #   venv NAME [PIP ARGS...]   make (or reuse) .venv-NAME, activate it, pip-install torch and the arguments
 #                             (torch 2.13.0, else $TORCH_SPEC; an argument torch==V: that torch, and V pins it)

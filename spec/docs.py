@@ -82,10 +82,35 @@ def cuda_instances() -> str:
 
 
 def ci_steps() -> list[tuple[str, str]]:
-    """(name, command) of every CI step, as .ci/steps.sh lists them."""
+    """(name, command) of every CI step, as .ci/steps.sh lists them: its core steps (STEPS), then every engine
+    folder's step scripts (:func:`engine_ci_steps`), each run as ``bash SCRIPT``."""
     text = (ROOT / ".ci" / "steps.sh").read_text()
     body = text.split("STEPS=(", 1)[1].split("\n)", 1)[0]
-    return [(m.group(1), m.group(2).strip()) for m in re.finditer(r'^"(\S+)\s+(.*)"$', body, re.M)]
+    core = [(m.group(1), m.group(2).strip()) for m in re.finditer(r'^"(\S+)\s+(.*)"$', body, re.M)]
+    return core + [(name, f"bash {script}") for name, script, _ in engine_ci_steps()]
+
+
+#: the line of an engine's CI step script that names its step (.ci/steps.sh reads the same line)
+_STEP_NAME = re.compile(r"^# CI step: ([A-Za-z0-9_.-]+)$", re.M)
+
+
+def engine_ci_steps() -> list[tuple[str, str, str]]:
+    """(name, script, what) of every engine folder's CI step, spec/engines/<folder>/ci*.sh in the byte order of their
+    paths (.ci/steps.sh's order): the step is named by the script's line ``# CI step: NAME``, and what it checks is
+    the comment paragraph right after that line."""
+    steps = []
+    for path in sorted(ROOT.glob("spec/engines/*/ci*.sh"), key=lambda p: p.relative_to(ROOT).as_posix().encode()):
+        text = path.read_text()
+        found = _STEP_NAME.search(text)
+        if found is None:
+            raise ValueError(f"{path.relative_to(ROOT)}: no line '# CI step: NAME'")
+        what = []
+        for line in text[found.end():].lstrip("\n").splitlines():
+            if not line.startswith("# "):
+                break
+            what.append(line[2:].strip())
+        steps.append((found.group(1), path.relative_to(ROOT).as_posix(), " ".join(what)))
+    return steps
 
 
 def _tox_pins() -> dict[str, tuple[str, str]]:
@@ -102,22 +127,13 @@ def workflow_tox_envs() -> list[str]:
     return re.search(r"env: \[([^\]]*)\]", tox_job).group(1).replace(" ", "").split(",")
 
 
+#: what the core steps of .ci/steps.sh check (an engine's step says it in its script: :func:`engine_ci_steps`)
 _STEP_WHAT = {
     "tests": "the README's test command (`pytest -n auto`, torch 2.13.0 CPU, a Redis server for the shared "
              "example database test)",
-    "verl091": "verl 0.9.1 conformance (`spec verify --engine verl`, tests/test_verl_conformance.py) and "
-               "impl's padding helpers and micro-batch layer against verl's, bit for bit (tests/test_dropin.py, "
-               "tests/test_dropin_microbatch.py)",
-    "verl-engines": "verl 0.9.1's other engines: tests/test_adapters.py, then `spec verify` on VeOmni, Megatron "
-                    "packing, TorchTitan and Automodel",
-    "verl071": "verl 0.7.1 must fail, and only on the attention-mask invariants (tests/test_verl_conformance.py)",
-    "trl-openrlhf": "TRL 1.16.0 (`spec verify --engine trl`, `trl-fused`) and OpenRLHF 0.11.2 (`--engine openrlhf`), "
-                    "each in its own venv, then tests/test_hf_engines.py",
     "torch24": "the floor, torch 2.4.0 (CPU) with tensordict 0.8.3: impl's own tests (micro-batch layer, dense "
                "kernels and their index fallback, worked examples, errors; tests/test_environment.py checks the pins) "
                "and `spec verify --engine impl --profile dev`",
-    "skyrl": "skyrl-train 0.3.1 (`spec verify --engine skyrl-train`) and skyrl 0.4.0 (`--engine skyrl`), Python 3.12 "
-             "wheels installed `--no-deps --ignore-requires-python` in one venv, then tests/test_skyrl.py",
 }
 
 
@@ -132,8 +148,9 @@ def ci_matrix() -> str:
     """What CI runs: the steps (on the 2-core machine by .ci/run, on GitHub one job each) and the tox matrix."""
     lines = ["| CI step (`.ci/steps.sh NAME`) | where | what |", "|---|---|---|"]
     advisory = advisory_steps()
+    engines = {name: f"`{script}`: {what}" for name, script, what in engine_ci_steps()}
     for name, _ in ci_steps():
-        what = _STEP_WHAT.get(name, "(see .ci/steps.sh)")
+        what = _STEP_WHAT.get(name) or engines.get(name, "(see .ci/steps.sh)")
         if name in advisory:
             what += f" **(advisory: run and reported, does not fail CI; {advisory[name]})**"
         lines.append(f"| `{name}` | `.ci/run`, GitHub | {what} |")

@@ -27,7 +27,8 @@ def _steps_sh(*args: str) -> str:
 def test_the_step_list_is_one_list() -> None:
     listed = json.loads(_steps_sh("--list"))
     assert listed == [name for name, _ in docs.ci_steps()] == _steps_sh("--names").split()
-    assert {"tests", "verl091", "verl-engines", "verl071"} <= set(listed)
+    assert listed[:2] == ["tests", "torch24"]  # the core steps, the suite first (.ci/run installs the rest meanwhile)
+    assert {"verl091", "verl071", "verl-veomni", "trl", "openrlhf", "skyrl"} <= set(listed)
     assert len(set(listed)) == len(listed)
 
 
@@ -40,6 +41,8 @@ def test_the_tests_step_is_the_readme_command() -> None:
 
 def test_the_verl071_step_checks_the_expected_mask_failure() -> None:
     command = dict(docs.ci_steps())["verl071"]
+    assert command == "bash spec/engines/verl/ci-verl071.sh", command  # verl's step script, in verl's folder
+    command = (ROOT / command.split()[1]).read_text()
     assert "verl==0.7.1" in command and "VERL_EXPECT_MASK_BUG=1" in command and "test_verl_conformance.py" in command
 
 
@@ -78,14 +81,73 @@ def test_every_step_begins_with_its_setup() -> None:
         setup = _steps_sh("--show-setup", name).strip()
         assert setup, f"step {name} installs nothing before it runs: {command}"
         parts = setup.split(" && ")
-        assert all(p.startswith(("venv ", "with_redis", "pip install ", "bash .ci/steps/")) for p in parts), setup
-        if setup.startswith("bash .ci/steps/"):
+        assert all(p.startswith(("venv ", "with_redis", "pip install ", "bash spec/engines/")) for p in parts), setup
+        if setup.startswith("bash spec/engines/"):
             assert setup == f"{command} --setup", (setup, command)
-            script = (ROOT / command.split()[1]).read_text()
-            assert '"${1:-}" = "--setup"' in script  # the script stops after its installs
+            assert '"${1:-}" = "--setup"' in _script_text(command.split()[1])  # the script stops after its installs
         else:
             assert command.startswith(setup + " && "), (setup, command)
             assert "pytest" not in setup and "spec verify" not in setup
+
+
+def _script_text(script: str) -> str:
+    """A step script's text, with the text of each file it sources from beside it (`. "$(dirname "$0")/PATH"`, as
+    verl's native engines' steps source spec/engines/verl/native-step.sh and pass it their arguments)."""
+    text = (ROOT / script).read_text()
+    sourced = re.findall(r'^\. "\$\(dirname "\$0"\)/([^"]+)"', text, re.M)
+    return "\n".join([text] + [((ROOT / script).parent / path).read_text() for path in sourced])
+
+
+def _engine_folder(name: str) -> str:
+    """The folder under spec/engines/ holding a registered engine's adapter."""
+    from spec.run.registry import ENGINES
+
+    return ENGINES[name][0].__module__.split(".")[2]
+
+
+def test_every_engine_has_its_ci_step_in_its_own_folder() -> None:
+    """Adding an engine touches its folder and the registry, nothing else (the CI included): every registered engine
+    that no core step of .ci/steps.sh verifies (their libraries are not installed in the ci venv: each needs a venv of
+    its own) has a CI step script in its own folder, spec/engines/<folder>/ci*.sh, that runs its
+    `spec verify --engine <name>`, and .ci/steps.sh lists that step (found, not written in)."""
+    from spec.run.registry import ENGINES
+
+    core = {name: command for name, command in docs.ci_steps() if not command.startswith("bash spec/engines/")}
+    verified_by_core = {e for e in ENGINES if any(re.search(rf"spec verify --engine {re.escape(e)}(\s|$)", c)
+                                                   for c in core.values())}
+    assert verified_by_core == {"impl"}, verified_by_core  # this project's engine: the torch24 step
+    listed = dict(docs.ci_steps())
+    by_script = {script: name for name, script, _ in docs.engine_ci_steps()}
+    for engine in sorted(set(ENGINES) - verified_by_core):
+        folder = _engine_folder(engine)
+        runs = [script for script in sorted(by_script) if script.startswith(f"spec/engines/{folder}/")
+                and re.search(rf"spec verify --engine {re.escape(engine)}(\s|$)", (ROOT / script).read_text(), re.M)]
+        assert runs, f"engine {engine}: no CI step script in spec/engines/{folder}/ runs `spec verify --engine {engine}`"
+        for script in runs:
+            assert listed.get(by_script[script]) == f"bash {script}", (engine, script, listed)
+    assert set(json.loads(_steps_sh("--list"))) == set(listed)
+
+
+def test_no_engine_step_lives_outside_an_engine_folder() -> None:
+    """The engine steps are scripts in the engines' folders: .ci/ holds the shared helpers (lib.sh, bert_padding.py)
+    and no step script, the core steps run no engine but impl, and every step script is a ci*.sh of an engine
+    folder that names its step and installs only when asked (`--setup`)."""
+    assert {p.relative_to(ROOT / ".ci").as_posix() for p in (ROOT / ".ci").rglob("*.sh")} == {"lib.sh", "steps.sh"}
+    for name, command in docs.ci_steps():
+        if command.startswith("bash "):
+            script = command.split()[1]
+            assert re.fullmatch(r"spec/engines/[a-z0-9_]+/ci[A-Za-z0-9_.-]*\.sh", script), (name, script)
+            text = (ROOT / script).read_text()
+            assert f"\n# CI step: {name}\n" in text and '"${1:-}" = "--setup"' in _script_text(script), script
+        else:
+            assert set(re.findall(r"--engine (\S+)", command)) <= {"impl"}, (name, command)
+    # the adapter kit names an engine's CI step in its ImportError: the script in the engine's own folder
+    from spec.run.registry import ENGINES
+
+    for engine, (make, _) in ENGINES.items():
+        step = getattr(make, "ci_step", "")
+        assert not step or step.startswith(f"spec/engines/{_engine_folder(engine)}/ci"), (engine, step)
+        assert not step or (ROOT / step).is_file(), (engine, step)
 
 
 FAKE_STEPS = r'''#!/usr/bin/env bash

@@ -307,7 +307,7 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
 def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
     line moved or whose mutant no longer exists is stale): verl's, TRL's, skyrl-train's and OpenRLHF's, where
-    installed (the verl091, trl-openrlhf and skyrl CI steps)."""
+    installed (the verl091, trl, openrlhf and skyrl CI steps)."""
     from spec.engines.openrlhf.records import PROFILE as OPENRLHF_PROFILE
     from spec.engines.skyrl.records import TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
     from spec.engines.trl.records import PROFILE as TRL_PROFILE

@@ -47,7 +47,7 @@ def _same_as_off(name: str, config: tuple, packed: bool) -> None:
         assert torch.allclose(torch.tensor(got[key]), torch.tensor(want[key]), atol=1e-5), (key, config)
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
 @pytest.mark.parametrize("name, config, packed", [
     ("trl", (("pad_to_multiple_of", 8),), True), ("trl", (("prepacked", True),), True),
     ("trl", (("model_takes_logits_to_keep", True),), False), ("trl", (("index_k", 2),), False),
@@ -62,13 +62,13 @@ def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> N
     _same_as_off(name, config, packed)
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
 def test_trl_padding_free_row_padded_to_a_multiple() -> None:
     run = execute(load_engine("trl"), CASE.with_(engine_config=(("pad_to_multiple_of", 8),)))
     assert run.inputs[0]["input_ids"].shape[-1] == 16 and run.inputs[0]["position_ids"][0, 12:].tolist() == [0] * 4
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
 @pytest.mark.parametrize("name", ["trl", "trl-fused"])
 def test_trl_sft_collator_right_pads_whole_sequences(name) -> None:
     engine = load_engine(name)
@@ -79,7 +79,7 @@ def test_trl_sft_collator_right_pads_whole_sequences(name) -> None:
     assert inputs["input_ids"].shape == (3, 5)
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
 @pytest.mark.parametrize("name, config, detached", [
     ("trl", (("entropy_requires_grad", False),), {"entropy"}),
     ("trl-fused", (("compute_loss_func", True),), {"log_probs", "entropy"}),
@@ -89,7 +89,7 @@ def test_trl_metric_switches_detach_their_outputs(name, config, detached) -> Non
     assert {key for key, value in outputs.items() if not value.requires_grad} == detached
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (spec/engines/openrlhf/ci.sh)")
 @pytest.mark.parametrize("config", [(("action_mask", True),), (("stack", False),), (("return_logprobs", False),),
                                     (("return_logprobs", False), ("action_mask", True))])
 @pytest.mark.parametrize("packed", [True, False])
@@ -97,13 +97,13 @@ def test_openrlhf_switches_change_the_path_not_the_outputs(config, packed) -> No
     _same_as_off("openrlhf", config, packed)
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (spec/engines/openrlhf/ci.sh)")
 def test_openrlhf_gathered_logits_padded_as_the_log_probs() -> None:
     """Padded, ``allgather_logits`` leaves the logits-only return's logits as they are (no packing to undo)."""
     _same_as_off("openrlhf", (("return_logprobs", False), ("allgather_logits", True)), False)
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (spec/engines/openrlhf/ci.sh)")
 def test_openrlhf_gathered_packed_logits_keep_the_packed_axis() -> None:
     """The known failure GATHERED_LOGITS (spec/engines/openrlhf/config.py): packed, ``allgather_logits`` re-pads the
     logits-only return's ``(1, n, V)`` logits to ``(B, L, 1, V)``; its caller refuses them, naming the shape."""
@@ -115,7 +115,7 @@ def test_openrlhf_gathered_packed_logits_keep_the_packed_axis() -> None:
         execute(engine, case)
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (spec/engines/openrlhf/ci.sh)")
 def test_openrlhf_action_mask_scores_the_response_only() -> None:
     engine = load_engine("openrlhf")
     case = CASE.with_(engine_config=(("action_mask", True),))

@@ -1,5 +1,5 @@
 """TRL and OpenRLHF adapters (docs/engines/trl.md, docs/engines/openrlhf.md): registered, their known failures precise
-and documented; where the library is installed (tox -e trl-openrlhf, .ci/steps/engines-trl-openrlhf.sh), the
+and documented; where the library is installed (the trl and openrlhf CI steps, spec/engines/{trl,openrlhf}/ci.sh), the
 batch each builds is the library's layout and its outputs equal the oracle's on the seeds' worked example."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _values(run) -> dict[str, list[float]]:
     return {k: v.values().tolist() for k, v in run.outputs.items()}
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (tox -e trl-openrlhf)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (the trl CI step)")
 @pytest.mark.parametrize("name", ["trl", "trl-fused"])
 def test_trl_builds_grpo_layout_and_agrees_across_modes(name: str) -> None:
     engine = load_engine(name)
@@ -63,7 +63,7 @@ def test_trl_builds_grpo_layout_and_agrees_across_modes(name: str) -> None:
         assert torch.allclose(torch.tensor(values)[read], torch.tensor(_values(packed)[key])[read], atol=1e-5), key
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (tox -e trl-openrlhf)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (the openrlhf CI step)")
 def test_openrlhf_forward_runs_on_right_padded_rows_and_agrees_across_modes() -> None:
     engine = load_engine("openrlhf")
     run = execute(engine, CASE.with_(use_remove_padding=False))
@@ -90,7 +90,7 @@ def _oracle_log_probs(engine, case, run) -> None:
         assert torch.allclose(got[i][cols].double(), want[i][cols], atol=1e-5), i
 
 
-@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (tox -e trl-openrlhf)")
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (the trl CI step)")
 def test_grpo_hands_the_backbone_the_batch_images() -> None:
     engine = load_engine("trl-fused")
     run = execute(engine, VLM_CASE)
@@ -101,7 +101,7 @@ def test_grpo_hands_the_backbone_the_batch_images() -> None:
     _oracle_log_probs(engine, VLM_CASE, run)
 
 
-@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (tox -e trl-openrlhf)")
+@pytest.mark.skipif(not HAS["openrlhf"], reason="openrlhf is not installed (the openrlhf CI step)")
 def test_openrlhf_merges_each_experience_sample_images() -> None:
     engine = load_engine("openrlhf")
     run = execute(engine, VLM_CASE)

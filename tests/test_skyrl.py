@@ -1,5 +1,5 @@
 """SkyRL adapters (docs/engines/skyrl.md): registered, their known failures precise and documented; where the library is
-installed (.ci/steps/engines-skyrl.sh), the batch each builds is SkyRL's own layout (0.3.1 left-right, 0.4.0 left) and
+installed (spec/engines/skyrl/ci.sh), the batch each builds is SkyRL's own layout (0.3.1 left-right, 0.4.0 left) and
 its outputs equal the float64 oracle's on the seeds' worked example, in both modes."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ VLM_CASE = EngineCase(prompt_lens=(4, 2), response_lens=(2, 1), vocab=16, mrope=
 
 def test_the_vlm_path_takes_the_images_as_skyrl_hands_them() -> None:
     if not HAS["skyrl"]:
-        pytest.skip("skyrl is not installed (.ci/steps/engines-skyrl.sh)")
+        pytest.skip("skyrl is not installed (spec/engines/skyrl/ci.sh)")
     engine = load_engine("skyrl")
     run = execute(engine, VLM_CASE)
     inputs, media = run.inputs[0], draws(VLM_CASE).media_inputs()
@@ -85,7 +85,7 @@ def test_left_aligned_moves_right_aligned_rows() -> None:
 @pytest.mark.parametrize("name", ["skyrl-train", "skyrl"])
 def test_batch_layout_and_outputs_equal_the_oracle(name: str) -> None:
     if not HAS[name]:
-        pytest.skip(f"{name} is not installed (.ci/steps/engines-skyrl.sh)")
+        pytest.skip(f"{name} is not installed (spec/engines/skyrl/ci.sh)")
     engine = load_engine(name)
     want = expected(CASE, model_for(CASE, "cpu", engine), draws(CASE))
     read = [torch.arange(p - 1, p + r - 1) for p, r in zip(CASE.prompt_lens, CASE.response_lens)]
@@ -108,7 +108,7 @@ def _replayed(monkeypatch, case: EngineCase, support=None):
     """``case`` run by the ``skyrl`` engine with sample-support replay on (spec/engines/skyrl/config.py), its
     recorded support the whole vocabulary or ``support(responses, vocab)``."""
     if not HAS["skyrl"]:
-        pytest.skip("skyrl is not installed (.ci/steps/engines-skyrl.sh)")
+        pytest.skip("skyrl is not installed (spec/engines/skyrl/ci.sh)")
     if support is not None:
         monkeypatch.setattr(skyrl_config, "full_support", support)
     return execute(load_engine("skyrl"), case.with_(engine_config=(("sample_support_replay", True),)))

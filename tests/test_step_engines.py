@@ -1,5 +1,5 @@
 """Real engines' training steps (spec/engines/<engine>/step.py: verl, TRL, skyrl-train, skyrl, OpenRLHF), each in its own venv
-(skipped where its library is not installed; CI runs it in the verl091, trl-openrlhf (both venvs) and skyrl steps): the library's own loss
+(skipped where its library is not installed; CI runs it in the verl091, trl, openrlhf and skyrl steps): the library's own loss
 code runs, its records are real (the failure shows on a case under the record's condition, and a case outside it
 passes), and a mode the library documents as local is held to that documented normalisation (declared global, it
 fails). Each test checks one or two hand-picked step cases: a few seconds (verl's held-out mutants of its own
@@ -61,7 +61,7 @@ def test_verl_seq_mean_token_sum_norm_default_scale_is_the_micro_batch_width() -
         _check(engine, TWO_MICRO_BATCHES.with_(loss="distillation", mode=mode, topk=2))
 
 
-@pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl-openrlhf step's venv)")
+@pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl step's venv)")
 def test_trl_bnpo_is_held_to_its_documented_local_normalisation() -> None:
     from spec.run.registry import load_engine
 
@@ -82,7 +82,7 @@ def test_trl_bnpo_is_held_to_its_documented_local_normalisation() -> None:
     _check(engine, case.with_(mode="dapo"))  # dapo: the global accumulated batch's tokens
 
 
-@pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl-openrlhf step's venv)")
+@pytest.mark.skipif(not _has("trl"), reason="TRL is not installed (the trl step's venv)")
 @pytest.mark.parametrize("packed", [False, True])
 def test_trl_fused_steps_through_its_fused_head(packed) -> None:
     """trl-fused's step: GRPO's _compute_loss on the fused head's log-probs (the step model hands hidden states and
@@ -258,7 +258,7 @@ EMPTY_SAMPLE = StepCase((2, 1, 2, 1), (2, 3, 1, 3), dp=2, cut="count", micro_bat
                         mode="sequence", holes=0.5, seed=29)
 
 
-@pytest.mark.skipif(not _has("openrlhf"), reason="OpenRLHF is not installed (the trl-openrlhf step's venv)")
+@pytest.mark.skipif(not _has("openrlhf"), reason="OpenRLHF is not installed (the openrlhf step's venv)")
 def test_openrlhf_sequence_level_loss_counts_the_samples_with_a_loss_token() -> None:
     """OpenRLHF's PolicyLoss with token_level_loss=False divides by the non-empty samples over the DP group (its own
     all-reduce, on real ranks): passes as declared, and the same mode declared over every sample fails."""

@@ -33,11 +33,11 @@ PACKAGES = {"spec.engines.trl.adapter": ("trl",), "spec.engines.openrlhf.adapter
             "spec.engines.veomni.adapter": ("verl", "veomni"), "spec.engines.megatron.adapter": ("verl", "megatron-core")}
 #: the module a distribution installs, where it is not the distribution's name
 MODULES = {"megatron-core": "megatron.core"}
-#: how .ci/steps.sh installs a carried adapter's package, where it is not a plain ``pip install`` (the header says so)
+#: how its CI step (spec/engines/<folder>/ci.sh) installs a carried adapter's package, where it is not a plain ``pip install`` (the header says so)
 NO_DEPS = {"spec.engines.openrlhf.adapter": "openrlhf --no-deps: its heavy imports are stubbed; and flash-attn 2.8.3's "
                                      "pure-torch bert_padding.py as the module flash_attn_bert_padding, since flash-attn "
                                      "needs CUDA to build: `python .ci/steps/bert_padding.py` in rl-ioprep copies it",
-           "spec.engines.veomni.adapter": "veomni --no-deps, as .ci/steps.sh's verl-engines step installs it"}
+           "spec.engines.veomni.adapter": "veomni --no-deps, as its CI step (spec/engines/veomni/ci.sh) installs it"}
 _BUILD = re.compile(r"^from ([\w.]+) import (\w+) as _build$", re.MULTILINE)
 
 

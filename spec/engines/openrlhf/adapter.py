@@ -16,7 +16,7 @@ The model runs between the suite's two steps, so ``forward`` runs twice (the kit
 the harness's output (:func:`~spec.engines.kit.replaying`). Module-level imports that do not import here
 (transformers, peft, deepspeed, flash-attn's CUDA package) are stubbed strictly (:func:`~spec.engines.kit.stub_imports`:
 a name nobody declared raises when used); flash-attn's pure-torch ``bert_padding`` is the real file
-from the flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding``, the `trl-openrlhf` CI step), since
+from the flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding``, the `openrlhf` CI step), since
 the packed path runs it. A vision model (mRoPE positions) computes its own positions in the padded path
 (``is_vlm``): the adapter hands the stand-in model the sample's own. A vision-language micro-batch's images and videos
 are each sample's processor outputs, merged by OpenRLHF's ``merge_mm_train_inputs`` as its PPO actor merges an

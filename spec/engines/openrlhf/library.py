@@ -1,7 +1,7 @@
 """OpenRLHF 0.11.2's modules as the adapter, its critic and its step import them: module-level imports that do not
 import here (transformers, peft, deepspeed, flash-attn's CUDA package) stubbed strictly
 (:func:`~spec.engines.kit.stub_imports`), flash-attn's pure-torch ``bert_padding`` the real file from the
-flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding`` by the `trl-openrlhf` CI step)."""
+flash-attn 2.8.3 sdist (installed as ``flash_attn_bert_padding`` by the `openrlhf` CI step, ``ci.sh``)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class SkyRLObject:
 
 class SkyRLTrainEngine(ThirdPartyEngine):
     name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", (*RECORDS, *SKYRL_STEP_RECORDS)
-    wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", ".ci/steps/engines-skyrl.sh", True, False
+    wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", "spec/engines/skyrl/ci.sh", True, False
     # they load models, start clusters, run environments (skyrl_gym: 0.4.0's loss config module imports it)
     heavy = ("transformers", "peft", "ray", "datasets", "flash_attn", "skyrl_gym")
     # the modules importing heavy packages first, then the wrapper and the batch builder

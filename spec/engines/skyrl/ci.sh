@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# CI step: SkyRL, engines skyrl-train (skyrl-train 0.3.1) and skyrl (skyrl 0.4.0), in one venv .venv-skyrl
-# (docs/engines/skyrl.md). Run from the repository root with CI=true. `spec verify` exits 1 on any failure that is
-# not one of the engine's documented known-failure records (spec/engines/skyrl/records.py).
-# The `skyrl` step of .ci/steps.sh. `--setup`: only install the venv.
+# CI step: skyrl
+# skyrl-train 0.3.1 (`spec verify --engine skyrl-train`) and skyrl 0.4.0 (`--engine skyrl`), Python 3.12 wheels
+# installed `--no-deps --ignore-requires-python` in one venv, then tests/test_skyrl.py
+#
+# SkyRL's CI step (.ci/steps.sh finds it here, in the engine's folder): engines skyrl-train and skyrl in one venv
+# .venv-skyrl (docs/engines/skyrl.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
+# known-failure records (spec/engines/skyrl/records.py). `--setup`: only install the venv.
 #
 # Both wheels declare Requires-Python ==3.12.* and this CI runs Python 3.11: they are installed with
 # `--no-deps --ignore-requires-python` (their code parses and runs on 3.11: the adapter imports only the preparation
@@ -13,7 +16,7 @@
 # start clusters; the preparation never calls them); skyrl 0.4.0's skyrl/backends/__init__.py (the Tinker API: pydantic
 # models that need Python 3.12) is not run. The two packages install side by side (skyrl_train, skyrl).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 export CI="${CI:-true}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # shellcheck source=.ci/lib.sh
@@ -37,9 +40,8 @@ setup() {
 
 setup
 if [ "${1:-}" = "--setup" ]; then exit 0; fi
-for engine in skyrl-train skyrl; do
-    .venv-skyrl/bin/python -m spec verify --engine "$engine" --profile ci --out "reports/$engine"
-done
+.venv-skyrl/bin/python -m spec verify --engine skyrl-train --profile ci --out reports/skyrl-train
+.venv-skyrl/bin/python -m spec verify --engine skyrl --profile ci --out reports/skyrl
 .venv-skyrl/bin/python -m pytest -p no:cacheprovider tests/test_skyrl.py tests/test_step_engines.py
 # a branch of an engine's surface unreached without a reason fails (docs/engine-coverage.md)
 ENGINE_COVERAGE_REPORTS="reports/skyrl-train/verify-skyrl-train.json reports/skyrl/verify-skyrl.json" \

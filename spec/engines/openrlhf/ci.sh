@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# CI step: TRL 1.16.0 (engines trl, trl-fused) and OpenRLHF 0.11.2 (engine openrlhf), each in its own venv
-# (docs/engines/trl.md, docs/engines/openrlhf.md). Run from the repository root with CI=true. `spec verify` exits 1
-# on any failure that is not one of the engine's documented known-failure records (spec/engines/*_records.py).
-# The `trl-openrlhf` step of .ci/steps.sh (tox -e trl-openrlhf runs it too). `--setup`: only install the two venvs.
+# CI step: openrlhf
+# OpenRLHF 0.11.2 (`spec verify --engine openrlhf`) in its own venv, then tests/test_hf_engines.py,
+# tests/test_engine_switches.py and tests/test_step_engines.py
+#
+# OpenRLHF's CI step (.ci/steps.sh finds it here, in the engine's folder): engine openrlhf in the venv .venv-openrlhf
+# (docs/engines/openrlhf.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
+# known-failure records (spec/engines/openrlhf/records.py). `--setup`: only install the venv.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 export CI="${CI:-true}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # shellcheck source=.ci/lib.sh
-. .ci/lib.sh   # venv, venv_ready, venv_installed (a venv installed already is reused)
+. .ci/lib.sh   # venv_ready, venv_installed, _ci_venv_key (a venv installed already is reused)
 
 setup() {
-    venv trl trl==1.16.0 -e '.[test]'
     # OpenRLHF without its dependency set (deepspeed, flash-attn, vllm, ray: CUDA builds); the adapter stubs the
     # module-level imports that do not import here (spec/engines/openrlhf/adapter.py). Its preparation code needs einops
     # and flash-attn's pure-torch bert_padding.py (.ci/steps/bert_padding.py).
@@ -29,14 +31,8 @@ setup() {
 
 setup
 if [ "${1:-}" = "--setup" ]; then exit 0; fi
-for engine in trl trl-fused; do
-    .venv-trl/bin/python -m spec verify --engine "$engine" --profile ci --out "reports/$engine"
-done
-.venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py tests/test_step_engines.py
+.venv-openrlhf/bin/python -m spec verify --engine openrlhf --profile ci --out reports/openrlhf
 # a branch of an engine's surface unreached without a reason fails (docs/engine-coverage.md)
-ENGINE_COVERAGE_REPORTS="reports/trl/verify-trl.json reports/trl-fused/verify-trl-fused.json" \
-    .venv-trl/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
-.venv-openrlhf/bin/python -m spec verify --engine openrlhf --profile ci --out "reports/openrlhf"
 ENGINE_COVERAGE_REPORTS="reports/openrlhf/verify-openrlhf.json" \
     .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_engine_coverage.py -k 'report or equivalent'
 .venv-openrlhf/bin/python -m pytest -p no:cacheprovider tests/test_hf_engines.py tests/test_engine_switches.py tests/test_step_engines.py
