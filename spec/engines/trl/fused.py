@@ -20,7 +20,7 @@ from .adapter import TrlEngine, TrlObject
 from .step import trl_step_layer
 from .config import FUSED_SWITCHES, sft_fused_scores, sft_rows
 from .media import BACKBONE_MEDIA, grpo_media
-from .records import FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
+from .records import FUSED_OFF_PATH, FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
 
@@ -59,8 +59,9 @@ class TrlFusedEngine(TrlEngine):
     # trl's profile (GRPO's layout) with its own surface: the batch builders and GRPO's fused head (trl/records.py);
     # add_fused_lm_head scores hidden states with the LM-head weight; GRPO's images (SFT refuses padding-free on
     # vision data)
-    profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, head_input=HeadInput.HIDDEN,
-                      config_space=FUSED_SWITCHES, media=("image",), media_modes=("padded",))
+    profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, off_path=FUSED_OFF_PATH,
+                      head_input=HeadInput.HIDDEN, config_space=FUSED_SWITCHES, media=("image",),
+                      media_modes=("padded",))
 
     def engine_object(self, **config):
         return TrlFusedObject(**config)
