@@ -23,7 +23,7 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
     ("trl", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "entropy_requires_grad",
              "row_mask", "model_takes_logits_to_keep", "index_k"}),
     ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
-                   "compute_loss_func", "shift_labels"}),
+                   "compute_loss_func", "shift_labels", "logit_scaling"}),
     ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
@@ -57,9 +57,28 @@ def _same_as_off(name: str, config: tuple, packed: bool) -> None:
     ("trl-fused", (("cast_lm_head_to_fp32", True),), True), ("trl-fused", (("pad_to_multiple_of", 8),), True),
     ("trl-fused", (("sft_collator", True),), False), ("trl-fused", (("shift_labels", True),), True),
     ("trl-fused", (("sft_collator", True), ("shift_labels", True)), False),
-    ("trl-fused", (("compute_loss_func", True),), True)])
+    ("trl-fused", (("compute_loss_func", True),), True), ("trl-fused", (("logit_scaling", "logit_scale"),), True),
+    ("trl-fused", (("logit_scaling", "logits_scaling"),), False),
+    ("trl-fused", (("logit_scaling", "logit_scale"), ("compute_loss_func", True)), True)])
 def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> None:
     _same_as_off(name, config, packed)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")
+@pytest.mark.parametrize("scaling", ["logit_scale", "logits_scaling"])
+def test_trl_fused_logit_scaling_is_read_off_the_config(scaling, monkeypatch) -> None:
+    """The scaled stand-in's logits are the harness's only through the scale TRL reads off the config: with the
+    attribute renamed to one TRL does not read (the weight still handed times 16), the log-probs differ."""
+    from spec.engines.trl import fused
+
+    engine, packed = load_engine("trl-fused"), scaling == "logit_scale"
+    on = CASE.with_(use_remove_padding=packed, engine_config=(("logit_scaling", scaling),))
+    off = CASE.with_(use_remove_padding=packed)
+    at = Ctx(engine, on, "cpu", on.mode).read
+    _, value, scale = fused.LOGIT_SCALINGS[scaling]
+    monkeypatch.setitem(fused.LOGIT_SCALINGS, scaling, ("unread_scale", value, scale))
+    got, want = _read(engine, on, at), _read(engine, off, at)
+    assert not torch.allclose(torch.tensor(got["log_probs"]), torch.tensor(want["log_probs"]), atol=1e-3)
 
 
 @pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (.ci/steps/engines-trl-openrlhf.sh)")

@@ -20,6 +20,12 @@ each changes the path TRL's own preparation takes, and each reaches the engine o
 * ``shift_labels`` (trl-fused): SFT's rows handed the fused forward as ``shift_labels``, the labels shifted by one
   with -100 at the end (SFT under accelerate's context or sequence parallelism, which shifts them before sharding the
   sequence; the fused head then scores every position, none cut);
+* ``logit_scaling`` (trl-fused): the model's config scales its logits, as a real family's does: Cohere's
+  ``logit_scale`` (0.0625, Command R's, a multiplier) or Granite's ``logits_scaling`` (16.0, Granite 3's, a divisor);
+  ``add_fused_lm_head`` reads either off the config and scales the projected logits by it. The stand-in's head weight
+  is handed multiplied by 16 (its entries are multiples of 2^-4 in (-8, 8), spec.truth.toy_model: exact in every
+  dtype, as is each product, 16 a power of two), so the scaled logits are the harness's own, bit for bit, and the
+  oracle stays exact: a head that ignored the scale would score 16 times the logits;
 * ``compute_loss_func`` (trl-fused; ``SFTTrainer(compute_loss_func=...)``, or label smoothing): on SFT's rows the
   trainer calls the unpatched forward (no ``fused_lm_head``, no labels) for the logits its loss function reads, then
   the fused forward under ``torch.no_grad`` for its metrics: the log-probs and entropy are detached;
@@ -45,7 +51,7 @@ from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
 
-__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "keeping_model", "gathered_log_probs", "padded_positions",
+__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "keeping_model", "gathered_log_probs", "padded_positions",
            "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions", "sft_scores", "from_shifted_rows",
            "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
 
@@ -78,7 +84,15 @@ FUSED_SWITCHES: tuple[ConfigSwitch, ...] = (
                  "loss from the unpatched forward's logits; the fused log-probs and entropy under no_grad, metrics"),
     ConfigSwitch("shift_labels", (False, True), "SFT's rows handed the fused forward as pre-shifted shift_labels "
                  "(SFT under context or sequence parallelism: the labels shifted before the sequence is sharded)"),
+    ConfigSwitch("logit_scaling", (None, "logit_scale", "logits_scaling"), "the model's config scales its logits: "
+                 "Cohere's logit_scale (0.0625) or Granite's logits_scaling (16.0), the head weight handed times 16",
+                 unseen={"output_multiplier": "Muse Glimmer's: read as logit_scale is, the same multiplier (no other "
+                                              "branch)",
+                         "lm_head_multiplier": "Falcon-H1's: the same multiplier, read where the two above are unset"}),
 )
+
+#: the configs ``logit_scaling`` draws: (the config attribute, its value, what TRL multiplies the logits by)
+LOGIT_SCALINGS = {"logit_scale": ("logit_scale", 0.0625, 0.0625), "logits_scaling": ("logits_scaling", 16.0, 0.0625)}
 
 #: where trl-fused's head projects in the hidden states' own dtype (cast_lm_head_to_fp32 off, GRPOConfig's default)
 HEAD_IN_LOGITS_DTYPE = When("cast_lm_head_to_fp32 off (GRPOConfig's default)",

@@ -18,11 +18,33 @@ from ...protocol import HeadInput
 from ..kit import HiddenStatesModel, inputs_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
 from .step import trl_step_layer
-from .config import FUSED_SWITCHES, sft_fused_scores, sft_rows
+from .config import FUSED_SWITCHES, LOGIT_SCALINGS, sft_fused_scores, sft_rows
 from .media import BACKBONE_MEDIA, grpo_media
 from .records import FUSED_OFF_PATH, FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
+
+
+class _ScaledModel(HiddenStatesModel):
+    """The stand-in of a family whose config scales the logits (``scale``: what TRL multiplies them by); its own
+    forward returns the scaled logits, as that family's model does."""
+
+    def __init__(self, hidden, weight, attribute: str, value: float, scale: float):
+        super().__init__(hidden, weight)
+        setattr(self.config, attribute, value)
+        self.scale = scale
+
+    def forward(self, *args, **kwargs):
+        return SimpleNamespace(logits=super().forward(*args, **kwargs).logits * self.scale)
+
+
+def scaled_model(output, scaling: str | None) -> HiddenStatesModel:
+    """The harness's ``output`` as the model TRL patches: the stand-in, or (``logit_scaling`` drawn) one whose config
+    scales the logits by 1/16 with the head weight handed times 16: the same logits, bit for bit (config.py)."""
+    if not scaling:
+        return HiddenStatesModel(output.hidden_states, output.lm_head_weight)
+    attribute, value, scale = LOGIT_SCALINGS[scaling]
+    return _ScaledModel(output.hidden_states, output.lm_head_weight / scale, attribute, value, scale)
 
 
 class TrlFusedObject(TrlObject):
@@ -48,7 +70,7 @@ class TrlFusedObject(TrlObject):
             trainer, model, a["input_ids"], a["attention_mask"], a["keep"], compute_entropy=entropy, **a["media"])[:2]
 
     def scores(self, output, a, entropy):
-        model = HiddenStatesModel(output.hidden_states, output.lm_head_weight)
+        model = scaled_model(output, self.config.get("logit_scaling"))
         if a["sft"]:  # SFT's scoring: the fused forward with the collator's labels
             return sft_fused_scores(self._fused(model, a), a["labels"], self.config, entropy)
         return self._grpo(model, a, entropy)

@@ -103,10 +103,6 @@ _FUSED_UNREACHABLE: dict[str, str] = {
                                "google/paligemma2-3b-pt-224)",
     f"{_GRPO}:1491": _MOE, f"{_GRPO}:1502": _MOE, f"{_U}:1614": _MOE, f"{_U}:1665": _MOE, f"{_U}:1669": _MOE,
     f"{_U}:1674": _MOE,
-    f"{_U}:1581": "another model family: a config with logit_scale (Cohere's); the stand-in's config scales no logits",
-    f"{_U}:1585": "another model family: output_multiplier (Muse Glimmer); the stand-in's config scales no logits",
-    f"{_U}:1587": "another model family: lm_head_multiplier (Falcon-H1) or logits_scaling (Granite, MiniCPM3, "
-                  "HyperCLOVA X); the stand-in's config scales no logits",
     f"{_U}:1594": "a vision-language model's text config under transformers < 5 (the suite runs transformers 5)",
     f"{_U}:1636": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1638": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
