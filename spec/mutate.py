@@ -5,10 +5,11 @@ skeleton, by hand or nightly, never in ``.ci/run``).
    (``--profile``, default ``dev``) with coverage.py's dynamic context switched per target: which targets'
    examples ran each line of the engine's surface (:mod:`spec.run.engine_coverage`). Targets on real ranks run
    in other processes and are left out of the map (their lines count as uncovered here).
-2. **Mutants** of every function of the surface but those the profile declares off the path (``ast``; operators
-   :data:`OPERATORS`: comparisons, ``+``/``-``, slice bounds and signs, ``dim=`` arguments, dtype casts, clamps,
-   cat/stack order, dropped dict keys and subscript stores, in-place against out-of-place, branches negated,
-   accumulators reset), a seeded random sample of ``--sample`` of them.
+2. **Mutants** of every function of the surface but what the profile declares off the path (its functions, and the
+   blocks its branches off the path enter; ``ast``; operators :data:`OPERATORS`: comparisons, ``+``/``-``, slice
+   bounds and signs, ``dim=`` arguments, dtype casts, clamps, cat/stack order, dropped dict keys and subscript
+   stores, in-place against out-of-place, branches negated, accumulators reset), a seeded random sample of
+   ``--sample`` of them.
 3. **Each mutant** is installed by swapping its function's ``__code__`` in this process (the module is not
    re-imported; a decorated function other than a method decorator is not mutated), then only the targets whose
    examples ran the mutated line are run, stopping at the first that fails (killed). A survivor of the cheap
@@ -36,7 +37,7 @@ from hypothesis import Verbosity, settings
 
 from .execute import probe, ranks
 from .protocol.errors import MutantTimeout
-from .run.engine_coverage import Measurement, off_path_nodes, regions
+from .run.engine_coverage import Measurement, entered_blocks, off_path_nodes, regions
 from .run.profiles import load_profile
 from .run.runner import instances, run_invariant
 
@@ -170,8 +171,8 @@ def _function_nodes(tree: ast.Module, qualname: str) -> ast.AST | None:
 
 def mutants_of(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> list[Mutant]:
     """Every mutant of every top-level function and method of the surface (nested functions inside them), less
-    those of the functions ``off_path`` declares off the preparation's path (the profile's: not counted by the
-    engine-code coverage, never run by a target, so never killed)."""
+    those of the functions ``off_path`` declares off the preparation's path and of the blocks its branches off the
+    path enter (the profile's: not counted by the engine-code coverage, never run by a target, so never killed)."""
     out: list[Mutant] = []
     found, _ = regions(surface, off_path)
     for region in found:
@@ -264,18 +265,6 @@ def _kills(mutant: Mutant, engine: Any, by_key: dict, device: str, overrides: di
         probe.set_mutant(None)
 
 
-def _block_at(tree: ast.AST, line: int) -> tuple[int, int] | None:
-    """The lines of the statement block whose first statement starts at ``line`` (a branch's destination: the block
-    it enters, to the end of that block), or None."""
-    for node in ast.walk(tree):
-        for name in ("body", "orelse", "finalbody", "handlers"):
-            block = getattr(node, name, None)
-            if isinstance(block, list) and block and isinstance(block[0], ast.AST) \
-                    and getattr(block[0], "lineno", None) == line:
-                return line, max(getattr(b, "end_lineno", line) for b in block)
-    return None
-
-
 def unreachable_reason(mutant: Mutant, unreachable: dict[str, str], tree: ast.AST) -> str | None:
     """The profile's reason why ``mutant``'s line cannot run here, where a declaration covers it: its function
     (``module:qualname``), a ``raise`` (``*:raise``), or the block a declared branch enters (``module:LINE->DEST``;
@@ -296,13 +285,9 @@ def unreachable_reason(mutant: Mutant, unreachable: dict[str, str], tree: ast.AS
             if mutant.function == where or mutant.function.startswith(where + "."):
                 return reason
             continue
-        if dest.isdigit():
-            blocks = [_block_at(tree, int(dest))]
-        else:  # every exit of the line: the blocks of its statement
-            stmt = next((n for n in ast.walk(tree) if isinstance(n, ast.stmt) and n.lineno == int(source)), None)
-            blocks = [_block_at(tree, b[0].lineno) for b in (getattr(stmt, "body", None), getattr(stmt, "orelse", None))
-                      if isinstance(b, list) and b]
-        if any(b is not None and b[0] <= mutant.line <= b[1] for b in blocks):
+        # the block the branch enters (``LINE``: either block of that line's statement)
+        if any(block[0].lineno <= mutant.line <= max(s.end_lineno or s.lineno for s in block)
+               for block in entered_blocks(tree, int(source), dest or None)):
             return reason
     return None
 

@@ -81,7 +81,7 @@ def prepare_micro_batches_exclusive(data, dp_group=None, num_batches_divided_by=
     return _rearrange(data, _flag(data, "max_token_len_per_gpu") * _flag(data, "sp_size") - 1, dp_group=dp_group,
                       num_batches_divided_by=num_batches_divided_by, same_micro_num_in_dp=same_micro_num_in_dp,
                       min_num_micro_batch=min_num_micro_batch, use_dynamic_bsz_balance=use_dynamic_bsz_balance,
-                      force_group_size=_flag(data, "force_group_size"))
+                      force_group_size=_flag(data, "force_group_size", 1))
 
 
 def prepare_micro_batches_fixed_keys(data, *args, **kwargs):
@@ -97,8 +97,9 @@ def prepare_micro_batches_alone(data, dp_group=None, *args, **kwargs):
     return _prepare(data, None, *args, **kwargs)
 
 
-def _flag(data, key):
-    return getattr(data.get(key), "data", data.get(key))
+def _flag(data, key, default=None):
+    value = data.get(key, default)
+    return getattr(value, "data", value)
 
 
 def postprocess_batch_func(output_lst, indices, data):

@@ -75,9 +75,9 @@ def test_surface_is_function_bodies_and_names_what_is_missing(toy):
     assert set(missing) == {f"{toy}:nothing_here", "no_such_module_x:f"}
 
 
-def test_unreached_branches_listed_with_their_reason(toy):
-    measurement = Measurement((toy,), {f"{toy}:Cutter.needs_cuda": "needs CUDA", f"{toy}:7->8": "gap: zero",
-                                       "*:raise": "an error path", f"{toy}:99": "a stale declaration"}).start()
+def _run_toy(measurement: Measurement):
+    """The toy's calls under ``measurement`` (started here): choose(1), choose(-1), a cut, check(1)."""
+    measurement.start()
     try:
         import toy_engine_mod
         toy_engine_mod.choose(1)
@@ -86,6 +86,13 @@ def test_unreached_branches_listed_with_their_reason(toy):
         toy_engine_mod.check(1)
     finally:
         result = measurement.finish()
+    return result
+
+
+def test_unreached_branches_listed_with_their_reason(toy):
+    result = _run_toy(Measurement((toy,), {f"{toy}:Cutter.needs_cuda": "needs CUDA", f"{toy}:7->8": "gap: zero",
+                                           "*:raise": "an error path", f"{toy}:99": "a stale declaration"}))
+    import toy_engine_mod
     unreached = {b.key: b for b in result.unreached}
     assert set(unreached) == {f"{toy}:7->8", f"{toy}:20->21", f"{toy}:20->22", f"{toy}:26->27"}
     assert unreached[f"{toy}:7->8"].reason == "gap: zero" and result.gaps == [unreached[f"{toy}:7->8"]]
@@ -102,6 +109,31 @@ def test_unreached_branches_listed_with_their_reason(toy):
     finally:
         result = bare.finish()
     assert {b.key for b in result.without_reason} >= {f"{toy}:5->7", f"{toy}:7->8", f"{toy}:15->16"}
+
+
+def test_branches_off_the_path_are_not_counted_and_bad_keys_reported(toy):
+    """``off_path`` names branches too (``module:LINE->DEST``, ``module:LINE``): not counted (nor the lines of the
+    blocks they enter), listed with their reasons; a key on a line no counted function holds, or on a line no branch
+    leaves so, is reported as not found (the engine's coverage test fails on it); one whose branch ran is stale."""
+    off = {f"{toy}:7->8": "zero: only another caller passes it", f"{toy}:20": "a CUDA tensor only",
+           f"{toy}:5->6": "declared off, but reached", f"{toy}:14->15": "no branch leaves line 14",
+           f"{toy}:99->100": "no such line in the surface"}
+    result = _run_toy(Measurement((toy,), {"*:raise": "an error path"}, off))
+    import toy_engine_mod
+    keys = {b.key for b in result.branches}
+    assert not keys & {f"{toy}:7->8", f"{toy}:20->21", f"{toy}:20->22", f"{toy}:5->6"}, keys
+    assert len(result.branches) == 6 and {b.key for b in result.unreached} == {f"{toy}:26->27"}
+    assert not result.without_reason and result.stale == [f"{toy}:5->6"]
+    assert set(result.missing) == {f"{toy}:14->15", f"{toy}:99->100"}, result.missing
+    assert "`toy_engine_mod:7->8`: zero: only another caller passes it" in "\n".join(result.markdown())
+    bare = Measurement((toy,), {}).start()
+    try:
+        toy_engine_mod.choose(1)
+    finally:
+        everything = bare.finish()
+    assert everything.statements - result.statements == 3  # lines 6, 8 and 21: the blocks the branches enter
+    with pytest.raises(AssertionError, match="99->100"):
+        _assert_declared({engine_coverage.SECTION: result.as_dict()}, "toy")
 
 
 def test_worker_processes_are_measured(toy, tmp_path):
@@ -202,6 +234,18 @@ def test_mutants_skip_the_functions_off_the_path(toy, tmp_path):
     assert {m.line for m in nested} == {4, 5}
     kept = mutants_of(("toy_nested_mod",), {"toy_nested_mod:outer.<locals>.State.__repr__": "a debugging repr"})
     assert kept and {m.line for m in kept} == {5} and [m.id for m in kept] == [m.id for m in nested if m.line == 5]
+
+
+def test_mutants_skip_the_blocks_a_branch_off_the_path_enters(toy):
+    """A branch the profile's ``off_path`` declares off the path (``module:LINE->DEST``) gets no mutant in the block it
+    enters; the rest of its function, and the surface, are mutated as before."""
+    from spec.mutate import mutants_of
+
+    every = mutants_of((toy,))
+    inside = {m.id for m in every if m.function == "Cutter.cut" and m.line == 16}  # the loop's body: its slice
+    assert inside
+    kept = mutants_of((toy,), {f"{toy}:15->16": "one chunk only"})
+    assert {m.id for m in kept} == {m.id for m in every} - inside
 
 
 def test_probe_swaps_one_mutant_at_a_time(toy):

@@ -23,7 +23,7 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
     ("trl", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "entropy_requires_grad",
              "row_mask", "model_takes_logits_to_keep", "index_k"}),
     ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
-                   "compute_loss_func", "shift_labels"}),
+                   "compute_loss_func", "shift_labels", "logit_scaling", "moe_router"}),
     ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
@@ -57,9 +57,75 @@ def _same_as_off(name: str, config: tuple, packed: bool) -> None:
     ("trl-fused", (("cast_lm_head_to_fp32", True),), True), ("trl-fused", (("pad_to_multiple_of", 8),), True),
     ("trl-fused", (("sft_collator", True),), False), ("trl-fused", (("shift_labels", True),), True),
     ("trl-fused", (("sft_collator", True), ("shift_labels", True)), False),
-    ("trl-fused", (("compute_loss_func", True),), True)])
+    ("trl-fused", (("compute_loss_func", True),), True), ("trl-fused", (("logit_scaling", "logit_scale"),), True),
+    ("trl-fused", (("logit_scaling", "logits_scaling"),), False),
+    ("trl-fused", (("logit_scaling", "logit_scale"), ("compute_loss_func", True)), True),
+    ("trl-fused", (("moe_router", True),), True), ("trl-fused", (("moe_router", True),), False),
+    ("trl-fused", (("moe_router", True), ("sft_collator", True)), False)])
 def test_trl_switches_change_the_path_not_the_outputs(name, config, packed) -> None:
     _same_as_off(name, config, packed)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+def test_trl_text_samples_of_a_vision_batch_are_sfts_rows() -> None:
+    """With sft_collator drawn, the text-only samples of a vision-language batch run alone (their multi_modal_inputs
+    all empty, as INV-BATCH-002's sub-batch hands them) are SFT's rows, as the case says (config.sft_rows): each
+    response token's log-prob is the whole batch's. Before, the adapter read the empty stack as a vision batch and laid
+    the rows out as GRPO's while the harness expected SFT's: NaN log-probs (ci's INV-BATCH-002/padded, found when
+    trl-fused drew moe_router)."""
+    from spec.cases.materialize import select_rows
+    from spec.cases.structure import Media
+
+    engine = load_engine("trl-fused")  # (trl draws no images)
+    case = EngineCase(prompt_lens=(2, 1, 3), response_lens=(1, 1, 1), vocab=8, temperature=0.5, mrope=True,
+                      use_remove_padding=False, engine_config=(("sft_collator", True),), media=((Media(),), (), ()))
+    whole = execute(engine, case)
+    part = execute(engine, case.subset([1, 2]), micro_batch=select_rows(whole.micro_batch, [1, 2]))
+    at = Ctx(engine, case, "cpu", case.mode).read
+    for i, row in enumerate((1, 2)):
+        got = part.outputs["log_probs"].unbind()[i][at[row]]
+        want = whole.outputs["log_probs"].unbind()[row][at[row]]
+        assert torch.allclose(got, want, atol=1e-5), (row, got, want)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+@pytest.mark.parametrize("packed", [True, False])
+def test_trl_fused_moe_router_adds_the_load_balancing_loss(packed, monkeypatch) -> None:
+    """With moe_router drawn the fused forward asks the backbone for its router logits and returns the load-balancing
+    loss (GRPO asks for it, padded: finite, the router reading the padding's poisoned hidden states as 0): the
+    MoE path is taken, not only declared."""
+    from trl.trainer import grpo_trainer
+
+    losses = []
+    original = grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        losses.append(out[2])
+        return out
+
+    if not packed:
+        monkeypatch.setattr(grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies, "__wrapped__", recording)
+    case = CASE.with_(use_remove_padding=packed, engine_config=(("moe_router", True),))
+    execute(load_engine("trl-fused"), case)
+    assert packed or (losses and all(loss is not None and torch.isfinite(loss) for loss in losses)), losses
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+@pytest.mark.parametrize("scaling", ["logit_scale", "logits_scaling"])
+def test_trl_fused_logit_scaling_is_read_off_the_config(scaling, monkeypatch) -> None:
+    """The scaled stand-in's logits are the harness's only through the scale TRL reads off the config: with the
+    attribute renamed to one TRL does not read (the weight still handed times 16), the log-probs differ."""
+    from spec.engines.trl import fused
+
+    engine, packed = load_engine("trl-fused"), scaling == "logit_scale"
+    on = CASE.with_(use_remove_padding=packed, engine_config=(("logit_scaling", scaling),))
+    off = CASE.with_(use_remove_padding=packed)
+    at = Ctx(engine, on, "cpu", on.mode).read
+    _, value, scale = fused.LOGIT_SCALINGS[scaling]
+    monkeypatch.setitem(fused.LOGIT_SCALINGS, scaling, ("unread_scale", value, scale))
+    got, want = _read(engine, on, at), _read(engine, off, at)
+    assert not torch.allclose(torch.tensor(got["log_probs"]), torch.tensor(want["log_probs"]), atol=1e-3)
 
 
 @pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")

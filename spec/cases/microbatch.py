@@ -489,7 +489,8 @@ def materialize_minibatch(case: MiniBatchCase, device: torch.device | str = "cpu
     """The mini-batch of ``case``: the micro-batch keys of :func:`spec.materialize.materialize` for all its samples
     (nested ids, positions (2-D or mRoPE), prompts, responses, masks, teacher top-K when asked, the engine flags),
     plus nested ``routed_experts`` ``(B, j, layers, top-k)`` of the case's experts and dtype, a per-sample ``uid`` NonTensorStack, and the settings
-    ``prepare_micro_batches`` reads, as NonTensorData (verl's ``tu.assign_non_tensor``)."""
+    ``prepare_micro_batches`` reads, as NonTensorData (verl's ``tu.assign_non_tensor``), ``force_group_size`` only
+    where it forces groups (> 1: no caller in verl 0.9.1 sets it, so the layer reads its default)."""
     td = materialize(case.engine_case(), device)
     if not case.topk:
         for key in ("teacher_ids", "teacher_logprobs"):
@@ -509,6 +510,8 @@ def materialize_minibatch(case: MiniBatchCase, device: torch.device | str = "cpu
                 "micro_batch_size_per_gpu": case.micro_batch_size, "force_group_size": case.force_group_size,
                 "sp_size": case.sp_size}
     for key, value in settings.items():
+        if key == "force_group_size" and value == 1:  # as verl 0.9.1's callers hand it: none sets the key, the
+            continue                                  # layer reads its default (1)
         td.set_non_tensor(key, value)
     return padded_minibatch(case, td) if case.layout == "padded" else td
 

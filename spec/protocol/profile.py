@@ -31,9 +31,11 @@ for an engine under test (``EngineUnderTest.profile``):
 * ``refuses``: settings the engine declares it does not support (names of
   ``spec.invariants.settings.REFUSALS`` -> why); INV-FLAG-004/005 hand it each and assert an exception, never
   tensors (an engine that declares none is not asked);
-* ``off_path``: functions inside the surface's entries that the preparation never passes through
-  (``"module:qualname"`` -> why: a helper only other models call, a debugging repr): not counted, listed in
-  the report with their reasons;
+* ``off_path``: what inside the surface's entries the preparation never passes through, -> why: a function
+  (``"module:qualname"``: a helper only other models call, a debugging repr) or one branch of an on-path function
+  (``"module:LINE->DEST"``, ``"module:LINE"`` for every exit of the line, the keys ``unreachable`` takes: an exit only a
+  caller outside the preparation takes): not counted, nothing in them mutated, listed in the report with their
+  reasons (a key that names no function or branch of the surface is listed as not found);
 * ``metrics``: outputs the engine computes as metrics only (under ``torch.no_grad()``: an entropy it logs, never an
   entropy bonus a loss differentiates): INV-GRAD-001 then asserts no gradient flows through them (detached from the
   graph in the policy update, so no loss can backpropagate through a metric by mistake); their values are checked

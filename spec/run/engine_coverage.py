@@ -19,6 +19,13 @@ profile (:attr:`~spec.protocol.profile.EngineProfile.unreachable`) with its reas
 
 the first that is declared giving the reason.
 
+What the preparation never passes through is declared off its path instead
+(:attr:`~spec.protocol.profile.EngineProfile.off_path`): a function (``module:qualname``, its lines not counted) or
+one branch of an on-path function (``module:LINE->DEST``, or ``module:LINE`` for every exit of that line: an exit
+only a caller outside the preparation takes). Such branches are not counted either, the report lists them with their
+reasons, and ``spec mutate`` mutates nothing in the blocks they enter; an ``off_path`` key that names no function or
+no branch of the surface is listed with the surface entries not found.
+
 A reason starting ``gap:`` is no reason at all but an open gap of the case space: it names the input a real trainer
 sends that would reach the branch, so that the next case-space change can draw it; the report counts such branches
 apart from those declared unreachable.
@@ -43,8 +50,8 @@ from typing import Any, Mapping
 
 from ..execute import coverage_hook
 
-__all__ = ["Region", "Branch", "CoverageResult", "regions", "off_path_nodes", "Measurement", "begin", "write_section", "from_dict",
-           "main", "SECTION", "RAISE", "GAP"]
+__all__ = ["Region", "Branch", "CoverageResult", "regions", "off_path_nodes", "branch_key", "entered_blocks",
+           "Measurement", "begin", "write_section", "from_dict", "main", "SECTION", "RAISE", "GAP"]
 
 #: the key declaring every exit into a ``raise`` statement (an error path: the input the contract rejects)
 RAISE = "*:raise"
@@ -106,16 +113,41 @@ def source_file(module: str) -> str | None:
     return origin if origin and origin.endswith(".py") else None
 
 
+def branch_key(key: str) -> tuple[str, int, str | None] | None:
+    """``(module, line, dest)`` of a key naming a branch (``module:LINE->DEST``, ``DEST`` a line or ``exit``) or a
+    branch line (``module:LINE``, ``dest`` None); None for any other key (a function, ``*:raise``)."""
+    module, _, where = key.rpartition(":")
+    line, arrow, dest = where.partition("->")
+    if not module or not line.isdigit() or arrow and not (dest.isdigit() or dest == "exit"):
+        return None
+    return module, int(line), dest if arrow else None
+
+
 def _off(module: str, name: str, off_path: Mapping[str, str]) -> bool:
     """Whether function ``name`` of ``module`` lies in a function the profile declares off the preparation's path."""
-    return any(f"{module}:{name}" == key or f"{module}:{name}".startswith(key + ".") for key in off_path)
+    return any(f"{module}:{name}" == key or f"{module}:{name}".startswith(key + ".") for key in off_path
+               if branch_key(key) is None)
+
+
+def entered_blocks(tree: ast.AST, line: int, dest: str | None) -> list[list[ast.stmt]]:
+    """The statement blocks a branch enters: ``LINE->DEST``'s, the block whose first statement starts at ``DEST``
+    (none for ``exit``); ``LINE``'s (every exit), the body and ``else`` of the statement at ``LINE``."""
+    if dest is not None:
+        if not dest.isdigit():
+            return []
+        return [block for node in ast.walk(tree) for name in ("body", "orelse", "finalbody", "handlers")
+                if isinstance(block := getattr(node, name, None), list) and block and isinstance(block[0], ast.AST)
+                and getattr(block[0], "lineno", None) == int(dest)][:1]
+    stmt = next((n for n in ast.walk(tree) if isinstance(n, ast.stmt) and n.lineno == line), None)
+    return [b for b in (getattr(stmt, "body", None), getattr(stmt, "orelse", None)) if isinstance(b, list) and b]
 
 
 def regions(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> tuple[list[Region], dict[str, str]]:
     """The surface's entries resolved to files and lines (less the functions ``off_path`` declares off the
     preparation's path), and each entry that names no module or function of the installed engine with why
     (reported, never an empty measurement in silence: a surface that rotted shows); an ``off_path`` entry that
-    names no function of the surface is reported the same way."""
+    names no function of the surface, or a branch key whose line is not in the surface's functions, is reported the
+    same way (that the line has the branch is known only after the run: :func:`analyse`)."""
     out, missing = [], {}
     matched: set[str] = set()
     for entry in surface:
@@ -140,19 +172,34 @@ def regions(surface: tuple[str, ...], off_path: Mapping[str, str] = {}) -> tuple
             if any(_off(module, name, {key: ""}) for name in set(lines.values())):
                 matched.add(key)
         lines = {line: name for line, name in lines.items() if not _off(module, name, off_path)}
+        blocked: set[int] = set()  # the lines of the blocks the branches off the path enter: not counted either
+        for key in off_path:
+            branch = branch_key(key)
+            if branch is not None and branch[0] == module and branch[1] in lines:
+                matched.add(key)
+                blocked.update(line for block in entered_blocks(tree, branch[1], branch[2]) for stmt in block
+                               for line in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+        lines = {line: name for line, name in lines.items() if line not in blocked}
         raises = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Raise))
         out.append(Region(entry, module, origin, lines, raises))
     for key in set(off_path) - matched:
-        missing[key] = "declared off the path, but no function of the surface has this name"
+        missing[key] = ("declared off the path, but no function of the surface has this name" if branch_key(key) is None
+                        else "declared off the path, but this line is in no counted function of the surface")
     return out, missing
 
 
 def off_path_nodes(module: str, qualname: str, node: ast.AST, off_path: Mapping[str, str]) -> set[int]:
     """The ``id`` of every ast node inside the functions nested in ``node`` (function ``qualname`` of ``module``)
-    that ``off_path`` declares off the preparation's path (their lines are not counted; nothing in them is mutated)."""
+    that ``off_path`` declares off the preparation's path, and inside the blocks its branches of ``module`` enter
+    (their lines are not counted; nothing in them is mutated)."""
     prefix = f"{qualname}.<locals>." if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else f"{qualname}."
-    return {id(sub) for name, inner in _functions(node, prefix) if _off(module, name, off_path)
-            for sub in ast.walk(inner)}
+    off = {id(sub) for name, inner in _functions(node, prefix) if _off(module, name, off_path)
+           for sub in ast.walk(inner)}
+    for branch in filter(None, map(branch_key, off_path)):
+        if branch[0] == module:
+            off |= {id(sub) for block in entered_blocks(node, branch[1], branch[2]) for stmt in block
+                    for sub in ast.walk(stmt)}
+    return off
 
 
 @dataclass(frozen=True)
@@ -188,7 +235,7 @@ class CoverageResult:
     executed: int = 0
     stale: list[str] = field(default_factory=list)  # declared keys that name no unreached branch
     missing: dict[str, str] = field(default_factory=dict)  # surface entries not found, with why
-    off_path: dict[str, str] = field(default_factory=dict)  # functions of the surface not counted, with why
+    off_path: dict[str, str] = field(default_factory=dict)  # functions, branches of the surface not counted, with why
 
     @property
     def reached(self) -> int:
@@ -266,10 +313,14 @@ def _reason(unreachable: Mapping[str, str], module: str, function: str, line: in
     return None, None
 
 
-def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], found: list[Region]) -> CoverageResult:
-    """The branches of ``found`` in ``cov``'s (combined) data."""
+def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], found: list[Region],
+            off_path: Mapping[str, str] = {}) -> CoverageResult:
+    """The branches of ``found`` in ``cov``'s (combined) data, less those ``off_path`` declares off the path (not
+    counted; a key that names no branch of the surface is in ``missing``, one whose branch was reached in ``stale``)."""
     result = CoverageResult(surface, True)
     used: set[str] = set()
+    off = {key for key in off_path if branch_key(key) is not None}
+    off_used: set[str] = set()
     seen: set[tuple[str, int, int]] = set()
     for region in found:
         analysis = cov._analyze(region.file)  # coverage.py's per-file analysis (statements, arcs, exit counts)
@@ -284,6 +335,12 @@ def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], 
             seen.add((region.module, start, end))
             function = lines[start]
             reached = (start, end) in analysis.arcs_executed_set
+            declared_off = off & {f"{region.module}:{start}->{end if end > 0 else 'exit'}", f"{region.module}:{start}"}
+            if declared_off:  # off the preparation's path: not counted (reached, the declaration is stale)
+                off_used |= declared_off
+                if reached:
+                    result.stale += sorted(declared_off)
+                continue
             reason, key = (None, None) if reached else _reason(unreachable, region.module, function, start, end,
                                                                  end in region.raises)
             if key:
@@ -291,7 +348,9 @@ def analyse(cov: Any, surface: tuple[str, ...], unreachable: Mapping[str, str], 
             result.branches.append(Branch(region.module, function, start, end, source[start - 1].strip(), reached,
                                           reason))
     result.branches.sort(key=lambda b: (b.module, b.line, b.dest))
-    result.stale = sorted(set(unreachable) - used)
+    result.stale = sorted(set(unreachable) - used | set(result.stale))
+    result.missing = {key: "declared off the path, but no branch of the surface leaves this line so"
+                      for key in sorted(off - off_used)}
     return result
 
 
@@ -336,8 +395,8 @@ class Measurement:
             data = cov.get_data()
             self.line_contexts = {f: {line: {c for c in ctx if c} for line, ctx in data.contexts_by_lineno(f).items()}
                                   for f in data.measured_files()}
-            result = analyse(cov, self.surface, self.unreachable, self.found)
-            result.missing, result.off_path = self.missing, self.off_path
+            result = analyse(cov, self.surface, self.unreachable, self.found, self.off_path)
+            result.missing, result.off_path = {**result.missing, **self.missing}, self.off_path
             return result
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)

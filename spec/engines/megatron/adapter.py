@@ -166,9 +166,6 @@ MEGATRON_UNREACHABLE: dict[str, str] = {
     f"{_U}:783->784": _PIPELINE,
     f"{_U}:503->516": _BACK_CHUNK, f"{_U}:520->434": _BACK_CHUNK,
     f"{_U}:768->770": _NPU, f"{_U}:786->787": _NPU,
-    "verl.utils.tensordict_utils:130->132": "a value that is no NonTensorData (a metadata key's default): only "
-                                            "Megatron's packing and the layer run here, and every value the layer "
-                                            "unwraps is NonTensorData; the engine code that reads absent keys is not run",
 }
 
 

@@ -70,26 +70,30 @@ SURFACE = (
 #: reason names the input a real trainer sends that the case space does not draw yet)
 _A, _R, _U = "openrlhf.models.actor", "openrlhf.models.ring_attn_utils", "openrlhf.models.utils"
 _RING = "needs ring attention: a ring_attn_group (ring_flash_attn and a process group; the engine declares Feature.SP)"
-#: dead code in 0.11.2: Actor.forward (line 289) is log_probs_from_logits' only caller in the package (its SFT, DPO,
-#: PPO and reference calls all go through it; the logits-only return's caller scores float32 logits too)
-_ONLY_CALLER = "dead code: log_probs_from_logits' only caller in OpenRLHF 0.11.2 is Actor.forward (line 289), which "
-_FLOAT32 = (f"{_ONLY_CALLER}casts the logits to float32 first (line 267, OpenRLHF PR 634), so the bf16/fp16 row loop "
-            "never runs (the logits-only return hands its caller those float32 logits too)")
 UNREACHABLE: dict[str, str] = {
     f"{_A}:256->259": "a VLM config without a video_token_id (Gemma 3's: images only, marked in token_type_ids for "
                       "its bidirectional image attention; google/gemma-3-4b-it): the stand-in's config, a Qwen-VL one, "
                       "has both ids",
     f"{_R}:142->143": _RING, f"{_R}:177->178": _RING, f"{_R}:179": _RING,
-    f"{_U}:173->174": f"{_ONLY_CALLER}divides the logits by its temperature itself (line 271) and passes the "
-                      "default temperature 1.0",
-    f"{_U}:176->190": _FLOAT32, f"{_U}:191": _FLOAT32,
+}
+
+#: exits of log_probs_from_logits only a caller outside the preparation takes: Actor.forward (line 289) is its only
+#: caller in OpenRLHF 0.11.2 (the SFT, DPO, PPO and reference calls all go through it; the logits-only return's caller
+#: scores float32 logits too), so only a user's own call takes them (not counted; the else block's row loop with it)
+_ONLY_CALLER = ("only a user's own log_probs_from_logits call: its one caller in OpenRLHF 0.11.2, Actor.forward "
+                "(line 289), ")
+OFF_PATH: dict[str, str] = {
+    f"{_U}:173->174": f"{_ONLY_CALLER}divides the logits by its temperature itself (line 271) and passes the default "
+                      "temperature 1.0",
+    f"{_U}:176->190": f"{_ONLY_CALLER}casts the logits to float32 first (line 267, OpenRLHF PR 634): the bf16/fp16 "
+                      "row loop runs for other callers' logits only",
 }
 
 #: survivors of ``spec mutate --engine openrlhf`` that no input tells from OpenRLHF's code, each with why (by mutant id)
 EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_U}:log_probs_from_logits:173 branch: condition negated":
         "Actor.forward, its only caller, divides the logits by its temperature itself and calls "
-        "log_probs_from_logits with the default 1.0 (173->174 is declared dead code for that reason): the mutant "
+        "log_probs_from_logits with the default 1.0 (173->174 is declared off the path for that reason): the mutant "
         "then divides by 1.0 in place, which leaves every value as it is",
     f"{_U}:_logsumexp_by_chunk:164 dtype: dtype= dropped":
         "torch.zeros without dtype= is float32; the chunked logsumexp runs only for float32 or float64 logits "
@@ -99,7 +103,7 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 
 #: the adapter's profile: the default one with this surface (the engine declares no conventions), a VLM's images and
 #: videos in both modes (packed: F13)
-PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE,
+PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable=UNREACHABLE, off_path=OFF_PATH,
                   equivalent_mutants=EQUIVALENT_MUTANTS, config_space=SWITCHES,  # spec/engines/openrlhf/config.py
                   media=("image", "video"))
 

@@ -20,6 +20,17 @@ each changes the path TRL's own preparation takes, and each reaches the engine o
 * ``shift_labels`` (trl-fused): SFT's rows handed the fused forward as ``shift_labels``, the labels shifted by one
   with -100 at the end (SFT under accelerate's context or sequence parallelism, which shifts them before sharding the
   sequence; the fused head then scores every position, none cut);
+* ``logit_scaling`` (trl-fused): the model's config scales its logits, as a real family's does: Cohere's
+  ``logit_scale`` (0.0625, Command R's, a multiplier) or Granite's ``logits_scaling`` (16.0, Granite 3's, a divisor);
+  ``add_fused_lm_head`` reads either off the config and scales the projected logits by it. The stand-in's head weight
+  is handed multiplied by 16 (its entries are multiples of 2^-4 in (-8, 8), spec.truth.toy_model: exact in every
+  dtype, as is each product, 16 a power of two), so the scaled logits are the harness's own, bit for bit, and the
+  oracle stays exact: a head that ignored the scale would score 16 times the logits;
+* ``moe_router`` (trl-fused): a mixture-of-experts model's config (``output_router_logits``, ``num_experts`` 4, top-2,
+  ``router_aux_loss_coef`` 0.001: Qwen3-MoE's and Mixtral's keys): the fused forward asks the backbone for its router
+  logits and adds the load-balancing loss, and GRPO asks for that loss (``compute_aux_loss``); the stand-in's
+  backbone returns two layers' router logits (a fixed projection of the hidden states), which feed that loss only: the
+  log-probs and entropy a consumer reads are the harness's as before;
 * ``compute_loss_func`` (trl-fused; ``SFTTrainer(compute_loss_func=...)``, or label smoothing): on SFT's rows the
   trainer calls the unpatched forward (no ``fused_lm_head``, no labels) for the logits its loss function reads, then
   the fused forward under ``torch.no_grad`` for its metrics: the log-probs and entropy are detached;
@@ -45,9 +56,9 @@ from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
 
-__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "keeping_model", "gathered_log_probs", "padded_positions",
-           "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions", "sft_scores", "from_shifted_rows",
-           "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
+__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
+           "padded_positions", "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions",
+           "sft_scores", "from_shifted_rows", "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
 
 _COLLATOR = (
     ConfigSwitch("pad_to_multiple_of", (None, 8), "SFTConfig.pad_to_multiple_of: the padding-free row padded at its "
@@ -78,7 +89,20 @@ FUSED_SWITCHES: tuple[ConfigSwitch, ...] = (
                  "loss from the unpatched forward's logits; the fused log-probs and entropy under no_grad, metrics"),
     ConfigSwitch("shift_labels", (False, True), "SFT's rows handed the fused forward as pre-shifted shift_labels "
                  "(SFT under context or sequence parallelism: the labels shifted before the sequence is sharded)"),
+    ConfigSwitch("logit_scaling", (None, "logit_scale", "logits_scaling"), "the model's config scales its logits: "
+                 "Cohere's logit_scale (0.0625) or Granite's logits_scaling (16.0), the head weight handed times 16",
+                 unseen={"output_multiplier": "Muse Glimmer's: read as logit_scale is, the same multiplier (no other "
+                                              "branch)",
+                         "lm_head_multiplier": "Falcon-H1's: the same multiplier, read where the two above are unset"}),
+    ConfigSwitch("moe_router", (False, True), "an MoE model's config (output_router_logits, 4 experts, top-2, "
+                 "router_aux_loss_coef 0.001): router logits asked for, the load-balancing loss added"),
 )
+
+#: the MoE config ``moe_router`` draws (Qwen3-MoE's and Mixtral's keys)
+MOE_CONFIG = {"output_router_logits": True, "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+
+#: the configs ``logit_scaling`` draws: (the config attribute, its value, what TRL multiplies the logits by)
+LOGIT_SCALINGS = {"logit_scale": ("logit_scale", 0.0625, 0.0625), "logits_scaling": ("logits_scaling", 16.0, 0.0625)}
 
 #: where trl-fused's head projects in the hidden states' own dtype (cast_lm_head_to_fp32 off, GRPOConfig's default)
 HEAD_IN_LOGITS_DTYPE = When("cast_lm_head_to_fp32 off (GRPOConfig's default)",
@@ -126,8 +150,10 @@ def padded_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sft_padded(config: dict, mb: Any) -> bool:
-    """Whether a padded micro-batch ``mb`` is SFT's collator's (``sft_collator``; a vision-language one stays GRPO's)."""
-    return bool(config.get("sft_collator")) and media_samples(mb) is None
+    """Whether a padded micro-batch ``mb`` is SFT's collator's (``sft_collator``; a vision-language one, where some
+    sample has media, stays GRPO's; one whose ``multi_modal_inputs`` are all empty, the text-only samples of a
+    vision-language batch, is text: as :func:`sft_rows` reads the case)."""
+    return bool(config.get("sft_collator")) and not any(media_samples(mb) or ())
 
 
 def sft_batch(collator: Any, ids: list[torch.Tensor], pad_token_id: int, config: dict, padding_free: bool) -> dict:

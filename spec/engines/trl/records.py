@@ -12,7 +12,8 @@ from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
 from .config import DETACHED_ENTROPY, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
 
-__all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE"]
+__all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE",
+           "FUSED_OFF_PATH"]
 
 IN_LOGITS_DTYPE = ("selective_log_softmax and entropy_from_logits compute in the logits' dtype (a per-row "
                    "log_softmax in bf16/fp16; outputs bf16/fp16): up to 0.06 nats of log-prob error in bf16, and "
@@ -90,29 +91,26 @@ _MULTIMODAL = {
     1481: _FAMILY + "pixel_attention_mask without spatial_shapes (HuggingFaceTB/SmolVLM-256M-Instruct, Idefics3)",
     1483: _FAMILY + "image_sizes (llava-hf/llava-v1.6-mistral-7b-hf, mistralai/Mistral-Small-3.1-24B-Instruct-2503)",
 }
-_PLAIN_FORWARD = ("off the preparation's path (one exit of an on-path function, which off_path cannot name): the "
-                  "unpatched forward handed labels, shift_labels or num_items_in_batch, Hugging Face's own loss; no "
-                  "TRL 1.16 trainer calls it so (SFT, DPO, KTO, RLOO and GRPO pass labels with fused_lm_head=True; "
-                  "SFT's compute_loss_func path, drawn, and generation hand it none): only a user's own "
-                  "model(..., labels=...) call")
-_MOE = ("another model family: an MoE model's router logits and load-balancing loss (output_router_logits); the "
-        "stand-in model has no router")
+_PLAIN_FORWARD = ("the unpatched forward handed labels, shift_labels or num_items_in_batch, Hugging Face's own "
+                  "loss; no TRL 1.16 trainer calls it so (SFT, DPO, KTO, RLOO and GRPO pass labels with "
+                  "fused_lm_head=True; SFT's compute_loss_func path, drawn, and generation hand it none): only a "
+                  "user's own model(..., labels=...) call")
 _FUSED_UNREACHABLE: dict[str, str] = {
     **{f"{_GRPO}:{line}": reason for line, reason in _MULTIMODAL.items()},
     f"{_GRPO}:1485": _FAMILY + "token_type_ids (Gemma 3's and PaliGemma's image tokens: google/gemma-3-4b-it, "
                                "google/paligemma2-3b-pt-224)",
-    f"{_GRPO}:1491": _MOE, f"{_GRPO}:1502": _MOE, f"{_U}:1614": _MOE, f"{_U}:1665": _MOE, f"{_U}:1669": _MOE,
-    f"{_U}:1674": _MOE,
-    f"{_U}:1581": "another model family: a config with logit_scale (Cohere's); the stand-in's config scales no logits",
-    f"{_U}:1585": "another model family: output_multiplier (Muse Glimmer); the stand-in's config scales no logits",
-    f"{_U}:1587": "another model family: lm_head_multiplier (Falcon-H1) or logits_scaling (Granite, MiniCPM3, "
-                  "HyperCLOVA X); the stand-in's config scales no logits",
+    f"{_U}:1669->1670": "an MoE model under transformers < 5 (its num_experts read off the model; the suite runs "
+                        "transformers 5)",
+    f"{_U}:1674->1677": "another model family: GPT-OSS's config (model_type gpt_oss, no num_experts) under "
+                        "transformers 5.0 to 5.5 (the suite runs 5.25; the stand-in's MoE config is Qwen3-MoE's)",
     f"{_U}:1594": "a vision-language model's text config under transformers < 5 (the suite runs transformers 5)",
-    **{f"{_U}:{line}": _PLAIN_FORWARD for line in ("1603->1604", "1605->1606", "1607->1608")},
     f"{_U}:1636": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1638": "needs FSDP2's sharded LM head (a DTensor weight on a device mesh)",
     f"{_U}:1655->1658": "needs Triton on a CUDA device (_use_triton: only the valid positions are scored, compact)",
 }
+
+#: the exits of trl-fused's on-path add_fused_lm_head that only a caller outside the preparation takes (not counted)
+FUSED_OFF_PATH: dict[str, str] = {f"{_U}:{line}": _PLAIN_FORWARD for line in ("1603->1604", "1605->1606", "1607->1608")}
 
 #: survivors of ``spec mutate --engine trl`` that no input tells from TRL's code, each with why (by mutant id)
 _ONE_DIM = "are 1-D tensors, one per example: torch.cat along dim 0 is along dim -1"
@@ -131,7 +129,8 @@ PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATC
                   equivalent_mutants=EQUIVALENT_MUTANTS,
                   padded_layouts=(PaddedLayout.LEFT_RIGHT, PaddedLayout.RIGHT),  # GRPO's; SFT's (its switch)
                   output_span=OutputSpan.RESPONSE, config_space=TRL_SWITCHES)  # TRL's switches: spec/engines/trl/config.py
-#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE and FUSED_UNREACHABLE: spec/engines/trl/fused.py)
+#: (trl-fused's: trl's profile, its layout included, with FUSED_SURFACE, FUSED_UNREACHABLE and FUSED_OFF_PATH:
+#: spec/engines/trl/fused.py)
 FUSED_UNREACHABLE: dict[str, str] = {**_BATCH_UNREACHABLE, **_FUSED_UNREACHABLE}
 
 #: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
