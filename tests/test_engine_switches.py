@@ -116,14 +116,14 @@ def test_trl_fused_moe_router_adds_the_load_balancing_loss(packed, monkeypatch) 
 def test_trl_fused_logit_scaling_is_read_off_the_config(scaling, monkeypatch) -> None:
     """The scaled stand-in's logits are the harness's only through the scale TRL reads off the config: with the
     attribute renamed to one TRL does not read (the weight still handed times 16), the log-probs differ."""
-    from spec.engines.trl import fused
+    from spec.engines.trl import families
 
     engine, packed = load_engine("trl-fused"), scaling == "logit_scale"
     on = CASE.with_(use_remove_padding=packed, engine_config=(("logit_scaling", scaling),))
     off = CASE.with_(use_remove_padding=packed)
     at = Ctx(engine, on, "cpu", on.mode).read
-    _, value, scale = fused.LOGIT_SCALINGS[scaling]
-    monkeypatch.setitem(fused.LOGIT_SCALINGS, scaling, ("unread_scale", value, scale))
+    _, value, scale = families.LOGIT_SCALINGS[scaling]
+    monkeypatch.setitem(families.LOGIT_SCALINGS, scaling, ("unread_scale", value, scale))
     got, want = _read(engine, on, at), _read(engine, off, at)
     assert not torch.allclose(torch.tensor(got["log_probs"]), torch.tensor(want["log_probs"]), atol=1e-3)
 
