@@ -15,10 +15,13 @@ from __future__ import annotations
 from ...protocol.known import When
 from ...truth.rules import TEMPERATURE_FLOOR
 
-__all__ = ["VALUE_MISMATCH", "MISMATCH", "CANCELLATION", "UNCLAMPED", "LOW_PRECISION_LOGITS", "ORACLE_INVARIANTS"]
+__all__ = ["VALUE_MISMATCH", "SAMPLE_MISMATCH", "MISMATCH", "CANCELLATION", "UNCLAMPED", "LOW_PRECISION_LOGITS", "ORACLE_INVARIANTS"]
 
 #: a value of an output differs from the oracle's (or the other run's) beyond the tolerance
 VALUE_MISMATCH = r"'\w+' of sequence \d+.*: at \(\d+(, \d+)*,?\) got .* expected .* \(\|diff\|"
+#: a value of a sample differs end to end, through the micro-batch layer (INV-MB-015's message: per sample, with the
+#: micro-batch sizes)
+SAMPLE_MISMATCH = r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"
 #: a value of the consumer's response view differs from the oracle's (INV-SLICE-006), or any other output's
 MISMATCH = VALUE_MISMATCH + r"|response_view of \w+ \(B, R\): at \(\d+, \d+\) got .* expected .* \(\|diff\|"
 

@@ -34,7 +34,7 @@ import torch
 from ...protocol.known import KnownFailure, When
 from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision, media_view
 from ...truth.rules import TEMPERATURE_FLOOR
-from ..kit.records import UNCLAMPED, VALUE_MISMATCH
+from ..kit.records import SAMPLE_MISMATCH, UNCLAMPED, VALUE_MISMATCH
 from ..verl.native import NativeVerlEngine, native_profile
 from ..verl.records import (
     FP16_WIDE_VOCAB,
@@ -76,7 +76,7 @@ MROPE_SAMPLES = When("mRoPE positions, packed, over B >= 2 samples", lambda case
 MROPE_VARLEN_VALUES = {inv: VALUE_MISMATCH for inv in (
     "INV-VAL-001", "INV-VAL-002", "INV-VAL-003", "INV-VAL-004", "INV-VAL-005", "INV-TEMP-001", "INV-TEMP-003",
     "INV-TEMP-006", "INV-SLICE-002", "INV-SLICE-006", "INV-BATCH-001", "INV-BATCH-002", "INV-EDGE-001", "INV-MM-001",
-    "INV-MM-002", "INV-KEYS-003")} | {"INV-MB-015": r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"}
+    "INV-MM-002", "INV-KEYS-003")} | {"INV-MB-015": SAMPLE_MISMATCH}
 
 #: the packed path divides by the temperature out of place: a (B,) float32 tensor promotes bf16/fp16 logits to float32
 PROMOTED = When("packed with a per-sample (B,) temperature (logits / a float32 tensor: float32 outputs)",

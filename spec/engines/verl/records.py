@@ -17,7 +17,7 @@ from typing import Any
 from ...cases.structure import DISTILLATION_KEYS
 from ...protocol.engine import CONTRACT_PRECISION, Precision
 from ...protocol.known import ALWAYS, KnownFailure, When
-from ..kit.records import CANCELLATION, VALUE_MISMATCH
+from ..kit.records import CANCELLATION, SAMPLE_MISMATCH, VALUE_MISMATCH
 from .microbatch_records import MICROBATCH_RECORDS
 
 __all__ = ["KNOWN_BUGS", "MASK_INVARIANTS", "known_key", "known_failures", "verl_precision", "LOW_PRECISION_RECORDS",
@@ -454,7 +454,7 @@ def loss_mask_attention(invariants: frozenset[str] | set[str] = MASK_INVARIANTS,
 
 
 #: the micro-batch layer's end-to-end check (its own message: per sample, with the micro-batch sizes)
-_END_TO_END = {"INV-MB-015": r"'(log_probs|entropy)' of sample \d+ \(micro-batches .*\): at \(\d+,\) got"}
+_END_TO_END = {"INV-MB-015": SAMPLE_MISMATCH}
 
 
 #: where a response-only mask (r_i ones) changes an output that is read: any output at positions r_i .. n_i - 2 (a
