@@ -33,8 +33,9 @@ from .run.runner import instances
 __all__ = ["ROOT", "BLOCKS", "FILES", "blocks_in", "render", "stale", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the Markdown files that may hold generated blocks
-FILES = ("README.md", "spec/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
+#: the Markdown files that may hold generated blocks: the READMEs, docs/ and each engine folder's page
+FILES = ("README.md", "spec/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
+         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "spec" / "engines").glob("*/README.md")))
 _BLOCK = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n?)(.*?)(<!-- /generated -->)", re.S)
 
 

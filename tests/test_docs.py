@@ -1,12 +1,12 @@
 """Docs that cannot drift: every generated block equals what the code gives, and the contract is in the repository.
 
-* Every ``<!-- generated:NAME -->`` block in README.md, spec/README.md and docs/ equals ``spec.docs.BLOCKS[NAME]()``
+* Every ``<!-- generated:NAME -->`` block in README.md, spec/README.md, docs/ and spec/engines/<engine>/README.md equals ``spec.docs.BLOCKS[NAME]()``
   (``python -m spec.docs`` rewrites them), names a generator that exists, and every generator has a block.
 * docs/contract.md is the contract every doc links to: each invariant's ``contract=`` number is a numbered
   clause there; no doc, invariant or module points to a contract outside the repository or to a build
   machine's absolute path.
 * No hand-written test-suite pass/skip counts in the docs.
-* Every Markdown link, repository path and ``spec.xxx``/``impl.xxx`` name in README.md, spec/README.md and docs/
+* Every Markdown link, repository path and ``spec.xxx``/``impl.xxx`` name in README.md, spec/README.md, docs/ and the engine pages
   exists (a link's ``#anchor`` is a heading of the linked page); no bare "issue N" pointing at a tracker the
   repository does not hold (an upstream project's "issue #N" is named with its number sign).
 * docs/findings/: the README (linked from README.md) has one table row per finding page, each linking a page that
@@ -263,3 +263,18 @@ def test_no_bare_issue_numbers() -> None:
     hits = [f"{f}:{i}: {line.strip()[:80]}" for f in docs.FILES
             for i, line in enumerate(_read(f).splitlines(), 1) if bare.search(line)]
     assert not hits, hits
+
+
+def test_every_engine_has_its_page_in_its_folder() -> None:
+    """An engine's page lives beside its adapter (spec/engines/<folder>/README.md), names each engine of the folder
+    and is one of the files whose links and generated blocks are checked here; no engine page is left in docs/."""
+    from spec.run.registry import ENGINES
+
+    root = Path(__file__).resolve().parents[1]
+    for name, entry in ENGINES.items():
+        if name == "impl":  # this project's own engine: README.md and docs/contract.md are its pages
+            continue
+        page = Path("spec", "engines", entry[0].__module__.split(".")[2], "README.md")
+        assert (root / page).is_file(), f"engine {name} has no page {page}"
+        assert str(page) in docs.FILES and name in _read(str(page)), (name, page)
+    assert not (root / "docs" / "engines").exists()

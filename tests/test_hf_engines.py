@@ -1,4 +1,4 @@
-"""TRL and OpenRLHF adapters (docs/engines/trl.md, docs/engines/openrlhf.md): registered, their known failures precise
+"""TRL and OpenRLHF adapters (spec/engines/trl/README.md, spec/engines/openrlhf/README.md): registered, their known failures precise
 and documented; where the library is installed (the trl and openrlhf CI steps, spec/engines/{trl,openrlhf}/ci.sh), the
 batch each builds is the library's layout and its outputs equal the oracle's on the seeds' worked example."""
 
@@ -21,7 +21,7 @@ from spec.protocol.known import KnownFailure
 from spec.engines.openrlhf import records as openrlhf_records
 from spec.engines.trl import records as trl_records
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "engines"
+ENGINES_DIR = Path(__file__).resolve().parents[1] / "spec" / "engines"
 HAS = {"trl": importlib.util.find_spec("trl") is not None, "openrlhf": importlib.util.find_spec("openrlhf") is not None}
 #: the seeds' worked example: prompts [3, 2], responses [2, 1]
 CASE = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, temperature=0.5, calculate_entropy=True)
@@ -35,7 +35,7 @@ def test_registered() -> None:
 @pytest.mark.parametrize("records, page", [(trl_records.LOGITS_RECORDS + trl_records.FUSED_RECORDS, "trl"),
                                            (openrlhf_records.RECORDS, "openrlhf")])
 def test_known_failures_are_precise_documented_records(records, page: str) -> None:
-    doc = (DOCS / f"{page}.md").read_text()
+    doc = (ENGINES_DIR / page / "README.md").read_text()
     for record in records:
         assert isinstance(record, KnownFailure) and record.invariant in CATALOGUE, record
         assert record.when.text and record.matches and record.invariant in doc, record.key

@@ -1,4 +1,4 @@
-"""SkyRL adapters (docs/engines/skyrl.md): registered, their known failures precise and documented; where the library is
+"""SkyRL adapters (spec/engines/skyrl/README.md): registered, their known failures precise and documented; where the library is
 installed (spec/engines/skyrl/ci.sh), the batch each builds is SkyRL's own layout (0.3.1 left-right, 0.4.0 left) and
 its outputs equal the float64 oracle's on the seeds' worked example, in both modes."""
 
@@ -22,7 +22,7 @@ from spec.protocol.known import KnownFailure
 from spec.run.registry import ENGINES, load_engine
 from spec.truth.oracle import expected
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "engines" / "skyrl.md"
+DOCS = Path(__file__).resolve().parents[1] / "spec" / "engines" / "skyrl" / "README.md"
 HAS = {"skyrl-train": importlib.util.find_spec("skyrl_train") is not None,
        "skyrl": importlib.util.find_spec("skyrl") is not None}
 #: the seeds' worked example: prompts [3, 2], responses [2, 1]

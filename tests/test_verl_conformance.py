@@ -39,7 +39,7 @@ from spec.engines.verl.adapter import VerlEngine  # noqa: E402
 from spec.engines.verl.records import MASK_INVARIANTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "verl-conformance.md"
+DOC = ROOT / "spec" / "engines" / "verl" / "README.md"
 PADDED_MODES = ("padded", "both")
 #: the releases CI knows, and whether they have the loss-mask attention bug
 PINNED = {"0.7.1": True, "0.9.1": False}

@@ -64,7 +64,7 @@ class AutomodelEngine(NativeVerlEngine):
         "592->593": "gap: a model whose forward returns the logits tensor itself (NeMo AutoModel's own model classes); "
                     "the adapter's stand-in returns an output with .logits"})
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
-    #: precise records (KNOWN_RECORDS above); docs/engines/verl-automodel.md classifies each
+    #: precise records (KNOWN_RECORDS above); spec/engines/automodel/README.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
 
     def view_inputs(self, model_inputs, output_args) -> InputsView:

@@ -179,7 +179,7 @@ class MegatronEngine(EngineUnderTest):
         "_compute_fp8_thd_align_size")), *VERL_LAYER), unreachable=MEGATRON_UNREACHABLE, off_path=VERL_LAYER_OFF_PATH)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
-    #: failures documented in docs/engines/verl-megatron.md: one bug, seen by four properties
+    #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties
     KNOWN: tuple[KnownFailure, ...] = tuple(
         KnownFailure(inv, "preprocess_thd_engine pads the total to lcm(pad_to_length_bucket, CP) and gives it to the "
                      "last sequence, which then is no multiple of 2*CP (zig-zag) or TP: the CP split drops rows and "

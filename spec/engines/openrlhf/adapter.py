@@ -21,7 +21,7 @@ the packed path runs it. A vision model (mRoPE positions) computes its own posit
 (``is_vlm``): the adapter hands the stand-in model the sample's own. A vision-language micro-batch's images and videos
 are each sample's processor outputs, merged by OpenRLHF's ``merge_mm_train_inputs`` as its PPO actor merges an
 experience's and handed to ``forward`` (``**mm_inputs``), the VLM config's media token ids beside them (``_vlm_config``,
-for the token types the padded path builds). docs/engines/openrlhf.md.
+for the token types the padded path builds). spec/engines/openrlhf/README.md.
 """
 
 from __future__ import annotations

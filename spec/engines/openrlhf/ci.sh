@@ -4,7 +4,7 @@
 # tests/test_engine_switches.py and tests/test_step_engines.py
 #
 # OpenRLHF's CI step (.ci/steps.sh finds it here, in the engine's folder): engine openrlhf in the venv .venv-openrlhf
-# (docs/engines/openrlhf.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
+# (spec/engines/openrlhf/README.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
 # known-failure records (spec/engines/openrlhf/records.py). `--setup`: only install the venv.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

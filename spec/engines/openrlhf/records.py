@@ -1,4 +1,4 @@
-"""Known-failure records of OpenRLHF 0.11.2 (engine ``openrlhf``); docs/engines/openrlhf.md reproduces each in plain
+"""Known-failure records of OpenRLHF 0.11.2 (engine ``openrlhf``); spec/engines/openrlhf/README.md reproduces each in plain
 torch."""
 
 from __future__ import annotations

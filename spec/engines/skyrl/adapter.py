@@ -10,7 +10,7 @@ it runs twice (``inputs_seen_by_model``, ``replaying``). The kit's loader (``Thi
 with transformers, peft, ray, datasets and flash-attn's CUDA package stubbed, flash-attn's ``bert_padding`` installed;
 0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run. An mRoPE
 micro-batch is a vision-language model's (0.4.0's ``is_vlm`` path, padded only), its images as SkyRL's backend hands
-them (:mod:`spec.engines.skyrl.media`). docs/engines/skyrl.md.
+them (:mod:`spec.engines.skyrl.media`). spec/engines/skyrl/README.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # installed `--no-deps --ignore-requires-python` in one venv, then tests/test_skyrl.py
 #
 # SkyRL's CI step (.ci/steps.sh finds it here, in the engine's folder): engines skyrl-train and skyrl in one venv
-# .venv-skyrl (docs/engines/skyrl.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
+# .venv-skyrl (spec/engines/skyrl/README.md). `spec verify` exits 1 on any failure that is not one of the engine's documented
 # known-failure records (spec/engines/skyrl/records.py). `--setup`: only install the venv.
 #
 # Both wheels declare Requires-Python ==3.12.* and this CI runs Python 3.11: they are installed with

@@ -1,4 +1,4 @@
-"""Known-failure records of SkyRL (engines ``skyrl-train`` 0.3.1 and ``skyrl`` 0.4.0); docs/engines/skyrl.md and
+"""Known-failure records of SkyRL (engines ``skyrl-train`` 0.3.1 and ``skyrl`` 0.4.0); spec/engines/skyrl/README.md and
 docs/findings/F22, F23 reproduce the library's in plain torch.
 
 ``RECORDS`` are the library's (real differences from the contract), nothing else: 0.3.1, text only, is never drawn

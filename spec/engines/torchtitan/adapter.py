@@ -161,7 +161,7 @@ class TorchTitanEngine(NativeVerlEngine):
                    "Config": type("Config", (), {})})}}
     sp_reason = ("context parallelism goes through torchtitan's prepare_context_parallel_input and a device "
                  "mesh, not run here")
-    #: precise records (KNOWN_RECORDS above); docs/engines/verl-torchtitan.md classifies each
+    #: precise records (KNOWN_RECORDS above); spec/engines/torchtitan/README.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
 
     def precision(self, key: str, case: Any) -> Precision:  # type: ignore[override]

@@ -13,7 +13,7 @@ are completion-only (``OutputSpan.RESPONSE``) in GRPO's layout (``PaddedLayout.L
 TRL hands the model no ``position_ids`` (a RoPE model is shift-invariant); the stand-in model has absolute positions,
 so the adapter hands it each sample's own positions in the same layout. The fused head gets the stand-in's
 ``hidden_states`` and ``lm_head_weight`` (the fused-head protocol, ``HeadInput.HIDDEN``). Built on the adapter kit
-(:mod:`spec.engines.kit`, :mod:`spec.engines.kit.hf_batch`). docs/engines/trl.md.
+(:mod:`spec.engines.kit`, :mod:`spec.engines.kit.hf_batch`). spec/engines/trl/README.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # tests/test_engine_switches.py and tests/test_step_engines.py
 #
 # TRL's CI step (.ci/steps.sh finds it here, in the engine's folder): engines trl and trl-fused in the venv .venv-trl
-# (docs/engines/trl.md). `spec verify` exits 1 on any failure that is not one of the engine's documented known-failure
+# (spec/engines/trl/README.md). `spec verify` exits 1 on any failure that is not one of the engine's documented known-failure
 # records (spec/engines/trl/records.py). `--setup`: only install the venv.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

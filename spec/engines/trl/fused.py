@@ -5,7 +5,7 @@ TRL's batches as in :mod:`spec.engines.trl.adapter`; the scoring patches a stand
 protocol, ``HeadInput.HIDDEN``) with ``add_fused_lm_head`` and runs ``GRPOTrainer._get_per_token_logps_and_entropies``
 (padded) or the fused forward with the collator's labels (packed). A vision-language batch goes through GRPO only
 (padded: TRL's trainers refuse padding-free training on vision data): its images as GRPO hands them
-(:mod:`spec.engines.trl.media`). docs/engines/trl.md.
+(:mod:`spec.engines.trl.media`). spec/engines/trl/README.md.
 """
 
 from __future__ import annotations

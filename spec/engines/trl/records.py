@@ -1,4 +1,4 @@
-"""Known-failure records of TRL 1.16 (engines ``trl`` and ``trl-fused``); docs/engines/trl.md reproduces each in
+"""Known-failure records of TRL 1.16 (engines ``trl`` and ``trl-fused``); spec/engines/trl/README.md reproduces each in
 plain torch. Each names the invariants whose check compares an output with the per-sequence oracle."""
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ UNREACHABLE: dict[str, str] = {
     f"{MODULE}:936->937": _REPLAY, f"{MODULE}:941->942": _REPLAY, f"{MODULE}:942->953": _REPLAY,
 }
 
-#: failures of VeOmni beyond the FSDP ones it inherits (docs/engines/verl-veomni.md)
+#: failures of VeOmni beyond the FSDP ones it inherits (spec/engines/veomni/README.md)
 KNOWN_FAILURES: dict[str, str] = {}
 
 

@@ -24,7 +24,7 @@ read off its version string:
 What is known to be *wrong* in a verl release is a fact about that release, so
 :data:`KNOWN_BUGS` is keyed by version (plus ``"*"`` for every version): a new release
 gets no excuse it has not earned, and a fixed bug shows up as "unexpectedly passed".
-Each entry has a minimal counterexample in ``docs/verl-conformance.md``.
+Each entry has a minimal counterexample in ``spec/engines/verl/README.md``.
 
 Sequence parallelism runs on real ranks (:mod:`spec.execute.ranks`): verl's Ulysses path slices and
 all-gathers through a ``torch.distributed`` process group (``verl.utils.ulysses``), so an

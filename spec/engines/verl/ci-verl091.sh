@@ -4,7 +4,7 @@
 # micro-batch layer against verl's, bit for bit (tests/test_dropin.py, tests/test_dropin_microbatch.py)
 #
 # verl 0.9.1's CI step (.ci/steps.sh finds it here, in the engine's folder; tox -e verl091 runs it too), in the venv
-# .venv-verl (docs/verl-conformance.md): `spec verify --engine verl --profile ci` exits 0 (documented known failures
+# .venv-verl (spec/engines/verl/README.md): `spec verify --engine verl --profile ci` exits 0 (documented known failures
 # do not count) and tests/test_verl_conformance.py checks the same report. `--setup`: only install the venv.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

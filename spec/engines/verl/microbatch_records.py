@@ -2,7 +2,7 @@
 
 Keyed by verl version (``"*"``: every version probed so far; 0.9.1 and 0.7.1 each have their own); each record names the cases it applies to (a
 :class:`spec.protocol.known.When` on the :class:`spec.cases.microbatch.MiniBatchCase`) and how it fails, with the
-upstream issue where one is known. docs/verl-conformance.md ("The micro-batch layer") has a minimal counterexample
+upstream issue where one is known. spec/engines/verl/README.md ("The micro-batch layer") has a minimal counterexample
 for each.
 """
 

@@ -71,7 +71,7 @@ class NativeVerlEngine(EngineUnderTest):
     records: dict[str, dict[str, object]] = {}
     sp_reason = "sequence/context parallelism runs through a process group the suite does not simulate"
     #: version -> known-failure records (``spec.protocol.known.KnownFailure``); "*" for every version
-    #: (docs/engines/<name>.md has a minimal counterexample for each)
+    #: (spec/engines/<engine>/README.md has a minimal counterexample for each)
     KNOWN: dict[str, tuple[KnownFailure, ...]] = {}
     #: strategy limits that keep a documented bug out of unrelated invariants (none here: bf16/fp16 logits are drawn,
     #: :meth:`precision` declares each output's dtype and the differences are records)

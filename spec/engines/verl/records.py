@@ -6,7 +6,7 @@ so one record each, in one place.
 
 What is known to be *wrong* in a verl release is a fact about that release: a new release gets no excuse it has not
 earned, and a fixed bug shows up as "unexpectedly passed". Each record has a minimal counterexample in
-``docs/verl-conformance.md`` (each engine's docs/engines/<name>.md for the ones it carries).
+``spec/engines/verl/README.md`` (each engine's spec/engines/<engine>/README.md for the ones it carries).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["KNOWN_BUGS", "MASK_INVARIANTS", "known_key", "known_failures", "verl
            "flag_types", "entropy_cancellation", "loss_mask_attention", "PER_SAMPLE_ON_VOCAB", "MASK_VISIBLE"]
 
 
-#: The rule for "the mask failure" (docs/verl-conformance.md): an invariant belongs here iff its
+#: The rule for "the mask failure" (spec/engines/verl/README.md): an invariant belongs here iff its
 #: check, in padded mode, reads the attention mask or compares an output the model computed under
 #: that mask against a mask-independent reference (the per-sequence oracle or the packed run).
 #: A wrong padded mask can make exactly these fail and nothing else.
@@ -215,7 +215,7 @@ def fused_padded_dense_slices(why: str, invariants: tuple[str, ...] = FUSED_PADD
 
 
 #: version -> the known-failure records of that release ("*": every release). Each names the cases it
-#: applies to and the failure it expects; docs/verl-conformance.md has a minimal counterexample for each.
+#: applies to and the failure it expects; spec/engines/verl/README.md has a minimal counterexample for each.
 KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
     "*": (
         KnownFailure(

@@ -3,7 +3,7 @@
 entropy equals the oracle's entropy of softmax(logits / T) [known failure INV-VAL-002: F01]
 
 Shrunk case: EngineCase(p=[1] r=[1] V=64 T=0.05 padded entropy seed=0)
-What the suite saw: AssertionError: 'entropy' of sequence 0: at (1,) got 0.0018920898, expected 0.0019236603 (docs/verl-conformance.md)
+What the suite saw: AssertionError: 'entropy' of sequence 0: at (1,) got 0.0018920898, expected 0.0019236603 (spec/engines/verl/README.md)
 
 Needs: pip install torch tensordict verl==0.9.1
 Exit 1: the engine is wrong on this case (got vs expected printed); 0: it is right; 2: not reproducible standalone.
