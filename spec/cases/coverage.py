@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..protocol.engine import Feature
-from ..protocol.profile import MODES, profile_of
+from ..protocol.profile import MODES, drawn_config, profile_of
 from .microbatch import MiniBatchCase
 from .structure import (CONTEXTS, EXECUTION_CONTEXTS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase)
@@ -190,7 +190,7 @@ def dimensions(case: Any, config_space: Iterable[Any] = ()) -> list[tuple[str, s
     has = [name for name, (present, _) in FEATURES.items() if present(case)]
     out += [("feature pair", f"{a} x {b}") for i, a in enumerate(has) for b in has[i + 1:]
             if frozenset((a, b)) not in EXCLUDED_PAIRS]
-    drawn = dict(case.engine_config)
+    drawn = drawn_config(case)
     for switch in config_space:
         if switch.setting is None and switch.values:
             out.append((f"engine config: {switch.name}", repr(drawn.get(switch.name, switch.values[0]))))

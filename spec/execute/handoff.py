@@ -16,6 +16,7 @@ from tensordict import TensorDict
 
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
+from ..protocol.profile import drawn_config
 from ..truth.rules import layout_mask
 from ..truth.state_checks import nested_parts
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
@@ -160,7 +161,7 @@ def _settings(case: EngineCase, rank: int, gather: ThreadedAllGather | None) -> 
         settings["pass_cu_seqlens"] = True
     if case.entropy_chunk_size:
         settings["entropy_chunk_size"] = case.entropy_chunk_size
-    settings.update(getattr(case, "engine_config", ()))  # the engine's own switches (its config_space)
+    settings.update(drawn_config(case))  # the engine's own switches (its config_space)
     return settings
 
 

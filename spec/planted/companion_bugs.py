@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..protocol.engine import ConfigSwitch
+from ..protocol.profile import drawn_config
 from ..truth.oracle import topk_terms
 
 __all__ = ["ChunkedTopKDropsLastChunk", "SWITCHES"]
@@ -31,7 +32,7 @@ class ChunkedTopKDropsLastChunk:
 
     @classmethod
     def companion(cls, case: Any, sp_size: int = 1, sp_rank: int = 0) -> "ChunkedTopKDropsLastChunk | None":
-        chunk = dict(getattr(case, "engine_config", ()) or ()).get(cls.switch)
+        chunk = drawn_config(case).get(cls.switch)
         return None if not chunk else cls(tuple(case.distillation_keys), chunk, sp_size, sp_rank)
 
     def _teacher(self, data: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
+from ..protocol.profile import drawn_config
 from .rules import TEMPERATURE_FLOOR, response_positions, token_temperatures
 from .toy_model import ToyCausalLM
 
@@ -68,7 +69,7 @@ LOG_PROB_MIN_CLAMP = "log_prob_min_clamp"
 
 def log_prob_min_clamp(case: object) -> float | None:
     """The drawn ``log_prob_min_clamp`` of ``case`` (:data:`LOG_PROB_MIN_CLAMP`), None where it has none."""
-    value = dict(getattr(case, "engine_config", ()) or ()).get(LOG_PROB_MIN_CLAMP)
+    value = drawn_config(case).get(LOG_PROB_MIN_CLAMP)
     return None if value is None else float(value)
 
 

@@ -59,6 +59,7 @@ from ...cases.structure import DISTILLATION_KEYS
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ...protocol.engine import CONTRACT_PRECISION, HELPERS, EngineUnderTest, Precision, ReproSnippet
 from ...protocol.microbatch import MicroBatchLayer
+from ...protocol.profile import drawn_config
 from ...protocol.step import StepLayer
 from ...protocol.vendor import assignments, source
 from .microbatch_layer import verl_microbatch_layer
@@ -332,7 +333,7 @@ class VerlEngine(EngineUnderTest):
 
         from verl.trainer.distillation.losses import distillation_ppo_loss
 
-        drawn = dict(getattr(case, "engine_config", ()) or ())
+        drawn = drawn_config(case)
         switches = (bool(drawn.get("use_chunked_topk", False)), int(drawn.get("chunked_topk_chunk_size", 4096)),
                     drawn.get(LOG_PROB_MIN_CLAMP))
         return partial(distillation_ppo_loss, config=self._actor_config(),

@@ -17,6 +17,7 @@ from typing import Any
 from ...cases.structure import DISTILLATION_KEYS
 from ...protocol.engine import CONTRACT_PRECISION, Precision
 from ...protocol.known import ALWAYS, KnownFailure, When
+from ...protocol.profile import drawn_config
 from ..kit.records import CANCELLATION, SAMPLE_MISMATCH, VALUE_MISMATCH
 from .microbatch_records import MICROBATCH_RECORDS
 
@@ -79,7 +80,7 @@ TEACHER = When("teacher top-K tensors present (topk >= 1)", lambda c: bool(c.top
 
 #: a value model with a v_head (trl's AutoModelForCausalLMWithValueHead: the engine reads output[2])
 V_HEAD = When("a v_head value model (engine config v_head=True)",
-              lambda c: getattr(c, "head", "lm") == "value" and dict(getattr(c, "engine_config", ())).get("v_head", False))
+              lambda c: getattr(c, "head", "lm") == "value" and drawn_config(c).get("v_head", False))
 
 
 #: calculate_sum_pi_squared_from_logits (verl 0.9): excused within the float32 cancellation bound only
