@@ -100,8 +100,13 @@ def mask_helper(build, ids, seq_lens, int32: bool, convention: str = "int32_atte
         mask_dtype(mask, f"build_attention_mask_from_nested(max_seq_len={width})", int32, convention)
         if tuple(mask.shape) != (len(seq_lens), width or max(seq_lens)) or not torch.equal(mask.cpu().to(torch.int32),
                                                                                           want):
-            fail(f"build_attention_mask_from_nested(max_seq_len={width}) gave {mask.tolist()} "
-                 f"({mask.dtype}), expected {want.tolist()}")
+            # the first wrong row (its whole row when the widths differ): a message of one row at any batch size
+            rows = mask.shape[0] if mask.dim() == 2 else 0
+            row = next((i for i in range(min(rows, len(seq_lens)))
+                        if not torch.equal(mask[i].cpu().to(torch.int32), want[i])), 0)
+            fail(f"build_attention_mask_from_nested(max_seq_len={width}): a {tuple(mask.shape)} mask where "
+                 f"{tuple(want.shape)} was expected; sample {row} (length {seq_lens[row]}) gave "
+                 f"{mask[row:row + 1].tolist()} ({mask.dtype}), expected {want[row:row + 1].tolist()}")
 
 
 def padded_rows(prompt_lens, response_lens, layout, rows, got, key: str, what: str) -> None:
