@@ -96,6 +96,26 @@ def test_every_family_used_here_has_a_plan() -> None:
         assert plan_for(invariant) is not None, invariant
 
 
+def test_every_reproduction_record_names_checks_the_runtime_has() -> None:
+    """An invariant's reproducer is declared where the invariant is (``repro=``, spec/invariants/reproduction.py),
+    and each check its plan names is one the file's runtime runs (spec/repro/runtime.py, and on real ranks
+    vendored/real_ranks.py): a misspelt name fails here, not in a user's reproducer."""
+    from spec.invariants import CATALOGUE
+    from spec.invariants.reproduction import LayerCheck, Plan
+    from spec.repro import runtime
+    from spec.repro.vendored import real_ranks
+
+    known = set(runtime.CHECKS) | set(runtime.WITH_FRESH)
+    plans = {inv: info.repro for inv, info in CATALOGUE.items() if isinstance(info.repro, Plan)}
+    assert len(plans) >= 60, len(plans)
+    for inv, plan in plans.items():
+        allowed = known | set(real_ranks.RANK_CHECKS) if plan.real_ranks else known
+        assert plan.checks and set(plan.checks) <= allowed, (inv, set(plan.checks) - allowed)
+    layers = {inv: info.repro for inv, info in CATALOGUE.items() if isinstance(info.repro, LayerCheck)}
+    assert all(inv.startswith("INV-MB-") and CATALOGUE[inv].functions for inv in layers), sorted(layers)
+    assert sum(record.on == "engine" for record in layers.values()) == 1  # spec/repro/end_to_end.py writes one
+
+
 def test_planted_reproducers_fail(written) -> None:
     for bug, outcome, rep, _ in written:
         assert rep.status == "reproduces", (bug, rep.status, rep.detail)

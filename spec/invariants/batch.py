@@ -13,6 +13,7 @@ from ..truth import state_checks as state
 from ..truth.rules import distinct_temperatures
 from .core import VALUE_FACTS, Ctx, invariant, match_runs
 from .inputs import _bucketed
+from .reproduction import Plan, bucketed, chunked, halves, permuted, sequence_parallel
 
 PACKED = ("packed",)
 
@@ -21,7 +22,8 @@ PACKED = ("packed",)
            facts=VALUE_FACTS,
            protects="sequence parallelism never changes a sample's outputs",
            modes=PACKED, needs=("sp",),
-           adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False))
+           adjust=lambda c: c.with_(sp_size=max(c.sp_size, 2), distillation_keys=(), distillation_only=False),
+           repro=Plan(("keys", "values"), sequence_parallel))
 def sp_invariance(ctx: Ctx) -> None:
     single = ctx.rerun(ctx.case.with_(sp_size=1)).outputs
     for r, outputs in enumerate(ctx.run.rank_outputs):
@@ -31,7 +33,7 @@ def sp_invariance(ctx: Ctx) -> None:
 @invariant("INV-SP-002", "a static bucket for the packed length changes nothing in the outputs", contract=7,
            facts=VALUE_FACTS,
            protects="a static bucket never changes a sample's outputs",
-           modes=PACKED, needs=("bucket",), adjust=_bucketed)
+           modes=PACKED, needs=("bucket",), adjust=_bucketed, repro=Plan(("keys", "values"), bucketed))
 def bucket_invariance(ctx: Ctx) -> None:
     plain = ctx.rerun(ctx.case.with_(pad_to_length=None)).outputs
     match_runs(ctx, ctx.run.outputs, plain, f"bucket={ctx.case.pad_to_length} vs none")
@@ -57,7 +59,7 @@ def two_or_more(case):
 
 @invariant("INV-BATCH-001", "permuting the samples permutes the outputs and changes nothing else", contract=8,
            protects="a sample's outputs do not depend on its place in the batch",
-           adjust=lambda c: distinct_temperatures(two_or_more(c)))
+           adjust=lambda c: distinct_temperatures(two_or_more(c)), repro=Plan(("keys", "values"), permuted))
 def permutation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     perm = list(range(b))[::-1]
@@ -67,7 +69,8 @@ def permutation(ctx: Ctx) -> None:
 
 @invariant("INV-BATCH-002", "a batch's outputs equal those of its halves run separately (concatenation)",
            contract=8,
-           protects="a sample's outputs do not depend on the other samples in its micro-batch", adjust=lambda c: distinct_temperatures(two_or_more(c)))
+           protects="a sample's outputs do not depend on the other samples in its micro-batch", adjust=lambda c: distinct_temperatures(two_or_more(c)),
+           repro=Plan(("keys", "values"), halves))
 def concatenation(ctx: Ctx) -> None:
     b = ctx.case.batch_size
     for rows in (list(range(b // 2)), list(range(b // 2, b))):
@@ -75,7 +78,7 @@ def concatenation(ctx: Ctx) -> None:
 
 
 @invariant("INV-DEV-002", "CPU and CUDA agree within tolerance on every output", contract=9, facts=VALUE_FACTS,
-           protects="a GPU run gives the CPU run's values", needs=("cuda",))
+           protects="a GPU run gives the CPU run's values", needs=("cuda",), repro=Plan(("keys", "values", "on_cuda")))
 def cpu_cuda_agree(ctx: Ctx) -> None:
     on_cpu = execute(ctx.engine, ctx.case, "cpu").outputs
     on_cuda = execute(ctx.engine, ctx.case, "cuda").outputs
@@ -83,7 +86,8 @@ def cpu_cuda_agree(ctx: Ctx) -> None:
 
 
 @invariant("INV-MUT-001", "prepare_model_inputs/outputs leave the micro-batch unchanged", contract=10,
-           protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)")
+           protects="the trainer's micro-batch is the same after the engine ran (later steps reuse it)",
+           repro=Plan(("unchanged",)))
 def batch_not_mutated(ctx: Ctx) -> None:
     state.micro_batch_unchanged(ctx.run.snapshot, state.batch_items(ctx.run.micro_batch))
 
@@ -91,7 +95,8 @@ def batch_not_mutated(ctx: Ctx) -> None:
 @invariant("INV-MUT-002", "prepare_model_outputs leaves the model's output tensors (logits) unchanged (verl's "
            "LOGITS_UNTOUCHED convention)", contract=10, convention=Convention.LOGITS_UNTOUCHED,
            protects="the model's output (logits) is the same after prepare_model_outputs, for a reader the engine's "
-           "caller keeps (a convention: the contract's caller reads the model output no more, docs/contract.md)")
+           "caller keeps (a convention: the contract's caller reads the model output no more, docs/contract.md)",
+           repro=Plan(("unchanged",)))
 def logits_not_mutated(ctx: Ctx) -> None:
     state.model_output_unchanged([{key: getattr(out, key) for key in snap} for out, snap in
                                   zip(ctx.run.model_outputs, ctx.run.model_output_snapshots)],
@@ -105,7 +110,8 @@ def _expect_error(ctx: Ctx, case, what: str, micro_batch=None) -> None:
 
 
 @invariant("INV-ERR-001", "a pad mode other than no_padding is rejected", contract=10,
-           protects="an unsupported pad mode fails loudly instead of producing misaligned tensors", modes=("any",))
+           protects="an unsupported pad mode fails loudly instead of producing misaligned tensors", modes=("any",),
+           repro=Plan(("rejects_pad_mode",)))
 def rejects_pad_mode(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
     mb.set_non_tensor("pad_mode", PadMode.RIGHT if ctx.case.seed % 2 else PadMode.LEFT_RIGHT)
@@ -116,7 +122,8 @@ def rejects_pad_mode(ctx: Ctx) -> None:
            protects="bucket + top-K distillation fails loudly instead of misaligning teacher tensors",
            modes=("packed",), needs=("bucket", "distillation"),
            adjust=lambda c: c.with_(pad_to_length=c.pad_to_length or 8, sp_size=1, use_fused_kernels=False,
-                                    distillation_keys=c.distillation_keys or ("student_mass",)))
+                                    distillation_keys=c.distillation_keys or ("student_mass",)),
+           repro=Plan(("rejects",)))
 def rejects_bucket_with_topk(ctx: Ctx) -> None:
     _expect_error(ctx, ctx.case, f"bucket={ctx.case.pad_to_length} with top-K distillation")
 
@@ -126,7 +133,8 @@ def rejects_bucket_with_topk(ctx: Ctx) -> None:
            needs=("fused", "per_sample_temperature"),
            adjust=lambda c: c.with_(use_fused_kernels=True, calculate_sum_pi_squared=False, distillation_keys=(),
                                     distillation_only=False,
-                                    temperature=tuple(0.5 + 0.5 * i for i in range(c.batch_size))))
+                                    temperature=tuple(0.5 + 0.5 * i for i in range(c.batch_size))),
+           repro=Plan(("rejects",)))
 def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
     _expect_error(ctx, ctx.case, "use_fused_kernels with a per-sample temperature tensor")
 
@@ -135,7 +143,7 @@ def rejects_fused_per_sample_temperature(ctx: Ctx) -> None:
            contract=7, facts=VALUE_FACTS,
            protects="entropy chunking/checkpointing never changes an output", needs=("chunking",),
            adjust=lambda c: c.with_(calculate_entropy=True, entropy_chunk_size=max(
-               1, min(c.entropy_chunk_size or 2, c.total_nnz - 1))))
+               1, min(c.entropy_chunk_size or 2, c.total_nnz - 1))), repro=Plan(("keys", "values"), chunked))
 def chunk_invariance(ctx: Ctx) -> None:
     unchunked = ctx.case.with_(entropy_chunk_size=None)
     whole = ctx.rerun(unchunked).outputs
@@ -144,6 +152,7 @@ def chunk_invariance(ctx: Ctx) -> None:
 
 
 @invariant("INV-MUT-004", "prepare_model_outputs leaves output_args unchanged", contract=10,
-           protects="output_args are intact after prepare_model_outputs (reused e.g. for a second head)")
+           protects="output_args are intact after prepare_model_outputs (reused e.g. for a second head)",
+           repro=Plan(("unchanged",)))
 def output_args_not_mutated(ctx: Ctx) -> None:
     state.output_args_unchanged(ctx.run.output_args, ctx.run.output_args_snapshots)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..protocol.profile import profile_of
 from ..truth.outputs_checks import outputs_carry_grad as carry_grad
 from .core import Ctx, EveryFailure, fail, invariant
+from .reproduction import Plan
 
 
 @invariant("INV-GRAD-001", "with grad enabled and logits requiring grad, log_probs, entropy, sum_pi_squared and "
@@ -18,7 +19,7 @@ from .core import Ctx, EveryFailure, fail, invariant
            facts=("key",),
            protects="the policy loss, its entropy bonus and the critic loss get gradients in the policy update, and "
                     "no loss backpropagates through what the engine computes as a metric only",
-           adjust=lambda c: c.with_(context="grad"))
+           adjust=lambda c: c.with_(context="grad"), repro=Plan(("grad", "keys", "values")))
 def outputs_carry_grad(ctx: Ctx) -> None:
     if not ctx.run.model_outputs or not any(getattr(v, "requires_grad", False)
                                             for v in vars(ctx.run.model_outputs[0]).values()):

@@ -27,6 +27,7 @@ from ..truth.outputs_checks import sequences as _sequences
 from ..truth.rules import read_positions, shared_temperature
 from ..truth.state_checks import held, same
 from ..cases.strategies import dense_cases, engine_cases, profile_draws
+from .reproduction import LayerCheck, Plan
 
 __all__ = ["InvariantInfo", "CATALOGUE", "invariant", "Ctx", "close", "close_sequence", "per_seq", "fail",
            "match_oracle", "match_runs", "held", "same", "measure_bounds", "honour_engine",
@@ -75,6 +76,8 @@ class InvariantInfo:
     #: what a known-failure record may match on beside a message pattern (a record asking another could never match,
     #: ``spec.protocol.known.unmatchable``)
     facts: tuple[str, ...] = ()
+    #: how its standalone reproducer checks it (:mod:`spec.invariants.reproduction`); None: it has none
+    repro: Plan | LayerCheck | None = None
 
     def cases(self, mode: str, engine: EngineUnderTest) -> st.SearchStrategy:
         """The cases drawn for ``engine``: what its profile accepts (modes, position kinds, execution contexts:

@@ -16,6 +16,7 @@ from ..protocol.profile import MEDIA_INPUT_KEYS
 from ..truth.media_checks import joined_ids, media_inputs_handed
 from ..truth.vision import media_token_ids
 from .core import Ctx, invariant, match_oracle
+from .reproduction import Plan
 
 _MEDIA = ("media",)
 
@@ -23,7 +24,7 @@ _MEDIA = ("media",)
 @invariant("INV-MM-001", "the model is handed every sample's image/video features and grids, concatenated in sample "
            "order, beside as many media tokens as their merged patches, on every rank", contract=14,
            protects="each image's features reach its own image tokens, in order (verl #1623/#3315: keys lost or "
-           "left on the host)", adjust=with_media, needs=_MEDIA)
+           "left on the host)", adjust=with_media, needs=_MEDIA, repro=Plan(("media_handed",)))
 def media_handed(ctx: Ctx) -> None:
     """Where the engine also hands marks of the media tokens (``mm_token_type_ids``, which a transformers-5 model
     computes its mRoPE positions from; VeOmni's ``image_mask``/``video_mask``, where its models place the features),
@@ -40,7 +41,8 @@ def media_handed(ctx: Ctx) -> None:
 @invariant("INV-MM-002", "with images and videos (text-only samples among them) log_probs equal the oracle's: each "
            "sequence alone with its own images", contract=14,
            protects="a vision-language step's log-probs are those of each sample with its own images, in both modes",
-           adjust=lambda c: with_media(c).with_(distillation_only=False, temperature=1.0), needs=_MEDIA)
+           adjust=lambda c: with_media(c).with_(distillation_only=False, temperature=1.0), needs=_MEDIA,
+           repro=Plan(("keys", "values"), keys=("log_probs",)))
 def media_values(ctx: Ctx) -> None:
     """At T = 1 (temperatures, and the engines' records on them, are their own invariants'); entropy and the other
     keys on media cases: their own invariants (INV-VAL-*) on the stream's media share."""

@@ -36,6 +36,7 @@ from ..truth.oracle import expected
 from ..truth.rules import read_positions
 from .core import CATALOGUE, Ctx, InvariantInfo, fail, held, same
 from .microbatch_step import BRIDGED, bridge_skip_reason, fit, step_microbatch_layer
+from .reproduction import LayerCheck
 
 __all__ = ["MicroBatchInfo", "PINNED"]
 
@@ -127,7 +128,7 @@ def engine_extras(engine) -> dict[str, bool]:
 
 def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: str, modes=("any",),
                  needs: tuple[str, ...] = ("microbatch",), adjust=None, example_share: float = 0.4,
-                 **strategy_kwargs: Any):
+                 repro: LayerCheck | None = None, **strategy_kwargs: Any):
     if id in BRIDGED:  # an engine without verl's layer may answer it with its step layer (skip_reason_for decides)
         needs = tuple(need for need in needs if need != "microbatch")
 
@@ -136,7 +137,8 @@ def mb_invariant(id: str, title: str, *, functions: tuple[str, ...], protects: s
             raise ValueError(f"duplicate invariant id {id}")
         CATALOGUE[id] = MicroBatchInfo(id=id, title=title, contract=CONTRACT, check=check, modes=modes, needs=needs,
                                        kind="microbatch", strategy_kwargs=strategy_kwargs, adjust=adjust,
-                                       protects=protects, functions=functions, example_share=example_share)
+                                       protects=protects, functions=functions, example_share=example_share,
+                                       repro=repro)
         return check
     return register
 
@@ -203,7 +205,7 @@ def check_partition(case: MiniBatchCase, rows: list[list[int]]) -> None:
     "INV-MB-001", "prepare_micro_batches (token budget): every sample in exactly one micro-batch, and each "
     "micro-batch holds exactly the samples its index list names", functions=("prepare_micro_batches",),
     dynamic=True, allow_large=True,
-    protects="no sample is dropped, duplicated or handed under another sample's index")
+    protects="no sample is dropped, duplicated or handed under another sample's index", repro=LayerCheck("partition"))
 def partition(ctx: Ctx) -> None:
     if refusable(ctx):
         return
@@ -217,7 +219,8 @@ def partition(ctx: Ctx) -> None:
 @mb_invariant(
     "INV-MB-002", "prepare_micro_batches with force_group_size g: each group of g consecutive samples lies in one "
     "micro-batch, whole", functions=("prepare_micro_batches",), dynamic=True, max_group_size=4, min_group_size=2,
-    protects="samples a loss compares (a reward model's chosen/rejected pair, a GRPO group) are never split")
+    protects="samples a loss compares (a reward model's chosen/rejected pair, a GRPO group) are never split",
+    repro=LayerCheck("groups"))
 def groups_together(ctx: Ctx) -> None:
     case = ctx.case
     if refusable(ctx):
@@ -235,7 +238,8 @@ def groups_together(ctx: Ctx) -> None:
     "mini-batch whose every sample (group) fits is accepted, one whose sample (group) alone exceeds it is refused "
     "with an error naming max_token_len", functions=("prepare_micro_batches",), dynamic=True, allow_over=True,
     allow_large=True,
-    protects="no micro-batch runs out of memory on the GPU it was sized for, and none is silently truncated")
+    protects="no micro-batch runs out of memory on the GPU it was sized for, and none is silently truncated",
+    repro=LayerCheck("budget"))
 def token_budget(ctx: Ctx) -> None:
     case = ctx.case
     checks.token_budget(lambda: cut(ctx)[1:], case.over_budget, case.count_feasible(), case.budget,
@@ -247,7 +251,7 @@ def token_budget(ctx: Ctx) -> None:
     "num_batches_divided_by, exactly that minimum when the whole mini-batch fits one budget, never an empty "
     "micro-batch; more than the groups allow: empty micro-batches or a ValueError", functions=("prepare_micro_batches",),
     dynamic=True, refusals=True, protects="pipeline schedules (virtual stages) get the micro-batch count they require, and no "
-    "micro-batch is empty or split more than the budget needs")
+    "micro-batch is empty or split more than the budget needs", repro=LayerCheck("count"))
 def count_rules(ctx: Ctx) -> None:
     case = ctx.case
     if case.over_budget:
@@ -264,7 +268,7 @@ def count_rules(ctx: Ctx) -> None:
     functions=("prepare_micro_batches",), needs=("microbatch", "real_ranks"), dynamic=True, world=2, extras=False,
     count_rules=False,
     protects="ranks run the same number of forward/backward steps: none hangs in a collective "
-    "the others never join")
+    "the others never join", repro=LayerCheck(on="ranks"))
 def dp_same_count(ctx: Ctx) -> None:
     case = ctx.case
     feasible = dp_count_feasible(case)
@@ -287,7 +291,7 @@ def dp_same_count(ctx: Ctx) -> None:
     "micro_batch_size_per_gpu x force_group_size samples in order, every key kept, no indices; a batch size they do "
     "not divide is refused with an error naming micro_batch_size", functions=("prepare_micro_batches",),
     dynamic=False, fixed_divides=None, protects="the fixed path keeps the sample order (outputs need no restoring) "
-    "and never drops the remainder of a mini-batch")
+    "and never drops the remainder of a mini-batch", repro=LayerCheck("fixed"))
 def fixed_size(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -299,7 +303,7 @@ def fixed_size(ctx: Ctx) -> None:
     "INV-MB-007", "restore_dynamic_batch: the per-micro-batch results, concatenated in micro-batch order, come back "
     "in the mini-batch's sample order (nested and dense), whatever the balancing reordered",
     functions=("prepare_micro_batches", "restore_dynamic_batch"), dynamic=True, allow_large=True,
-    protects="each sample's log-probs come back under its own index")
+    protects="each sample's log-probs come back under its own index", repro=LayerCheck("restore"))
 def restore_order(ctx: Ctx) -> None:
     if refusable(ctx):
         return
@@ -343,7 +347,8 @@ def _ffd(case: MiniBatchCase) -> int:
     "nested layouts kept (2-D ids, (b, 4, j) mRoPE positions, (b, j, K) teacher top-K, (b, j, L, K) routed experts), "
     "dense per-sample keys and uid stacks by row, flags equal; the mini-batch is left unchanged",
     functions=("prepare_micro_batches",),
-    protects="the engine gets well-formed positions, teacher tensors, routed experts and its flags in every micro-batch")
+    protects="the engine gets well-formed positions, teacher tensors, routed experts and its flags in every micro-batch",
+    repro=LayerCheck("keys", on="helpers"))
 def keys_and_layouts(ctx: Ctx) -> None:
     case = ctx.case
     if refusable(ctx):
@@ -381,7 +386,8 @@ def _chunk_count(case: MiniBatchCase) -> int:
 @mb_invariant(
     "INV-MB-009", "chunk_tensordict: c chunks of B/c consecutive samples, every key, nested layout, flag and value "
     "kept (equal lengths and B = 1 included)", functions=("chunk_tensordict",),
-    protects="fixed-size micro-batches carry the samples and layouts of the mini-batch")
+    protects="fixed-size micro-batches carry the samples and layouts of the mini-batch",
+    repro=LayerCheck("chunk", on="helpers"))
 def chunk(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -430,7 +436,8 @@ def _select(mini: TensorDict, rows: list[int]) -> TensorDict:
 @mb_invariant(
     "INV-MB-010", "concat_tensordict: consecutive parts of a mini-batch concatenate back to it, every key, nested "
     "layout, flag and value (equal lengths and B = 1 included)", functions=("concat_tensordict",),
-    protects="outputs and batches gathered from micro-batches are the mini-batch's, sample by sample")
+    protects="outputs and batches gathered from micro-batches are the mini-batch's, sample by sample",
+    repro=LayerCheck("concat", on="helpers"))
 def concat(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -450,7 +457,8 @@ def _selection(case: MiniBatchCase) -> list[int]:
 @mb_invariant(
     "INV-MB-011", "index_select_tensor_dict: the selected samples in the given order, every key, nested layout, "
     "flag and value kept (a single sample and equal lengths included)", functions=("index_select_tensor_dict",),
-    protects="a balanced micro-batch carries exactly the samples the partition picked")
+    protects="a balanced micro-batch carries exactly the samples the partition picked",
+    repro=LayerCheck("index_select", on="helpers"))
 def index_select(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -465,7 +473,8 @@ def index_select(ctx: Ctx) -> None:
     "lengths and their exact values (equal lengths and B = 1 included; (n,) and (4, n) also without ragged_idx, "
     "ragged on their last dim by default)",
     functions=("nested_tensor_from_tensor_list", "concat_nested_tensors"),
-    protects="micro-batches rebuilt from samples have well-formed nested tensors an engine can read")
+    protects="micro-batches rebuilt from samples have well-formed nested tensors an engine can read",
+    repro=LayerCheck("nested", on="helpers"))
 def nested_builders(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -506,7 +515,7 @@ def _sample_dicts(mini: TensorDict, case: MiniBatchCase) -> list[dict[str, Any]]
     "same length or B = 1, 0-d tensors stacked (B,), other values a per-sample stack in order",
     functions=("list_of_dict_to_tensordict",),
     protects="a batch built from samples whose lengths happen to agree (a GRPO group all at the maximum length) is "
-             "still nested, so .offsets() works (verl #7661)")
+             "still nested, so .offsets() works (verl #7661)", repro=LayerCheck("from_samples", on="helpers"))
 def from_samples(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -536,7 +545,8 @@ def _plain_list(value: Any) -> Any:
     "INV-MB-014", "maybe_fix_3d_position_ids: after a consolidate + pickle round trip, mRoPE position_ids read as "
     "(B, 4, j) with each sample's (4, n) positions; 2-D positions and every other key are left as they are",
     functions=("maybe_fix_3d_position_ids",),
-    protects="vision-language batches that crossed a process boundary keep readable positions")
+    protects="vision-language batches that crossed a process boundary keep readable positions",
+    repro=LayerCheck("fix_3d", on="helpers"))
 def fix_3d_positions(ctx: Ctx) -> None:
     case = ctx.case
     mini = materialize_minibatch(case, ctx.device)
@@ -567,7 +577,8 @@ def _e2e(case: MiniBatchCase) -> MiniBatchCase:
     "per-sequence oracle's outputs in mini-batch order, whatever the partition, budget and balancing",
     functions=("prepare_micro_batches",), needs=("microbatch", "engine"), modes=("packed", "padded"),
     max_groups=6, count_rules=True, adjust=_e2e,
-    protects="each sample's log-probs and entropy after micro-batching are its own, in its place")
+    protects="each sample's log-probs and entropy after micro-batching are its own, in its place",
+    repro=LayerCheck(on="engine"))
 def end_to_end(ctx: Ctx) -> None:
     case = ctx.case
     if refusable(ctx):

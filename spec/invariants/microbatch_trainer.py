@@ -13,6 +13,7 @@ from ..cases.microbatch import TIE_STYLES, MiniBatchCase, materialize_minibatch
 from ..truth import microbatch_checks as checks
 from .core import Ctx, fail
 from .microbatch import _suite_parts, check_partition, cut, layer, mb_invariant, refusable, rows_of
+from .reproduction import LayerCheck
 
 __all__ = ["balanced_dp_partitions", "training_step_outputs", "padded_minibatch_cut", "metadata_and_padded_helpers"]
 
@@ -78,7 +79,7 @@ def _partitioned(ctx: Ctx):
     "'model_output' the per-token outputs back in mini-batch order, or empty when no micro-batch returned one",
     functions=("prepare_micro_batches", "postprocess_batch_func"), outputs=("model_output", "train", "loss_only"),
     protects="the trainer's logged losses and metrics are every micro-batch's, each once and in order, and a "
-             "loss-only step still returns its losses")
+             "loss-only step still returns its losses", repro=LayerCheck("step_outputs", on="helpers"))
 def training_step_outputs(ctx: Ctx) -> None:
     case = ctx.case
     if (cut_ := _partitioned(ctx)) is None:
@@ -103,7 +104,8 @@ def _padded_budget(case: MiniBatchCase) -> MiniBatchCase:
     "budget, every key's rows (dense by row, uid stacks, flags) those of its samples",
     functions=("prepare_micro_batches",), layouts=("padded",), adjust=_padded_budget,
     protects="a trainer that hands its rollout batch padded gets micro-batches of whole rows within the token "
-             "budget, no row lost, duplicated or mixed with another's mask")
+             "budget, no row lost, duplicated or mixed with another's mask",
+    repro=LayerCheck("padded_cut", on="helpers"))
 def padded_minibatch_cut(ctx: Ctx) -> None:
     case = ctx.case
     if (cut_ := _partitioned(ctx)) is None:
@@ -119,7 +121,8 @@ def padded_minibatch_cut(ctx: Ctx) -> None:
     "of metadata-only TensorDicts (no batch size) their flags; index_select_tensor_dict with a tensor of indices "
     "selects those rows, of a metadata-only TensorDict keeps every flag whole, of None gives None",
     functions=("concat_tensordict", "index_select_tensor_dict"), layouts=("padded",), adjust=_padded_budget,
-    protects="gathered padded outputs and a trainer's meta info come back whole: no row reordered, no flag lost")
+    protects="gathered padded outputs and a trainer's meta info come back whole: no row reordered, no flag lost",
+    repro=LayerCheck("padded_helpers", on="helpers"))
 def metadata_and_padded_helpers(ctx: Ctx) -> None:
     case = ctx.case
     fns = layer(ctx)

@@ -12,6 +12,7 @@ from ..truth import outputs_checks as checks
 from ..truth.rules import distinct_temperatures, layout_mask, offsets
 from .core import (VALUE_FACTS, Ctx, EveryFailure, fail, invariant, match_oracle, match_runs, per_seq,
                    same)
+from .reproduction import VALUES, Plan, both_modes, float_and_tensor
 
 
 def expected_keys(case: EngineCase) -> set[str]:
@@ -27,13 +28,15 @@ def _both_modes(ctx: Ctx):
 
 @invariant("INV-KEYS-001", "output keys are exactly log_probs (unless distillation_only), entropy, "
            "sum_pi_squared and the processor's keys, as the flags ask", contract=3,
-           protects="a trainer finds exactly the outputs its flags asked for (no KeyError, no stray keys)")
+           protects="a trainer finds exactly the outputs its flags asked for (no KeyError, no stray keys)",
+           repro=VALUES)
 def keys_match_flags(ctx: Ctx) -> None:
     checks.output_keys(ctx.run.outputs, expected_keys(ctx.case), f"{ctx.case.mode} outputs")
 
 
 @invariant("INV-KEYS-002", "packed and padded modes return the same set of keys", contract=3,
-           protects="switching padding mode never drops an output key (verl #6293)", modes=("both",))
+           protects="switching padding mode never drops an output key (verl #6293)", modes=("both",),
+           repro=Plan(("keys", "values"), both_modes))
 def keys_symmetric(ctx: Ctx) -> None:
     packed, padded = _both_modes(ctx)
     if set(packed.outputs) != set(padded.outputs):
@@ -41,7 +44,8 @@ def keys_symmetric(ctx: Ctx) -> None:
 
 
 @invariant("INV-KEYS-003", "packed and padded modes agree on every value, per key", contract=3, facts=VALUE_FACTS,
-           protects="switching padding mode never changes an output value", modes=("both",))
+           protects="switching padding mode never changes an output value", modes=("both",),
+           repro=Plan(("keys", "values"), both_modes))
 def values_symmetric(ctx: Ctx) -> None:
     packed, padded = _both_modes(ctx)
     match_runs(ctx, padded.outputs, packed.outputs, "padded vs packed")
@@ -49,7 +53,8 @@ def values_symmetric(ctx: Ctx) -> None:
 
 @invariant("INV-VAL-001", "log_probs equal the oracle's log_softmax(logits / T)[next token] inside "
            "every sequence", contract=2, facts=VALUE_FACTS,
-           protects="the log-probs a PPO/GRPO loss reads are the model's log-probs of the sampled tokens at temperature T", adjust=lambda c: c.with_(distillation_only=False))
+           protects="the log-probs a PPO/GRPO loss reads are the model's log-probs of the sampled tokens at temperature T", adjust=lambda c: c.with_(distillation_only=False),
+           repro=Plan(("keys", "values"), keys=("log_probs",)))
 def log_probs_values(ctx: Ctx) -> None:
     match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"])
 
@@ -57,7 +62,7 @@ def log_probs_values(ctx: Ctx) -> None:
 @invariant("INV-VAL-002", "entropy equals the oracle's entropy of softmax(logits / T)", contract=2,
            facts=VALUE_FACTS,
            protects="the entropy bonus/metric is the entropy of the tempered distribution at every token",
-           adjust=lambda c: c.with_(calculate_entropy=True))
+           adjust=lambda c: c.with_(calculate_entropy=True), repro=Plan(("keys", "values"), keys=("entropy",)))
 def entropy_values(ctx: Ctx) -> None:
     match_oracle(ctx, "entropy", ctx.run.outputs["entropy"])
 
@@ -66,7 +71,8 @@ def entropy_values(ctx: Ctx) -> None:
            facts=VALUE_FACTS,
            protects="sum_pi_squared (used for variance/KL estimates) is that of the tempered distribution",
            needs=("sum_pi_squared",),
-           adjust=lambda c: c.with_(calculate_sum_pi_squared=True, use_fused_kernels=False))
+           adjust=lambda c: c.with_(calculate_sum_pi_squared=True, use_fused_kernels=False),
+           repro=Plan(("keys", "values"), keys=("sum_pi_squared",)))
 def sum_pi_squared_values(ctx: Ctx) -> None:
     match_oracle(ctx, "sum_pi_squared", ctx.run.outputs["sum_pi_squared"])
 
@@ -79,7 +85,7 @@ def _with_distillation(case: EngineCase) -> EngineCase:
 @invariant("INV-VAL-004", "every distillation key equals the processor applied to the temperature-scaled "
            "logits, one value per token, in both modes", contract=3, facts=VALUE_FACTS,
            protects="top-K distillation losses and masses are the processor's values on the tempered logits, per token", needs=("distillation",),
-           adjust=_with_distillation)
+           adjust=_with_distillation, repro=VALUES)
 def distillation_values(ctx: Ctx) -> None:
     facts = EveryFailure()
     for key in ctx.case.distillation_keys:
@@ -106,7 +112,7 @@ def _fused_distillation(case: EngineCase) -> EngineCase:
            "computes), log_probs the model's unless distillation_only (then absent), entropy when asked",
            contract=3, facts=VALUE_FACTS, needs=("fused", "distillation"), adjust=_fused_distillation,
            protects="a fused-kernel distillation run gets its distillation losses and masses per token, and a "
-                    "distillation-only run no policy log-probs")
+                    "distillation-only run no policy log-probs", repro=Plan(("keys", "values")))
 def fused_distillation_values(ctx: Ctx) -> None:
     outputs, case = ctx.run.outputs, ctx.case
     # the terms a fused kernel computes (an engine's own processor may ask more, which need the logits)
@@ -127,7 +133,7 @@ def fused_distillation_values(ctx: Ctx) -> None:
 @invariant("INV-VAL-005", "value head: one key, values, equal to the model's per-token output", contract=2,
            facts=VALUE_FACTS,
            protects="a critic's values are the value head's per-token outputs, nested over full sequences",
-           head="value", needs=("value",))
+           head="value", needs=("value",), repro=Plan(("keys", "values"), keys=("values",)))
 def value_head(ctx: Ctx) -> None:
     if set(ctx.run.outputs) != {"values"}:
         fail(f"value head keys {sorted(ctx.run.outputs)}, expected ['values']")
@@ -136,7 +142,7 @@ def value_head(ctx: Ctx) -> None:
 
 @invariant("INV-LAYOUT-001", "every output is nested (B, j) with offsets = cu_seqlens of input_ids",
            contract=2,
-           protects="every output splits into the samples' full sequences (offsets = cu_seqlens)")
+           protects="every output splits into the samples' full sequences (offsets = cu_seqlens)", repro=VALUES)
 def nested_layout(ctx: Ctx) -> None:
     want_offsets = offsets(ctx.case.seq_lens)
     for key, value in ctx.run.outputs.items():
@@ -149,7 +155,8 @@ def nested_layout(ctx: Ctx) -> None:
 
 
 @invariant("INV-DEV-001", "outputs live on the input's device as float32", contract=9,
-           protects="outputs are float32 on the batch's device, whatever the logits' dtype", facts=("key",))
+           protects="outputs are float32 on the batch's device, whatever the logits' dtype", facts=("key",),
+           repro=Plan(("keys", "values", "float32")))
 def device_dtype(ctx: Ctx) -> None:
     """Every output is looked at (spec.truth.outputs_checks.outputs_device_dtype): an excused bf16 ``log_probs``
     never hides an undeclared bf16 ``entropy`` in the same example."""
@@ -211,7 +218,7 @@ def leaked(ctx: Ctx, key: str, value: torch.Tensor) -> list[tuple[int, int]]:
 
 @invariant("INV-LEAK-001", "NaN in every padded logit slot and in the packed tail never reaches an output",
            contract=4, facts=("key", "position"), strategy_kwargs={"padding": True},
-           protects="no NaN from padding reaches a loss")
+           protects="no NaN from padding reaches a loss", repro=VALUES)
 def no_nan_leak(ctx: Ctx) -> None:
     """At every position a consumer reads, an output is finite unless the same sample run alone, unpadded, gives
     the same non-finite value there (a NaN the engine computes from finite inputs is the value invariants'
@@ -231,7 +238,8 @@ def no_nan_leak(ctx: Ctx) -> None:
 
 @invariant("INV-LEAK-002", "huge values (+/-3e38) in the padding give bit-identical outputs to NaN padding",
            contract=4, facts=("key", "position"), strategy_kwargs={"padding": True},
-           protects="values in padding never change an output", adjust=lambda c: c.with_(logits_dtype="bfloat16") if c.logits_dtype == "float16" else c)
+           protects="values in padding never change an output", adjust=lambda c: c.with_(logits_dtype="bfloat16") if c.logits_dtype == "float16" else c,
+           repro=Plan(("keys", "values"), poison="huge"))
 def no_value_leak(ctx: Ctx) -> None:
     """At every position a consumer reads (NaN equal to NaN: a NaN the engine computes whatever the padding is
     the value invariants' finding)."""
@@ -273,7 +281,7 @@ def _per_sample_case(case: EngineCase) -> EngineCase:
 
 @invariant("INV-TEMP-001", "temperature is applied per sample: distinct per-sample values match the oracle",
            contract=6, facts=VALUE_FACTS,
-           protects="each sample's outputs use its own temperature", adjust=_per_sample_case)
+           protects="each sample's outputs use its own temperature", adjust=_per_sample_case, repro=VALUES)
 def temperature_per_sample(ctx: Ctx) -> None:
     match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"], f"at T={list(ctx.case.temperatures())}")
 
@@ -281,7 +289,8 @@ def temperature_per_sample(ctx: Ctx) -> None:
 @invariant("INV-TEMP-002", "a float temperature and a (B,) tensor of the same value give the same outputs",
            contract=6, facts=VALUE_FACTS,
            protects="a float temperature and a (B,) tensor of it give the same outputs",
-           needs=("per_sample_temperature",), adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]))
+           needs=("per_sample_temperature",), adjust=lambda c: c.with_(use_fused_kernels=False, temperature=c.temperatures()[0]),
+           repro=Plan(("keys", "values"), float_and_tensor))
 def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
     tensor_case = ctx.case.with_(temperature=ctx.case.temperatures())
     match_runs(ctx, ctx.rerun(tensor_case).outputs, ctx.run.outputs, "tensor vs float temperature")
@@ -290,6 +299,6 @@ def temperature_scalar_vs_tensor(ctx: Ctx) -> None:
 @invariant("INV-TEMP-003", "T = 1 is the identity: outputs equal the oracle on unscaled logits", contract=6,
            facts=VALUE_FACTS,
            protects="T = 1 gives the untempered log-probs",
-           adjust=lambda c: c.with_(temperature=1.0, distillation_only=False))
+           adjust=lambda c: c.with_(temperature=1.0, distillation_only=False), repro=VALUES)
 def temperature_identity(ctx: Ctx) -> None:
     match_oracle(ctx, "log_probs", ctx.run.outputs["log_probs"], "at T=1")

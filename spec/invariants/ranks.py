@@ -32,6 +32,7 @@ from ..truth.rank_checks import restarts as _restarts
 from ..truth.rules import padded_length, token_temperatures
 from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle, match_runs
 from .outputs import leaked
+from .reproduction import Plan
 
 PACKED = ("packed",)
 NEEDS = ("sp", "real_ranks")
@@ -154,7 +155,8 @@ def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @rank_invariant("INV-RANK-001", "on real ranks (gloo/nccl) every output key of every rank equals the single-rank run",
                 contract=7, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
-                protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size")
+                protects="a trainer's log-probs, entropy and sum_pi_squared do not depend on the Ulysses world size",
+                repro=Plan(("keys", "values"), real_ranks=True))
 def ranks_match_single(ctx: Ctx) -> None:
     """Every rank returns the same gathered outputs, key for key, equal to the ``sp = 1`` run."""
     run = _real(ctx)
@@ -170,7 +172,7 @@ def ranks_match_single(ctx: Ctx) -> None:
                 "run", contract=7, modes=PACKED, needs=(*NEEDS, "value"), adjust=_on_ranks, head="value",
                 facts=VALUE_FACTS,
                 protects="a PPO critic's values do not depend on the Ulysses world size (a critic under SP is an "
-                         "ordinary configuration)")
+                         "ordinary configuration)", repro=Plan(("keys", "values"), real_ranks=True))
 def critic_ranks_match_single(ctx: Ctx) -> None:
     """INV-RANK-001 for the value head: every rank returns the gathered values, equal to the ``sp = 1`` run."""
     ranks_match_single(ctx)  # the plain check (rank_invariant returns it unwrapped): this one runs on every group
@@ -189,7 +191,7 @@ def _rank_labels(ctx: Ctx, *, exact: bool) -> None:
            "whose label is read, its slice of the global packed row rolled left by one", contract=5, modes=PACKED,
            needs=NEEDS, adjust=_on_ranks,
            protects="no label is read across a shard edge: the token after each shard's last one is the next "
-                    "rank's first")
+                    "rank's first", repro=Plan(("shard_labels", "keys", "values"), real_ranks=True))
 def ranks_global_roll(ctx: Ctx) -> None:
     """Positions whose label no response slice reads (each sequence's last token: the wrap; the tail padding) are
     the layout check INV-RANK-008's."""
@@ -200,7 +202,7 @@ def ranks_global_roll(ctx: Ctx) -> None:
            "rolled left by one (the wrap at each sequence end included), then padded with 0", contract=5,
            modes=PACKED, needs=NEEDS, adjust=_on_ranks, layout=True,
            protects="verl's exact rolled row on every rank: the wrap at each sequence end and the zero tail, which "
-                    "no response slice reads")
+                    "no response slice reads", repro=Plan(("rank_roll_exact",), real_ranks=True))
 def ranks_global_roll_exact(ctx: Ctx) -> None:
     _rank_labels(ctx, exact=True)
 
@@ -210,7 +212,8 @@ def ranks_global_roll_exact(ctx: Ctx) -> None:
            "with temperature 1 (its ids are the engine's: nothing reads them), and the outputs hold exactly the "
            "unpadded tokens", contract=7, modes=PACKED,
            needs=NEEDS, adjust=_on_ranks,
-           protects="the padding a rank adds is exactly what the gather removes: no real token is lost or added")
+           protects="the padding a rank adds is exactly what the gather removes: no real token is lost or added",
+                repro=Plan(("rank_pad",), real_ranks=True))
 def ranks_pad_and_tail(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
@@ -230,7 +233,7 @@ def _mrope_temperatures(case: EngineCase) -> EngineCase:
            "row, outputs equal the oracle", contract=6, facts=VALUE_FACTS,
            modes=PACKED, needs=NEEDS, adjust=_mrope_temperatures,
            protects="multi-axis positions and each sample's temperature follow its tokens onto whichever rank "
-                    "holds them")
+                    "holds them", repro=Plan(("packed_inputs", "keys", "values"), real_ranks=True))
 def ranks_mrope_temperature(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
@@ -268,7 +271,7 @@ def _distillation(case: EngineCase) -> EngineCase:
            "processor gets each rank's shard of the scaled logits and aligns the teacher tensors with it)",
            contract=3, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS + ("distillation",), adjust=_distillation,
            protects="distillation losses and masses are computed against the teacher's top-K of the same token "
-                    "on every rank")
+                    "on every rank", repro=Plan(("keys", "values"), real_ranks=True))
 def ranks_distillation(ctx: Ctx) -> None:
     run = _real(ctx)
     for r, outputs in enumerate(run.rank_outputs):
@@ -284,7 +287,7 @@ def ranks_distillation(ctx: Ctx) -> None:
            "returns, and n_local * sp = total_nnz + pad_size on every rank",
            contract=2, modes=PACKED, needs=NEEDS, adjust=_on_ranks,
            protects="what a rank hands the model and what it reads back from the model's output describe the "
-                    "same tokens")
+                    "same tokens", repro=Plan(("rank_shapes",), real_ranks=True))
 def ranks_shape_contract(ctx: Ctx) -> None:
     run = _real(ctx, inputs_only=True)
     case = ctx.case
@@ -303,7 +306,7 @@ def _bucket_fused(case: EngineCase) -> EngineCase:
            "the oracle on every rank", contract=7, facts=VALUE_FACTS, modes=PACKED, needs=NEEDS + ("bucket", "fused"),
            adjust=_bucket_fused,
            protects="a fused-kernel model scores the global next token even when the row is bucket-padded and "
-                    "sharded")
+                    "sharded", repro=Plan(("keys", "values"), real_ranks=True))
 def ranks_bucket_fused(ctx: Ctx) -> None:
     run = _real(ctx)
     for r, outputs in enumerate(run.rank_outputs):

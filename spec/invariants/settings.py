@@ -22,6 +22,7 @@ from ..truth import settings_checks as checks
 from ..truth import slice_checks
 from ..truth.settings_checks import BAD_FLAGS, BOOL_FLAGS, FLAG_DEFAULTS, bad_settings, recode_flags
 from .core import Ctx, fail, invariant
+from .reproduction import Plan
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
 
@@ -32,7 +33,8 @@ def same_run(got: Run, want: Run, what: str) -> None:
 
 @invariant("INV-FLAG-001", "a flag left out of the micro-batch takes the contract's default (same inputs, "
            "output_args and outputs as when it is given)", contract=10,
-           protects="a trainer that omits a flag gets the contract's default behaviour, not a different mode or extra keys")
+           protects="a trainer that omits a flag gets the contract's default behaviour, not a different mode or extra keys",
+           repro=Plan(("flags_default",)))
 def flags_default(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
     dropped = checks.defaulted_flags(mb, ctx.case.response_lens)
@@ -56,7 +58,8 @@ def _helpers(ctx: Ctx) -> set[str]:
 
 @invariant("INV-FLAG-002", "flags spelled as 0/1 ints, numpy bools or numpy ints, and pad_mode as a plain str, "
            "mean what the Python bools, ints and the str Enum mean", contract=10,
-           protects="flags built from configs or arrays (1, numpy.True_) select the same mode and outputs as True")
+           protects="flags built from configs or arrays (1, numpy.True_) select the same mode and outputs as True",
+           repro=Plan(("flags_recoded",)))
 def flags_encodings(ctx: Ctx) -> None:
     mb = materialize(ctx.case, ctx.device)
     written = recode_flags(mb, ctx.case.seed % 2)
@@ -70,7 +73,8 @@ def flags_encodings(ctx: Ctx) -> None:
 
 @invariant("INV-FLAG-003", "a flag of the wrong type or an impossible value (a str, None or 2 for a bool flag, "
            "a float/str/bool pad_token_id, max_response_len < 1 or a float) is rejected", contract=10,
-           protects="a typo such as calculate_entropy='False' fails loudly instead of silently switching a feature")
+           protects="a typo such as calculate_entropy='False' fails loudly instead of silently switching a feature",
+           repro=Plan(("bad_flags",)))
 def flags_rejected(ctx: Ctx) -> None:
     # every bad value on every example (not one chosen by the seed, which left some never drawn), each on its
     # own shallow copy of one micro-batch (the keys are the copy's; materialising 24 times would cost 5x the
@@ -150,13 +154,14 @@ for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
               "model output and output_args), postprocess_batch_func", contract=10, modes=("packed", "padded"),
               head=_head, adjust=_one_rank_scalar_temperature, needs=("value",) if _head == "value" else (),
               protects="a trainer configured with a padding mode or feature the engine lacks fails loudly, never "
-                       "gets tensors computed under another mode")(_unsupported_refused)
+                       "gets tensors computed under another mode", repro=Plan(("refused",)))(_unsupported_refused)
 
 
 @invariant("INV-SET-001", "an impossible engine setting (sp_size < 1, sp_rank outside [0, sp_size), a bucket "
            "or entropy chunk size < 1) is rejected, by the constructor or the first call", contract=10,
            modes=("packed",), needs=("sp", "bucket", "chunking"),
-           protects="a misconfigured engine (chunk 0, rank out of range) fails at start, not with missing outputs")
+           protects="a misconfigured engine (chunk 0, rank out of range) fails at start, not with missing outputs",
+           repro=Plan(("bad_settings",)))
 def settings_rejected(ctx: Ctx) -> None:
     for bad in bad_settings(ctx.case):
         def build_and_call() -> None:
@@ -170,7 +175,8 @@ def settings_rejected(ctx: Ctx) -> None:
            "(bool masks included, with trailing dims): no_padding_2_padding pads with 0/False, "
            "response_to_nested inverts it", contract=2, modes=("any",),
            needs=("no_padding_2_padding", "response_from_nested", "response_to_nested"),
-           protects="masks and ids sliced to the response shape keep their dtype and values (bool masks stay bool)")
+           protects="masks and ids sliced to the response shape keep their dtype and values (bool masks stay bool)",
+           repro=Plan(("slice_dtypes",)))
 def slice_dtypes(ctx: Ctx) -> None:
     case = ctx.case
     slice_checks.slice_dtypes(ctx.helper("no_padding_2_padding"), ctx.helper("response_to_nested"),

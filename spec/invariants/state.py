@@ -18,6 +18,7 @@ from ..execute.harness import Run, execute
 from .batch import two_or_more
 from ..truth import state_checks as checks
 from .core import VALUE_FACTS, Ctx, held, invariant, match_runs
+from .reproduction import Plan
 
 __all__ = ["sibling"]
 
@@ -55,6 +56,12 @@ def sibling(case: EngineCase) -> EngineCase:
                       calculate_entropy=not case.calculate_entropy, seed=int(case.seed) + 1)
 
 
+def sibling_first(case: EngineCase) -> list[tuple[str, EngineCase]]:
+    """The runs of a reproducer of a reused engine object: its :func:`sibling` first, then the case."""
+    return [("the micro-batch before it (the same (B, L), other rows, tokens and temperatures)", sibling(case)),
+            ("the case", case)]
+
+
 def _one_rank(case: EngineCase) -> EngineCase:
     """One rank (engine objects are reused per rank) and two samples or more (rows to rearrange)."""
     return two_or_more(case).with_(sp_size=1)
@@ -83,7 +90,7 @@ def _sibling_then_case(ctx: Ctx) -> tuple[Run, dict[str, Any], Run]:
 @invariant("INV-BATCH-003", "an engine object reused across micro-batches hands the model and returns exactly what "
            "a fresh one does", contract=8, facts=VALUE_FACTS,
            protects="a micro-batch's inputs and outputs do not depend on the micro-batches the engine saw before",
-           adjust=_one_rank)
+           adjust=_one_rank, repro=Plan(("reused",), sibling_first))
 def reused_engine_is_fresh(ctx: Ctx) -> None:
     _, _, second = _after_sibling(ctx)
     checks.handoff_as_fresh(_view_fields(second), _view_fields(ctx.run), second.outputs, ctx.run.outputs)
@@ -94,7 +101,7 @@ def reused_engine_is_fresh(ctx: Ctx) -> None:
 @invariant("INV-MUT-005", "a later micro-batch through the same engine object leaves what an earlier call returned "
            "unchanged", contract=10,
            protects="outputs and model inputs the trainer holds stay valid after the engine's next call",
-           adjust=_one_rank)
+           adjust=_one_rank, repro=Plan(("earlier_kept",), sibling_first))
 def earlier_results_kept(ctx: Ctx) -> None:
     first, kept, _ = _after_sibling(ctx)
     checks.earlier_kept(first.outputs, kept["outputs"], _view_fields(first), kept["inputs"])

@@ -28,13 +28,14 @@ from ..execute.pickling import save
 from ..invariants.microbatch import dp_count_feasible, dp_lower_count
 from ..protocol.vendor import definitions, source
 from ..truth import closeness, microbatch_checks, state_checks
-from .vendored import dp_ranks, failure, launch, layer_call
 from .minibatch import case_dict, layer_imports, plain_minibatch
+from .plans import layer_checks
+from .vendored import dp_ranks, failure, launch, layer_call
 
 __all__ = ["DP_CHECKS", "write_dp_reproducer"]
 
 #: invariant -> the layer functions it calls
-DP_CHECKS: dict[str, tuple[str, ...]] = {"INV-MB-005": ("prepare_micro_batches",)}
+DP_CHECKS: dict[str, tuple[str, ...]] = {inv: functions for inv, (functions, _) in layer_checks("ranks").items()}
 
 
 def _device_modules(functions: dict[str, Callable[..., Any]]) -> list[str]:

@@ -29,12 +29,13 @@ from ..protocol.engine import ReproSnippet
 from .micro_batch import case_data, declarations
 from ..protocol.vendor import source
 from .minibatch import case_dict, layer_imports, plain_minibatch
+from .plans import layer_checks
 from .templates import LOADER, PREAMBLE, SHARE, engine_block, write_beside
 from .vendored import end_to_end_main, failure, layer_call
 
 __all__ = ["END_TO_END", "layer_bug_only", "write_end_to_end_reproducer"]
 
-END_TO_END = "INV-MB-015"
+END_TO_END, = layer_checks("engine")
 
 
 def layer_bug_only(engine: Any) -> bool:

@@ -20,22 +20,12 @@ from ..cases.microbatch import MiniBatchCase, materialize_minibatch
 from ..invariants.microbatch import NESTED_KEYS, _chunk_count, _halves, _select, _selection, _snapshot, _suite_parts
 from ..protocol.vendor import definitions
 from ..truth import closeness, microbatch_checks, state_checks
+from .plans import layer_checks
 
 __all__ = ["HELPER_CHECKS", "helper_case_data", "readings"]
 
 #: invariant -> (the layer functions it calls, the check in :mod:`.vendored.layer_helper_checks`)
-HELPER_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
-    "INV-MB-008": (("prepare_micro_batches",), "keys"),
-    "INV-MB-009": (("chunk_tensordict",), "chunk"),
-    "INV-MB-010": (("concat_tensordict",), "concat"),
-    "INV-MB-011": (("index_select_tensor_dict",), "index_select"),
-    "INV-MB-012": (("nested_tensor_from_tensor_list", "concat_nested_tensors"), "nested"),
-    "INV-MB-013": (("list_of_dict_to_tensordict",), "from_samples"),
-    "INV-MB-014": (("maybe_fix_3d_position_ids",), "fix_3d"),
-    "INV-MB-017": (("prepare_micro_batches", "postprocess_batch_func"), "step_outputs"),
-    "INV-MB-018": (("prepare_micro_batches",), "padded_cut"),
-    "INV-MB-019": (("concat_tensordict", "index_select_tensor_dict"), "padded_helpers"),
-}
+HELPER_CHECKS: dict[str, tuple[tuple[str, ...], str | None]] = layer_checks("helpers")
 
 
 def helper_case_data(case: MiniBatchCase) -> dict[str, Any]:

@@ -25,19 +25,14 @@ from ..execute.pickling import save
 from ..protocol.vendor import source
 from .imports import factory_layer_imports, function_imports
 from .layer_helpers import HELPER_CHECKS, helper_case_data, readings
+from .plans import layer_checks
 from .vendored import failure, layer_call, layer_cut_checks, layer_helper_checks, layer_main
 
 __all__ = ["MB_CHECKS", "write_minibatch_reproducer", "layer_imports", "case_dict", "plain_minibatch"]
 
-#: invariant -> (the layer functions it calls, the check in :mod:`.vendored.layer_cut_checks`)
-MB_CHECKS: dict[str, tuple[tuple[str, ...], str]] = {
-    "INV-MB-001": (("prepare_micro_batches",), "partition"),
-    "INV-MB-002": (("prepare_micro_batches",), "groups"),
-    "INV-MB-003": (("prepare_micro_batches",), "budget"),
-    "INV-MB-004": (("prepare_micro_batches",), "count"),
-    "INV-MB-006": (("prepare_micro_batches",), "fixed"),
-    "INV-MB-007": (("prepare_micro_batches", "restore_dynamic_batch"), "restore"),
-}
+#: invariant -> (the layer functions it calls, the check in :mod:`.vendored.layer_cut_checks`): each invariant's own
+#: record (``LayerCheck(on="cut")``)
+MB_CHECKS: dict[str, tuple[tuple[str, ...], str | None]] = layer_checks("cut")
 
 
 def layer_imports(functions: dict[str, Callable[..., Any]], names: tuple[str, ...], factory: Any = None

@@ -1,4 +1,6 @@
-"""Which checks a reproducer runs for a failed invariant, and on which runs of the case.
+"""Which checks a reproducer runs for a failed invariant, and on which runs of the case: each invariant's own
+record (``InvariantInfo.repro``, :mod:`spec.invariants.reproduction`, declared where the invariant is registered),
+collected here by kind.
 
 A reproducer states the invariant's consumer-visible property as checks on one or more runs of the
 shrunk case (the case itself, plus the variants a run-vs-run invariant compares it with). Every run is
@@ -42,174 +44,37 @@ invariant calls):
   preparation and by prepare_model_outputs alone); only the engine's own exception counts, not the stand-in model's
   or the processor's.
 
-Invariants without a plan have no standalone reproducer: the file written for them says so, and the
+Invariants without a record have no standalone reproducer: the file written for them says so, and the
 report lists them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import TypeVar
 
-from ..cases.structure import EngineCase
-from ..invariants.state import sibling
+from ..invariants import CATALOGUE
+from ..invariants.reproduction import LayerCheck, Plan
 
-__all__ = ["Plan", "plan_for", "PLANS"]
+__all__ = ["Plan", "plan_for", "PLANS", "RANK_PLANS", "layer_checks"]
 
-#: a variant: (label, the case of the run) from the shrunk case
-Variant = Callable[[EngineCase], list[tuple[str, EngineCase]]]
+R = TypeVar("R")
 
 
-def _alone(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    return [("the case", case)]
+def _records(kind: type[R]) -> dict[str, R]:
+    return {inv: info.repro for inv, info in CATALOGUE.items() if isinstance(info.repro, kind)}
 
 
-def _both_modes(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    return [("packed", case.with_(use_remove_padding=True)),
-            ("padded", case.with_(use_remove_padding=False, sp_size=1, pad_to_length=None))]
+#: invariant ID -> its plan on one process (an ID missing here and from RANK_PLANS has no engine-case reproducer)
+PLANS: dict[str, Plan] = {inv: plan for inv, plan in _records(Plan).items() if not plan.real_ranks}
+#: invariant ID -> its plan on real gloo ranks (spec/repro/ranks.py)
+RANK_PLANS: dict[str, Plan] = {inv: plan for inv, plan in _records(Plan).items() if plan.real_ranks}
 
 
-def _float_and_tensor(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    temps = case.temperatures()
-    runs = [("the case", case)]
-    if len(set(temps)) == 1:
-        other = case.with_(temperature=temps) if not case.per_sample_temperature else case.with_(temperature=temps[0])
-        runs.append(("the same temperature as a (B,) tensor" if not case.per_sample_temperature
-                     else "the same temperature as a float", other))
-    return runs
-
-
-def _doubled(case: EngineCase) -> EngineCase:
-    if case.batch_size > 1:
-        return case
-    temperature = case.temperature * 2 if isinstance(case.temperature, tuple) else case.temperature
-    return case.with_(prompt_lens=case.prompt_lens * 2, response_lens=case.response_lens * 2, temperature=temperature)
-
-
-def _permuted(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    case = _doubled(case)
-    rows = list(range(case.batch_size))[::-1]
-    return [("the case", case), (f"its samples in the order {rows}", case.subset(rows))]
-
-
-def _halves(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    case = _doubled(case)
-    half = case.batch_size // 2
-    first, second = list(range(half)), list(range(half, case.batch_size))
-    return [("the case", case), (f"samples {first} alone", case.subset(first)),
-            (f"samples {second} alone", case.subset(second))]
-
-
-def _sp(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    return [(f"sp={max(case.sp_size, 2)}", case.with_(sp_size=max(case.sp_size, 2))), ("sp=1", case.with_(sp_size=1))]
-
-
-def _bucket(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    bucket = case.pad_to_length or case.total_nnz + 3
-    return [(f"bucket={bucket}", case.with_(pad_to_length=bucket)), ("no bucket", case.with_(pad_to_length=None))]
-
-
-def _chunked(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    chunk = case.entropy_chunk_size or 2
-    return [(f"entropy chunk size {chunk}", case.with_(entropy_chunk_size=chunk)),
-            ("no chunking", case.with_(entropy_chunk_size=None))]
-
-
-def _after_sibling(case: EngineCase) -> list[tuple[str, EngineCase]]:
-    """The micro-batch a reused engine object prepares first (the suite's sibling), then the case."""
-    return [("the micro-batch before it (the same (B, L), other rows, tokens and temperatures)", sibling(case)),
-            ("the case", case)]
-
-
-@dataclass(frozen=True)
-class Plan:
-    checks: tuple[str, ...]
-    runs: Variant = _alone
-    #: what fills the padded logit slots and the packed tail (the suite's poisons)
-    poison: str = "nan"
-    #: the output keys the invariant asserts, the only ones ``values`` compares (empty: every key the flags ask for)
-    keys: tuple[str, ...] = ()
-
-
-VALUES = Plan(("keys", "values"))
-
-#: invariant ID -> its plan (an ID missing here has no standalone reproducer)
-PLANS: dict[str, Plan] = {
-    # each a key of its own: the file compares what the invariant asserts, nothing else
-    "INV-VAL-001": Plan(("keys", "values"), keys=("log_probs",)),
-    "INV-VAL-002": Plan(("keys", "values"), keys=("entropy",)),
-    "INV-VAL-003": Plan(("keys", "values"), keys=("sum_pi_squared",)),
-    "INV-VAL-005": Plan(("keys", "values"), keys=("values",)),
-    **{inv: VALUES for inv in ("INV-VAL-004", "INV-TEMP-001", "INV-TEMP-003", "INV-TEMP-006", "INV-KEYS-001", "INV-LEAK-001",
-                               "INV-LAYOUT-001")},
-    "INV-LEAK-002": Plan(("keys", "values"), poison="huge"),
-    # fused kernels with top-K distillation: the keys the flags ask for (the terms a fused kernel computes) and their
-    # values against the reference
-    "INV-FUSED-003": Plan(("keys", "values")),
-    "INV-DEV-001": Plan(("keys", "values", "float32")),
-    "INV-KEYS-002": Plan(("keys", "values"), _both_modes),
-    "INV-KEYS-003": Plan(("keys", "values"), _both_modes),
-    "INV-TEMP-002": Plan(("keys", "values"), _float_and_tensor),
-    "INV-BATCH-001": Plan(("keys", "values"), _permuted),
-    "INV-BATCH-002": Plan(("keys", "values"), _halves),
-    "INV-SP-001": Plan(("keys", "values"), _sp),
-    "INV-SP-002": Plan(("keys", "values"), _bucket),
-    "INV-CHUNK-001": Plan(("keys", "values"), _chunked),
-    # the hand-off invariants read prepare_model_inputs alone (a model fed wrong inputs must not crash first)
-    "INV-MASK-001": Plan(("mask",)),
-    "INV-MASK-002": Plan(("mask_dtype",)),
-    "INV-MASK-003": Plan(("mask_shape",)),
-    "INV-LABEL-001": Plan(("labels",)),
-    "INV-INPUT-001": Plan(("padded_ids",)),
-    "INV-POS-001": Plan(("padded_positions",)),
-    "INV-POS-002": Plan(("packed_inputs",)),
-    "INV-GRAD-001": Plan(("grad", "keys", "values")),
-    "INV-MUT-001": Plan(("unchanged",)),
-    "INV-MUT-002": Plan(("unchanged",)),
-    "INV-MUT-004": Plan(("unchanged",)),
-    "INV-SLICE-001": Plan(("slice",)),
-    "INV-SLICE-002": Plan(("slice", "keys", "values")),
-    # what prepare_model_inputs hands over (run alone, as the suite's input invariants run it)
-    "INV-INPUT-002": Plan(("ids_fill",)),
-    "INV-POS-003": Plan(("positions_fill",)),
-    "INV-PAD-001": Plan(("tail",)),
-    "INV-PAD-002": Plan(("tail_fill",)),
-    "INV-LABEL-002": Plan(("shard_labels",)),
-    "INV-LABEL-003": Plan(("rolled_row",)),
-    "INV-TEMP-004": Plan(("token_temperature",)),
-    "INV-TEMP-005": Plan(("padded_temperature",)),
-    "INV-FUSED-001": Plan(("fused_inputs",)),
-    "INV-FUSED-002": Plan(("return_dict",)),
-    "INV-CU-001": Plan(("cu_seqlens",)),
-    "INV-CU-002": Plan(("cu_seqlens_cpu",)),
-    # the helpers, on per-token tensors the file builds (no run of the engine)
-    "INV-MASK-004": Plan(("mask_helper",)),
-    "INV-SLICE-003": Plan(("slice_reads",)),
-    "INV-SLICE-004": Plan(("from_nested",)),
-    "INV-SLICE-005": Plan(("round_trip",)),
-    "INV-DTYPE-001": Plan(("slice_dtypes",)),
-    "INV-SLICE-006": Plan(("keys", "response_values")),
-    # flags: left out, spelled otherwise (each run against the case's run and the reference), or bad (rejected)
-    "INV-FLAG-001": Plan(("flags_default",)),
-    "INV-FLAG-002": Plan(("flags_recoded",)),
-    "INV-FLAG-003": Plan(("bad_flags",)),
-    "INV-SET-001": Plan(("bad_settings",)),
-    # a setting the engine's profile declares unsupported: refused by the preparation and prepare_model_outputs alone
-    "INV-FLAG-004": Plan(("refused",)),
-    "INV-FLAG-005": Plan(("refused",)),
-    "INV-ERR-001": Plan(("rejects_pad_mode",)),
-    "INV-ERR-002": Plan(("rejects",)),
-    "INV-ERR-003": Plan(("rejects",)),
-    # the CPU run and a CUDA run of the case, each against the reference (exit 2 without a CUDA device)
-    "INV-DEV-002": Plan(("keys", "values", "on_cuda")),
-    # one engine object kept across two micro-batches
-    "INV-BATCH-003": Plan(("reused",), _after_sibling),
-    "INV-MUT-005": Plan(("earlier_kept",), _after_sibling),
-    # images and videos: what prepare_model_inputs hands the model of them (the samples' own dicts, from the micro-batch
-    # built afresh), and the log-probs of each sample with its own images against the reference (its own media dict)
-    "INV-MM-001": Plan(("media_handed",)),
-    "INV-MM-002": Plan(("keys", "values"), keys=("log_probs",)),
-}
+def layer_checks(on: str) -> dict[str, tuple[tuple[str, ...], str | None]]:
+    """invariant ID -> (the layer functions it calls, its vendored check) of the micro-batch invariants whose
+    reproducer runs ``on`` (:class:`LayerCheck`: "cut", "helpers", "ranks", "engine")."""
+    return {inv: (CATALOGUE[inv].functions, record.check) for inv, record in _records(LayerCheck).items()
+            if record.on == on}
 
 
 def plan_for(invariant: str) -> Plan | None:

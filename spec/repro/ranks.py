@@ -32,20 +32,7 @@ from ..protocol.vendor import assignments
 from ..protocol.vendor import source as source_of
 from .vendored import launch, real_ranks
 
-__all__ = ["RANK_CHECKS", "on_real_ranks"]
-
-#: invariant -> the checks of :mod:`.templates` its reproducer runs on the real ranks' results
-RANK_CHECKS: dict[str, tuple[str, ...]] = {
-    "INV-RANK-001": ("keys", "values"),
-    "INV-RANK-009": ("keys", "values"),
-    "INV-RANK-005": ("keys", "values"),
-    "INV-RANK-007": ("keys", "values"),
-    "INV-RANK-004": ("packed_inputs", "keys", "values"),
-    "INV-RANK-002": ("shard_labels", "keys", "values"),
-    "INV-RANK-003": ("rank_pad",),
-    "INV-RANK-006": ("rank_shapes",),
-    "INV-RANK-008": ("rank_roll_exact",),
-}
+__all__ = ["on_real_ranks"]
 
 def on_real_ranks(source: str, case: EngineCase) -> str:
     """The engine-case reproducer ``source`` of ``case`` (without its main's call) with its ``main`` run on real gloo
