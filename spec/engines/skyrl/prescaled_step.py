@@ -75,13 +75,20 @@ def _config(loss: str, mode: str, horizon: int | None) -> Any:
                                                            cispo_eps_clip_high=CISPO_OFFSETS[1]))
 
 
+def _row_sums(nested: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of a jagged ``(b, j)`` tensor, from its values and offsets (no loop over the rows)."""
+    totals = torch.cat([nested.values().new_zeros(1), nested.values().cumsum(0)])
+    offsets = nested.offsets()
+    return totals[offsets[1:]] - totals[offsets[:-1]]
+
+
 def _prompt_groups(minis: list[TensorDict]) -> dict[int, float] | None:
     """Each prompt's loss tokens over the mini-batch (every rank's share), by its id, from the trainer's
     ``prompt_boundaries`` (skyrl's own ``compute_prompt_boundaries`` of the samples' uids); None without uids."""
     if any(PROMPT_KEY not in mini.keys() for mini in minis):
         return None
     uids = torch.cat([mini.get(PROMPT_KEY) for mini in minis])
-    tokens = torch.cat([torch.stack([row.sum() for row in mini.get("response_mask").unbind()]) for mini in minis])
+    tokens = torch.cat([_row_sums(mini.get("response_mask")) for mini in minis])
     boundaries = importlib.import_module(PREPROCESS).compute_prompt_boundaries([str(int(u)) for u in uids])
     return {int(uids[start]): float(tokens[start:end].sum()) for start, end in boundaries}
 
@@ -105,7 +112,13 @@ def prescaled(advantages: torch.Tensor, mask: torch.Tensor, facts: dict, setting
         groups = facts["prompt_groups"]
         if groups is None or uids is None:
             raise ValueError(f"prompt_mean: the micro-batch's rows need their prompt ids ({PROMPT_KEY!r}), got none")
-        own = torch.tensor([groups[int(u)] for u in uids], dtype=advantages.dtype).clamp(min=1).unsqueeze(-1)
+        ids = torch.tensor(list(groups), dtype=uids.dtype)
+        counts = torch.tensor(list(groups.values()), dtype=advantages.dtype)
+        found = uids.unsqueeze(-1) == ids  # (b, prompts): each row's own group
+        if not bool(found.any(-1).all()):
+            raise ValueError(f"prompt_mean: prompt ids {uids.tolist()} of the micro-batch, not all among the "
+                             f"mini-batch's {list(groups)}")
+        own = counts[found.int().argmax(-1)].clamp(min=1).unsqueeze(-1)
         return advantages / (len(groups) * own)
     if setting.mode == "token_mean":
         return advantages / max(facts["batch_num_tokens"], 1.0)
