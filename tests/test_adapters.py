@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,13 +15,15 @@ import torch
 
 from spec.run.registry import ENGINES, builtin_engine_names, load_engine
 from spec.execute.harness import execute
-from spec.cases.materialize import draws
+from spec.cases.materialize import draws, materialize
 from spec.cases.structure import EngineCase, Media
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
 from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
+from spec.protocol.profile import MEDIA
 from spec.run.runner import run_invariant, skip_reason
+from spec.engines.megatron.records import vision_widths
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed (the verl tox envs run these)")
@@ -30,6 +34,7 @@ class Reference(EngineUnderTest):
     name = "reference-packer"
     packer = ReferencePacker()
     layouts = tuple(ShardLayout)
+    profile = replace(EngineUnderTest.profile, media=MEDIA)  # INV-MEG-006 runs vision-language micro-batches
 
 
 def test_capabilities_are_typed_and_give_reasons() -> None:
@@ -158,6 +163,32 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
 
 
 @needs_verl
+def test_verl_megatron_vision_forward_agrees_with_the_reference() -> None:
+    """Megatron's forward_step, run up to the model call on a vision-language micro-batch (an image, a text-only
+    sample, a video), hands the model what the reference states: the rows and mask, the samples' media in sample
+    order and (THD) the labels' boundaries; and under FP8 its BSHD rows differ from the labels' width exactly where
+    the record's arithmetic says (spec/engines/megatron/records.py)."""
+    engine = load_engine("verl-megatron")
+    case = EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16, mrope=True, seed=4,
+                      media=((Media("image", 1, 2, 4, 1),), (), (Media("video", 2, 2, 2, 0),)))
+    micro_batch = materialize(case)
+    for (tp, cp), packed in itertools.product(((1, 1), (2, 1), (1, 2), (2, 4)), (True, False)):
+        spec = PackSpec(tp=tp, cp=cp, layout=ShardLayout.ZIGZAG)
+        for rank in range(cp):
+            verl = engine.packer.vlm_inputs(micro_batch, spec, rank, packed=packed)
+            ours = ReferencePacker().vlm_inputs(micro_batch, spec, rank, packed=packed)
+            assert set(verl) - {"position_ids"} == set(ours), (spec, packed, sorted(verl))
+            for key, value in ours.items():
+                assert torch.equal(verl[key].long(), value.long()), (spec, packed, rank, key)
+    lens = case.seq_lens
+    for tp, cp in ((1, 1), (2, 2), (4, 1)):
+        spec = PackSpec(tp=tp, cp=cp, layout=ShardLayout.ZIGZAG, fp8=True)
+        rows = engine.packer.vlm_inputs(micro_batch, spec, 0, packed=False)["input_ids"].shape[1]
+        labels = engine.packer.pack_bshd(micro_batch["input_ids"], spec, 0)[1].shape[1] * cp
+        assert (rows, labels) == vision_widths(lens, tp, cp), (tp, cp)
+
+
+@needs_verl
 def test_verl_megatron_runs_the_layer_checks_bridged_to_step_layers() -> None:
     """verl-megatron has verl's micro-batch layer and no engine object: the micro-batch checks that also run through a
     step layer (INV-MB-001/006/007/008, which drop the ``microbatch`` need) still run its layer, not skip for the
@@ -170,7 +201,8 @@ def test_verl_megatron_runs_the_layer_checks_bridged_to_step_layers() -> None:
 
 @pytest.mark.parametrize("module, attr", [("spec.engines.torchtitan.adapter", "KNOWN_RECORDS"),
                                           ("spec.engines.automodel.adapter", "KNOWN_RECORDS"),
-                                          ("spec.engines.megatron.adapter", "MegatronEngine")])
+                                          ("spec.engines.megatron.adapter", "MegatronEngine"),
+                                          ("spec.engines.megatron.records", "VISION_RECORDS")])
 def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str) -> None:
     """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
     condition, an exception type and a message pattern, and a mention in its page (spec/engines/<folder>/README.md)."""

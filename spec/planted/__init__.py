@@ -211,6 +211,9 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
     PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
+    PlantedBug("vision_packed_at_unpadded_offsets", ("INV-MEG-006",), packer=M.VisionPackedAtUnpaddedOffsets),
+    PlantedBug("vision_features_longest_first", ("INV-MEG-006",), packer=M.VisionFeaturesLongestFirst,
+               quiet="a vision-language micro-batch whose samples with media are out of length order"),
     # on real ranks (spec/execute/ranks.py, spec/invariants/ranks.py)
     PlantedBug("rank_roll_after_slice", ("INV-RANK-002", "INV-RANK-001", "INV-RANK-007", "INV-RANK-008"), lm=R.RollAfterSlice),
     PlantedBug("critic_gather_reversed", ("INV-RANK-009", "INV-VAL-005"), value=R.CriticGatherReversed,

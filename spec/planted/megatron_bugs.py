@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..truth.media_checks import samples_media, stack_entries
 from ..truth.megatron_packing import PackSpec, ReferencePacker, nested_from
 from ..protocol.engine import ShardLayout
 
@@ -68,3 +69,28 @@ class UnpackFromUnpaddedOffsets(ReferencePacker):
             rows[self._rank_rows(padded, spec, rank)] = shard.rows[0]
         offsets = x.offsets().tolist()
         return nested_from([rows[s:e] for s, e in zip(offsets[:-1], offsets[1:])])
+
+
+class VisionPackedAtUnpaddedOffsets(ReferencePacker):
+    """A vision-language model handed the boundaries of the unpadded sequences (``cu_seqlens``) for packing its
+    combined embeddings, the labels packed at the TP x CP-padded ones: after the first sequence's padding every
+    token (its image features with it) is scored against another position's label."""
+
+    def vlm_inputs(self, micro_batch, spec, rank, *, packed):
+        handed = super().vlm_inputs(micro_batch, spec, rank, packed=packed)
+        if packed:
+            handed["cu_seqlens_padded"] = micro_batch["input_ids"].offsets().to(torch.int32)
+        return handed
+
+
+class VisionFeaturesLongestFirst(ReferencePacker):
+    """The samples' media concatenated longest sample first (as a packer that sorts its sequences by length for
+    balance), the rows kept in sample order: the model places one sample's image features at another's image
+    tokens. Shows when two samples with media are out of length order."""
+
+    def vlm_inputs(self, micro_batch, spec, rank, *, packed):
+        handed = super().vlm_inputs(micro_batch, spec, rank, packed=packed)
+        lens = micro_batch["input_ids"].offsets().diff().tolist()
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        entries = stack_entries(micro_batch.get("multi_modal_inputs"))
+        return {**handed, **samples_media([entries[i] for i in order])}

@@ -1,5 +1,5 @@
 """Standalone reproducers for the Megatron packing invariants (INV-MEG-001..005: ``engine.packer``, a
-:class:`spec.truth.megatron_packing.Packer`).
+:class:`spec.truth.megatron_packing.Packer`; INV-MEG-006's vision-language micro-batch is not written out).
 
 The file writes out the suite's statement of the packing (``spec/truth/megatron_packing.py``: ``PackSpec``,
 ``ThdShard``, the TP x CP alignment rule, ``nested_from``, and the ``ShardLayout`` of the protocol module it
@@ -87,6 +87,9 @@ def write_packing_reproducer(path: Path, header: str, invariant: str, check: Any
     packer = getattr(engine, "packer", None)
     if packer is None:
         return f"engine {engine.name} has no packer (Feature.PACKING)"
+    if getattr(case, "media", ()):
+        return (f"{invariant} runs the case's vision-language micro-batch (spec.cases.materialize with its media "
+                "draws), which the written-out case (its lengths, seed and sizes) does not carry")
     code, why = written_out([check], PROVIDED)
     if why:
         return why

@@ -15,7 +15,14 @@ from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES
 from ..protocol.profile import MEDIA_INPUT_KEYS
 from .failing import fail
 
-__all__ = ["samples_media", "joined_ids", "media_inputs_handed"]
+__all__ = ["samples_media", "stack_entries", "joined_ids", "media_inputs_handed"]
+
+
+def stack_entries(stack) -> list:
+    """The per-sample entries of a micro-batch's ``multi_modal_inputs`` (``micro_batch.get(...)``: a
+    ``NonTensorStack``, whose ``tolist()`` they are, or the list a tensordict version hands), each
+    ``NonTensorData`` unwrapped: a dict, or None for a text-only sample."""
+    return [getattr(item, "data", item) for item in (stack.tolist() if hasattr(stack, "tolist") else stack)]
 
 
 def samples_media(entries) -> dict[str, torch.Tensor]:

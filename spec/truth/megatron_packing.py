@@ -13,6 +13,12 @@ A *packer* turns a jagged batch ``x`` (nested ``(B, j, *trailing)``) into per-ra
 ``need_roll`` packs the labels instead: at each valid token the next token of the *same* sequence.
 Unpacking gathers every rank's shard and returns the valid tokens, nested like ``x``.
 
+A vision-language model packs for itself (its image features must first reach its image tokens): it is handed
+the micro-batch's ids in rows, one sample a row from column 0, the mask marking each sample's tokens, the samples'
+media (features and grids concatenated in sample order) and, THD, the padded boundaries its labels are packed
+with; it embeds, places the features, packs its combined embeddings with those boundaries. ``vlm_inputs`` returns
+those by these names (``cu_seqlens_padded``: the boundaries, THD only).
+
 :class:`ReferencePacker` implements this from the statement above (an index map from each rank's
 rows to the global padded row); the planted packing bugs subclass it. verl's own packer is adapted
 in :mod:`spec.engines.megatron.adapter`.
@@ -26,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..protocol.engine import ShardLayout
+from ..protocol.engine import ShardLayout, read_flags
+from .media_checks import samples_media, stack_entries
 
 __all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket"]
 
@@ -66,6 +73,8 @@ class Packer(Protocol):
 
     def unpack_bshd(self, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,
                     spec: PackSpec) -> torch.Tensor: ...
+
+    def vlm_inputs(self, micro_batch: Any, spec: PackSpec, rank: int, *, packed: bool) -> dict[str, Any]: ...
 
 
 def case_bucket(case: Any) -> int | None:
@@ -176,3 +185,18 @@ class ReferencePacker:
             dense[:, self._bshd_cols(width, spec, rank)] = rows
         lens = x.offsets().diff().tolist()
         return nested_from([dense[i, :n] for i, n in enumerate(lens)])
+
+    def vlm_inputs(self, micro_batch: Any, spec: PackSpec, rank: int, *, packed: bool) -> dict[str, Any]:
+        """What a vision-language model is handed for ``micro_batch`` (the module docstring): the rows as wide as
+        the BSHD labels' (:meth:`pack_bshd`), the pad id after each sample's tokens."""
+        ids = micro_batch["input_ids"]
+        lens = ids.offsets().diff().tolist()
+        width = self._bshd_width(lens, spec)
+        rows = ids.values().new_full((len(lens), width), read_flags(micro_batch)["pad_token_id"])
+        mask = torch.arange(width) < torch.tensor(lens).unsqueeze(1)
+        rows[mask] = ids.values()
+        media = samples_media(stack_entries(micro_batch.get("multi_modal_inputs")))
+        handed = {"input_ids": rows, "attention_mask": mask, **media}
+        if packed:
+            handed["cu_seqlens_padded"] = self.pack_thd(ids, spec, rank).cu_seqlens_padded
+        return handed

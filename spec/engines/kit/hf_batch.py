@@ -23,6 +23,7 @@ from impl.flags import BatchFlags, read_flag
 from ...cases.media import MEDIA_TOKEN_FLAGS, MULTI_MODAL_KEY
 from ...protocol import sequences_from_responses
 from ...protocol.errors import OneTemperatureError
+from ...truth.media_checks import stack_entries
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
            "LeftRightRows", "left_aligned", "sequences_from_response_rows", "media_samples", "media_token_ids"]
@@ -106,8 +107,7 @@ def media_samples(mb) -> list[dict[str, torch.Tensor]] | None:
     dropped); None for a micro-batch without ``multi_modal_inputs`` (a text-only batch)."""
     if MULTI_MODAL_KEY not in mb.keys():
         return None
-    stack = mb.get(MULTI_MODAL_KEY)
-    entries = [getattr(item, "data", item) for item in (stack.tolist() if hasattr(stack, "tolist") else stack)]
+    entries = stack_entries(mb.get(MULTI_MODAL_KEY))
     return [{k: v for k, v in (entry or {}).items() if v is not None} for entry in entries]
 
 

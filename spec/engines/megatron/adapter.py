@@ -17,6 +17,8 @@ Megatron's engine methods ``prepare_model_inputs`` / ``prepare_model_outputs`` a
 the preparation runs inside ``gptmodel_forward_model_engine`` around the model call, with megatron's
 vocab-parallel kernels (``tensor_parallel.vocab_parallel_cross_entropy``, a TP process group). So
 this adapter offers :attr:`Feature.PACKING` (the packing invariants) and lacks :attr:`Feature.ENGINE`.
+On a vision-language micro-batch the packer also runs the engine's own ``forward_step`` up to the model call
+(:meth:`VerlMegatronPacker.vlm_inputs`, spec/engines/megatron/media.py): INV-MEG-006 checks what it hands the model.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import torch
 from ...protocol.known import KnownFailure, When
 from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
+from ...protocol.profile import MEDIA
 from ..verl.microbatch_records import MICROBATCH_RECORDS
+from .records import VISION_RECORDS
+from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
 from ..kit.stubs import import_verl_module
 from ..verl.microbatch_layer import verl_microbatch_layer
 from ..verl.profile import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE
@@ -57,6 +62,7 @@ class VerlMegatronPacker:
 
     def __init__(self, util: Any):
         self.util = util
+        self._vision: MegatronVisionForward | None = None  # transformer_impl imported at the first media batch
 
     @contextmanager
     def _rank(self, spec: PackSpec, rank: int, gathered: list[torch.Tensor] | None = None) -> Iterator[None]:
@@ -113,6 +119,12 @@ class VerlMegatronPacker:
             elif not all(torch.equal(a, b) for a, b in zip(result.unbind(), out.unbind())):
                 raise AssertionError(f"CP rank {rank} re-assembles other values than rank 0 ({spec})")
         return out
+
+    def vlm_inputs(self, micro_batch: Any, spec: PackSpec, rank: int, *, packed: bool) -> dict[str, Any]:
+        """What Megatron's engine hands a vision-language model (spec/engines/megatron/media.py)."""
+        if self._vision is None:
+            self._vision = MegatronVisionForward()
+        return self._vision.handed(micro_batch, spec, rank, self._rank, packed=packed)
 
 
 def _bucket_breaks_alignment(case: Any) -> bool:
@@ -176,7 +188,8 @@ class MegatronEngine(EngineUnderTest):
     #: verl's Megatron packing (THD and BSHD pre/postprocess) and its micro-batch layer
     profile = replace(EngineUnderTest.profile, surface=(*(f"verl.models.mcore.util:{f}" for f in (
         "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
-        "_compute_fp8_thd_align_size")), *VERL_LAYER), unreachable=MEGATRON_UNREACHABLE, off_path=VERL_LAYER_OFF_PATH)
+        "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *VERL_LAYER),
+        unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH, media=MEDIA)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties
@@ -198,7 +211,8 @@ class MegatronEngine(EngineUnderTest):
             self.layouts = (ShardLayout.ZIGZAG,)
             self.layout_note = ("contiguous CP not run: this megatron-core's PackedSeqParams has no "
                                 "cp_partition_mode, and verl refuses cp_layout='contiguous' with CP > 1 without it")
-        self.known_failures = (*self.KNOWN, *MICROBATCH_RECORDS.get("*", ()), *MICROBATCH_RECORDS.get(self.version, ()))
+        self.known_failures = (*self.KNOWN, *VISION_RECORDS, *MICROBATCH_RECORDS.get("*", ()),
+                               *MICROBATCH_RECORDS.get(self.version, ()))
 
     def microbatch_layer(self):
         """verl's own micro-batch functions: Megatron's forward_backward_batch calls prepare_micro_batches (with
@@ -214,7 +228,7 @@ class MegatronEngine(EngineUnderTest):
                 return ("megatron-core does not import here (stubbed: " + ", ".join(self.stubs.stubbed)
                         + "); PackedSeqParams is megatron's record, install megatron-core")
             return None
-        if feature in (Feature.CUDA, Feature.MICROBATCH, Feature.REAL_RANKS):
+        if feature in (Feature.CUDA, Feature.MICROBATCH, Feature.REAL_RANKS, Feature.MEDIA):
             return super().lacks(feature)
         return (f"verl-megatron {self.version}: Megatron's prepare_model_inputs/outputs are pass-throughs; its "
                 "preparation runs inside gptmodel_forward_model_engine around the model call with megatron's "
