@@ -6,7 +6,9 @@ is caught on every run; ``pr`` is ``ci`` with a quarter of its examples, for a u
 shorter; the suite's own CI runs ``ci``); ``thorough`` is for a long run by hand (ten times ``ci``'s examples, so ten
 times the large cases: the strategies draw a large size tier in 1/4 of the cases, see
 spec/cases/strategies.py; no workflow runs it); ``cuda`` is the nightly GPU job's; ``debug`` is verbose.
-Every profile derives from hypothesis's own defaults, not from whatever profile hypothesis loaded at import.
+Every profile derives from hypothesis's own defaults, not from whatever profile hypothesis loaded at import, and no
+profile draws the literals of the modules loaded (:mod:`.generation`): a derandomized run is the same run wherever
+it runs and whatever else is imported.
 
 The example database is chosen by ``SPEC_EXAMPLE_DB`` (``spec/run/database.py``): derandomized
 profiles (``ci``) replay it read-only before drawing their cases, the others read and write it.
@@ -21,6 +23,7 @@ from hypothesis import HealthCheck, Verbosity, settings
 from hypothesis.database import ReadOnlyDatabase
 
 from .database import example_database, replay_database
+from .generation import pin_generation
 
 __all__ = ["PROFILES", "load_profile", "use_database", "DEFAULT_PROFILE"]
 
@@ -59,6 +62,7 @@ def _register(writer, reader) -> None:
 
 
 _register(example_database(strict=False), replay_database())  # $SPEC_EXAMPLE_DB
+pin_generation()  # the cases depend on the strategy and the seed alone (spec/run/generation.py)
 
 
 def use_database(db, loaded: str | None = None) -> None:
