@@ -247,3 +247,39 @@ def test_a_venv_takes_its_torch_from_a_torch_argument(tmp_path) -> None:
     assert (tmp_path / ".venv-torch24" / "constraints-torch.txt").read_text() == "torch==2.4.0\n"
     plain = _venv_calls(tmp_path, "other", "verl==0.9.1")
     assert plain == ["-m pip install -q torch==2.13.0", "-m pip install -q -c constraints-torch.txt verl==0.9.1"]
+
+
+MUTATE_NIGHTLY = (ROOT / ".github" / "workflows" / "mutate-nightly.yml").read_text()
+
+
+def _step_text(command: str) -> str:
+    """A step's command, and for an engine's step script its text and the files it sources (its setup lives there)."""
+    found = re.fullmatch(r"bash (spec/engines/\S+\.sh)", command)
+    if not found:
+        return command
+    script = ROOT / found.group(1)
+    text = script.read_text()
+    sourced = re.findall(r'^\. "\$\(dirname "\$0"\)/([^"]+)"', text, re.M)
+    return "\n".join([text] + [(script.parent / path).read_text() for path in sourced])
+
+
+def test_the_mutation_nightly_mutates_every_registered_engine_in_its_steps_venv() -> None:
+    """.github/workflows/mutate-nightly.yml has one job per registered engine (the registry, not a list written out
+    again), each in the venv of the CI step that runs its `spec verify` (installed by that step's setup), on a seeded
+    sample of 200 gated at 90%, resumed from the newest earlier report."""
+    from spec.run.registry import ENGINES
+
+    matrix = re.findall(r"^\s+- \{engine: (\S+), step: (\S+), venv: (\S+)\}$", MUTATE_NIGHTLY, re.M)
+    assert sorted(engine for engine, _, _ in matrix) == sorted(ENGINES), matrix
+    listed = dict(docs.ci_steps())
+    for engine, step, venv in matrix:
+        assert step in listed, (engine, step)
+        text = _step_text(listed[step])
+        assert re.search(rf"spec verify --engine {re.escape(engine)}(\s|$)", text, re.M), (engine, step)
+        assert re.search(rf"\bvenv(_ready)? {re.escape(venv)}(?=\s)", text), (engine, step, venv)
+    assert '.ci/steps.sh --setup "${{ matrix.step }}"' in MUTATE_NIGHTLY
+    command = MUTATE_NIGHTLY.split("- name: Mutate ", 1)[1].split("- name:", 1)[0]
+    assert '".venv-${{ matrix.venv }}/bin/python" -m spec mutate --engine "${{ matrix.engine }}"' in command
+    for part in ("|| '200' }}\" --seed 0", "--profile dev --confirm ci", "--min-score 0.9", '"${resume[@]}"'):
+        assert part in command, part
+    assert "--resume" in command and "gh run download" in MUTATE_NIGHTLY

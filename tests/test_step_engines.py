@@ -286,3 +286,28 @@ def test_openrlhf_sequence_level_loss_counts_the_samples_with_a_loss_token() -> 
 
     with pytest.raises(AssertionError, match="in sequence: gradient"):
         _check(EverySample(), EMPTY_SAMPLE.with_(dp=1))
+
+
+@pytest.mark.skipif(not _has("openrlhf"), reason="OpenRLHF is not installed (the openrlhf step's venv)")
+def test_a_mutant_of_a_stubbed_library_runs_on_fresh_ranks() -> None:
+    """spec mutate on real ranks started afresh, whose first task is a training step: the mutant's module
+    (openrlhf.models.utils, which imports peft) is imported the adapter's way (its stubs) before the swap, not by
+    the swap itself, so the step checks the mutant instead of failing on a ModuleNotFoundError (an ImportError
+    there was a kill of every mutant a step check ran first: OpenRLHF's three in log_probs_from_logits)."""
+    from spec.execute import probe, ranks
+    from spec.mutate import mutants_of
+    from spec.run.registry import load_engine
+
+    engine = load_engine("openrlhf")
+    added = next(m for m in mutants_of(engine.profile.surface, engine.profile.off_path)
+                   if m.id == "openrlhf.models.utils:log_probs_from_logits:188 arith: Sub -> Add")
+    engine.make()  # the library imported here (as spec mutate's coverage map has), with its stubs
+    ranks.shutdown()  # fresh ranks: their first task is the step's
+    probe.set_mutant(added.mutation)
+    try:
+        with pytest.raises(AssertionError, match="gradient") as failed:  # x + logsumexp(x): no log-prob
+            _check(engine, EMPTY_SAMPLE)
+        assert "ModuleNotFoundError" not in str(failed.value)
+    finally:
+        probe.set_mutant(None)
+        ranks.shutdown()

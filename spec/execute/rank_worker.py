@@ -17,6 +17,7 @@ import pickle
 import queue
 import shutil
 import signal
+import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -159,8 +160,14 @@ class _Worker:
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         """One example on this rank: the engine's calls and the model in the case's autograd context (the
         micro-batch and the model's weights made outside it, as in :func:`spec.execute.harness.execute`). A
-        mutant or coverage context the parent asks (:mod:`spec.execute.probe`) applies once the engine is loaded."""
-        self.engine(task["engine"], task["recipe"])
+        mutant or coverage context the parent asks (:mod:`spec.execute.probe`) applies once the engine is loaded and,
+        where the mutant's module is not imported yet on this rank (a fresh rank whose first task is a training step),
+        once the engine's object is made: the adapter imports its library its own way (stubs of the imports that do
+        not import here), which importing the module for the swap would not."""
+        engine = self.engine(task["engine"], task["recipe"])
+        mutant = (task.get("probe") or {}).get("mutant")
+        if mutant is not None and mutant[0] not in sys.modules:
+            engine.make()
         probe.apply(task.get("probe"))
         if task.get("kind") == "microbatch":
             return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)

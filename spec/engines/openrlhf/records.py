@@ -99,6 +99,26 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
         "torch.zeros without dtype= is float32; the chunked logsumexp runs only for float32 or float64 logits "
         "(bf16 and fp16 take the row loop), and a model's head hands float32: the same buffer (float64 logits, "
         "which no trainer's model emits and the cases do not draw, would have their logsumexp rounded to float32)",
+    f"{_U}:log_probs_from_logits:173 compare: NotEq -> Eq":
+        "as log_probs_from_logits:173 negated: with Actor.forward's temperature 1.0 the mutant divides the logits by "
+        "1.0 in place, which leaves every value as it is",
+    f"{_U}:log_probs_from_logits:176 branch: condition negated":
+        "Actor.forward casts the logits to float32 first (line 267), so the mutant sends them through the row loop: "
+        "log_softmax per row then a gather, against a gather minus the chunked logsumexp; both are the log-softmax "
+        "at the label in float32, the same log-probs up to rounding (skyrl-train's logprobs_from_logits_v2:164 is "
+        "the same pair of branches)",
+    f"{_A}:Actor.forward:262 cast: .long() removed":
+        "torch promotes the cumsum of an integer or bool tensor to int64: the positions of OpenRLHF's 0/1 integer "
+        "attention mask (or a bool one) are int64 with or without .long()",
+    f"{_A}:Actor.forward:263 inplace: .masked_fill_ -> .masked_fill":
+        "the padded columns' positions only: OpenRLHF right-pads whole sequences (make_experience_batch's "
+        "zero_pad_sequences), so there cumsum(mask) - 1 repeats the row's last position instead of 1, a valid index "
+        "either way; the mask hides those columns and their outputs are dropped, and the contract leaves their "
+        "positions to the engine (INV-POS-003's 0 is verl's convention, which OpenRLHF does not declare)",
+    f"{_A}:Actor.forward:298 cast: .float() removed":
+        "log_probs is float32 (the logits are cast to float32 at line 267) and the action_mask 0/1 (bool, as "
+        "OpenRLHF's experience maker builds it, or an integer dtype): log_probs * action_mask promotes to float32 "
+        "and multiplies by the same 1 and 0 as log_probs * action_mask.float(), bit for bit",
 }
 
 #: the adapter's profile: the default one with this surface (the engine declares no conventions), a VLM's images and
