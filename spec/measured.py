@@ -4,6 +4,7 @@ verify`` wrote) and its mutation score (from the report ``spec mutate`` wrote), 
 
     python -m spec.measured reports/verl/verify-verl.json      record the coverage of that run
     python -m spec.measured reports/mutate/mutate-verl.json    record the mutation score of that run
+    python -m spec.measured --of 57 mutate-openrlhf.json       a run stopped early: it scored part of a sample of 57
 
 A record keeps the figure's line, its counts, what was unreached or survived (with the reasons), the profile and
 the date it was recorded; the docs say which command measured it.
@@ -59,9 +60,10 @@ def _mutation(report: dict[str, Any]) -> dict[str, Any]:
                             "diff": m["diff"]} for m in mutants if m["status"] in kept]}
 
 
-def record(report_path: Path, engine: str | None = None) -> Path:
+def record(report_path: Path, engine: str | None = None, of: int | None = None) -> Path:
     """Record the figure a report holds (a verify report's coverage, or a mutate report's score) in the engine's
-    record, with today's date; returns the record's path."""
+    record, with today's date; returns the record's path. ``of``: the size of the sample a mutation run stopped
+    early was to score (the record, and the README's line, then say the figure is partial)."""
     report = json.loads(Path(report_path).read_text())
     engine = engine or report["engine"]
     path = _path(engine)
@@ -70,6 +72,10 @@ def record(report_path: Path, engine: str | None = None) -> Path:
         data["coverage"] = {**_coverage(report), "recorded": date.today().isoformat()}
     elif "mutants" in report:
         data["mutation"] = {**_mutation(report), "recorded": date.today().isoformat()}
+        if of is not None:
+            if of < len(report["mutants"]):
+                raise ValueError(f"{report_path}: --of {of} is fewer than the {len(report['mutants'])} mutants it ran")
+            data["mutation"]["partial_of"] = of
     else:
         raise ValueError(f"{report_path}: neither a verify report with engine_coverage nor a mutate report")
     FOLDER.mkdir(parents=True, exist_ok=True)
@@ -85,6 +91,9 @@ def reach_table() -> str:
         cov_text = f"{cov['line']}, under `{cov['profile']}`" if cov else "not recorded"
         mut_text = (f"{mut['line']} (`{mut['profile']}`, survivors confirmed under `{mut['confirm']}`)"
                     if mut else "not recorded")
+        if mut and mut.get("partial_of"):
+            mut_text += (f"; **a partial run**: {mut['sample']} of the {mut['partial_of']} mutants of its sample, "
+                         "not the engine's score")
         when = ", ".join(sorted({d["recorded"] for d in (cov, mut) if d}))
         lines.append(f"| {engine} | {cov_text} | {mut_text} | {when} |")
     return "\n".join(lines)
@@ -123,12 +132,17 @@ def survivors_list(engine: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    of = None
+    if "--of" in args:
+        at = args.index("--of")
+        of = int(args[at + 1])
+        del args[at:at + 2]
     if not args:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     for report in args:
-        print(f"recorded {report} in {record(Path(report))}")
+        print(f"recorded {report} in {record(Path(report), of=of)}")
     return 0
 
 

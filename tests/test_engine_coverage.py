@@ -331,6 +331,12 @@ def test_reach_figures_are_recorded_from_reports(tmp_path, monkeypatch):
     assert "**open gap**: a positive x" in unreached and "needs CUDA" in unreached
     survivors = measured.survivors_list("toy")
     assert "`b`, survived" in survivors and "`c`, equivalent: same value" in survivors and "`a`" not in survivors
+    assert "partial run" not in table
+    # a run stopped early says so: its figure is not the engine's
+    assert measured.main(["--of", "40", str(tmp_path / "mutate.json")]) == 0
+    assert "**a partial run**: 3 of the 40 mutants of its sample" in measured.reach_table()
+    with pytest.raises(ValueError, match="fewer than the 3 mutants"):
+        measured.record(tmp_path / "mutate.json", of=2)
 
 
 def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
