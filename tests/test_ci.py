@@ -201,6 +201,18 @@ def test_ci_install_ahead_can_be_turned_off(tmp_path) -> None:
     assert not any(e.startswith("setup-") for e in events)
 
 
+def test_ci_run_says_the_free_disk_first_and_warns_when_short(tmp_path) -> None:
+    """A disk that fills fails tests far from the cause ("No space left on device" in a tmp_path fixture, stop 57's
+    CI): .ci/run says the free space before any step, and warns when it is under what the run wants."""
+    run, events = _fake_ci(tmp_path)
+    first = run.stdout.splitlines()[0]
+    assert re.fullmatch(r"=== CI disk: \d+ GiB free here, \d+ GiB in \S+ \(this run wants about 20\)", first), first
+    assert "CI warning" not in run.stdout and "disk after:" in run.stdout
+    (tmp_path / "short").mkdir()
+    short, _ = _fake_ci(tmp_path / "short", CI_MIN_FREE_GIB="100000000")
+    assert short.returncode == 0 and "=== CI warning: " in short.stdout, short.stdout
+
+
 def test_the_torch24_step_runs_impl_and_the_catalogue_on_the_floor() -> None:
     """The floor in CI (issue 39): torch 2.4.0 with tox torch24's tensordict, impl's own tests with the pins checked
     (tests/test_environment.py), and a quick `spec verify` of the catalogue on impl."""

@@ -9,8 +9,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from pathlib import Path
 
 import pytest
+
+import tests
 
 
 @pytest.mark.parametrize(("module", "variable"), [("torch", "SPEC_EXPECT_TORCH"),
@@ -123,3 +126,10 @@ def test_tensors_cross_the_rank_boundary_with_what_a_check_reads(dtype) -> None:
     sent = base.clone()
     base.zero_()  # what arrived is the receiver's own copy
     assert torch.equal(back["base"], sent) and back["base"].any()
+
+
+def test_tests_engines_import_from_this_repository_in_any_venv() -> None:
+    """``tests.*`` engines (loaded by name: ``--engine tests.factory_engine:make_engine``) are this repository's, also
+    in a venv where verl or OpenRLHF installed a ``tests`` package of its own: ours is a regular package."""
+    assert tests.__file__ is not None, "tests/ is a namespace directory: a library's site-packages 'tests' wins over it"
+    assert Path(tests.__file__).resolve().parent == Path(__file__).resolve().parent
