@@ -18,6 +18,7 @@ from spec.cases.structure import EngineCase, Media
 from spec.cases.strategies import engine_cases
 from spec.execute.handoff import check_media_inputs, model_for
 from spec.protocol.profile import MEDIA
+from spec.truth.media_checks import media_inputs_handed
 from spec.truth.oracle import expected, expected_loop
 from spec.truth.vision import media_token_ids, rope_index
 
@@ -181,3 +182,21 @@ def test_the_strategies_draw_what_the_contract_names() -> None:
         assert not case.media
 
     none_without_the_profile()
+
+
+def test_a_model_left_to_its_own_positions_needs_the_token_types() -> None:
+    """INV-MM-001's rule for an engine that hands grids and no position_ids (OpenRLHF's padded VLM path): the model
+    computes its own rope index, which a transformers-5 model finds the media tokens for by ``mm_token_type_ids``;
+    without them (OpenRLHF's ``if mm_inputs:`` negated, a mutant that survived before) the check fails and names the
+    key. The same hand-off with positions, or with the token types, passes."""
+    case = EngineCase(prompt_lens=(3,), response_lens=(1,), vocab=16, mrope=True,
+                      media=((Media("image", 1, 2, 4, 1),),))
+    want, (image_id, video_id) = draws(case).media_inputs(), media_token_ids(case.vocab)
+    ids = torch.tensor([[5, image_id, image_id, 7]])
+    marks = (ids == image_id).long()
+    groups = {"image": 2}
+    media_inputs_handed([(ids, dict(want))], want, image_id, video_id, ids, groups, own_positions=[False])
+    media_inputs_handed([(ids, {**want, "mm_token_type_ids": marks})], want, image_id, video_id, ids, groups,
+                        own_positions=[True])
+    with pytest.raises(AssertionError, match=r"no position_ids.*'mm_token_type_ids'"):
+        media_inputs_handed([(ids, dict(want))], want, image_id, video_id, ids, groups, own_positions=[True])

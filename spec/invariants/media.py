@@ -28,14 +28,16 @@ _MEDIA = ("media",)
 def media_handed(ctx: Ctx) -> None:
     """Where the engine also hands marks of the media tokens (``mm_token_type_ids``, which a transformers-5 model
     computes its mRoPE positions from; VeOmni's ``image_mask``/``video_mask``, where its models place the features),
-    they mark exactly the image (1) and video (2) tokens of the ids handed beside them. The check is
+    they mark exactly the image (1) and video (2) tokens of the ids handed beside them; a rank that hands grids and no
+    ``position_ids`` (the model computes its own rope index) hands ``mm_token_type_ids``. The check is
     :func:`spec.truth.media_checks.media_inputs_handed` (a reproducer runs the same)."""
     views = ctx.inputs_run.views
     groups = {kind: sum(m.tokens for items in ctx.case.media for m in items if m.kind == kind)
               for kind in MEDIA_INPUT_KEYS}
     joined = joined_ids([view.input_ids for view in views], ctx.case.total_nnz, views[0].pad_size)
     media_inputs_handed([(view.input_ids, view.media) for view in views], draws(ctx.case).media_inputs(),
-                        *media_token_ids(ctx.case.vocab), joined, groups)
+                        *media_token_ids(ctx.case.vocab), joined, groups,
+                        own_positions=[view.position_ids is None for view in views])
 
 
 @invariant("INV-MM-002", "with images and videos (text-only samples among them) log_probs equal the oracle's: each "

@@ -375,7 +375,8 @@ def check_media_handed(c, mb, run, fresh):
               for kind in MEDIA_INPUT_KEYS}
     joined = joined_ids(_parts(run, "input_ids"), c.total_nnz, run.views[0]["pad_size"])
     media_inputs_handed([(v["input_ids"], v["media"]) for v in run.views], samples_media(entries),
-                        *media_token_ids(c.vocab), joined, groups)
+                        *media_token_ids(c.vocab), joined, groups,
+                        own_positions=[v["position_ids"] is None for v in run.views])
 
 
 def check_grad(c, mb, run):

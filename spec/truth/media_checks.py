@@ -57,15 +57,31 @@ def _marks_match(rank: int, ids: torch.Tensor, media: dict, image_id: int, video
                  "differ)", key=key)
 
 
+def _marks_for_own_positions(rank: int, media: dict) -> None:
+    """A model handed grids and no ``position_ids`` computes its own rope index; a transformers-5 vision-language
+    model finds the media tokens for it by ``mm_token_type_ids`` and refuses without them ("Multimodal data was passed
+    (via `image_grid_thw` or `video_grid_thw`) but `mm_token_type_ids` is missing"; Qwen2-VL's
+    ``compute_3d_position_ids``), so the engine hands them (OpenRLHF's and SkyRL's forward build them from the ids)."""
+    grids = [grid for _, grid in MEDIA_INPUT_KEYS.values() if grid in media]
+    if grids and MEDIA_TOKEN_TYPES not in media:
+        fail(f"rank {rank}: the model is handed {grids} and no position_ids, so it computes its own rope index, but "
+             f"no {MEDIA_TOKEN_TYPES!r} to find the media tokens by (a transformers-5 vision-language model raises "
+             f"there); handed {sorted(media)}", key=MEDIA_TOKEN_TYPES)
+
+
 def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined: torch.Tensor,
-                        groups: dict) -> None:
+                        groups: dict, own_positions=None) -> None:
     """INV-MM-001: ``handed`` is each rank's ``(input_ids, media)`` as handed to the model (media by the model's key
     names, :data:`MEDIA_TOKEN_MARKS` among them where handed); ``want`` the samples' features and grids concatenated
     in sample order (:func:`samples_media`); ``joined`` the ids the model embeds (:func:`joined_ids`); ``groups`` the
     merged groups of each kind (``image``, ``video``) the samples' items name. Every rank is handed exactly ``want``'s
-    keys and values, on its ids' device, and the ids hold as many tokens of each kind as its groups."""
+    keys and values, on its ids' device, and the ids hold as many tokens of each kind as its groups. ``own_positions``:
+    for each rank, whether it hands the model no ``position_ids`` (a Hugging Face model then computes them, from
+    the marks); None where the model computes its positions by a rule of its own (Megatron's)."""
     for rank, (input_ids, media) in enumerate(handed):
         ids = input_ids.detach().cpu()
+        if own_positions is not None and own_positions[rank]:
+            _marks_for_own_positions(rank, media)
         _marks_match(rank, ids, media, image_id, video_id)
         got = {key: value for key, value in media.items() if key not in MEDIA_TOKEN_MARKS}
         if set(got) != set(want):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from ...protocol.engine import MEDIA_TOKEN_TYPES
+from ...protocol.profile import MEDIA_INPUT_KEYS
 from ..kit.hf_batch import media_samples, media_token_ids
 
 __all__ = ["vlm_args", "with_own_positions"]
@@ -21,7 +23,12 @@ def vlm_args(mb: Any, positions: list, packed: bool) -> dict[str, Any]:
 
 
 def with_own_positions(inputs: dict, a: dict, positions: list, pad: Any) -> dict:
-    """``inputs`` with a VLM's own (mRoPE) positions, right-padded as the rows (a text model's: unchanged)."""
-    if a["vlm"]:
+    """``inputs`` with a VLM's own (mRoPE) positions, right-padded as the rows (a text model's: unchanged). A
+    transformers-5 vision-language model computes them from the grids and the token types it is handed
+    (``mm_token_type_ids``, which the padded path builds from the ids); handed grids without them it cannot (it
+    raises, or an older one falls back to 1-D positions), so the model is then left without positions: the view
+    says none were handed (INV-MM-001 asks for the token types) and the stand-in model takes its 1-D ones."""
+    grids = any(grid in inputs for _, grid in MEDIA_INPUT_KEYS.values())
+    if a["vlm"] and (MEDIA_TOKEN_TYPES in inputs or not grids):
         inputs["position_ids"] = pad(positions, "right", stack=True).transpose(0, 1)
     return inputs
