@@ -6,8 +6,8 @@ runs, on which runs of the case: :mod:`.plans`; the micro-batch as data: :mod:`.
 :mod:`.templates`; the runtime every engine-case file loads from its folder (a copy of :mod:`.runtime`). A face of the suite (it may import every layer below).
 """
 
-from .plans import PLANS, Plan, plan_for
+from .plans import Plan, plan_for, rank_plan_for
 from .writer import Reproducer, run_reproducer, safe_name, write_reproducer, write_reproducers
 
-__all__ = ["PLANS", "Plan", "plan_for", "Reproducer", "run_reproducer", "safe_name", "write_reproducer",
+__all__ = ["Plan", "plan_for", "rank_plan_for", "Reproducer", "run_reproducer", "safe_name", "write_reproducer",
            "write_reproducers"]

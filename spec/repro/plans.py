@@ -55,7 +55,7 @@ from typing import TypeVar
 from ..invariants import CATALOGUE
 from ..invariants.reproduction import LayerCheck, Plan
 
-__all__ = ["Plan", "plan_for", "PLANS", "RANK_PLANS", "layer_checks"]
+__all__ = ["Plan", "plan_for", "rank_plan_for", "layer_checks"]
 
 R = TypeVar("R")
 
@@ -64,10 +64,19 @@ def _records(kind: type[R]) -> dict[str, R]:
     return {inv: info.repro for inv, info in CATALOGUE.items() if isinstance(info.repro, kind)}
 
 
-#: invariant ID -> its plan on one process (an ID missing here and from RANK_PLANS has no engine-case reproducer)
-PLANS: dict[str, Plan] = {inv: plan for inv, plan in _records(Plan).items() if not plan.real_ranks}
-#: invariant ID -> its plan on real gloo ranks (spec/repro/ranks.py)
-RANK_PLANS: dict[str, Plan] = {inv: plan for inv, plan in _records(Plan).items() if plan.real_ranks}
+def plan_for(invariant: str) -> Plan | None:
+    """``invariant``'s plan on one process (None: no engine-case reproducer, or one on real ranks), read off the
+    catalogue when asked: an invariant registered after this module was imported has its plan too."""
+    info = CATALOGUE.get(invariant)
+    record = info.repro if info is not None else None
+    return record if isinstance(record, Plan) and not record.real_ranks else None
+
+
+def rank_plan_for(invariant: str) -> Plan | None:
+    """``invariant``'s plan on real gloo ranks (spec/repro/ranks.py), None where it has none."""
+    info = CATALOGUE.get(invariant)
+    record = info.repro if info is not None else None
+    return record if isinstance(record, Plan) and record.real_ranks else None
 
 
 def layer_checks(on: str) -> dict[str, tuple[tuple[str, ...], str | None]]:
@@ -75,7 +84,3 @@ def layer_checks(on: str) -> dict[str, tuple[tuple[str, ...], str | None]]:
     reproducer runs ``on`` (:class:`LayerCheck`: "cut", "helpers", "ranks", "engine")."""
     return {inv: (CATALOGUE[inv].functions, record.check) for inv, record in _records(LayerCheck).items()
             if record.on == on}
-
-
-def plan_for(invariant: str) -> Plan | None:
-    return PLANS.get(invariant)

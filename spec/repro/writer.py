@@ -37,7 +37,7 @@ from .engine_source import planted_engine_snippet
 from .minibatch import write_minibatch_reproducer
 from .packing import packer_requires, write_packing_reproducer
 from .carry import carried
-from .plans import RANK_PLANS, Plan, plan_for
+from .plans import Plan, plan_for, rank_plan_for
 from .ranks import on_real_ranks
 from ..protocol.vendor import assignments, source
 from .vendored import engine_case_main, not_standalone
@@ -147,14 +147,14 @@ def write_reproducer(path: Path, *, invariant: str, mode: str, engine: EngineUnd
         return path, why
     if not isinstance(case, EngineCase):
         why = f"{invariant} checks {type(case).__name__ if case is not None else 'no case'}; only engine cases are written out"
-    elif invariant in RANK_PLANS or (plan is not None and snippet is None and case.sp_size > 1):
+    elif rank_plan_for(invariant) is not None or (plan is not None and snippet is None and case.sp_size > 1):
         # real ranks: the engine-case file, its main on gloo ranks it starts (an engine whose sequence parallelism
         # needs a process group, verl's, has a snippet for them; a planted engine is written out over impl)
         ranked = planted_engine_snippet(engine) or _snippet(engine, {**_settings_of(case), "real_ranks": True})
         if ranked is None:
             why = f"engine {engine.name} cannot be built standalone for settings {_settings_of(case)}"
         else:
-            checks = RANK_PLANS.get(invariant, plan)
+            checks = rank_plan_for(invariant) or plan
             header = _header(invariant, mode, engine.name, title, case, error, ranked)
             path.write_text(on_real_ranks(_source(header, invariant, checks, ranked, case, path, engine, last=False), case))
             return path, None
