@@ -15,6 +15,8 @@ from typing import Any
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import InputsView, verl_fsdp_view
+from ...protocol.profile import ConfigSwitch
+from ..kit.hf_batch import BatchFlags
 from ..verl.native import NativeVerlEngine, native_profile
 from ..verl.records import (LOW_PRECISION_RECORDS, entropy_cancellation, flag_types, fp16_clamp_cast_records,
                             fused_padded_dense_slices, loss_mask_attention)
@@ -39,14 +41,23 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
 )
 
 
+#: NeMo AutoModel's own model classes return the logits tensor itself, a Hugging Face model an output with ``.logits``
+#: (the engine wraps a tensor: ``if isinstance(output, torch.Tensor)``); fused kernels return an output either way
+LOGITS_TENSOR = ConfigSwitch("model_returns_logits_tensor", (False, True),
+                             "the model's forward returns the logits tensor itself (NeMo AutoModel's own model classes), "
+                             "not an output with .logits (fused kernels: an output either way)")
+
+
 class AutomodelObject:
-    def __init__(self, eng: Any):
-        self.verl_engine = eng
+    def __init__(self, eng: Any, logits_tensor: bool = False):
+        self.verl_engine, self.logits_tensor = eng, logits_tensor
 
     def prepare_model_inputs(self, micro_batch):
         return self.verl_engine.prepare_model_inputs(micro_batch)
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func=None):
+        if self.logits_tensor and not BatchFlags.from_batch(micro_batch).use_fused_kernels:
+            output = output.logits  # what NeMo AutoModel's own model returns
         return self.verl_engine.prepare_model_outputs(output, output_args, micro_batch)
 
 
@@ -59,10 +70,8 @@ class AutomodelEngine(NativeVerlEngine):
     packages = ("nemo_automodel",)
     lm_class = "AutomodelEngineWithLMHead"
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
-    profile = native_profile(NativeVerlEngine.profile, module, lm_class, ("624->633", "660->663"), {
-        "610->611": NO_DTENSOR, "653->654": NO_DTENSOR,
-        "592->593": "gap: a model whose forward returns the logits tensor itself (NeMo AutoModel's own model classes); "
-                    "the adapter's stand-in returns an output with .logits"})
+    profile = native_profile(NativeVerlEngine.profile, module, lm_class,
+                             {"610->611": NO_DTENSOR, "653->654": NO_DTENSOR}, (LOGITS_TENSOR,))
     sp_reason = "context parallelism goes through the engine's device mesh, not run here"
     #: precise records (KNOWN_RECORDS above); spec/engines/automodel/README.md classifies each
     KNOWN = {"*": KNOWN_RECORDS}
@@ -77,6 +86,7 @@ class AutomodelEngine(NativeVerlEngine):
         cu_seqlens = bool(settings.get("pass_cu_seqlens"))
         obj = super().make(head, **settings)
         obj.verl_engine.engine_config.attn_implementation = "te" if cu_seqlens else "sdpa"
+        obj.logits_tensor = bool(settings.get(LOGITS_TENSOR.name))
         return obj
 
     def wrap(self, eng: Any) -> AutomodelObject:

@@ -151,8 +151,7 @@ class TorchTitanEngine(NativeVerlEngine):
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
     # one float temperature drawn: the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws
     # one; those that force per-sample temperatures carry its record
-    profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class,
-                             ("819->828", "836->839"), {
+    profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class, {
         "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
                     "prepare_context_parallel_input shards over it)"})
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},

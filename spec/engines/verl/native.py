@@ -15,17 +15,16 @@ from typing import Any, Callable, Mapping
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import EngineUnderTest, Feature, Precision
-from ...protocol.profile import MEDIA, EngineProfile
+from ...protocol.profile import MEDIA, ConfigSwitch, EngineProfile
 from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from .microbatch_layer import verl_microbatch_layer
 from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from .records import verl_precision
-from .profile import (VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE, VERL_LOGITS_HELPERS,
-                      VERL_LOGITS_UNREACHABLE)
+from .profile import (ENTROPY_CHECKPOINTING, VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE,
+                      VERL_LOGITS_HELPERS, VERL_LOGITS_UNREACHABLE)
 
-__all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "CHECKPOINTED_ENTROPY",
-           "native_lines", "native_profile"]
+__all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "native_profile"]
 
 
 def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
@@ -37,28 +36,18 @@ def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
             *VERL_LOGITS_HELPERS, *VERL_MM_SURFACE, *VERL_LAYER)
 
 
-def native_lines(module: str, reason: str, *lines: str) -> dict[str, str]:
-    """``unreachable`` declarations of ``lines`` (``LINE->DEST`` or ``LINE``) of ``module``, all for ``reason``."""
-    return {f"{module}:{line}": reason for line in lines}
-
-
 #: the branches of the shared part of their surfaces no CPU run reaches (verl 0.9.1's lines), with the reasons
 NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE, **VERL_MM_UNREACHABLE}
 NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
-#: the reason of an engine's ``if not self.engine_config.entropy_checkpointing`` (its other side)
-CHECKPOINTED_ENTROPY = ("gap: engine_config.entropy_checkpointing=True, the entropy under torch.utils.checkpoint (the "
-                        "FSDP engine's cases draw it, spec/engines/verl/adapter.py; NativeVerlEngine.build leaves it False)")
-
-
-def native_profile(base: EngineProfile, module: str, lm_class: str, checkpointed: tuple[str, ...],
-                   own: Mapping[str, str]) -> EngineProfile:
+def native_profile(base: EngineProfile, module: str, lm_class: str, own: Mapping[str, str],
+                   switches: tuple[ConfigSwitch, ...] = ()) -> EngineProfile:
     """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
     engines hand ``extract_multi_modal_inputs``' keys to the model beside mRoPE positions, in both modes), the shared
-    off-path functions, and as unreachable the shared branches, the lines of its ``checkpointed`` entropy (:data:`CHECKPOINTED_ENTROPY`)
-    and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason)."""
+    off-path functions, its configuration (:data:`ENTROPY_CHECKPOINTING`, and its own ``switches``), and as unreachable
+    the shared branches and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason)."""
     return replace(base, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH, media=MEDIA,
-                   unreachable={**NATIVE_UNREACHABLE, **native_lines(module, CHECKPOINTED_ENTROPY, *checkpointed),
-                                **{f"{module}:{line}": why for line, why in own.items()}})
+                   config_space=(ENTROPY_CHECKPOINTING, *switches),
+                   unreachable={**NATIVE_UNREACHABLE, **{f"{module}:{line}": why for line, why in own.items()}})
 
 
 class NativeVerlEngine(EngineUnderTest):
@@ -129,10 +118,10 @@ class NativeVerlEngine(EngineUnderTest):
         return verl_precision(key, case)
 
     # -- engine objects --------------------------------------------------------------------------
-    def build(self, chunk: int | None) -> Any:
+    def build(self, chunk: int | None, checkpointing: bool = False) -> Any:
         """The verl engine object, built without ``__init__`` (single rank, not compiled)."""
         eng = object.__new__(self.cls)
-        eng.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=bool(chunk),
+        eng.engine_config = SimpleNamespace(entropy_checkpointing=checkpointing, entropy_from_logits_with_chunking=bool(chunk),
                                             entropy_from_logits_chunk_size=int(chunk or 2048),
                                             use_torch_compile=False, attn_type="varlen", attn_implementation="sdpa")
         eng.compute_entropy_from_logits = (self._verl_F.entropy_from_logits_with_chunking if chunk
@@ -147,10 +136,10 @@ class NativeVerlEngine(EngineUnderTest):
         if head != "lm":
             raise NotImplementedError(self.lacks(Feature.VALUE))
         unknown = set(settings) - {"sp_size", "sp_rank", "all_gather", "pad_to_length", "pass_cu_seqlens",
-                                   "entropy_chunk_size"}
+                                   "entropy_chunk_size", *(switch.name for switch in self.profile.config_space)}
         if unknown:
             raise TypeError(f"unknown engine settings for {self.name}: {sorted(unknown)}")
-        return self.wrap(self.build(settings.get("entropy_chunk_size")))
+        return self.wrap(self.build(settings.get("entropy_chunk_size"), bool(settings.get("entropy_checkpointing"))))
 
     def wrap(self, eng: Any) -> Any:
         raise NotImplementedError

@@ -133,11 +133,16 @@ VERL_REFUSES: dict[str, str] = {
 
 #: every switch the FSDP engine's ``prepare_model_inputs``/``prepare_model_outputs`` read (installed code:
 #: ``verl/workers/engine/fsdp/transformer_impl.py`` and ``verl/utils/torch_functional.py``), and those of verl's own
+
+#: every verl engine's ``engine_config.entropy_checkpointing`` (FSDP's, and the native engines': spec/engines/verl/native.py)
+ENTROPY_CHECKPOINTING = ConfigSwitch(
+    "entropy_checkpointing", (False, True),
+    "engine_config.entropy_checkpointing: the entropy under torch.utils.checkpoint (both modes; with chunking on, the "
+    "chunked function at its default chunk of 2048)")
+
 #: top-K processor
 VERL_CONFIG_SPACE: tuple[ConfigSwitch, ...] = (
-        ConfigSwitch("entropy_checkpointing", (False, True),
-                     "engine_config.entropy_checkpointing: the entropy under torch.utils.checkpoint (both modes; "
-                     "with chunking on, the chunked function at its default chunk of 2048)"),
+        ENTROPY_CHECKPOINTING,
         ConfigSwitch("entropy_from_logits_with_chunking", setting="entropy_chunk_size", needs=("chunking",),
                      text="engine_config.entropy_from_logits_with_chunking: the packed entropy by "
                           "entropy_from_logits_with_chunking (float32 chunks), on when entropy_chunk_size is set"),
