@@ -125,6 +125,10 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_U}:pad:176 dtype: dtype= dropped":
         "every tensor the preparation pads is int64 (token ids, GRPO's and SFT's masks of ones_like ids, labels, "
         "position ids) with an int padding value, so torch.full infers the same int64 without dtype=",
+    f"{_U}:pad:188 slice: slice lower + 1":
+        "the mutant drops the slice of the first trailing dim (t.shape[2:]): every tensor the preparation pads is 1-D "
+        "(ids, masks, labels) or 2-D of one width in every sample (mRoPE positions (j, 4)), so output[i][seq_slice] "
+        "fills the same entries (3-D tensors, or 2-D ones of different widths, would tell them apart; none here)",
     f"{_U}:selective_log_softmax:599 inplace: .masked_fill -> .masked_fill_":
         "per_token_logps is a fresh result (a subtraction or a torch.stack, squeezed): nothing else holds it, and "
         "masking it in place gives the same values and the same gradient (MaskedFillBackward either way)",
