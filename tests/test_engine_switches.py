@@ -136,6 +136,52 @@ def test_trl_padding_free_row_padded_to_a_multiple() -> None:
 
 @pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
 @pytest.mark.parametrize("name", ["trl", "trl-fused"])
+def test_trl_packed_row_split_at_the_collators_boundaries(name, monkeypatch) -> None:
+    """The padding-free collator's cu_seq_lens_q/k reach the model, which splits the packed row at them (as
+    flash-attention's varlen kernel does): a collator handing the whole row as one sequence changes the log-probs.
+    Before, the adapter dropped them, and a mutant computing them wrong (torch_call:211 '==' -> '!=') survived."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    engine = load_engine(name)
+    want = execute(engine, CASE).outputs["log_probs"]
+    original = DataCollatorForLanguageModeling.torch_call
+
+    def one_sequence(self, examples):
+        batch = original(self, examples)
+        whole = torch.tensor([0, batch["input_ids"].shape[1]], dtype=torch.int32)
+        return {**batch, "cu_seq_lens_q": whole, "cu_seq_lens_k": whole}
+
+    monkeypatch.setattr(DataCollatorForLanguageModeling, "torch_call", one_sequence)
+    got = execute(engine, CASE).outputs["log_probs"]
+    assert not torch.allclose(got.values(), want.values(), atol=1e-3)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+def test_trl_model_without_logits_to_keep_refuses_it(monkeypatch) -> None:
+    """model_takes_logits_to_keep drawn off is a model whose forward's signature lacks logits_to_keep: a scoring that
+    hands it anyway fails, as Python refuses the keyword. Before, the stand-in swallowed it, and a mutant handing it
+    whatever model_kwarg_keys say (SDFTTrainer._forward_logits:1108 negated) survived."""
+    from trl.experimental.sdft.sdft_trainer import SDFTTrainer
+
+    case = CASE.with_(use_remove_padding=False)
+    execute(load_engine("trl"), case)
+    original = SDFTTrainer._forward_logits
+
+    def asks_anyway(self, model, input_ids, attention_mask, logits_to_keep):
+        keys = self.model_kwarg_keys
+        self.model_kwarg_keys = ("logits_to_keep",)
+        try:
+            return original(self, model, input_ids, attention_mask, logits_to_keep)
+        finally:
+            self.model_kwarg_keys = keys
+
+    monkeypatch.setattr(SDFTTrainer, "_forward_logits", asks_anyway)
+    with pytest.raises(Exception, match=r"unexpected keyword argument 'logits_to_keep'"):
+        execute(load_engine("trl"), case)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+@pytest.mark.parametrize("name", ["trl", "trl-fused"])
 def test_trl_sft_collator_right_pads_whole_sequences(name) -> None:
     engine = load_engine(name)
     case = CASE.with_(use_remove_padding=False, engine_config=(("sft_collator", True),))

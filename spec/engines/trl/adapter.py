@@ -2,7 +2,8 @@
 
 Both build TRL's own batches: padded, GRPO's layout (``trl.trainer.utils.pad``: prompts left-padded, completions
 right-padded, concatenated with their masks); packed, SFT's padding-free collator (``DataCollatorForLanguageModeling
-(padding_free=True)``: one row, positions restarting at 0, labels -100 at each sequence start). ``trl`` scores the
+(padding_free=True)``: one row, positions restarting at 0, labels -100 at each sequence start; its ``cu_seq_lens_q/k``
+handed to the model with the row). ``trl`` scores the
 logits as TRL's trainers do: padded through ``SDFTTrainer._forward_logits`` (``logits[:, :-1][:, -logits_to_keep:] /
 temperature``) then ``selective_log_softmax`` and ``entropy_from_logits``; packed through
 ``selective_log_softmax_and_entropy`` on the shifted row (as TPO does). ``trl-fused`` patches a stand-in model with
@@ -28,7 +29,11 @@ from .config import completion_scores, from_shifted_rows, sft_batch, sft_padded,
 from .records import REASONS, PROFILE, LOGITS_RECORDS
 from .step import trl_step_layer
 
-__all__ = ["TrlEngine", "TrlObject"]
+__all__ = ["TrlEngine", "TrlObject", "VARLEN_BOUNDARIES"]
+
+#: the padding-free collator's sequence boundaries, handed to the model as SFT hands its whole batch (``model(**inputs)``):
+#: flash-attention's varlen kernels split the packed row at them (the stand-in model does, spec.truth.toy_model)
+VARLEN_BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 class TrlObject:
@@ -48,7 +53,8 @@ class TrlObject:
             a.update(labels=batch["labels"], rolled=rolled.reshape(-1) if a["packed"] else
                      sequences_from_rows(rolled, mb, PaddedLayout.RIGHT).values())
             return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "position_ids":
-                    sft_positions(self.utils.pad, batch, samples(mb, "position_ids"), a["packed"])}, a
+                    sft_positions(self.utils.pad, batch, samples(mb, "position_ids"), a["packed"]),
+                    **{k: batch[k] for k in VARLEN_BOUNDARIES if k in batch}}, a
         rows = left_right_rows(mb, self.utils.pad, f.pad_token_id)  # GRPO's batch
         rolled = sequences_from_rows(torch.roll(rows.input_ids, -1, 1), mb, PaddedLayout.LEFT_RIGHT).values()
         a.update(input_ids=rows.input_ids, attention_mask=rows.attention_mask, keep=rows.response_width, rolled=rolled)

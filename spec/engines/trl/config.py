@@ -7,6 +7,7 @@ each changes the path TRL's own preparation takes, and each reaches the engine o
   carrying ``seq_lengths``, its positions from ``get_position_ids_from_packed_seq_lengths``;
 * ``model_takes_logits_to_keep``: a model whose forward takes ``logits_to_keep`` (every Hugging Face causal LM of
   transformers 5): SDFT's scoring asks it for the last ``logits_to_keep + 1`` positions only (:func:`keeping_model`);
+  drawn off, a model whose forward's signature lacks it (a custom or remote-code module), which refuses the keyword;
 * ``index_k``: ``selective_log_softmax`` handed an index of K columns per position (the top-K gather of TRL's
   distillation trainers): the label's log-prob is read from its column;
 * ``cast_lm_head_to_fp32`` (``GRPOConfig.cast_lm_head_to_fp32``, trl-fused): the fused head projects the hidden states
@@ -126,12 +127,17 @@ DETACHED_ENTROPY = When("entropy_requires_grad=False on SFT's rows (packed, or p
                         and case.calculate_entropy and sft_rows(case))
 
 
-def keeping_model(output: Any):
-    """The harness's ``output`` as the model SDFT's ``_forward_logits`` calls: asked for ``logits_to_keep`` positions
-    (where the trainer's ``model_kwarg_keys`` say its forward takes them), it returns only the last that many
-    positions' logits, as a Hugging Face causal LM does."""
+def keeping_model(output: Any, takes_logits_to_keep: bool):
+    """The harness's ``output`` as the model SDFT's ``_forward_logits`` calls. One whose forward takes
+    ``logits_to_keep`` (``takes_logits_to_keep``, what the trainer's ``model_kwarg_keys`` say), asked for that many
+    positions, returns only the last that many positions' logits, as a Hugging Face causal LM does; one whose forward
+    does not take it refuses the keyword, as Python refuses a keyword its signature lacks (a TypeError)."""
     def model(*, logits_to_keep: int | None = None, **_: Any) -> Any:
-        return output if logits_to_keep is None else SimpleNamespace(logits=output.logits[:, -logits_to_keep:])
+        if logits_to_keep is None:
+            return output
+        if not takes_logits_to_keep:
+            raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+        return SimpleNamespace(logits=output.logits[:, -logits_to_keep:])
     return model
 
 
@@ -226,8 +232,9 @@ def completion_scores(sdft: Any, utils: Any, output: Any, a: dict, config: dict,
     """GRPO's completion-only log-probs (and entropy, or None) of the padded rows: SDFT's ``_forward_logits`` (a model
     taking ``logits_to_keep`` where ``model_takes_logits_to_keep``), then ``selective_log_softmax`` (a K-column index
     where ``index_k``) and ``entropy_from_logits``."""
-    keys = ("logits_to_keep",) if config.get("model_takes_logits_to_keep") else ()
-    trainer = SimpleNamespace(model_kwarg_keys=keys, temperature=a["temperature"])
-    logits = sdft._forward_logits(trainer, keeping_model(output), a["input_ids"], a["attention_mask"], a["keep"])
+    takes = bool(config.get("model_takes_logits_to_keep"))
+    trainer = SimpleNamespace(model_kwarg_keys=("logits_to_keep",) if takes else (), temperature=a["temperature"])
+    logits = sdft._forward_logits(trainer, keeping_model(output, takes), a["input_ids"], a["attention_mask"],
+                                  a["keep"])
     return (gathered_log_probs(utils, logits, a["input_ids"][:, -a["keep"]:], config.get("index_k")),
             utils.entropy_from_logits(logits) if entropy else None)

@@ -120,6 +120,24 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_SFT}:DataCollatorForLanguageModeling.torch_call:191 dim: dim -> other dim": f"the examples' labels {_ONE_DIM}",
     f"{_U}:entropy_from_logits:642 dim: dim -> other dim":
         "each chunk's entropy is 1-D (a slice of the flattened logits' rows): torch.cat along dim 0 is along dim -1",
+    f"{_SFT}:DataCollatorForLanguageModeling.torch_call:192 dim: dim -> other dim":
+        f"the examples' position_ids (an arange each, or the packer's split of one 1-D cumsum) {_ONE_DIM}",
+    f"{_U}:pad:176 dtype: dtype= dropped":
+        "every tensor the preparation pads is int64 (token ids, GRPO's and SFT's masks of ones_like ids, labels, "
+        "position ids) with an int padding value, so torch.full infers the same int64 without dtype=",
+    f"{_U}:pad:188 slice: slice lower + 1":
+        "the mutant drops the slice of the first trailing dim (t.shape[2:]): every tensor the preparation pads is 1-D "
+        "(ids, masks, labels) or 2-D of one width in every sample (mRoPE positions (j, 4)), so output[i][seq_slice] "
+        "fills the same entries (3-D tensors, or 2-D ones of different widths, would tell them apart; none here)",
+    f"{_U}:selective_log_softmax:599 inplace: .masked_fill -> .masked_fill_":
+        "per_token_logps is a fresh result (a subtraction or a torch.stack, squeezed): nothing else holds it, and "
+        "masking it in place gives the same values and the same gradient (MaskedFillBackward either way)",
+    f"{_U}:selective_log_softmax_and_entropy:711 inplace: .masked_fill -> .masked_fill_":
+        "entropy is a fresh result (entropy_from_logits' torch.cat, reshaped): nothing else holds it, and masking it "
+        "in place gives the same values and the same gradient",
+    "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits:1103 dict key: key 'use_cache' dropped":
+        "use_cache only decides whether the forward also builds and returns a KV cache (past_key_values); the "
+        "logits SDFT reads are the same either way",
 }
 
 #: trl's profile: GRPO's batch (left-padded prompts, right-padded completions; SFT's right-padded rows where its
