@@ -12,6 +12,7 @@ the date it was recorded; the docs say which command measured it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from datetime import date
@@ -132,17 +133,17 @@ def survivors_list(engine: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    of = None
-    if "--of" in args:
-        at = args.index("--of")
-        of = int(args[at + 1])
-        del args[at:at + 2]
-    if not args:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
-        return 2
-    for report in args:
-        print(f"recorded {report} in {record(Path(report), of=of)}")
+    parser = argparse.ArgumentParser(prog="python -m spec.measured", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reports", nargs="+", type=Path, help="a verify-<engine>.json or mutate-<engine>.json report")
+    parser.add_argument("--of", type=int, default=None,
+                        help="a mutation run stopped early: the number of mutants of its whole sample")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    for report in args.reports:
+        if not report.is_file():
+            parser.error(f"no report at {report}")
+    for report in args.reports:
+        print(f"recorded {report} in {record(report, of=args.of)}")
     return 0
 
 

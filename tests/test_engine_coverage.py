@@ -339,6 +339,19 @@ def test_reach_figures_are_recorded_from_reports(tmp_path, monkeypatch):
         measured.record(tmp_path / "mutate.json", of=2)
 
 
+def test_the_recorder_has_help_and_names_a_missing_report(capsys, tmp_path) -> None:
+    """``python -m spec.measured --help`` prints its usage (it was read as a report path, FileNotFoundError); a report
+    that is not there is named in a usage error, not a traceback."""
+    from spec import measured
+
+    with pytest.raises(SystemExit) as done:
+        measured.main(["--help"])
+    assert done.value.code == 0 and "--of" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        measured.main([str(tmp_path / "absent.json")])
+    assert done.value.code == 2 and f"no report at {tmp_path / 'absent.json'}" in capsys.readouterr().err
+
+
 def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     """spec mutate's sample (bottom-k by a seeded hash of the id): the same seed gives the same mutants; another seed
     others; dropping part of the surface keeps every sampled mutant of the rest."""
