@@ -64,19 +64,23 @@ def _records(kind: type[R]) -> dict[str, R]:
     return {inv: info.repro for inv, info in CATALOGUE.items() if isinstance(info.repro, kind)}
 
 
-def plan_for(invariant: str) -> Plan | None:
-    """``invariant``'s plan on one process (None: no engine-case reproducer, or one on real ranks), read off the
-    catalogue when asked: an invariant registered after this module was imported has its plan too."""
+def _plan(invariant: str) -> Plan | None:
+    """``invariant``'s :class:`Plan`, read off the catalogue when asked (an invariant registered after this module
+    was imported has its plan too); None where it has none."""
     info = CATALOGUE.get(invariant)
-    record = info.repro if info is not None else None
-    return record if isinstance(record, Plan) and not record.real_ranks else None
+    return info.repro if info is not None and isinstance(info.repro, Plan) else None
+
+
+def plan_for(invariant: str) -> Plan | None:
+    """``invariant``'s plan on one process (None: no engine-case reproducer, or one on real ranks)."""
+    plan = _plan(invariant)
+    return plan if plan is not None and not plan.real_ranks else None
 
 
 def rank_plan_for(invariant: str) -> Plan | None:
     """``invariant``'s plan on real gloo ranks (spec/repro/ranks.py), None where it has none."""
-    info = CATALOGUE.get(invariant)
-    record = info.repro if info is not None else None
-    return record if isinstance(record, Plan) and record.real_ranks else None
+    plan = _plan(invariant)
+    return plan if plan is not None and plan.real_ranks else None
 
 
 def layer_checks(on: str) -> dict[str, tuple[tuple[str, ...], str | None]]:

@@ -49,8 +49,9 @@ LOGITS_TENSOR = ConfigSwitch("model_returns_logits_tensor", (False, True),
 
 
 class AutomodelObject:
-    def __init__(self, eng: Any, logits_tensor: bool = False):
-        self.verl_engine, self.logits_tensor = eng, logits_tensor
+    def __init__(self, eng: Any):
+        #: the model returns the logits tensor itself (:data:`LOGITS_TENSOR`, set by :meth:`AutomodelEngine.make`)
+        self.verl_engine, self.logits_tensor = eng, False
 
     def prepare_model_inputs(self, micro_batch):
         return self.verl_engine.prepare_model_inputs(micro_batch)

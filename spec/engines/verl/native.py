@@ -39,6 +39,8 @@ def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
 #: the branches of the shared part of their surfaces no CPU run reaches (verl 0.9.1's lines), with the reasons
 NATIVE_UNREACHABLE: dict[str, str] = {**VERL_LAYER_UNREACHABLE, **VERL_LOGITS_UNREACHABLE, **VERL_MM_UNREACHABLE}
 NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
+
+
 def native_profile(base: EngineProfile, module: str, lm_class: str, own: Mapping[str, str],
                    switches: tuple[ConfigSwitch, ...] = ()) -> EngineProfile:
     """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
