@@ -187,9 +187,10 @@ def forward_backward_batch(engine: Any, module: Callable[..., Any], data: Tensor
     for key, value in global_facts(local_facts(data.get("response_mask")), group_gather(dp_group)).items():
         data.set_non_tensor(key, value)
     micro_batches, indices = (cut or _agreed_cut)(data, dp_group)
-    output_lst = []
+    outputs, losses = [], []
     # one model call and one backward per micro-batch, in turn: gradient accumulation bounds the activations' memory
-    # by running them apart (each micro-batch's tokens are vectorised inside the engine's calls)
+    # by running them apart (each micro-batch's tokens are vectorised inside the engine's calls). Nothing in the loop
+    # waits for the device: the losses are read back once, after it (float64 holds any float loss exactly)
     for micro_batch in micro_batches:
         with torch.no_grad() if forward_only else torch.enable_grad():
             inputs, output_args = engine.prepare_model_inputs(micro_batch)
@@ -197,6 +198,8 @@ def forward_backward_batch(engine: Any, module: Callable[..., Any], data: Tensor
             loss = loss_function(model_output, micro_batch)
         if not forward_only:
             loss.backward()
-        output_lst.append({"model_output": {k: v.detach() for k, v in model_output.items()},
-                           "loss": float(loss.detach())})
+        outputs.append({k: v.detach() for k, v in model_output.items()})
+        losses.append(loss.detach().to(torch.float64))
+    values = torch.stack(losses).tolist() if losses else []
+    output_lst = [{"model_output": output, "loss": value} for output, value in zip(outputs, values)]
     return restore(output_lst=output_lst, indices=indices, data=data)
