@@ -170,16 +170,16 @@ class _Worker:
             engine.make()
         probe.apply(task.get("probe"))
         if task.get("kind") == "microbatch":
-            return micro_batch_task(self.engine(task["engine"], task["recipe"]), task["case"], self.rank, self.groups)
+            return micro_batch_task(engine, task["case"], self.rank, self.groups)
         if task.get("kind") == STEP_TASK:
-            return step_task(self.engine(task["engine"], task["recipe"]), task, self.rank, self.groups)
+            return step_task(engine, task, self.rank, self.groups)
         topology: Topology = task["topology"]
         index = topology.group_of(self.rank)  # this rank's SP group; its rank there is what it slices by
         members = topology.groups[index]
         case: EngineCase = topology.group_case(task["case"], index)
         device = self.device(task["device"])
         mb = materialize(case, device) if task["micro_batch"] is None else on_device(task["micro_batch"], device)
-        model = model_for(case, device, self.engine(task["engine"], task["recipe"]))
+        model = model_for(case, device, engine)
         with execution_context(case):
             return self._run(task, case, device, mb, model, index, members)
 
