@@ -33,7 +33,7 @@ from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase, Media)
 
-__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "MODES", "TIERS", "TIER_WEIGHTS",
+__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "with_tail_rule", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
            "draw_mrope", "media_items", "MEDIA_TIERS", "with_aborted_response", "ABORTED_ONE_IN"]
 
@@ -250,7 +250,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
                  modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
                  media: tuple[str, ...] = (), media_modes: tuple[str, ...] = MODES,
-                 mrope_modes: tuple[str, ...] = MODES) -> EngineCase:
+                 mrope_modes: tuple[str, ...] = MODES, pin_tail_rule: bool = False) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -267,6 +267,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     drawn last, so the other draws of a derandomized run stay where they were). ``config_space``: the engine's own
     switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
+    ``pin_tail_rule``: a switch that sets the packed row's tail multiple (``ConfigSwitch.tail_multiple``) is drawn
+    from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies).
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
     small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was; only in
     ``media_modes`` (the profile's: a target that leaves the mode to the draw gets media only if both are listed);
@@ -364,24 +366,36 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         mask_hole_rate=draw(st.sampled_from((0.2, 0.0, 0.5))),
         seed=draw(st.integers(0, 2**16)),
         context=draw(st.sampled_from(contexts)),
-        engine_config=_engine_config(draw, config_space, head),
+        engine_config=_engine_config(draw, config_space, head, pin_tail_rule),
     )
     return _with_media(draw, case, media, tier, media_modes, pinned=mode is not None)
 
 
-def _engine_config(draw, space: tuple, head: str) -> tuple[tuple[str, object], ...]:
+def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False) -> tuple[tuple[str, object], ...]:
     """The drawn values of the switches of ``space`` that differ from their defaults (the first value); a switch
-    needing the value head is drawn for value-head cases only."""
+    needing the value head is drawn for value-head cases only; with ``pin_tail_rule``, a switch setting the tail
+    multiple is drawn off its default."""
     drawn = []
     for switch in space:
         if switch.setting is not None or len(switch.values) < 2:
             continue
         if "value" in switch.needs and head != "value":
             continue
-        value = draw(st.sampled_from(switch.values))
+        pinned = pin_tail_rule and switch.tail_multiple
+        value = draw(st.sampled_from(switch.values[1:] if pinned else switch.values))
         if value != switch.values[0]:
             drawn.append((switch.name, value))
     return tuple(drawn)
+
+
+def with_tail_rule(case: EngineCase, space: tuple) -> EngineCase:
+    """``case`` with each switch of ``space`` that sets the tail multiple (``ConfigSwitch.tail_multiple``) at its first
+    value off the default, as ``engine_cases(pin_tail_rule=True)`` draws it (the pinned seed cases of INV-PAD-003)."""
+    pinned = {switch.name: switch.values[1] for switch in space if switch.tail_multiple and len(switch.values) > 1}
+    if not pinned:
+        return case
+    kept = tuple((name, value) for name, value in case.engine_config if name not in pinned)
+    return case.with_(engine_config=kept + tuple(pinned.items()))
 
 
 @st.composite

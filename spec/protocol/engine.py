@@ -288,6 +288,14 @@ class EngineUnderTest:
         TRL's SFT collator, whole sequences right-padded)."""
         return PaddedLayout(self._switched(case, "padded_layout") or self.padded_layout)
 
+    def tail_multiple_of(self, case: Any) -> int | None:
+        """The multiple its packed row is padded to at the tail on ``case``: the value of a switch of its own
+        configuration that sets it (:attr:`ConfigSwitch.tail_multiple`: TRL's SFT ``pad_to_multiple_of``) where the
+        case draws it, else the profile's :attr:`EngineProfile.tail_multiple`."""
+        drawn = drawn_config(case)
+        return next((int(drawn[switch.name]) for switch in self.config_space()
+                     if switch.tail_multiple and drawn.get(switch.name)), self.profile.tail_multiple)
+
     def make(self, head: str = "lm", **settings: Any) -> EngineObject:
         """An engine object; settings: sp_size, sp_rank, all_gather, pad_to_length, pass_cu_seqlens,
         entropy_chunk_size."""
@@ -357,6 +365,10 @@ class EngineUnderTest:
             return f"engine {self.name} takes one temperature per trainer (no per-sample temperatures)"
         if feature is Feature.MICROBATCH and self.microbatch_layer() is None:
             return f"engine {self.name} offers no micro-batch layer (prepare_micro_batches and its utilities)"
+        if feature is Feature.TAIL_RULE and self.profile.tail_multiple is None and not any(
+                switch.tail_multiple for switch in self.config_space()):
+            return (f"engine {self.name} pads its packed row to no multiple of its own (its profile: tail_multiple=None, "
+                    "and no switch of its configuration sets one)")
         if feature is Feature.MEDIA and not self.profile.media:
             return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
                     "media=())")

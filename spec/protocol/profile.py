@@ -71,7 +71,7 @@ import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
-           "layout_starts", "token_columns", "profile_of", "padded_layout_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
+           "layout_starts", "token_columns", "profile_of", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
            "takes_mode", "drawn_config"]
 
 #: the two ways a trainer feeds the model
@@ -111,6 +111,9 @@ class Feature(str, Enum):
     ENGINE = "engine"
     SP = "sp"  # sequence parallelism (sp_size, sp_rank, all_gather settings)
     BUCKET = "bucket"  # static pad_to_length bucket
+    #: a tail rule of its own: the packed row padded at its tail to a multiple (the profile's ``tail_multiple``, or
+    #: a switch of its configuration that sets one: ``ConfigSwitch.tail_multiple``)
+    TAIL_RULE = "tail_rule"
     CU_SEQLENS = "cu_seqlens"  # packed cu_seqlens passed to the model
     CHUNKING = "chunking"  # chunked entropy
     VALUE = "value"  # a value head
@@ -255,6 +258,10 @@ class ConfigSwitch:
     #: whole sequences right-padded, ``PaddedLayout.RIGHT``), one of the profile's ``padded_layouts``
     #: (:meth:`EngineUnderTest.padded_layout_of`); None: it does not change it
     padded_layout: "PaddedLayout | None" = None
+    #: True where the drawn value is the multiple the engine pads its packed row to at the tail (TRL's SFT
+    #: ``pad_to_multiple_of``): the case's tail rule (:func:`tail_multiple_of`), in place of the profile's
+    #: ``tail_multiple``, wherever the switch is drawn off its default
+    tail_multiple: bool = False
 
     def __post_init__(self) -> None:
         if self.setting is None and not self.values:
@@ -407,6 +414,13 @@ def drawn_config(case: Any) -> dict[str, Any]:
 def profile_of(engine: Any) -> EngineProfile:
     """``engine``'s profile (an object without one: :data:`DEFAULT_PROFILE`)."""
     return getattr(engine, "profile", None) or DEFAULT_PROFILE
+
+
+def tail_multiple_of(engine: Any, case: Any) -> int | None:
+    """The multiple ``engine`` pads its packed row to at the tail on ``case``: its ``tail_multiple_of(case)`` where it
+    has one (a switch of its configuration drawn for the case may set it), else its profile's ``tail_multiple``."""
+    of_case = getattr(engine, "tail_multiple_of", None)
+    return of_case(case) if of_case is not None else profile_of(engine).tail_multiple
 
 
 def padded_layout_of(engine: Any, case: Any) -> PaddedLayout:
