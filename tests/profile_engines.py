@@ -14,11 +14,11 @@ import torch
 import impl
 from impl.flags import read_flag
 from spec.engines.impl.adapter import ImplEngine
-from spec.protocol import EngineProfile, Feature, PaddedLayout
+from spec.protocol import ConfigSwitch, EngineProfile, Feature, PaddedLayout
 from spec.protocol.profile import token_columns
 
 __all__ = ["PackedOnly", "PaddedOnly", "TextOnly", "MropeOnly", "LeftPadded", "WrongLeftDeclaredRight",
-           "TailMultiple", "WrongTailUndeclared", "Autocast", "Bf16UnderAutocast", "Bf16Undeclared"]
+           "TailMultiple", "WrongTailUndeclared", "SwitchedTail", "WrongSwitchedTail", "Autocast", "Bf16UnderAutocast", "Bf16Undeclared"]
 
 _MODULE = __name__
 
@@ -169,6 +169,31 @@ class WrongTailUndeclared(TailMultiple):
     """The tail-padding engine without its tail rule declared: its packed row is longer than the contract's."""
 
     profile = EngineProfile()
+
+
+@_named
+class SwitchedTail(TailMultiple):
+    """impl whose packed row is padded at its tail to a multiple of 16 only where a switch of its configuration says so
+    (as TRL's SFT ``pad_to_multiple_of``), declared as the switch's ``tail_multiple``."""
+
+    profile = EngineProfile(config_space=(ConfigSwitch("pad_to_multiple_of", (None, TAIL), "the packed row padded at "
+                                                       "its tail to this multiple", tail_multiple=True),))
+
+    def make(self, head: str = "lm", pad_to_multiple_of: int | None = None, **settings: Any) -> Any:
+        if pad_to_multiple_of is None:
+            return ImplEngine.make(self, head, **settings)
+        return ImplEngine.make(self, head, **{**settings, "pad_to_length": self.padded_to(pad_to_multiple_of)})
+
+    def padded_to(self, multiple: int) -> int:
+        return multiple
+
+
+@_named
+class WrongSwitchedTail(SwitchedTail):
+    """The switched tail rule padding to half the multiple it is asked (a row of 8-token blocks for 16)."""
+
+    def padded_to(self, multiple: int) -> int:
+        return multiple // 2
 
 
 # -- a caller's autocast --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from spec.invariants.core import honour_engine, in_context
 from spec.protocol import EngineProfile, PaddedLayout, sequences_from_rows
 from spec.protocol.engine import EngineUnderTest
 from spec.protocol.profile import layout_starts, token_columns
+from spec.repro import run_reproducer, write_reproducer
 from spec.run import profiles  # noqa: F401 - registers the hypothesis profiles ("dev")
 from spec.run.registry import load_engine
 from spec.run.runner import _seed_examples, run_invariant, skip_reason
@@ -216,6 +217,43 @@ def test_the_tail_rule_is_what_the_rank_invariants_read() -> None:
     check(engine("TailMultiple"), "INV-RANK-003", case)
     with pytest.raises(AssertionError, match="pad_size 6, expected 0"):
         check(engine("WrongTailUndeclared"), "INV-RANK-003", case)
+
+
+def test_the_engines_own_tail_rule_is_checked_where_it_applies() -> None:
+    """INV-PAD-003: a profile's tail rule, or a switch's where the case draws it, gives the packed row's length;
+    an engine without one is not asked."""
+    for name in ("TailMultiple", "SwitchedTail"):
+        outcomes = verdict(engine(name), ["INV-PAD-003"])
+        assert outcomes["INV-PAD-003/packed"].status == "pass", failures(outcomes)
+        assert outcomes["INV-PAD-003/packed"].exercised >= 8
+    outcome = verdict(engine("WrongSwitchedTail"), ["INV-PAD-003"])["INV-PAD-003/packed"]
+    assert outcome.status == "fail" and "expected 16" in str(outcome.error), outcome.error
+    assert "tail multiple=16" in str(outcome.error)
+    assert "pads its packed row to no multiple" in skip_reason(CATALOGUE["INV-PAD-003"], engine("TextOnly"), "cpu")
+
+
+def test_a_switched_tail_rules_reproducer_fails_where_the_rule_is_broken(tmp_path) -> None:
+    """The reproducer of INV-PAD-003 carries the case's multiple (the drawn switch's): it fails the engine that pads
+    to half of it and passes the one that pads to it."""
+    case = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), vocab=8, engine_config=(("pad_to_multiple_of", 16),))
+    for name, code in (("WrongSwitchedTail", 1), ("SwitchedTail", 0)):
+        path, why = write_reproducer(tmp_path / f"{name}.py", invariant="INV-PAD-003", mode="packed",
+                                     engine=engine(name), case=case)
+        assert why is None and "TAIL_MULTIPLE = 16" in path.read_text()
+        got, printed = run_reproducer(path)
+        assert got == code, printed
+        assert code == 0 or "FAIL INV-PAD-003 (tail_rule)" in printed and "expected 16" in printed, printed
+
+
+def test_a_switched_tail_rule_is_the_cases() -> None:
+    switched, case = engine("SwitchedTail"), EngineCase(prompt_lens=(3,), response_lens=(2,), vocab=8)
+    assert switched.tail_multiple_of(case) is None
+    assert switched.tail_multiple_of(case.with_(engine_config=(("pad_to_multiple_of", 16),))) == 16
+    assert engine("TailMultiple").tail_multiple_of(case) == 16
+    draws = drawn(CATALOGUE["INV-PAD-003"].cases("packed", switched), 30)
+    assert all(dict(c.engine_config).get("pad_to_multiple_of") == 16 for c in draws)
+    assert all(dict(c.engine_config).get("pad_to_multiple_of") == 16
+               for c in _seed_examples(CATALOGUE["INV-PAD-003"], "packed", switched))
 
 
 # -- a caller's autocast ----------------------------------------------------------------------------------------------

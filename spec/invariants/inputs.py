@@ -6,7 +6,7 @@ import torch
 
 from ..cases.structure import TEMPERATURE_FLOOR
 from ..protocol.engine import PaddedLayout
-from ..protocol.profile import Convention, padded_layout_of, profile_of
+from ..protocol.profile import Convention, padded_layout_of, profile_of, tail_multiple_of
 from ..truth import handoff_checks as checks
 from ..truth.rules import distinct_temperatures, token_temperatures
 from .core import VALUE_FACTS, Ctx, fail, invariant, match_oracle
@@ -156,10 +156,17 @@ def _bucketed(case):
     return case.with_(pad_to_length=bucket, distillation_keys=(), distillation_only=False)
 
 
+def _no_distillation(case):
+    """No top-K distillation: the contract refuses it with tail padding (a bucket's; the teacher tensors would not
+    cover the tail), and the row's length does not depend on it."""
+    return case.with_(distillation_keys=(), distillation_only=False)
+
+
 def _tail_rule(ctx: Ctx) -> tuple:
-    """The packed row's length rule: total_nnz, the bucket, sp and the engine's tail multiple."""
+    """The packed row's length rule: total_nnz, the bucket, sp and the engine's tail multiple on the case (its
+    profile's, or a drawn switch's: :func:`spec.protocol.profile.tail_multiple_of`)."""
     case = ctx.case
-    return case.total_nnz, case.pad_to_length, case.sp_size, profile_of(ctx.engine).tail_multiple
+    return case.total_nnz, case.pad_to_length, case.sp_size, tail_multiple_of(ctx.engine, case)
 
 
 @invariant("INV-PAD-001", "packed tail padding: length rounded up to the bucket then to sp, pad_size reported, "
@@ -177,6 +184,20 @@ def packed_tail(ctx: Ctx) -> None:
 def packed_tail_fill(ctx: Ctx) -> None:
     total, bucket, sp, multiple = _tail_rule(ctx)
     checks.tail_fill(_parts(ctx, "input_ids"), _parts(ctx, "temperature"), total, bucket, sp, multiple)
+
+
+@invariant("INV-PAD-003", "an engine's own tail rule (its profile's tail_multiple, or a switch of its configuration "
+           "that sets one: SFT's pad_to_multiple_of) pads the packed row to that multiple", contract=7,
+           protects="a packed row the engine pads to a multiple (for its kernels, or to split it evenly) has the length "
+                    "its rule gives", modes=PACKED,
+           needs=("tail_rule",), strategy_kwargs={"pin_tail_rule": True}, adjust=_no_distillation,
+           repro=Plan(("tail_rule",)))
+def packed_tail_rule(ctx: Ctx) -> None:
+    total, bucket, sp, multiple = _tail_rule(ctx)
+    if multiple is None:
+        ctx.not_exercised("no tail rule applies to this case (its engine's switch that sets one is not drawn)")
+        return
+    checks.packed_tail_rule(_parts(ctx, "input_ids"), total, bucket, sp, multiple)
 
 
 def _check_labels(ctx: Ctx, where: str) -> None:

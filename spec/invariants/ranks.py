@@ -26,7 +26,7 @@ from ..cases.structure import EngineCase
 from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
-from ..protocol.profile import profile_of
+from ..protocol.profile import tail_multiple_of
 from ..truth import rank_checks as checks
 from ..truth.rank_checks import restarts as _restarts
 from ..truth.rules import padded_length, token_temperatures
@@ -103,8 +103,9 @@ def _real(ctx: Ctx, *, inputs_only: bool = False) -> Run:
 
 
 def _padded_len(case: EngineCase, engine) -> int:
-    """The packed row's length: the bucket, the engine's tail rule (its profile's ``tail_multiple``), sp."""
-    return padded_length(case.total_nnz, case.pad_to_length, case.sp_size, profile_of(engine).tail_multiple)
+    """The packed row's length: the bucket, the engine's tail rule on the case (its profile's ``tail_multiple``, or a
+    drawn switch's), sp."""
+    return padded_length(case.total_nnz, case.pad_to_length, case.sp_size, tail_multiple_of(engine, case))
 
 
 def _field(run: Run, name: str) -> list:

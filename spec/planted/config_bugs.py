@@ -7,13 +7,18 @@ the bug runs only in the cases that draw the switch on. Off, the engine is impl.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+import impl
+from impl.flags import read_flag
 
 from ..protocol.engine import ConfigSwitch, Precision
 from .quiet_bugs import _OutputBug
 
-__all__ = ["CheckpointedEntropyUntempered", "VocabChunkedLogsumexp", "SWITCHES", "Bf16PathSkipsTemperature",
-           "low_precision_log_probs"]
+__all__ = ["CheckpointedEntropyUntempered", "VocabChunkedLogsumexp", "TailMultipleOverPadded", "SWITCHES",
+           "Bf16PathSkipsTemperature", "low_precision_log_probs"]
 
 
 class _Switched(_OutputBug):
@@ -61,12 +66,37 @@ class VocabChunkedLogsumexp(_Switched):
         return {"log_probs": z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - lse}
 
 
+class TailMultipleOverPadded(impl.LMHeadEngine):
+    """With ``pad_to_multiple_of`` set (a tail rule of its own, as TRL's SFT collator has), a packed row whose length
+    is not a multiple already is padded by the multiple plus the remainder instead of the multiple minus it (TRL's
+    ``pad``, Sub -> Add). The tail is padding as a bucket's is (impl pads to it): no output changes; the row's length
+    is wrong. Shows with the switch on and the packed length not a multiple of it (INV-PAD-003)."""
+
+    def __init__(self, *, pad_to_multiple_of: int | None = None, **settings):
+        self.multiple = pad_to_multiple_of
+        super().__init__(**settings)
+        self.bucket = self.settings.pad_to_length
+
+    def prepare_model_inputs(self, mb):
+        # (impl's bucket, which pads it, refuses top-K distillation: such a micro-batch is left unpadded)
+        if self.multiple and read_flag(mb, "use_remove_padding", True) and not read_flag(mb, "distillation_use_topk"):
+            total = int(mb["input_ids"].values().shape[-1])
+            base = -(-total // self.bucket) * self.bucket if self.bucket else total
+            remainder = base % self.multiple
+            length = base + self.multiple + remainder if remainder else base  # the bug: multiple - remainder
+            self.settings = replace(self.settings, pad_to_length=length)  # prepare_model_outputs reads the same
+        return super().prepare_model_inputs(mb)
+
+
 #: bug class -> the switch it declares
 SWITCHES = {
     CheckpointedEntropyUntempered: ConfigSwitch(
         "entropy_checkpointing", (False, True), "the entropy recomputed under torch.utils.checkpoint"),
     VocabChunkedLogsumexp: ConfigSwitch(
         "vocab_chunk", (None, 4, 16), "log-probs from a logsumexp over vocabulary chunks of this many ids"),
+    TailMultipleOverPadded: ConfigSwitch(
+        "pad_to_multiple_of", (None, 8), "the packed row padded at its tail to a multiple of this many tokens",
+        tail_multiple=True),
 }
 
 

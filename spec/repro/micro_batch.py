@@ -18,7 +18,7 @@ from tensordict import NonTensorStack
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
-from ..protocol.profile import Convention, padded_layout_of, profile_of
+from ..protocol.profile import Convention, padded_layout_of, profile_of, tail_multiple_of
 from ..protocol.vendor import assignments
 
 __all__ = ["batch_data", "case_data", "declarations", "declared_precision", "INLINE_LIMIT"]
@@ -67,12 +67,12 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
                           else PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT))).value,
         "OUTPUT_SPAN": OutputSpan(getattr(engine, "output_span", OutputSpan.SEQUENCE)).value,
         "INT32_ATTENTION_MASK": profile_of(engine).promises(Convention.INT32_ATTENTION_MASK),
-        "TAIL_MULTIPLE": profile_of(engine).tail_multiple,
+        "TAIL_MULTIPLE": tail_multiple_of(engine, case) if case is not None else profile_of(engine).tail_multiple,
         "REFUSES": sorted(profile_of(engine).refuses)}, {
         "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
         "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
         "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
-        "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this (None: no rule)",
+        "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this on the case (None: no rule)",
         "REFUSES": "the settings its profile declares unsupported (INV-FLAG-004/005: each call must refuse them)"})
 
 

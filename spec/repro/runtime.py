@@ -40,7 +40,7 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "Expected", "expected_loop",
               # the checks of the hand-off, as the invariants run them (spec/truth/handoff_checks.py)
               "padded_mask", "padded_mask_shape", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
-              "next_token_labels", "rolled_row", "packed_tail", "tail_fill", "per_token_temperature",
+              "next_token_labels", "rolled_row", "packed_tail", "packed_tail_rule", "tail_fill", "per_token_temperature",
               "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens", "cu_seqlens_host",
               # the checks of what prepare_model_outputs returns (spec/truth/outputs_checks.py), and what they read
               "read_positions", "expected_keys", "output_keys", "oracle_values", "outputs_device_dtype",
@@ -411,6 +411,12 @@ def check_tail(c, mb, run):
                     c.pad_to_length, c.sp_size, TAIL_MULTIPLE, mb["position_ids"].values().dim() > 1)
 
 
+def check_tail_rule(c, mb, run):
+    """INV-PAD-003."""
+    if c.use_remove_padding and TAIL_MULTIPLE is not None:
+        packed_tail_rule(_parts(run, "input_ids"), c.total_nnz, c.pad_to_length, c.sp_size, TAIL_MULTIPLE)
+
+
 def check_tail_fill(c, mb, run):
     """INV-PAD-002."""
     if c.use_remove_padding:
@@ -713,7 +719,7 @@ CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_posit
           "packed_inputs": check_packed_inputs, "keys": check_keys, "values": check_values, "float32": check_float32,
           "mask": check_mask, "mask_shape": check_mask_shape, "mask_dtype": check_mask_dtype,
           "labels": check_labels, "shard_labels": check_shard_labels, "slice": check_slice, "grad": check_grad, "ids_fill": check_ids_fill,
-          "positions_fill": check_positions_fill, "tail": check_tail, "tail_fill": check_tail_fill,
+          "positions_fill": check_positions_fill, "tail": check_tail, "tail_rule": check_tail_rule, "tail_fill": check_tail_fill,
           "rolled_row": check_rolled_row, "token_temperature": check_token_temperature,
           "padded_temperature": check_padded_temperature, "fused_inputs": check_fused_inputs,
           "return_dict": check_return_dict, "cu_seqlens": check_cu_seqlens, "cu_seqlens_cpu": check_cu_seqlens_cpu,
@@ -727,7 +733,7 @@ NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_help
           "rejects", "bad_settings", "refused"}
 #: checks that read what prepare_model_inputs handed over, and nothing after it
 INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
-               "shard_labels", "ids_fill", "positions_fill", "tail", "tail_fill", "rolled_row",
+               "shard_labels", "ids_fill", "positions_fill", "tail", "tail_rule", "tail_fill", "rolled_row",
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu",
                "media_handed"}
 #: checks that also read the micro-batch built afresh (what the engine was handed, untouched)

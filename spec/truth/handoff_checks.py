@@ -16,7 +16,7 @@ from .failing import fail
 from .rules import full_length_mask, layout_columns, layout_mask, layout_width, offsets, padded_length
 
 __all__ = ["padded_mask", "padded_mask_shape", "mask_dtype", "mask_dtype_device", "padded_rows", "padding_fill", "packed_inputs",
-           "next_token_labels", "rolled_row", "joined", "packed_tail", "tail_fill", "token_temperatures_handed",
+           "next_token_labels", "rolled_row", "joined", "packed_tail", "packed_tail_rule", "tail_fill", "token_temperatures_handed",
            "per_token_temperature", "padded_temperature", "fused_inputs", "fused_return_dict", "cu_seqlens_want", "cu_seqlens", "cu_seqlens_host",
            "mask_helper", "MASK_DTYPES"]
 
@@ -209,8 +209,17 @@ def _tail_row(ids_parts, total: int, bucket, sp_size: int, multiple=None) -> tor
     row = joined(ids_parts)[0]
     if row.shape[0] != padded:
         fail(f"packed row has {row.shape[0]} tokens, expected {padded} (total_nnz={total}, "
-             f"bucket={bucket}, sp={sp_size})")
+             f"bucket={bucket}, tail multiple={multiple}, sp={sp_size})")
     return row
+
+
+def _tail_restarts(pos_parts, total: int, mrope: bool) -> None:
+    """The tail padding's positions (after the ``total`` tokens of the sequences) restart at 0."""
+    pos = joined(pos_parts)
+    tail_pos = (pos[0, 0] if mrope else pos[0])[total:]
+    if tail_pos.numel() and int(tail_pos[0]) != 0:
+        fail(f"tail positions {tail_pos.tolist()[:8]}, expected them to restart at 0 (else the pad joins the last "
+             "sequence)")
 
 
 def packed_tail(ids_parts, pos_parts, pad_size, total: int, bucket, sp_size: int, multiple, mrope: bool) -> None:
@@ -221,12 +230,14 @@ def packed_tail(ids_parts, pos_parts, pad_size, total: int, bucket, sp_size: int
     pad = row.shape[0] - total
     if int(pad_size) != pad:
         fail(f"pad_size is {pad_size}, expected {pad}")
-    if pad:
-        pos = joined(pos_parts)
-        tail_pos = (pos[0, 0] if mrope else pos[0])[total:]
-        if int(tail_pos[0]) != 0:
-            fail(f"tail positions {tail_pos.tolist()[:8]}, expected them to restart at 0 (else the pad joins the last "
-                 "sequence)")
+    _tail_restarts(pos_parts, total, mrope)
+
+
+def packed_tail_rule(ids_parts, total: int, bucket, sp_size: int, multiple: int) -> None:
+    """INV-PAD-003: under the engine's own tail rule the packed row has total_nnz tokens rounded up to the bucket,
+    then to ``multiple``, then to sp (what the rule is for: a kernel's block, an even split). What the tail holds is
+    the engine's: no output reads it (INV-LEAK-002)."""
+    _tail_row(ids_parts, total, bucket, sp_size, multiple)
 
 
 def token_temperatures_handed(temps) -> torch.Tensor:

@@ -2,7 +2,8 @@
 each changes the path TRL's own preparation takes, and each reaches the engine object as ``make(**{name: value})``.
 
 * ``pad_to_multiple_of`` (``SFTConfig.pad_to_multiple_of``): the padding-free collator pads its one row at the tail
-  to a multiple (positions 0, labels -100 there): a packed row with tail padding to poison;
+  to a multiple (positions 0, labels -100 there): a packed row with tail padding to poison, and the row's length
+  the rule INV-PAD-003 checks (``ConfigSwitch.tail_multiple``);
 * ``prepacked`` (``SFTConfig(packing=True)``'s BFD packer): the collator is handed the packed row as one example
   carrying ``seq_lengths``, its positions from ``get_position_ids_from_packed_seq_lengths``;
 * ``model_takes_logits_to_keep``: a model whose forward takes ``logits_to_keep`` (every Hugging Face causal LM of
@@ -63,7 +64,7 @@ __all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "ke
 
 _COLLATOR = (
     ConfigSwitch("pad_to_multiple_of", (None, 8), "SFTConfig.pad_to_multiple_of: the padding-free row padded at its "
-                 "tail to a multiple of 8 tokens"),
+                 "tail to a multiple of 8 tokens", tail_multiple=True),
     ConfigSwitch("prepacked", (False, True), "SFTConfig(packing=True): the collator gets the BFD packer's row, one "
                  "example with seq_lengths"),
     ConfigSwitch("sft_collator", (False, True), "SFTConfig(padding_free=False): a padded batch is SFT's collator's, "
