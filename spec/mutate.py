@@ -390,21 +390,27 @@ def score(mutants: list[Mutant]) -> tuple[int, int, float]:
     return killed, len(scored), killed / len(scored) if scored else 0.0
 
 
-def summary(mutants: list[Mutant], seed: int) -> str:
+def summary(mutants: list[Mutant], seed: int, population: int | None = None) -> str:
+    """The run's figure; ``population``: how many mutants the surface has (where the sample is all of them, the line
+    says so: a surface of fewer mutants than the sample asked is scored whole)."""
     killed, scored, share = score(mutants)
     count = lambda status: sum(m.status == status for m in mutants)  # noqa: E731
+    whole = population is not None and len(mutants) == population
     return (f"mutation score {share:.1%}: {killed} of {scored} non-equivalent mutants killed "
             f"({count('survived')} survived, {count('uncovered')} uncovered); {count('equivalent')} equivalent, "
             f"{count('unreachable')} on declared-unreachable lines, {count('not installed')} not installed; "
-            f"a sample of {len(mutants)}, seed {seed}"
+            + (f"every one of the surface's {population} mutants (no sample drawn)" if whole else
+               f"a sample of {len(mutants)}" + (f" of the surface's {population}" if population else "")
+               + f", seed {seed}")
             + (f"; {sum(m.carried for m in mutants)} kills carried over from an earlier run" if any(
                 m.carried for m in mutants) else ""))
 
 
-def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, profile: str, confirm: str | None) -> str:
-    """``<out>/mutate-<engine>.md`` and ``.json``; returns the summary line."""
+def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, profile: str, confirm: str | None,
+                 population: int | None = None) -> str:
+    """``<out>/mutate-<engine>.md`` and ``.json``; returns the summary line (``population``: the surface's mutants)."""
     out.mkdir(parents=True, exist_ok=True)
-    line = summary(mutants, seed)
+    line = summary(mutants, seed, population)
     md = [f"# Mutation report: engine `{engine}`", "", f"Each mutant ran under `{profile}`, a survivor again under "
           f"`{confirm}`: **{line}**", ""]
     sections = (("survived", "Survivors (gaps: no check reads what the mutant changes)"),
@@ -428,7 +434,7 @@ def write_report(mutants: list[Mutant], engine: str, out: Path, *, seed: int, pr
     killed, scored, share = score(mutants)
     (out / f"mutate-{engine}.json").write_text(json.dumps({
         "engine": engine, "seed": seed, "profile": profile, "confirm": confirm, "score": round(share, 4),
-        "killed": killed, "scored": scored, "summary": line,
+        "killed": killed, "scored": scored, "population": population, "summary": line,
         "mutants": [{**asdict(m), "id": m.id, "diff": m.diff()} for m in mutants]}, indent=2))
     return line
 
@@ -438,8 +444,9 @@ def main_mutate(args: Any, engine: Any) -> int:
     only = tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only else ()
     safe = engine.name.replace(":", "-").replace("/", "-")
     confirm = None if args.confirm == "none" else args.confirm
+    population = len(mutants_of(engine.profile.surface, engine.profile.off_path))
     report = lambda done: write_report(done, safe, Path(args.out), seed=args.seed, profile=args.profile,  # noqa: E731
-                                       confirm=args.confirm)
+                                       confirm=args.confirm, population=population)
     mutants = run_mutants(engine, sample=args.sample, seed=args.seed, profile=args.profile, confirm=confirm,
                           only=only, seconds=args.timeout, progress=lambda text: print(text, file=sys.stderr),
                           after_each=report, resume=Path(args.resume) if args.resume else None)

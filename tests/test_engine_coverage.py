@@ -366,6 +366,24 @@ def test_the_sample_is_seeded_and_stable_as_the_surface_changes(toy):
     assert [m.id for m in sample_of(rest, len(kept), seed=0)] == kept
 
 
+def test_a_surface_scored_whole_says_so(toy, tmp_path):
+    """A surface with fewer mutants than the sample asked is scored whole: the figure says every one of its mutants
+    was run, not "a sample of N" (which reads as a sample below the size asked); a true sample names the surface's
+    size beside it, and the report keeps the population."""
+    from spec.mutate import mutants_of, sample_of, summary, write_report
+
+    everything = mutants_of((toy,))
+    for m in everything:
+        m.status = "killed"
+    whole = summary(everything, 0, len(everything))
+    assert f"every one of the surface's {len(everything)} mutants (no sample drawn)" in whole and "sample of" not in whole
+    part = summary(sample_of(everything, 3, seed=0), 0, len(everything))
+    assert f"a sample of 3 of the surface's {len(everything)}, seed 0" in part
+    assert "a sample of 3, seed 0" in summary(sample_of(everything, 3, seed=0), 0)
+    write_report(everything, "toy", tmp_path, seed=0, profile="dev", confirm="ci", population=len(everything))
+    assert json.loads((tmp_path / "mutate-toy.json").read_text())["population"] == len(everything)
+
+
 @pytest.mark.parametrize("engine", ["verl", "trl", "skyrl-train", "openrlhf"])
 def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
