@@ -78,13 +78,14 @@ class TailMultipleOverPadded(impl.LMHeadEngine):
         self.bucket = self.settings.pad_to_length
 
     def prepare_model_inputs(self, mb):
+        length = self.bucket  # each micro-batch's own (an engine object kept across micro-batches starts afresh)
         # (impl's bucket, which pads it, refuses top-K distillation: such a micro-batch is left unpadded)
         if self.multiple and read_flag(mb, "use_remove_padding", True) and not read_flag(mb, "distillation_use_topk"):
             total = int(mb["input_ids"].values().shape[-1])
             base = -(-total // self.bucket) * self.bucket if self.bucket else total
             remainder = base % self.multiple
             length = base + self.multiple + remainder if remainder else base  # the bug: multiple - remainder
-            self.settings = replace(self.settings, pad_to_length=length)  # prepare_model_outputs reads the same
+        self.settings = replace(self.settings, pad_to_length=length)  # prepare_model_outputs reads the same
         return super().prepare_model_inputs(mb)
 
 
