@@ -153,7 +153,7 @@ def _bucketed(case):
     bucket = case.pad_to_length or 8
     if case.total_nnz % bucket == 0:
         bucket += 1
-    return case.with_(pad_to_length=bucket, distillation_keys=(), distillation_only=False)
+    return _no_distillation(case.with_(pad_to_length=bucket))
 
 
 def _no_distillation(case):

@@ -15,6 +15,7 @@ import impl
 from impl.flags import read_flag
 
 from ..protocol.engine import ConfigSwitch, Precision
+from ..truth.rules import padded_length
 from .quiet_bugs import _OutputBug
 
 __all__ = ["CheckpointedEntropyUntempered", "VocabChunkedLogsumexp", "TailMultipleOverPadded", "SWITCHES",
@@ -82,7 +83,7 @@ class TailMultipleOverPadded(impl.LMHeadEngine):
         # (impl's bucket, which pads it, refuses top-K distillation: such a micro-batch is left unpadded)
         if self.multiple and read_flag(mb, "use_remove_padding", True) and not read_flag(mb, "distillation_use_topk"):
             total = int(mb["input_ids"].values().shape[-1])
-            base = -(-total // self.bucket) * self.bucket if self.bucket else total
+            base = padded_length(total, self.bucket, 1)
             remainder = base % self.multiple
             length = base + self.multiple + remainder if remainder else base  # the bug: multiple - remainder
         self.settings = replace(self.settings, pad_to_length=length)  # prepare_model_outputs reads the same

@@ -213,15 +213,6 @@ def _tail_row(ids_parts, total: int, bucket, sp_size: int, multiple=None) -> tor
     return row
 
 
-def _tail_restarts(pos_parts, total: int, mrope: bool) -> None:
-    """The tail padding's positions (after the ``total`` tokens of the sequences) restart at 0."""
-    pos = joined(pos_parts)
-    tail_pos = (pos[0, 0] if mrope else pos[0])[total:]
-    if tail_pos.numel() and int(tail_pos[0]) != 0:
-        fail(f"tail positions {tail_pos.tolist()[:8]}, expected them to restart at 0 (else the pad joins the last "
-             "sequence)")
-
-
 def packed_tail(ids_parts, pos_parts, pad_size, total: int, bucket, sp_size: int, multiple, mrope: bool) -> None:
     """INV-PAD-001: the packed tail padding's length is total_nnz rounded up to the bucket (then the engine's tail
     multiple), then to sp; ``pad_size`` reports it; its positions restart at 0 (the pad never joins the last
@@ -230,7 +221,12 @@ def packed_tail(ids_parts, pos_parts, pad_size, total: int, bucket, sp_size: int
     pad = row.shape[0] - total
     if int(pad_size) != pad:
         fail(f"pad_size is {pad_size}, expected {pad}")
-    _tail_restarts(pos_parts, total, mrope)
+    if pad:
+        pos = joined(pos_parts)
+        tail_pos = (pos[0, 0] if mrope else pos[0])[total:]
+        if int(tail_pos[0]) != 0:
+            fail(f"tail positions {tail_pos.tolist()[:8]}, expected them to restart at 0 (else the pad joins the last "
+                 "sequence)")
 
 
 def packed_tail_rule(ids_parts, total: int, bucket, sp_size: int, multiple: int) -> None:
