@@ -75,6 +75,8 @@ UNREACHABLE: dict[str, str] = {
 }
 
 #: survivors of ``spec mutate --engine skyrl-train`` that no input tells from SkyRL's code, each with why (by id)
+_SP_ONE = ("with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
+           "with a pad of 0, and the packed mask it sets to None is None already; the gather after it still tests > 1")
 _INT64 = "torch.tensor of lists of Python ints is int64 already: dtype=torch.int64 changes nothing"
 TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
     "skyrl_train.utils.torch_utils:logprobs_from_logits_v2:164 branch: condition negated":
@@ -82,11 +84,34 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
         "then a gather) in the logits' dtype: the same log-probs up to rounding",
     "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:109 dtype: dtype= dropped": _INT64,
     "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:110 dtype: dtype= dropped": _INT64,
-    "skyrl_train.model_wrapper:HFModelWrapper.forward:311 compare: Gt -> GtE":
-        "with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
-        "with a pad of 0; the gather after it still tests > 1, and the packed mask it drops is None already",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:311 compare: Gt -> GtE": _SP_ONE,
     "skyrl_train.model_wrapper:HFModelWrapper.forward:325 compare: Eq -> NotEq":
         "packed, attention_mask_fwd is None already: both model calls hand the model the same inputs",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:311 branch: condition negated": _SP_ONE,
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:130 dtype: dtype= dropped":
+        "torch.tensor of lists of Python floats is float32 (torch's default dtype) already: dtype=torch.float changes "
+        "nothing",
+    "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:113 dtype: dtype= dropped":
+        "the loss masks come out int64 (the action mask's dtype) with the same values: the generator's loss masks are "
+        "0/1 ints (GeneratorOutput.loss_masks: List[List[int]]), and every consumer multiplies or sums them with "
+        "float tensors (masked_mean, the advantage estimators), which gives the same floats",
+    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:91 arith: Sub -> Add":
+        "(L + 1025) // 1024 chunks for (L + 1023) // 1024: the extra chunk starts at L, an empty slice that writes "
+        "nothing",
+    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:92 dtype: dtype= dropped":
+        "the entropy is stored in float32 (torch's default) for the logits' dtype: the same values, computed in the "
+        "logits' dtype; float32 is the contract's own dtype, so no consumer can be hurt (F22 records bf16/fp16)",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:291 cast: .long() removed":
+        "the batch builder's attention mask is int64 already (torch.tensor(..., dtype=torch.int64)): .long() is a "
+        "no-op, and its cumsum is int64 either way",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:292 inplace: .masked_fill_ -> .masked_fill":
+        "the position of a padding column stays cumsum - 1 (-1 or the last real position) instead of 1: packed, "
+        "unpad_input drops those columns; padded, the attention mask hides them as keys, and a RoPE model's output at "
+        "a real token does not read its own padding columns' positions; no output is read at a padding column",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:361 branch: condition negated":
+        "the entropy at padding columns is not multiplied by the attention mask (padded), packed the mask is None "
+        "either way: the entropy at a real token is the same, and no consumer reads it at a padding column "
+        "(every consumer masks by the response mask)",
 }
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
