@@ -6,6 +6,12 @@ returned for that sample (``pixel_values`` ``(patches, dim)`` and ``image_grid_t
 ``pixel_values_videos``/``video_grid_thw``), or ``{}``/``None`` for a text-only sample. The model takes each key
 concatenated over the samples in their order (its image tokens are in that order in the packed row and in the
 padded rows alike), on the ids' device.
+
+An audio model's processor (a Whisper feature extractor: Qwen2-Audio, Qwen2.5-Omni) returns ``input_features``
+``(clips, mels, frames)`` and ``feature_attention_mask`` ``(clips, frames)`` padded to the sample's longest clip, so
+samples' frame counts differ: those keys (verl's ``_VARLEN_MULTI_MODAL_KEYS``, with ``mm_token_type_ids``) are
+padded with zeros on their last dimension to the longest sample's before they are concatenated (the mask's zeros
+mark the padding frames, which the model does not read).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from tensordict import TensorDictBase
 
 from .errors import BatchMismatchError, ShapeError
 
-__all__ = ["MULTI_MODAL_KEY", "extract_multi_modal_inputs", "multi_modal_model_inputs"]
+__all__ = ["MULTI_MODAL_KEY", "VARLEN_KEYS", "extract_multi_modal_inputs", "multi_modal_model_inputs"]
 
 #: the micro-batch key of the per-sample media dicts
 MULTI_MODAL_KEY = "multi_modal_inputs"
+#: the keys whose last dimension differs between samples, padded with zeros to the longest (verl's)
+VARLEN_KEYS = frozenset({"input_features", "feature_attention_mask", "mm_token_type_ids"})
 
 
 def _entries(stack: Any) -> list[Any]:
@@ -47,9 +55,15 @@ def extract_multi_modal_inputs(batch_data: Sequence[Any], indices: Sequence[int]
     out = {}
     for key in keys:
         values = [entry[key] for entry in dicts if entry.get(key) is not None]
-        if len({v.dim() for v in values}) != 1 or len({tuple(v.shape[1:]) for v in values}) != 1:
-            raise ShapeError(f"'{MULTI_MODAL_KEY}' key {key!r}: the samples' values do not concatenate along dim 0; "
-                             f"shapes {[tuple(v.shape) for v in values]}")
+        varlen = key in VARLEN_KEYS
+        if len({v.dim() for v in values}) != 1 or varlen and values[0].dim() < 2 or \
+                len({tuple(v.shape[1:v.dim() - varlen]) for v in values}) != 1:
+            raise ShapeError(f"'{MULTI_MODAL_KEY}' key {key!r}: the samples' values do not concatenate along dim 0"
+                             f"{' (their last dimension padded)' if varlen else ''}; shapes "
+                             f"{[tuple(v.shape) for v in values]}")
+        if varlen:
+            width = max(v.shape[-1] for v in values)
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in values]
         joined = torch.cat(values)
         out[key] = joined if device is None else joined.to(device)
     return out

@@ -21,7 +21,7 @@ from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
 from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
-from spec.protocol.profile import MEDIA
+from spec.protocol.profile import VISION
 from spec.run.runner import run_invariant, skip_reason
 from spec.engines.megatron.records import vision_widths
 
@@ -34,7 +34,7 @@ class Reference(EngineUnderTest):
     name = "reference-packer"
     packer = ReferencePacker()
     layouts = tuple(ShardLayout)
-    profile = replace(EngineUnderTest.profile, media=MEDIA)  # INV-MEG-006 runs vision-language micro-batches
+    profile = replace(EngineUnderTest.profile, media=VISION)  # INV-MEG-006 runs vision-language micro-batches
 
 
 def test_capabilities_are_typed_and_give_reasons() -> None:

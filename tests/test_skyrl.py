@@ -59,6 +59,25 @@ def test_the_vlm_path_takes_the_images_as_skyrl_hands_them() -> None:
     _assert_the_oracles(engine, VLM_CASE, run)
 
 
+def test_a_vlm_handed_grids_without_token_types_is_left_without_positions() -> None:
+    """The adapter hands the stand-in a VLM's own mRoPE positions only where the model could compute them: beside
+    ``mm_token_type_ids``, or with no grids at all; forward handing grids without the marks (a transformers-5 model
+    raises there) leaves the view without positions, so INV-MM-001 asks for the marks (a mutant of forward's line
+    that builds them survived before: spec mutate --engine skyrl)."""
+    from spec.cases.materialize import materialize
+    from spec.engines.skyrl.media import with_own_positions
+
+    mb = materialize(VLM_CASE)
+    grids = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "image_grid_thw": torch.tensor([[1, 2, 4]])}
+    assert "position_ids" not in with_own_positions(dict(grids), {"vlm": True}, mb)
+    marked = with_own_positions({**grids, "mm_token_type_ids": torch.zeros(2, 6)}, {"vlm": True}, mb)
+    assert marked["position_ids"].shape == (4, 2, 6)
+    assert "position_ids" in with_own_positions({"input_ids": grids["input_ids"]}, {"vlm": True}, mb)
+    # a text-only sub-batch of a VLM: forward hands the image keys as None
+    assert "position_ids" in with_own_positions({**grids, "image_grid_thw": None, "pixel_values": None}, {"vlm": True}, mb)
+    assert "position_ids" not in with_own_positions(dict(grids), {"vlm": False}, mb)  # a text model: as handed
+
+
 def _assert_the_oracles(engine, case: EngineCase, run) -> None:
     """``run``'s log-probs and entropy equal the float64 oracle's at every position that scores a response token."""
     want = expected(case, model_for(case, "cpu", engine), draws(case))

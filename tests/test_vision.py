@@ -17,14 +17,14 @@ from spec.cases.materialize import draws, materialize
 from spec.cases.structure import EngineCase, Media
 from spec.cases.strategies import engine_cases
 from spec.execute.handoff import check_media_inputs, model_for
-from spec.protocol.profile import MEDIA
+from spec.protocol.profile import MEDIA, VISION
 from spec.truth.media_checks import media_inputs_handed
 from spec.truth.oracle import expected, expected_loop
 from spec.truth.vision import media_token_ids, rope_index
 
 CASE = EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16, mrope=True, seed=4,
                   media=((Media("image", 1, 2, 4, 1),), (), (Media("video", 2, 2, 2, 0), Media("image", 1, 4, 2, 1))))
-media_cases = engine_cases(media=MEDIA, tier="small").filter(lambda c: bool(c.media))
+media_cases = engine_cases(media=VISION, tier="small").filter(lambda c: bool(c.media))
 
 
 def rope_loop(ids: list[int], items: tuple[Media, ...], vocab: int) -> torch.Tensor:

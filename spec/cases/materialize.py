@@ -69,8 +69,9 @@ class Draws:
 
     def position_ids(self, case: EngineCase) -> torch.Tensor:
         """``(total_nnz,)`` or mRoPE ``(4, total_nnz)``: with media, the text positions ``0..n_i-1`` on axis 0 and
-        Qwen2-VL's rope index of the grids on axes 1-3 (verl's layout: ``cat(text_position_ids, vision_position_ids)``)."""
-        if self.media is not None:
+        Qwen2-VL's rope index of the grids on axes 1-3 (verl's layout: ``cat(text_position_ids, vision_position_ids)``);
+        an audio case's are 1-D."""
+        if self.media is not None and case.mrope:
             return torch.cat([self.positions.unsqueeze(0), self.media.rope])
         return mrope_positions(self.positions) if case.mrope else self.positions
 

@@ -28,7 +28,8 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from ..protocol.profile import POSITIONS, EngineProfile, takes_mode
+from ..protocol.profile import POSITIONS, VISION, EngineProfile, takes_mode
+from ..truth.audio import AUDIO_STRIDE
 from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase, Media)
@@ -172,7 +173,12 @@ _MEDIA_SIDES = (MERGE, 2 * MERGE)
 @st.composite
 def _media_item(draw, kinds: tuple[str, ...], text_left: int) -> Media:
     """One image (or video, one in four where the engine takes them) of 1-4 merged groups per frame, 1-2 frames,
-    after ``0..min(2, text_left)`` text tokens; shrinks to a 2 x 2 image right at the start."""
+    after ``0..min(2, text_left)`` text tokens; shrinks to a 2 x 2 image right at the start. ``kinds`` ``("audio",)``:
+    an audio clip of 1-3 tokens' frames, one frame past a whole token in one clip in two (a leftover frame the encoder
+    drops), shrinking to one token's."""
+    if kinds == ("audio",):
+        return Media("audio", frames=draw(st.integers(AUDIO_STRIDE, 3 * AUDIO_STRIDE + 1)),
+                     gap=draw(st.integers(0, min(2, text_left))))
     kind = "video" if "video" in kinds and draw(st.integers(0, 3)) == 3 or "image" not in kinds else "image"
     return Media(kind, t=draw(st.sampled_from((1, 2))) if kind == "video" else 1,
                  h=draw(st.sampled_from(_MEDIA_SIDES)), w=draw(st.sampled_from(_MEDIA_SIDES)),
@@ -198,13 +204,17 @@ def media_items(draw, prompt_lens: tuple[int, ...], kinds: tuple[str, ...]) -> t
 
 def _with_media(draw, case: EngineCase, kinds: tuple[str, ...], tier: str, media_modes: tuple[str, ...] = MODES,
                 pinned: bool = True) -> EngineCase:
-    """``case`` with images/videos in two cases in three of those that can carry them (mRoPE positions, a vocabulary
-    with media ids, a short tier, a mode the engine takes media in: ``media_modes``, both of them where the target
-    left the mode to the draw (``pinned`` False: it may compare the two); a drawn key's residue, shrinking to none), the
-    prompts lengthened by their tokens."""
+    """``case`` with media in two cases in three of those that can carry them (audio clips: one in three) (a
+    vocabulary with media ids, a short tier, a mode the engine takes media in: ``media_modes``, both of them where the
+    target left the mode to the draw (``pinned`` False: it may compare the two); a drawn key's residue, shrinking to
+    none), the prompts lengthened by their tokens: images and videos where the case has mRoPE positions, audio clips
+    where it has 1-D ones (each kind the engine takes: ``kinds``)."""
     in_mode = takes_mode(case.mode if pinned else "both", media=True, media_modes=media_modes)
-    if not kinds or not in_mode or not case.mrope or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS or \
-            draw(st.integers(0, 2 ** 16 - 1)) % 3 == 0:
+    kinds = tuple(k for k in kinds if k in VISION) if case.mrope else tuple(k for k in kinds if k == "audio")
+    if not kinds or not in_mode or case.vocab < MIN_MEDIA_VOCAB or tier not in MEDIA_TIERS:
+        return case
+    residue = draw(st.integers(0, 2 ** 16 - 1)) % 3
+    if residue == 0 or kinds == ("audio",) and residue == 1:  # audio in one 1-D case in three: text stays the most
         return case
     media = draw(media_items(case.prompt_lens, kinds))
     prompts = tuple(p + sum(m.tokens for m in items) for p, items in zip(case.prompt_lens, media))
@@ -270,7 +280,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     ``pin_tail_rule``: a switch that sets the packed row's tail multiple (``ConfigSwitch.tail_multiple``) is drawn
     from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies).
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
-    small and batch tiers' mRoPE cases (:func:`media_items`), so every earlier draw stays where it was; only in
+    small and batch tiers' mRoPE cases (images and videos) and, where it takes audio, of their 1-D cases (audio
+    clips) (:func:`media_items`), so every earlier draw stays where it was; only in
     ``media_modes`` (the profile's: a target that leaves the mode to the draw gets media only if both are listed);
     mRoPE positions likewise only in ``mrope_modes``.
     ``padding=True`` forces padding to exist: unequal lengths (padded mode) and a packed tail

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..protocol.profile import CONTEXTS as EXECUTION_CONTEXTS
+from ..protocol.profile import MEDIA
 from ..truth.rules import TEMPERATURE_FLOOR
+from ..truth.audio import AUDIO_STRIDE
 from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .topology import Topology
 
@@ -58,37 +60,50 @@ class ModelSeed(int):
 
 @dataclass(frozen=True)
 class Media:
-    """One image or video of a sample, as structure: its grid of patches ``(t, h, w)`` (``t = 1`` for an image; h and w
-    multiples of :data:`~spec.truth.vision.MERGE`) and ``gap``, the text tokens of the prompt between the previous
-    item (or the prompt's start) and this one. It takes ``t*h*w / MERGE**2`` prompt tokens
-    (:func:`spec.truth.vision.media_tokens`); its features come from the case's seed (:mod:`spec.cases.materialize`).
-    Prints as ``img1x2x4+1`` (kind, grid, gap)."""
+    """One image, video or audio clip of a sample, as structure. An image or video: its grid of patches ``(t, h, w)``
+    (``t = 1`` for an image; h and w multiples of :data:`~spec.truth.vision.MERGE`), taking ``t*h*w / MERGE**2``
+    prompt tokens (:func:`spec.truth.vision.media_tokens`). An audio clip: its ``frames`` (at least
+    :data:`~spec.truth.audio.AUDIO_STRIDE`), taking ``frames // AUDIO_STRIDE`` tokens (:mod:`spec.truth.audio`).
+    ``gap``: the text tokens of the prompt between the previous item (or the prompt's start) and this one. Its features
+    come from the case's seed (:mod:`spec.cases.materialize`). Prints as ``img1x2x4+1`` (kind, grid, gap) or
+    ``aud5+1`` (frames, gap)."""
 
     kind: str = "image"
     t: int = 1
     h: int = 2
     w: int = 2
     gap: int = 0
+    frames: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("image", "video"):
-            raise ValueError(f"media kind must be 'image' or 'video', got {self.kind!r}")
+        if self.kind not in MEDIA:
+            raise ValueError(f"media kind must be one of {MEDIA}, got {self.kind!r}")
+        if self.gap < 0:
+            raise ValueError(f"media gap must be >= 0, got {self.gap}")
+        if self.kind == "audio":
+            if self.frames < AUDIO_STRIDE:
+                raise ValueError(f"audio frames={self.frames}: a clip has at least {AUDIO_STRIDE} (one token)")
+            return
+        if self.frames:
+            raise ValueError(f"{self.kind} frames={self.frames}: only an audio clip has frames")
         if self.t < 1 or (self.kind == "image" and self.t != 1):
             raise ValueError(f"{self.kind} grid t={self.t}: an image has t = 1, a video t >= 1")
         if self.h < MERGE or self.w < MERGE or self.h % MERGE or self.w % MERGE:
             raise ValueError(f"{self.kind} grid h={self.h} w={self.w}: multiples of the merge size {MERGE}")
-        if self.gap < 0:
-            raise ValueError(f"media gap must be >= 0, got {self.gap}")
 
     @property
     def tokens(self) -> int:
+        if self.kind == "audio":
+            return self.frames // AUDIO_STRIDE
         return self.t * self.h * self.w // (MERGE * MERGE)
 
     @property
-    def grid(self) -> tuple[int, int, int]:
-        return (self.t, self.h, self.w)
+    def grid(self) -> tuple[int, ...]:
+        return (self.frames,) if self.kind == "audio" else (self.t, self.h, self.w)
 
     def __repr__(self) -> str:
+        if self.kind == "audio":
+            return f"aud{self.frames}+{self.gap}"
         return f"{'img' if self.kind == 'image' else 'vid'}{self.t}x{self.h}x{self.w}+{self.gap}"
 
 
@@ -159,8 +174,9 @@ class EngineCase(SampleLengths):
     #: the engine's own configuration switches drawn off their defaults, ``((name, value), ...)`` (the adapter's
     #: ``config_space``); they reach the engine as ``make(head, **settings, name=value)``
     engine_config: tuple[tuple[str, object], ...] = ()
-    #: per sample, its images and videos (:class:`Media`, possibly none), in its prompt; ``()``: a text-only batch.
-    #: A media case has mRoPE positions (Qwen2-VL's rope index of the grids) and ``multi_modal_inputs``
+    #: per sample, its images and videos, or its audio clips (:class:`Media`, possibly none), in its prompt; ``()``: a
+    #: text-only batch. A case with images or videos has mRoPE positions (Qwen2-VL's rope index of the grids), one with
+    #: audio clips 1-D positions (Qwen2-Audio's); either has ``multi_modal_inputs``
     media: tuple[tuple[Media, ...], ...] = ()
 
     def __post_init__(self) -> None:
@@ -182,8 +198,13 @@ class EngineCase(SampleLengths):
     def _check_media(self) -> None:
         if len(self.media) != self.batch_size:
             raise ValueError(f"media for {len(self.media)} samples in a batch of {self.batch_size}")
-        if not self.mrope:
-            raise ValueError("a case with media has mRoPE positions (mrope=True)")
+        audio = self.has_audio
+        if audio and any(item.kind != "audio" for items in self.media for item in items):
+            raise ValueError("a case carries images and videos or audio clips, not both (an omni model's rope index "
+                             "of audio beside images is not drawn)")
+        if self.mrope == audio:
+            raise ValueError("a case with images or videos has mRoPE positions (mrope=True), one with audio clips "
+                             f"1-D positions (mrope=False); got mrope={self.mrope} with {list(self.media)}")
         if self.vocab < MIN_MEDIA_VOCAB:
             raise ValueError(f"a case with media needs vocab >= {MIN_MEDIA_VOCAB}, got {self.vocab}")
         for i, (items, p) in enumerate(zip(self.media, self.prompt_lens)):
@@ -193,6 +214,11 @@ class EngineCase(SampleLengths):
     @property
     def has_media(self) -> bool:
         return any(self.media)
+
+    @property
+    def has_audio(self) -> bool:
+        """Whether the case's media are audio clips (1-D positions), not images and videos."""
+        return any(item.kind == "audio" for items in self.media for item in items)
 
     # -- derived structure (batch_size, seq_lens, total_nnz: SampleLengths) --------------------------
     @property
@@ -232,12 +258,13 @@ class EngineCase(SampleLengths):
     def with_(self, **changes: object) -> "EngineCase":
         """The case with ``changes``; its media follow new rows it was not given media for (an invariant that doubles
         the batch, adds a sample or reorders the rows): sample ``i`` takes sample ``i mod B``'s items where they fit
-        its prompt, else none; 2-D positions or a vocabulary without media ids drop them."""
+        its prompt, else none; a change of position kind (images need mRoPE, audio 1-D) or a vocabulary without media
+        ids drops them."""
         if self.media and "media" not in changes:
             prompts = changes.get("prompt_lens", self.prompt_lens)
             media = tuple(self.media[i % len(self.media)] if media_fits(self.media[i % len(self.media)], p) else ()
                           for i, p in enumerate(prompts))
-            if changes.get("mrope", self.mrope) is False or changes.get("vocab", self.vocab) < MIN_MEDIA_VOCAB:
+            if changes.get("mrope", self.mrope) is self.has_audio or changes.get("vocab", self.vocab) < MIN_MEDIA_VOCAB:
                 media = ()
             changes["media"] = media if any(media) else ()
         return replace(self, **changes)

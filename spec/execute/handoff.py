@@ -17,8 +17,9 @@ from tensordict import TensorDict
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
 from ..protocol.profile import drawn_config
+from ..truth.audio import AUDIO_KEYS, AUDIO_STRIDE, N_MELS, audio_token_id
 from ..truth.rules import layout_mask
-from ..truth.state_checks import nested_parts
+from ..truth.state_checks import batch_entry, held as held_value, nested_parts
 from ..truth.toy_model import HEAD_WEIGHT, POSITION_AXES, ToyCausalLM
 from ..truth.vision import MEDIA_KEYS, PATCH_DIM, media_token_ids, media_tokens
 from .attribution import EngineFault, check_outputs, note_fault, read_engine
@@ -51,7 +52,8 @@ class ThreadedAllGather:
 
 def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
     """A copy of what the caller holds in ``micro_batch``, per key: a nested tensor as its cloned
-    :func:`nested_parts`, a dense tensor cloned, a flag by its value. (Cheaper than ``TensorDict.clone``,
+    :func:`nested_parts`, a dense tensor cloned, a flag by its value, a per-sample stack (``multi_modal_inputs``) as
+    its samples' values, their tensors cloned (an engine that edits a sample's dict in place is seen). (Cheaper than ``TensorDict.clone``,
     which rebuilds every nested tensor, and as exact for the comparison: values and offsets.)"""
     held: dict[str, Any] = {}
     for key in micro_batch.keys():
@@ -59,8 +61,8 @@ def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             parts = nested_parts(value)
             held[key] = value.clone() if parts is value else (parts[0], parts[1].clone(), parts[2].clone())
-        else:
-            held[key] = getattr(value, "data", value)
+        else:  # a flag by its value; a per-sample stack (multi_modal_inputs) as its samples' values, cloned
+            held[key] = held_value(batch_entry(value))
     return held
 
 
@@ -236,6 +238,30 @@ def check_media_inputs(model_inputs: dict[str, Any], case: EngineCase) -> None:
         if patches != pixels.shape[0] or groups != tokens:
             raise AssertionError(f"the engine's model inputs: {kind} features and {kind} tokens do not match: the grids "
                                  f"name {patches} patches ({groups} tokens after merging) ({shapes})")
+    if getattr(case, "has_audio", False):  # elsewhere the audio id is a text token like any other
+        _check_audio_inputs(model_inputs, ids, audio_token_id(case.vocab))
+
+
+def _check_audio_inputs(model_inputs: dict[str, Any], ids: torch.Tensor, token_id: int) -> None:
+    """An audio model's inputs as Qwen2-Audio reads them (it raises where the audio tokens and the clips' frames do
+    not match): ``input_features`` ``(clips, N_MELS, F)`` and ``feature_attention_mask`` ``(clips, F)``, whose clips
+    take as many tokens (``frames // AUDIO_STRIDE`` each) as the ids hold audio tokens."""
+    tokens = int((ids == token_id).sum())
+    features, mask = (model_inputs.get(key) for key in AUDIO_KEYS)
+    if features is None and mask is None and tokens == 0:
+        return
+    shapes = (f"input_ids {tuple(ids.shape)} with {tokens} audio tokens, {AUDIO_KEYS[0]} "
+              f"{None if features is None else tuple(features.shape)}, {AUDIO_KEYS[1]} "
+              f"{None if mask is None else tuple(mask.shape)}")
+    if features is None or mask is None:
+        raise AssertionError(f"the engine's model inputs: audio tokens without the clips' features and mask ({shapes})")
+    if features.dim() != 3 or features.shape[1] != N_MELS or mask.shape != (features.shape[0], features.shape[2]):
+        raise AssertionError(f"the engine's model inputs: {AUDIO_KEYS[0]} must be (clips, {N_MELS}, frames) and "
+                             f"{AUDIO_KEYS[1]} (clips, frames) ({shapes})")
+    taken = int((mask.to("cpu", torch.int64).sum(-1) // AUDIO_STRIDE).sum())
+    if taken != tokens:
+        raise AssertionError(f"the engine's model inputs: audio features and audio tokens do not match: the masks "
+                             f"name {taken} tokens ({shapes})")
 
 
 def _call_model(model: ToyCausalLM, inputs: list[dict[str, Any]], case: EngineCase,

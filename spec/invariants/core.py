@@ -149,7 +149,8 @@ def mode_reason(info: InvariantInfo, engine: EngineUnderTest, mode: str) -> str 
     if mode not in ("packed", "padded", "both"):
         return None
     profile = profile_of(engine)
-    return profile.mode_reason(mode) or (profile.media_mode_reason(mode) if "media" in info.needs else None)
+    return profile.mode_reason(mode) or (profile.media_mode_reason(mode) if {"media", "audio"} & set(info.needs)
+                                         else None)
 
 
 def shares_one_temperature(engine: EngineUnderTest) -> bool:

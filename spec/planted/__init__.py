@@ -340,6 +340,11 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                quiet="a padded micro-batch with images"),
     PlantedBug("media_grids_sorted", ("INV-MM-001", "INV-MM-002"), lm=MM.MediaGridsSorted,
                quiet="images of unequal grids out of size order"),
+    # audio clips (spec/planted/media_bugs.py): quiet, each shows only where samples' clips differ in length
+    PlantedBug("audio_mask_padded_with_ones", ("INV-MM-003", "INV-MM-004"), lm=MM.AudioMaskPaddedWithOnes,
+               quiet="audio clips of unequal lengths in one micro-batch"),
+    PlantedBug("audio_clips_cut_to_shortest", ("INV-MM-003", "INV-MM-004"), lm=MM.AudioClipsCutToShortest,
+               quiet="audio clips of unequal lengths in one micro-batch"),
     PlantedBug("slice_empty_response_as_one", ("INV-EDGE-001",),
                helpers=(("no_padding_2_padding", H.slice_empty_response_as_one),),
                quiet="a zero-length response (an aborted rollout)"),

@@ -1,6 +1,7 @@
 """Planted multi-modal bugs: impl handing the model a vision-language micro-batch's images wrong, each a mistake real
 engines made (verl #1623/#3315: keys lost; ROLL #452 and NeMo Automodel #2172: the rope of packed mRoPE) or could
-make. Quiet: each shows only on a micro-batch with images (outside one the engine is impl); the last one is in the
+make, and an audio micro-batch's clips padded wrong (verl's ``_pad_last_dim_and_cat`` class). Quiet: each shows only
+on a micro-batch with images (or clips of unequal lengths; outside one the engine is impl); the last one is in the
 micro-batch layer (a sample's ``multi_modal_inputs`` left behind when the balancing reorders the samples).
 """
 
@@ -13,13 +14,14 @@ import impl
 from impl.flags import read_flag
 
 from ..protocol.microbatch import MicroBatchLayer
-from ..protocol.profile import MEDIA_INPUT_KEYS
+from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS
 
 __all__ = ["MediaLastSampleDropped", "MediaReversed", "MediaShiftedOneGroup", "MediaLostPadded", "MediaGridsSorted",
-           "media_sliced_not_selected"]
+           "AudioMaskPaddedWithOnes", "AudioClipsCutToShortest", "media_sliced_not_selected"]
 
 _FEATURES = tuple(features for features, _ in MEDIA_INPUT_KEYS.values())
 _MEDIA_KEYS = tuple(key for pair in MEDIA_INPUT_KEYS.values() for key in pair)
+_AUDIO_MASK = AUDIO_INPUT_KEYS[1]
 
 
 class MediaLastSampleDropped(impl.LMHeadEngine):
@@ -83,6 +85,36 @@ class MediaGridsSorted(impl.LMHeadEngine):
         if grid is not None and grid.shape[0] > 1:
             order = torch.argsort(grid.prod(-1) * 1000 + grid[:, 1], stable=True)
             mi["image_grid_thw"] = grid[order]
+        return mi, oa
+
+
+class AudioMaskPaddedWithOnes(impl.LMHeadEngine):
+    """An audio micro-batch's ``feature_attention_mask`` padded to the longest sample's frames with ones, not zeros
+    (a pad value shared with the features' helper): the padding frames are read as audio. Quiet: only samples whose
+    clips are of unequal lengths (one sample alone, or equal widths, pads nothing)."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if _AUDIO_MASK in mi and "multi_modal_inputs" in mb.keys():
+            masks = [e[_AUDIO_MASK] for e in mb.get("multi_modal_inputs").tolist() if e and e.get(_AUDIO_MASK) is not None]
+            width = mi[_AUDIO_MASK].shape[-1]
+            mi[_AUDIO_MASK] = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1]), value=1)
+                                         for m in masks]).to(mi[_AUDIO_MASK].device)
+        return mi, oa
+
+
+class AudioClipsCutToShortest(impl.LMHeadEngine):
+    """An audio micro-batch's features and masks cut to the shortest sample's frames instead of padded to the
+    longest (a ``min`` for a ``max``): a longer clip loses its last frames, and the audio tokens outnumber what the
+    clips make. Quiet: only samples whose clips are of unequal lengths."""
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        if _AUDIO_MASK in mi and "multi_modal_inputs" in mb.keys():
+            entries = [e for e in mb.get("multi_modal_inputs").tolist() if e and e.get(_AUDIO_MASK) is not None]
+            width = min(e[_AUDIO_MASK].shape[-1] for e in entries)
+            for key in AUDIO_INPUT_KEYS:
+                mi[key] = torch.cat([e[key][..., :width] for e in entries]).to(mi[key].device)
         return mi, oa
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import (DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
+from .profile import (AUDIO_INPUT_KEYS, DEFAULT_PROFILE, MEDIA_INPUT_KEYS, VISION, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
                       PaddedLayout, drawn_config, token_columns)
 from .vendor import source
 
@@ -145,11 +145,12 @@ MEDIA_TOKEN_MARKS = (MEDIA_TOKEN_TYPES, "image_mask", "video_mask")
 
 
 def media_view(model_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`, and :data:`MEDIA_TOKEN_MARKS`)
-    as ``model_inputs`` hands them (an engine's convention of the Hugging Face model's keyword arguments: verl's,
+    """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`, ``AUDIO_INPUT_KEYS`` and
+    :data:`MEDIA_TOKEN_MARKS`) as ``model_inputs`` hands them (an engine's convention of the Hugging Face model's keyword arguments: verl's,
     TRL's, OpenRLHF's, SkyRL's)."""
     return {key: model_inputs[key] for key in (*(k for pair in MEDIA_INPUT_KEYS.values() for k in pair),
-                                               *MEDIA_TOKEN_MARKS) if model_inputs.get(key) is not None}
+                                               *AUDIO_INPUT_KEYS, *MEDIA_TOKEN_MARKS)
+            if model_inputs.get(key) is not None}
 
 
 @dataclass(frozen=True)
@@ -369,9 +370,12 @@ class EngineUnderTest:
                 switch.tail_multiple for switch in self.config_space()):
             return (f"engine {self.name} pads its packed row to no multiple of its own (its profile: tail_multiple=None, "
                     "and no switch of its configuration sets one)")
-        if feature is Feature.MEDIA and not self.profile.media:
+        if feature is Feature.MEDIA and not set(self.profile.media) & set(VISION):
             return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
-                    "media=())")
+                    f"media={self.profile.media!r})")
+        if feature is Feature.AUDIO and "audio" not in self.profile.media:
+            return (f"engine {self.name} hands its model no audio clips from multi_modal_inputs (its profile: "
+                    f"media={self.profile.media!r})")
         return None
 
     def microbatch_layer(self) -> Any:

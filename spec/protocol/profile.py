@@ -9,9 +9,10 @@ for an engine under test (``EngineUnderTest.profile``):
   map from a layout and the lengths to each row's columns); the engine's padded input is in the first;
 * ``positions``: the position kinds it accepts (``"rope"``: ``(B, n)``; ``"mrope"``: ``(4, B, n)``); the strategies
   draw only these;
-* ``media``: the media kinds (``"image"``, ``"video"``) the engine hands its model from a micro-batch's
-  ``multi_modal_inputs`` (docs/contract.md, "Images and videos"); the strategies draw media cases (mRoPE positions
-  from the grids, features per sample) only for these; default none;
+* ``media``: the media kinds (``"image"``, ``"video"``, ``"audio"``) the engine hands its model from a micro-batch's
+  ``multi_modal_inputs`` (docs/contract.md, "Images and videos", "Audio"); the strategies draw media cases (images
+  and videos: mRoPE positions from the grids, features per sample; audio clips: 1-D positions, a Qwen2-Audio-style
+  model's) only for these; default none;
 * ``media_modes``: the modes in which it takes them (default both; a library that refuses to pack a vision-language
   batch, as TRL's trainers do, lists ``("padded",)``): media cases are drawn only in these, and a target comparing
   both modes draws none unless both are listed;
@@ -70,7 +71,7 @@ from typing import Any, Mapping
 import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
-           "POSITIONS", "MEDIA", "MEDIA_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
+           "POSITIONS", "MEDIA", "VISION", "MEDIA_INPUT_KEYS", "AUDIO_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
            "layout_starts", "token_columns", "profile_of", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
            "takes_mode", "drawn_config"]
 
@@ -78,11 +79,18 @@ __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", 
 MODES = ("packed", "padded")
 #: the position kinds: 1-D rotary positions, or Qwen2-VL's 4-axis mRoPE positions
 POSITIONS = ("rope", "mrope")
-#: the media a vision-language micro-batch carries (spec.truth.vision)
-MEDIA = ("image", "video")
+#: the media a micro-batch carries: a vision-language model's images and videos (spec.truth.vision), an audio
+#: model's clips (spec.truth.audio)
+MEDIA = ("image", "video", "audio")
+#: the kinds a vision-language model reads (mRoPE positions from their grids)
+VISION = ("image", "video")
 #: per media kind, the keys of its features and its grids, in a sample's ``multi_modal_inputs`` entry and in the
 #: model's inputs (a Qwen2-VL processor's and model's names)
 MEDIA_INPUT_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+#: an audio clip's keys: its log-mel features ``(clips, mels, frames)`` and which frames are the clip's
+#: ``(clips, frames)`` (a Whisper feature extractor's, Qwen2-Audio's and Qwen2.5-Omni's names; verl's
+#: ``_VARLEN_MULTI_MODAL_KEYS``)
+AUDIO_INPUT_KEYS = ("input_features", "feature_attention_mask")
 #: the autograd contexts a trainer calls the preparation in (the policy update; the old-policy and reference passes)
 AUTOGRAD_CONTEXTS = ("grad", "no_grad", "inference_mode")
 #: each autocast context and the dtype its lower-precision ops compute in (grad enabled, as a policy update runs)
@@ -142,6 +150,9 @@ class Feature(str, Enum):
     MICROBATCH = "microbatch"
     #: images and videos: the engine hands its model a micro-batch's ``multi_modal_inputs`` (its profile's ``media``)
     MEDIA = "media"
+    #: audio clips: the engine hands an audio model a micro-batch's ``multi_modal_inputs`` (``"audio"`` in its
+    #: profile's ``media``)
+    AUDIO = "audio"
 
     @classmethod
     def parse(cls, name: "str | Feature") -> "Feature":
@@ -319,8 +330,10 @@ class EngineProfile:
             if kind and not set(value) & set(self.modes) or not set(value) <= set(MODES):
                 raise ValueError(f"profile {name} {value!r}: modes of {MODES}, one of them among the engine's modes "
                                  f"{self.modes!r}")
-        if self.media and "mrope" not in self.positions:
+        if set(self.media) & set(VISION) and "mrope" not in self.positions:
             raise ValueError("profile media: a vision-language engine takes mRoPE positions (positions has no 'mrope')")
+        if "audio" in self.media and "rope" not in self.positions:
+            raise ValueError("profile media: an audio model takes 1-D positions (positions has no 'rope')")
         if not self.padded_layouts:
             raise ValueError("profile padded_layouts: name at least one (the engine's padded input is in the first)")
         object.__setattr__(self, "padded_layouts", tuple(PaddedLayout(layout) for layout in self.padded_layouts))

@@ -55,8 +55,8 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "same_run", "defaulted_flags", "flag_value", "slice_without_width", "slice_with_width",
               # images and videos: what a model takes of them (spec/protocol/engine.py, spec/truth/vision.py) and the
               # check of what it is handed (spec/truth/media_checks.py)
-              "MEDIA_INPUT_KEYS", "media_view", "media_token_ids", "samples_media", "joined_ids",
-              "media_inputs_handed")
+              "MEDIA_INPUT_KEYS", "media_view", "media_token_ids", "audio_token_id", "samples_media",
+              "joined_ids", "media_inputs_handed")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -367,16 +367,18 @@ def check_packed_inputs(c, mb, run):
 
 
 def check_media_handed(c, mb, run, fresh):
-    """INV-MM-001 (spec/truth/media_checks.py): every rank handed the samples' features and grids in sample order,
-    beside as many media tokens as their merged groups; the samples' own dicts read off the micro-batch built afresh
+    """INV-MM-001, INV-MM-003 (spec/truth/media_checks.py): every rank handed the samples' features and grids (audio
+    clips: the frames under their masks) in sample order, beside as many media tokens as their merged groups; the samples' own dicts read off the micro-batch built afresh
     (as the suite reads them off the case's draws: what the engine did to its micro-batch cannot move them)."""
     entries = fresh.get("multi_modal_inputs").tolist() if "multi_modal_inputs" in fresh.keys() else []
     groups = {kind: sum(m["tokens"] for items in c.media for m in items if m["kind"] == kind)
-              for kind in MEDIA_INPUT_KEYS}
+              for kind in (*MEDIA_INPUT_KEYS, "audio")}
     joined = joined_ids(_parts(run, "input_ids"), c.total_nnz, run.views[0]["pad_size"])
+    audio = any(m["kind"] == "audio" for items in c.media for m in items)
     media_inputs_handed([(v["input_ids"], v["media"]) for v in run.views], samples_media(entries),
                         *media_token_ids(c.vocab), joined, groups,
-                        own_positions=[v["position_ids"] is None for v in run.views])
+                        own_positions=[v["position_ids"] is None for v in run.views],
+                        audio_id=audio_token_id(c.vocab) if audio else None)
 
 
 def check_grad(c, mb, run):

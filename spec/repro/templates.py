@@ -18,9 +18,9 @@ from pathlib import Path
 from ..execute import handoff, harness
 from ..protocol import engine as protocol_engine
 from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES, OutputSpan, PaddedLayout, ReproSnippet
-from ..protocol.profile import MEDIA_INPUT_KEYS, drawn_config, layout_starts
+from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS, drawn_config, layout_starts
 from ..protocol.vendor import assignments, definitions, source
-from ..truth import (closeness, failing, handoff_checks, media_checks, microbatch_checks, oracle, outputs_checks,
+from ..truth import (audio, closeness, failing, handoff_checks, media_checks, microbatch_checks, oracle, outputs_checks,
                      rank_checks, rules, settings_checks, slice_checks, state_checks, toy_model, vision)
 from . import runtime
 from .vendored import loader, preamble, suite_guard
@@ -34,14 +34,16 @@ PREAMBLE = source(preamble, future=True)
 
 def suite_blocks() -> str:
     """The suite's stand-in model, hand-off and processor, as source."""
-    parts = ["# ---- the stand-in model and its vision tower (the suite's spec/truth/vision.py, toy_model.py, written "
-             "out) ----", "from functools import lru_cache", "", assignments({"MEDIA_INPUT_KEYS": MEDIA_INPUT_KEYS}),
-             definitions(vision), definitions(toy_model),
+    parts = ["# ---- the stand-in model and its vision and audio towers (the suite's spec/truth/vision.py, audio.py, "
+             "toy_model.py, written "
+             "out) ----", "from functools import lru_cache", "",
+             assignments({"MEDIA_INPUT_KEYS": MEDIA_INPUT_KEYS, "AUDIO_INPUT_KEYS": AUDIO_INPUT_KEYS}),
+             definitions(vision), definitions(audio), definitions(toy_model),
              "# ---- the hand-off around the model (spec/execute/handoff.py, harness.py), written out ----",
              "POISONS = {" + ", ".join(f"{k!r}: float({str(v)!r})" for k, v in handoff.POISONS.items()) + "}", ""]
     for fn in (PaddedLayout, layout_starts, drawn_config, rules.layout_width, rules.layout_columns, rules.layout_mask, handoff.ThreadedAllGather, handoff._settings,
                handoff._poison_padded, handoff._poison_tail, handoff._fields, handoff._per_token, handoff._shared,
-               handoff.check_model_inputs, handoff.check_media_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
+               handoff.check_model_inputs, handoff.check_media_inputs, handoff._check_audio_inputs, handoff.execution_context, handoff._tracked, handoff._call_model,
                handoff.rank_outputs, harness._in_threads):
         parts += [inspect.getsource(fn), ""]
     for fn in (rules.offsets, rules.padded_length):

@@ -69,6 +69,11 @@ REACH_CASES = (
     # one of them text-only, unequal grids (spec.truth.vision)
     EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16, mrope=True,
                media=((Media("image", 1, 2, 4, 1),), (), (Media("video", 2, 2, 2, 0), Media("image", 1, 4, 2, 1)))),
+    # an audio micro-batch (engines whose profile lists audio; no other engine runs it): three clips over three
+    # samples, one text-only, of 5, 4 and 7 frames (a sample's clips padded to its longest, the samples' to the
+    # batch's: spec.truth.audio)
+    EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16,
+               media=((Media("audio", gap=1, frames=5),), (), (Media("audio", frames=4), Media("audio", gap=1, frames=7)))),
 )
 SEED_DENSE = (
     DenseCase(prompt_lens=(3, 2), response_lens=(2, 1), prompt_width=3, response_width=2, topk=2),
@@ -201,7 +206,9 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     for case in (*SEED_CASES, *REACH_CASES):
         if mode in ("packed", "padded"):
             case = case.with_(use_remove_padding=mode == "packed")
-        if engine is not None:  # an image-only engine gets the reach case's images
+        if engine is not None:  # an image-only engine gets the reach case's images; an engine without audio no clips
+            if case.has_audio and "audio" not in profile_of(engine).media:
+                continue
             case = media_within_profile(case, profile_of(engine))
         if not within_limits(case, **limits):
             continue

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES
-from ..protocol.profile import MEDIA_INPUT_KEYS
+from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS
+from .audio import AUDIO_STRIDE, clips, pad_clips
 from .failing import fail
 
 __all__ = ["samples_media", "stack_entries", "joined_ids", "media_inputs_handed"]
@@ -27,11 +28,18 @@ def stack_entries(stack) -> list:
 
 def samples_media(entries) -> dict[str, torch.Tensor]:
     """The samples' media dicts (one per sample, as ``multi_modal_inputs`` holds them; a text-only sample's ``None``,
-    ``{}`` or a processor's keys holding ``None``) concatenated per key in sample order, the image keys first: what a
-    model takes of the batch's media (``{}`` without any)."""
+    ``{}`` or a processor's keys holding ``None``) concatenated per key in sample order, the image keys first, an
+    audio clip's features and frame mask padded on their last dimension to the longest sample's (:func:`pad_clips`):
+    what a model takes of the batch's media (``{}`` without any)."""
     dicts = [{key: value for key, value in (entry or {}).items() if value is not None} for entry in entries]
     keys = [key for pair in MEDIA_INPUT_KEYS.values() for key in pair if any(key in d for d in dicts)]
-    return {key: torch.cat([d[key] for d in dicts if key in d]) for key in keys}
+    joined = {key: torch.cat([d[key] for d in dicts if key in d]) for key in keys}
+    features, mask = AUDIO_INPUT_KEYS
+    with_audio = [d for d in dicts if features in d]
+    if with_audio:
+        joined.update(zip(AUDIO_INPUT_KEYS, pad_clips([d[features] for d in with_audio],
+                                                      [d[mask] for d in with_audio])))
+    return joined
 
 
 def joined_ids(ids, total_nnz: int, pad_size: int) -> torch.Tensor:
@@ -70,12 +78,14 @@ def _marks_for_own_positions(rank: int, media: dict) -> None:
 
 
 def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined: torch.Tensor,
-                        groups: dict, own_positions=None) -> None:
+                        groups: dict, own_positions=None, audio_id: int | None = None) -> None:
     """INV-MM-001: ``handed`` is each rank's ``(input_ids, media)`` as handed to the model (media by the model's key
     names, :data:`MEDIA_TOKEN_MARKS` among them where handed); ``want`` the samples' features and grids concatenated
     in sample order (:func:`samples_media`); ``joined`` the ids the model embeds (:func:`joined_ids`); ``groups`` the
-    merged groups of each kind (``image``, ``video``) the samples' items name. Every rank is handed exactly ``want``'s
-    keys and values, on its ids' device, and the ids hold as many tokens of each kind as its groups. ``own_positions``:
+    merged groups of each kind (``image``, ``video``; ``audio``: the clips' tokens) the samples' items name. Every rank
+    is handed exactly ``want``'s keys and values (audio clips as the frames under their masks, whatever the padding),
+    on its ids' device, and the ids hold as many tokens of each kind as its groups (``audio_id``: the audio token id,
+    None for a case without audio). ``own_positions``:
     for each rank, whether it hands the model no ``position_ids`` (a Hugging Face model then computes them, from
     the marks); None where the model computes its positions by a rule of its own (Megatron's)."""
     for rank, (input_ids, media) in enumerate(handed):
@@ -91,12 +101,39 @@ def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined
             have = got[key]
             if have.device != input_ids.device:
                 fail(f"rank {rank}: {key!r} is on {have.device}, the ids on {input_ids.device}", key=key)
+            if key in AUDIO_INPUT_KEYS:
+                continue  # compared as the frames a model reads of them, whatever their padding (below)
             if tuple(have.shape) != tuple(value.shape) or not torch.equal(have.detach().cpu().to(value.dtype), value):
                 rows = (have.shape[0] if have.dim() else 0, value.shape[0])
                 fail(f"rank {rank}: {key!r} of shape {tuple(have.shape)} is not the samples' {key} concatenated in "
                      f"sample order {tuple(value.shape)} (rows handed {rows[0]}, the samples' {rows[1]})", key=key)
+        if AUDIO_INPUT_KEYS[0] in want:
+            _clips_match(rank, got, want)
     for token_id, (kind, (_, grids)) in zip((image_id, video_id), MEDIA_INPUT_KEYS.items()):
         tokens = int((joined == token_id).sum())
         if tokens != groups.get(kind, 0):
             fail(f"the ids handed to the model hold {tokens} {kind} tokens, the samples' {grids} name "
                  f"{groups.get(kind, 0)} merged groups", key="input_ids")
+    if audio_id is not None:
+        tokens = int((joined == audio_id).sum())
+        if tokens != groups.get("audio", 0):
+            fail(f"the ids handed to the model hold {tokens} audio tokens, the samples' clips take "
+                 f"{groups.get('audio', 0)} (frames // {AUDIO_STRIDE} each)", key="input_ids")
+
+
+def _clips_match(rank: int, got: dict, want: dict) -> None:
+    """The audio clips handed equal the samples': as many, in sample order, each the same frames under its mask
+    (:func:`spec.truth.audio.clips`; the padding past a clip's mask, how wide and with what, is the engine's)."""
+    features, mask = AUDIO_INPUT_KEYS
+    try:
+        have = clips(got[features].detach().cpu(), got[mask].detach().cpu())
+    except ValueError as exc:
+        fail(f"rank {rank}: {exc}", key=features)
+    expected = clips(want[features], want[mask])
+    if len(have) != len(expected):
+        fail(f"rank {rank}: {features!r} holds {len(have)} clips, the samples carry {len(expected)}", key=features)
+    for k, (h, e) in enumerate(zip(have, expected)):
+        if tuple(h.shape) != tuple(e.shape) or not torch.equal(h.to(e.dtype), e):
+            fail(f"rank {rank}: audio clip {k} of {features!r} under its {mask!r} is {tuple(h.shape)} "
+                 f"(mels, frames), the sample's is {tuple(e.shape)}"
+                 + ("" if h.shape != e.shape else " with other values"), key=features if h.shape == e.shape else mask)

@@ -14,7 +14,7 @@ import torch
 
 from .failing import fail
 
-__all__ = ["nested_parts", "held", "same", "batch_items", "micro_batch_unchanged", "model_output_unchanged",
+__all__ = ["batch_entry", "nested_parts", "held", "same", "batch_items", "micro_batch_unchanged", "model_output_unchanged",
            "output_args_unchanged", "handoff_as_fresh", "earlier_kept"]
 
 
@@ -59,11 +59,20 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def batch_entry(value: Any) -> Any:
+    """One entry of a micro-batch as a caller reads it: a tensor as it is, a per-sample stack (``multi_modal_inputs``:
+    a ``NonTensorStack``, whose ``tolist()`` it is) as the list of its samples' values, a flag by its value."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if not hasattr(value, "data") and hasattr(value, "tolist"):  # a stack (a flag's NonTensorData has .data)
+        return [getattr(item, "data", item) for item in value.tolist()]
+    return getattr(value, "data", value)
+
+
 def batch_items(td: Any) -> dict[str, Any]:
-    """A micro-batch's entries: tensors as they are, flags by their value."""
-    items = {key: td.get(key) for key in td.keys()}
-    return {key: value if isinstance(value, torch.Tensor) else getattr(value, "data", value)
-            for key, value in items.items()}
+    """A micro-batch's entries (:func:`batch_entry`): tensors as they are, per-sample stacks as lists, flags by their
+    value."""
+    return {key: batch_entry(td.get(key)) for key in td.keys()}
 
 
 def micro_batch_unchanged(before: dict, after: dict) -> None:

@@ -25,7 +25,9 @@ The stand-in vision tower (:mod:`spec.truth.vision`): handed ``pixel_values``/``
 keys), as a Qwen2-VL model is, the model embeds each merged group of patches and puts the embeddings at the image
 (video) tokens' rows in order, before the causal mean: a feature dropped, reordered, handed under another grid or
 placed at other tokens changes the logits of its tokens and of every later token of the sequence. Without them a
-media token is a token like any other.
+media token is a token like any other. The stand-in audio tower (:mod:`spec.truth.audio`) does the same for
+``input_features``/``feature_attention_mask`` at the audio tokens: each clip's frames under its mask, every
+``AUDIO_STRIDE`` of them one token.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .audio import AUDIO_KEYS, audio_token_id, audio_weights, embed_audio
 from .vision import MEDIA_KEYS, embed_media, media_token_ids, place_media, tower_weights
 
 __all__ = ["POSITION_AXES", "ToyCausalLM", "DTYPES", "HEAD_WEIGHT", "HIDDEN_STATES", "rope_positions"]
@@ -126,6 +129,10 @@ class ToyCausalLM:
             if media.get(features) is not None:
                 embeds = embed_media(media[features], media.get(grids), weights, kind)
                 x = place_media(x, input_ids, token_id, embeds)
+        features, mask = AUDIO_KEYS
+        if media.get(features) is not None:  # the audio tower (spec.truth.audio)
+            embeds = embed_audio(media[features], media.get(mask), audio_weights(self._seed, self._hidden, self._device))
+            x = place_media(x, input_ids, audio_token_id(self.vocab), embeds)
         return x
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -205,6 +212,7 @@ class ToyCausalLM:
                  shift_labels: torch.Tensor | None = None, return_dict: bool = True,
                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
                  pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                 input_features: torch.Tensor | None = None, feature_attention_mask: torch.Tensor | None = None,
                  **_ignored: object) -> SimpleNamespace:
         """HF-style call. With ``temperature`` (fused kernels) it also returns float32 ``log_probs`` and
         ``entropy``, scoring ``shift_labels`` or, when absent, the next id of each row. With the fused head
@@ -215,7 +223,8 @@ class ToyCausalLM:
             cu_seqlens = cu_seq_lens_q
         media = {key: value for key, value in (("pixel_values", pixel_values), ("image_grid_thw", image_grid_thw),
                                                ("pixel_values_videos", pixel_values_videos),
-                                               ("video_grid_thw", video_grid_thw)) if value is not None}
+                                               ("video_grid_thw", video_grid_thw), ("input_features", input_features),
+                                               ("feature_attention_mask", feature_attention_mask)) if value is not None}
         if position_ids is None:
             position_ids = rope_positions(input_ids, attention_mask)
         if self.head_input == "hidden":

@@ -66,7 +66,7 @@ IMPL_UNREACHABLE: dict[str, str] = {
     "impl.padding:93->96": "gap: a dense (not nested) tensor handed to no_padding_2_padding",
     "impl.padding:242->244": "gap: nested 'prompts' whose lengths differ from the masks' (a split that disagrees)",
     "impl.padding:left_right_2_no_padding": _ERR + "; gap: the mRoPE (B, 4, S) positions of a padded batch",
-    "impl.multimodal:39->40": "gap: extract_multi_modal_inputs called with indices (a caller's selection; the "
+    "impl.multimodal:47->48": "gap: extract_multi_modal_inputs called with indices (a caller's selection; the "
     "preparation hands every sample's entry)",
     "impl.sequence_parallel:RowPlan.make": _ERR, "impl.sequence_parallel:RowPlan.unshard": _ERR
     + "; gap: the sp > 1 unshard without an all-gather", "impl.sequence_parallel:RowPlan.shard": "gap: a pad-free "

@@ -225,7 +225,7 @@ class ThirdPartyEngine(EngineUnderTest):
     def lacks(self, feature: "str | Feature") -> str | None:
         feature = Feature.parse(feature)
         # media and a tail rule: what its profile (and its switches) declare
-        if feature in {Feature.ENGINE, Feature.CUDA, Feature.MEDIA, Feature.TAIL_RULE} | set(self.offers):
+        if feature in {Feature.ENGINE, Feature.CUDA, Feature.MEDIA, Feature.AUDIO, Feature.TAIL_RULE} | set(self.offers):
             return super().lacks(feature)
         return self.reasons.get(feature, f"{self.library} has no {feature.value}")
 

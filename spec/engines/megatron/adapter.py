@@ -36,7 +36,7 @@ import torch
 from ...protocol.known import KnownFailure, When
 from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
-from ...protocol.profile import MEDIA
+from ...protocol.profile import VISION
 from ..verl.microbatch_records import MICROBATCH_RECORDS
 from .records import VISION_RECORDS
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
@@ -189,7 +189,7 @@ class MegatronEngine(EngineUnderTest):
     profile = replace(EngineUnderTest.profile, surface=(*(f"verl.models.mcore.util:{f}" for f in (
         "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
         "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *VERL_LAYER),
-        unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH, media=MEDIA)
+        unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH, media=VISION)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties

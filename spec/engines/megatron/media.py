@@ -28,7 +28,7 @@ from ...protocol.engine import read_flags
 from ...truth.megatron_packing import PackSpec
 from ..kit import inputs_seen_by_model
 from ..kit.stubs import import_verl_module
-from ..verl.media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
+from ..verl.media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE, VERL_VARLEN_UNREACHABLE
 
 __all__ = ["MegatronVisionForward", "MEGATRON_MM_SURFACE", "MEGATRON_MM_UNREACHABLE"]
 
@@ -38,7 +38,7 @@ _U = "verl.models.mcore.util"
 MEGATRON_MM_SURFACE = (f"{IMPL}:MegatronEngineWithLMHead.prepare_model_inputs", f"{_U}:build_vlm_attn_mask_thd",
                        f"{_U}:build_vlm_attn_mask_bshd", *VERL_MM_SURFACE)
 MEGATRON_MM_UNREACHABLE: dict[str, str] = {
-    **VERL_MM_UNREACHABLE,
+    **VERL_MM_UNREACHABLE, **VERL_VARLEN_UNREACHABLE,
     f"{_U}:895->896": "needs an Ascend NPU (is_npu_available: the VLM BSHD path hands no attention mask there)",
 }
 

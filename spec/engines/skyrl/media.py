@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ...protocol import PaddedLayout
-from ...protocol.profile import token_columns
+from ...protocol.engine import MEDIA_TOKEN_TYPES
+from ...protocol.profile import MEDIA_INPUT_KEYS, token_columns
 from ..kit.hf_batch import media_samples, media_token_ids, samples
 
 __all__ = ["VisionModel", "vlm_inputs", "own_positions", "with_own_positions"]
@@ -77,7 +78,11 @@ def image_token_id(mb) -> int:
 
 def with_own_positions(inputs: dict, args: dict, mb) -> dict:
     """``inputs`` with the samples' own mRoPE positions where the model is a VLM (``args["vlm"]``), which computes
-    its own (:func:`own_positions`); a text model's inputs unchanged."""
-    if args["vlm"]:
+    its own (:func:`own_positions`) from the grids and the token types it is handed (``mm_token_type_ids``, which
+    ``forward`` builds from the ids); handed grids without them it cannot (a transformers-5 model raises), so the
+    model is then left without positions: the view says none were handed (INV-MM-001 asks for the token types), as
+    OpenRLHF's adapter does; a text model's inputs unchanged."""
+    grids = any(inputs.get(grid) is not None for _, grid in MEDIA_INPUT_KEYS.values())  # forward hands None without
+    if args["vlm"] and (inputs.get(MEDIA_TOKEN_TYPES) is not None or not grids):
         inputs["position_ids"] = own_positions(mb).to(mb["input_ids"].device)
     return inputs

@@ -114,6 +114,22 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
         "(every consumer masks by the response mask)",
 }
 
+#: survivors of ``spec mutate --engine skyrl`` (0.4.0) that no input tells from SkyRL's code, each with why (by id)
+_W4, _P4 = f"{_WRAPPER}:HFModelWrapper.forward", f"{_PREPROCESS}:convert_prompts_responses_to_batch_tensors"
+_LOGGED = ("max_seq_len only decides whether a warning is logged (\"No truncation is performed\"): the batch is the "
+           "same either way")
+EQUIVALENT_MUTANTS: dict[str, str] = {
+    f"{_P4}:337 compare: Gt -> GtE": _LOGGED,
+    f"{_P4}:337 branch: condition negated": _LOGGED,
+    f"{_P4}:352 dtype: dtype= dropped": "np.full with a Python int fill (the pad id) is int64 already on the platforms "
+                                        "SkyRL runs on (Linux x86-64, aarch64): dtype=np.int64 changes nothing",
+    f"{_P4}:360 dtype: dtype= dropped": "np.arange of an int is int64 already on the platforms SkyRL runs on (Linux "
+                                        "x86-64, aarch64): dtype=np.int64 changes nothing",
+    f"{_W4}:345 cast: .long() removed": "the batch builder's attention mask is int64 already "
+                                        "(torch.from_numpy of an int64 array): .long() is a no-op",
+    f"{_W4}:369 compare: Gt -> GtE": _SP_ONE,
+}
+
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads
 #: whole rows (outputs right-aligned in (B, max r_i)); 0.3.1 has no VLM path (1-D positions), 0.4.0's VLM (mRoPE
 #: positions, images) refuses packing
@@ -123,6 +139,7 @@ TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positio
                               output_span=OutputSpan.RESPONSE, config_space=TRAIN_SWITCHES)  # skyrl/config.py
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
                         mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE,
+                        equivalent_mutants=EQUIVALENT_MUTANTS,
                         output_span=OutputSpan.RESPONSE, config_space=SWITCHES)  # skyrl/config.py
 
 #: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)

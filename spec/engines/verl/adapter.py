@@ -86,6 +86,9 @@ class VerlCapabilities:
     #: prepare_model_outputs scales the logits out of place (_scale_logits_by_temperature, after verl 0.7.1,
     #: which divides them in place): the LOGITS_UNTOUCHED convention holds
     logits_untouched: bool = True
+    #: extract_multi_modal_inputs pads an audio model's variable-length keys to the longest sample's frames
+    #: (_VARLEN_MULTI_MODAL_KEYS, after verl 0.7.1, which concatenates them as they are): audio micro-batches drawn
+    pads_audio: bool = True
 
 
 def _attention_utils_error() -> str | None:
@@ -121,6 +124,7 @@ def probe_verl() -> VerlCapabilities:
         attention_utils_error=_attention_utils_error(),
         own_processor_error=_own_processor_error(),
         logits_untouched=hasattr(transformer_impl, "_scale_logits_by_temperature"),
+        pads_audio=hasattr(importlib.import_module("verl.utils.model"), "_VARLEN_MULTI_MODAL_KEYS"),
     )
 
 

@@ -185,12 +185,17 @@ PROCESSOR_SWITCHES = ("use_chunked_topk", "chunked_topk_chunk_size", LOG_PROB_MI
 PROFILE = replace(DEFAULT_PROFILE, surface=VERL_SURFACE + VERL_MM_SURFACE,
                   unreachable={**VERL_UNREACHABLE, **VERL_MM_UNREACHABLE}, off_path=VERL_OFF_PATH,
                   conventions=VERL_CONVENTIONS, refuses=VERL_REFUSES, equivalent_mutants=VERL_EQUIVALENT_MUTANTS,
-                  config_space=VERL_CONFIG_SPACE, media=MEDIA)  # images and videos: spec/engines/verl/media.py
+                  config_space=VERL_CONFIG_SPACE, media=MEDIA)  # images, videos, audio: spec/engines/verl/media.py
 
 
 def release_profile(profile: EngineProfile, caps: Any) -> EngineProfile:
     """``profile`` as the installed release (``caps``, its probe) has it: a release that divides the logits in place
-    (verl 0.7.1, before ``_scale_logits_by_temperature``) does not keep the ``LOGITS_UNTOUCHED`` convention."""
-    if caps.logits_untouched:
-        return profile
-    return replace(profile, conventions=profile.conventions - {Convention.LOGITS_UNTOUCHED})
+    (verl 0.7.1, before ``_scale_logits_by_temperature``) does not keep the ``LOGITS_UNTOUCHED`` convention; a release
+    whose ``extract_multi_modal_inputs`` concatenates an audio model's features as they are (verl 0.7.1, before
+    ``_VARLEN_MULTI_MODAL_KEYS``) takes no audio micro-batch: samples' clips of unequal widths raise ``RuntimeError:
+    Sizes of tensors must match`` there (docs/verl-differences.md), so its profile lists images and videos only."""
+    if not caps.logits_untouched:
+        profile = replace(profile, conventions=profile.conventions - {Convention.LOGITS_UNTOUCHED})
+    if not getattr(caps, "pads_audio", True):
+        profile = replace(profile, media=tuple(kind for kind in profile.media if kind != "audio"))
+    return profile
