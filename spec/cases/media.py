@@ -21,8 +21,8 @@ from ..truth.rules import offsets as _offsets
 from ..truth.vision import MEDIA_KEYS, MIN_MEDIA_VOCAB, PATCH_DIM, media_token_ids, rope_index
 from .structure import EngineCase, Media
 
-__all__ = ["MediaDraws", "draw_media", "media_stack", "MULTI_MODAL_KEY", "MEDIA_TOKEN_FLAGS", "with_media", "with_audio",
-           "fitted_media"]
+__all__ = ["MediaDraws", "draw_media", "media_stack", "MULTI_MODAL_KEY", "MEDIA_TOKEN_FLAGS", "with_media",
+           "with_audio", "fitted_media"]
 
 #: the micro-batch key of the per-sample media dicts (verl's)
 MULTI_MODAL_KEY = "multi_modal_inputs"

@@ -53,8 +53,8 @@ class ThreadedAllGather:
 def snapshot(micro_batch: TensorDict) -> dict[str, Any]:
     """A copy of what the caller holds in ``micro_batch``, per key: a nested tensor as its cloned
     :func:`nested_parts`, a dense tensor cloned, a flag by its value, a per-sample stack (``multi_modal_inputs``) as
-    its samples' values, their tensors cloned (an engine that edits a sample's dict in place is seen). (Cheaper than ``TensorDict.clone``,
-    which rebuilds every nested tensor, and as exact for the comparison: values and offsets.)"""
+    its samples' values, their tensors cloned (an engine that edits a sample's dict in place is seen). (Cheaper than
+    ``TensorDict.clone``, which rebuilds every nested tensor, and as exact for the comparison: values and offsets.)"""
     held: dict[str, Any] = {}
     for key in micro_batch.keys():
         value = micro_batch.get(key)

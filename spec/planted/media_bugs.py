@@ -96,7 +96,8 @@ class AudioMaskPaddedWithOnes(impl.LMHeadEngine):
     def prepare_model_inputs(self, mb):
         mi, oa = super().prepare_model_inputs(mb)
         if _AUDIO_MASK in mi and "multi_modal_inputs" in mb.keys():
-            masks = [e[_AUDIO_MASK] for e in mb.get("multi_modal_inputs").tolist() if e and e.get(_AUDIO_MASK) is not None]
+            masks = [e[_AUDIO_MASK] for e in mb.get("multi_modal_inputs").tolist()
+                     if e and e.get(_AUDIO_MASK) is not None]
             width = mi[_AUDIO_MASK].shape[-1]
             mi[_AUDIO_MASK] = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1]), value=1)
                                          for m in masks]).to(mi[_AUDIO_MASK].device)

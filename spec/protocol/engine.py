@@ -146,8 +146,8 @@ MEDIA_TOKEN_MARKS = (MEDIA_TOKEN_TYPES, "image_mask", "video_mask")
 
 def media_view(model_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The media keys a model takes (:data:`~spec.protocol.profile.MEDIA_INPUT_KEYS`, ``AUDIO_INPUT_KEYS`` and
-    :data:`MEDIA_TOKEN_MARKS`) as ``model_inputs`` hands them (an engine's convention of the Hugging Face model's keyword arguments: verl's,
-    TRL's, OpenRLHF's, SkyRL's)."""
+    :data:`MEDIA_TOKEN_MARKS`) as ``model_inputs`` hands them (an engine's convention of the Hugging Face model's
+    keyword arguments: verl's, TRL's, OpenRLHF's, SkyRL's)."""
     return {key: model_inputs[key] for key in (*(k for pair in MEDIA_INPUT_KEYS.values() for k in pair),
                                                *AUDIO_INPUT_KEYS, *MEDIA_TOKEN_MARKS)
             if model_inputs.get(key) is not None}
