@@ -45,6 +45,8 @@ def case_data(case: EngineCase) -> dict[str, Any]:
         # each sample's images and videos as structure (INV-MM-001 counts their merged groups per kind)
         "media": [[{"kind": m.kind, "grid": list(m.grid), "gap": m.gap, "tokens": m.tokens} for m in items]
                   for items in case.media],
+        # whether its media are audio clips (the harness's audio input check and INV-MM-003 read it)
+        "has_audio": case.has_audio,
     }
 
 

@@ -374,11 +374,10 @@ def check_media_handed(c, mb, run, fresh):
     groups = {kind: sum(m["tokens"] for items in c.media for m in items if m["kind"] == kind)
               for kind in (*MEDIA_INPUT_KEYS, "audio")}
     joined = joined_ids(_parts(run, "input_ids"), c.total_nnz, run.views[0]["pad_size"])
-    audio = any(m["kind"] == "audio" for items in c.media for m in items)
     media_inputs_handed([(v["input_ids"], v["media"]) for v in run.views], samples_media(entries),
                         *media_token_ids(c.vocab), joined, groups,
                         own_positions=[v["position_ids"] is None for v in run.views],
-                        audio_id=audio_token_id(c.vocab) if audio else None)
+                        audio_id=audio_token_id(c.vocab) if c.has_audio else None)
 
 
 def check_grad(c, mb, run):
