@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from spec.cases import EngineCase
+from spec.cases.materialize import materialize
+from spec.cases.structure import Media
+from spec.engines.openrlhf.media import vlm_args
 from spec.engines.openrlhf.config import GATHERED_LOGITS
 from spec.execute.harness import execute
 from spec.invariants import Ctx
@@ -24,9 +27,23 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
              "row_mask", "model_takes_logits_to_keep", "index_k"}),
     ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
                    "compute_loss_func", "shift_labels", "logit_scaling", "moe_router"}),
-    ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits"})])
+    ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits", "video_token_id"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
+
+
+@pytest.mark.parametrize("videos", [False, True])
+def test_openrlhf_images_only_config_names_no_video_token(videos: bool) -> None:
+    """video_token_id drawn off: the VLM config OpenRLHF's actor reads (``_vlm_config``) names no video token id, as an
+    images-only model's (Gemma 3's); a micro-batch with videos keeps it (such a model is never handed one)."""
+    media = ((Media("image", 1, 2, 4, 1),), (Media("video", 2, 2, 2, 0),) if videos else ())
+    case = EngineCase(prompt_lens=(9, 9), response_lens=(2, 3), vocab=64, temperature=1.0, mrope=True,
+                      use_remove_padding=False, media=media)
+    mb = materialize(case, "cpu")
+    positions = list(mb["position_ids"].unbind())
+    on, off = (vlm_args(mb, positions, False, {"video_token_id": v})["vlm_config"] for v in (True, False))
+    assert vars(on) == {"image_token_id": vars(on)["image_token_id"], "video_token_id": vars(on)["video_token_id"]}
+    assert vars(off) == (vars(on) if videos else {"image_token_id": vars(on)["image_token_id"]})
 
 
 def _read(engine, case, at: list) -> dict[str, list[float]]:

@@ -12,6 +12,9 @@ call ``Actor.forward``:
   call) or without it, as the PPO actor calls it: with an ``action_mask`` forward still returns the action log-probs;
   without one it takes the logits-only return, and its caller reads ``output["logits"]`` (temperature-scaled,
   float32) and scores them at its rows rolled left by one with OpenRLHF's ``log_probs_from_logits`` (:func:`scored`);
+* ``video_token_id``: whether the vision-language model's config (``Actor._vlm_config``) names a video token id, as
+  Qwen-VL's does, or names none, as an images-only model's (Gemma 3's) does; drawn only where the micro-batch carries
+  no video (such a model is never handed one), it leaves the padded path's token types without the video mark;
 * ``allgather_logits``: the logits-only return asked to re-pad packed logits itself (``gather_and_pad_tensor``, as
   for its log-probs); without it the caller gets the packed ``(1, n, V)`` logits and places them at its mask's
   positions. Re-padded so, packed logits come back ``(B, L, 1, V)`` (pad_input keeps the packed row's batch axis,
@@ -41,6 +44,9 @@ SWITCHES: tuple[ConfigSwitch, ...] = (
                  "logits scored by the caller with log_probs_from_logits"),
     ConfigSwitch("allgather_logits", (False, True), "forward(..., allgather_logits=True): the logits-only return "
                  "re-pads packed logits with gather_and_pad_tensor"),
+    ConfigSwitch("video_token_id", (True, False), "the VLM config names a video token id (Qwen-VL's) or none (an "
+                 "images-only VLM's, Gemma 3's): the padded path then marks no video tokens; a micro-batch with videos "
+                 "keeps the id (an images-only model is never handed videos)"),
 )
 
 

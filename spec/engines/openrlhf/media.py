@@ -15,11 +15,15 @@ from ..kit.hf_batch import media_samples, media_token_ids
 __all__ = ["vlm_args", "with_own_positions"]
 
 
-def vlm_args(mb: Any, positions: list, packed: bool) -> dict[str, Any]:
-    """The forward's VLM arguments of ``mb`` (packed: 1-D positions for any model, no VLM path)."""
+def vlm_args(mb: Any, positions: list, packed: bool, config: dict) -> dict[str, Any]:
+    """The forward's VLM arguments of ``mb`` (packed: 1-D positions for any model, no VLM path). The config names no
+    video token id where the drawn switch says so (``video_token_id``, config.py) and ``mb`` carries no video."""
+    image_id, video_id = media_token_ids(mb)
+    ids = {"image_token_id": image_id, "video_token_id": video_id}
+    if not config.get("video_token_id", True) and not bool((mb["input_ids"].values() == video_id).any()):
+        del ids["video_token_id"]  # an images-only model's config (Gemma 3's)
     return {"vlm": positions[0].dim() == 2 and not packed,
-            "mm_train_inputs": [d or None for d in media_samples(mb) or ()],
-            "vlm_config": SimpleNamespace(**dict(zip(("image_token_id", "video_token_id"), media_token_ids(mb))))}
+            "mm_train_inputs": [d or None for d in media_samples(mb) or ()], "vlm_config": SimpleNamespace(**ids)}
 
 
 def with_own_positions(inputs: dict, a: dict, positions: list, pad: Any) -> dict:
