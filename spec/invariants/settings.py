@@ -91,6 +91,8 @@ REFUSALS = {
     "pad_mode": "a pad_mode other than no_padding (left_right, right) on a micro-batch of nested tensors",
     "sum_pi_squared_fused": "calculate_sum_pi_squared with use_fused_kernels (fused kernels return no logits)",
     "bucket_distillation": "a static bucket (pad_to_length) with top-K distillation (the contract's forbidden pair)",
+    "temperature_nonpositive": "a temperature <= 0 (0.0 and -1.0, one float): an engine that divides the logits by it "
+                               "as given, with no clamp (the contract's 1e-8), refuses it rather than return inf/NaN",
 }
 
 
@@ -127,6 +129,12 @@ def _unsupported_refused(ctx: Ctx) -> None:
         bad.set_non_tensor("calculate_sum_pi_squared", True)
         expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=bad),
                             f"use_fused_kernels with calculate_sum_pi_squared ({refuses['sum_pi_squared_fused']})")
+    if "temperature_nonpositive" in refuses:
+        for value in (0.0, -1.0):
+            bad = run.micro_batch.copy()
+            bad.set_non_tensor("temperature", value)
+            expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=bad),
+                                f"temperature={value} ({refuses['temperature_nonpositive']})")
     if "bucket_distillation" in refuses and case.head == "lm" and case.use_remove_padding:
         bad = run.micro_batch.copy()
         bad.set_non_tensor("distillation_use_topk", True)
@@ -149,7 +157,7 @@ def _one_rank_scalar_temperature(case):
 for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
     invariant(_id, f"({_head} head) a setting the engine's profile declares unsupported (EngineProfile.refuses: a "
               "pad_mode other than no_padding, calculate_sum_pi_squared with use_fused_kernels, a static bucket with top-K "
-              "distillation) is refused with an "
+              "distillation, a temperature <= 0 where the engine does not clamp it) is refused with an "
               "exception by each call that reads it: the preparation, prepare_model_outputs alone (a valid run's "
               "model output and output_args), postprocess_batch_func", contract=10, modes=("packed", "padded"),
               head=_head, adjust=_one_rank_scalar_temperature, needs=("value",) if _head == "value" else (),

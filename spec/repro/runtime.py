@@ -29,7 +29,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
@@ -191,13 +191,18 @@ def _processor(c, r):
     return _side("suite", own if own is not None else TopKProcessor(tuple(c.distillation_keys)))
 
 
+def _tensor_fields(output):
+    """The model output's tensors by name: its logits, or (a fused head's model) its hidden states and LM-head weight."""
+    return {k: v for k, v in vars(output).items() if isinstance(v, torch.Tensor)}
+
+
 def execute(c, mb, poison, inputs_only=False, engines=None, device="cpu"):
     """The engine's calls and the model in the case's autograd context (grad, no_grad or inference_mode), as a
     trainer's policy update or log-prob pass runs them; the micro-batch and the model made outside it.
     ``inputs_only``: prepare_model_inputs alone (what an input check reads); ``engines``: engine objects kept
     across calls (an empty list is filled with the ones built here)."""
     model = ToyCausalLM(c.vocab, seed=c.seed, out_dim=1 if c.head == "value" else None, dtype=c.logits_dtype,
-                        device=device)
+                        device=device, head_input=HEAD_INPUT if c.head == "lm" else "logits")
     with execution_context(c):
         return _execute(c, mb, poison, model, inputs_only, engines)
 
@@ -215,7 +220,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
         return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
     args_before = [held(args) for args in output_args]
     model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
-    logits_before = [o.logits.detach().clone() for o in model_outputs]
+    logits_before = [{k: v.detach().clone() for k, v in _tensor_fields(o).items()} for o in model_outputs]
     processors = [_processor(c, r) for r in range(len(engines))]
 
     def call(eng, r):
@@ -321,10 +326,10 @@ def check_shard_labels(c, mb, run):
 
 def check_unchanged(c, mb, run, fresh):
     """INV-MUT-001/002/004 (spec/truth/state_checks.py): the micro-batch (``fresh``: the same built again), the
-    model's logits and output_args as they were before the engine ran."""
+    model's output (its logits, or hidden states and LM-head weight) and output_args as they were before the engine
+    ran."""
     micro_batch_unchanged(batch_items(fresh), batch_items(mb))
-    model_output_unchanged([{"logits": out.logits} for out in run.model_outputs],
-                           [{"logits": before} for before in run.logits_before])
+    model_output_unchanged([_tensor_fields(out) for out in run.model_outputs], run.logits_before)
     output_args_unchanged(run.output_args, run.args_before)
 
 
@@ -641,6 +646,11 @@ def check_refused(c, mb, run):
         bad.set_non_tensor("use_fused_kernels", True)
         bad.set_non_tensor("calculate_sum_pi_squared", True)
         problem = problem or _rejected(c, bad, "use_fused_kernels with calculate_sum_pi_squared")
+    if "temperature_nonpositive" in REFUSES:
+        for value in (0.0, -1.0):
+            bad = mb.copy()
+            bad.set_non_tensor("temperature", value)
+            problem = problem or _rejected(c, bad, f"temperature={value}")
     if "bucket_distillation" in REFUSES and c.head == "lm" and c.use_remove_padding:
         bad = mb.copy()
         bad.set_non_tensor("distillation_use_topk", True)

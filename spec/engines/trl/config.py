@@ -58,7 +58,7 @@ from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
 
-__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
+__all__ = ["GRPO_ROWS", "TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
            "padded_positions", "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions",
            "sft_scores", "from_shifted_rows", "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
 
@@ -116,6 +116,10 @@ def sft_rows(case: Any) -> bool:
     drawn and no images (a vision-language batch stays GRPO's): the case-level twin of :func:`sft_padded`."""
     return case.use_remove_padding or bool(drawn_config(case).get("sft_collator")) and not any(case.media)
 
+
+#: where trl scores GRPO's completions (padded, no sft_collator or a vision-language batch): SDFT's _forward_logits
+#: divides the logits by the trainer's temperature itself, then scores them at T = 1
+GRPO_ROWS = When("GRPO's completions (padded, without sft_collator or with images)", lambda case: not sft_rows(case))
 
 #: where trl-fused scores SFT's rows (packed, or padded with sft_collator) under compute_loss_func
 METRICS_ONLY = When("compute_loss_func on SFT's rows (packed, or padded with sft_collator)",

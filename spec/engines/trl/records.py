@@ -10,7 +10,7 @@ from dataclasses import replace
 from ...protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
-from .config import DETACHED_ENTROPY, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
+from .config import DETACHED_ENTROPY, GRPO_ROWS, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
 
 __all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE",
            "FUSED_OFF_PATH"]
@@ -37,6 +37,17 @@ SFT_METRICS = ("SFTTrainer with compute_loss_func (or label smoothing) trains on
                "forward's logits and runs the fused forward under torch.no_grad for its metrics: the fused log-probs "
                "and entropy are detached; library design (the contract's log-probs carry the gradient)")
 
+UNCHECKED_TEMPERATURE = ("GRPO's completion scoring (SDFT's _forward_logits: logits / self.temperature, then "
+                         "selective_log_softmax at T = 1) takes a temperature <= 0 without a check: T = 0 gives "
+                         "inf/NaN log-probs, silently, where the SFT path's selective_log_softmax(temperature=T) "
+                         "raises 'temperature must be positive' and GRPOConfig validates nothing; library bug (a "
+                         "greedy rollout's T = 0 reaches the loss as NaN; TRL #3640 reports T near 0, not this)")
+
+FUSED_TEMPERATURE = ("add_fused_lm_head scales the logits by 1/temperature with no check: a negative temperature "
+                     "scores the inverted distribution (finite log-probs, silently wrong), T = 0 raises "
+                     "ZeroDivisionError; library bug (the unfused selective_log_softmax raises 'temperature must be "
+                     "positive')")
+
 #: (INV-VAL-001 and INV-SLICE-006 read log-probs of drawn labels only: a label that is its row's argmax scores 0 at
 #: any T below the clamp, so the failure is possible, not certain; measured: a ci run whose packed INV-VAL-001
 #: examples under the condition all passed. INV-TEMP-006 draws its cases at the clamp to show it.)
@@ -46,7 +57,9 @@ _UNCLAMPED = tuple(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED,
 LOGITS_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, IN_LOGITS_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS) for inv in ORACLE_INVARIANTS),
     *_UNCLAMPED,
-    KnownFailure("INV-GRAD-001", DETACHED, matches=r"output 'entropy' does not require grad", when=DETACHED_ENTROPY))
+    KnownFailure("INV-GRAD-001", DETACHED, matches=r"output 'entropy' does not require grad", when=DETACHED_ENTROPY),
+    KnownFailure("INV-FLAG-004", UNCHECKED_TEMPERATURE, matches=r"temperature=0\.0 .* was accepted silently",
+                 when=GRPO_ROWS))
 
 FUSED_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, FUSED_HEAD_DTYPE, matches=MISMATCH, when=LOW_PRECISION_LOGITS & HEAD_IN_LOGITS_DTYPE)
@@ -54,7 +67,8 @@ FUSED_RECORDS: tuple[KnownFailure, ...] = (
     *_UNCLAMPED,
     KnownFailure("INV-VAL-002", FUSED_ENTROPY, matches=VALUE_MISMATCH, when=CANCELLATION, certain=False),
     KnownFailure("INV-GRAD-001", SFT_METRICS, matches=r"output '(log_probs|entropy)' does not require grad",
-                 when=METRICS_ONLY))
+                 when=METRICS_ONLY),
+    KnownFailure("INV-FLAG-004", FUSED_TEMPERATURE, matches=r"temperature=-1\.0 .* was accepted silently"))
 
 #: TRL's preparation the adapters run, whose lines and branches ``spec verify`` measures (the profile's surface,
 #: spec/run/engine_coverage.py): the batch builders (both engines), then each engine's scoring: ``trl`` the logits
@@ -143,7 +157,11 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 #: trl's profile: GRPO's batch (left-padded prompts, right-padded completions; SFT's right-padded rows where its
 #: ``sft_collator`` switch is drawn), completion-only log-probs
 #: (``logits_to_keep`` is the completion width), the surface and its unreachable branches (no conventions declared)
+#: what TRL refuses (INV-FLAG-004 hands it each): a temperature <= 0 (selective_log_softmax and its entropy companion
+#: raise "temperature must be positive"; no clamp, NO_CLAMP above)
+REFUSES = {"temperature_nonpositive": "TRL's scoring raises ValueError('temperature must be positive')"}
 PROFILE = replace(EngineUnderTest.profile, surface=SURFACE, unreachable={**_BATCH_UNREACHABLE, **_LOGITS_UNREACHABLE},
+                  refuses=REFUSES,
                   equivalent_mutants=EQUIVALENT_MUTANTS,
                   padded_layouts=(PaddedLayout.LEFT_RIGHT, PaddedLayout.RIGHT),  # GRPO's; SFT's (its switch)
                   output_span=OutputSpan.RESPONSE, config_space=TRL_SWITCHES)  # TRL's switches: spec/engines/trl/config.py

@@ -154,10 +154,17 @@ def _leaked(c, mb, run):
     return leaked
 
 
+def _handed_temperatures(run):
+    """Every rank's per-token temperature hand-off, or None where no rank hands one over (an engine that lacks the
+    hand-off: one float per forward, SkyRL's; the suite reads its declaration)."""
+    temps = _field(run, "temperature")
+    return temps if any(isinstance(t, torch.Tensor) for t in temps) else None
+
+
 def check_rank_pad(c, mb, run):
     """INV-RANK-003."""
     rank_pad_and_tail(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
-                      _field(run, "temperature"), _field(run, "pad_size"), run.rank_outputs, c.seq_lens, _padded(c),
+                      _handed_temperatures(run), _field(run, "pad_size"), run.rank_outputs, c.seq_lens, _padded(c),
                       c.sp_size, c.pad_to_length, mb["position_ids"].values().dim() > 1, _leaked(c, mb, run))
 
 
@@ -165,7 +172,7 @@ def check_rank_shapes(c, mb, run):
     """INV-RANK-006."""
     positions = mb["position_ids"].values()
     rank_shapes(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
-                _field(run, "temperature"), _field(run, "model_labels"), _field(run, "pad_size"), c.total_nnz,
+                _handed_temperatures(run), _field(run, "model_labels"), _field(run, "pad_size"), c.total_nnz,
                 c.sp_size, positions.shape[0] if positions.dim() > 1 else None, c.use_fused_kernels)
 
 
