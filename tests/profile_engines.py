@@ -6,6 +6,7 @@ Loadable as ``--engine tests.profile_engines:<Name>``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -239,3 +240,45 @@ class Bf16Undeclared(ImplEngine):
     """bfloat16 scaled logits with no autocast declared (nor a lower precision): the float32 budget rejects it."""
 
     engine_classes = {"lm": _Bf16AlwaysLM, "value": impl.ValueHeadEngine}
+
+
+# -- refusals -------------------------------------------------------------------------------------------------------
+def _nonpositive_temperature(mb) -> str | None:
+    temperature = read_flag(mb, "temperature", 1.0)
+    low = float(temperature.min()) if isinstance(temperature, torch.Tensor) else float(temperature)
+    return f"temperature {low} <= 0" if low <= 0 else None
+
+
+@_named
+class RefusesNonpositiveTemperature(ImplEngine):
+    """impl that raises for a temperature <= 0, and declares so (TRL's convention: no clamp)."""
+
+    profile = replace(ImplEngine.profile, refuses={"temperature_nonpositive": "raises for T <= 0"})
+    engine_classes = _classes(_nonpositive_temperature)
+
+
+def _clamped(mb):
+    """``mb`` with its temperature clamped below at 1e-8 (verl's convention), a shallow copy."""
+    temperature, mb = read_flag(mb, "temperature", 1.0), mb.copy()
+    if isinstance(temperature, torch.Tensor):
+        mb["temperature"] = temperature.clamp(min=1e-8)
+    else:
+        mb.set_non_tensor("temperature", max(float(temperature), 1e-8))
+    return mb
+
+
+class _ClampingLM(impl.LMHeadEngine):
+    def prepare_model_inputs(self, mb):
+        return super().prepare_model_inputs(_clamped(mb))
+
+    def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
+        return super().prepare_model_outputs(output, output_args, _clamped(mb), logits_processor_func)
+
+
+@_named
+class ClampsButDeclaresRefusal(ImplEngine):
+    """impl clamping T at 1e-8 (verl's way: T = 0 gives finite outputs) yet declaring it refuses T <= 0: a wrong
+    declaration."""
+
+    profile = replace(ImplEngine.profile, refuses={"temperature_nonpositive": "claims to raise for T <= 0"})
+    engine_classes = {"lm": _ClampingLM, "value": impl.ValueHeadEngine}

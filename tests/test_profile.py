@@ -341,3 +341,14 @@ def test_an_invariant_on_media_skips_the_modes_without_them() -> None:
     pinned = [c for c in _seed_examples(CATALOGUE["INV-VAL-001"], "padded", eng) if c.media]  # the reach case's images
     assert pinned and {i.kind for c in pinned for items in c.media for i in items} == {"image"}
     assert not any(c.media for c in _seed_examples(CATALOGUE["INV-VAL-001"], "packed", eng))
+
+
+@pytest.mark.parametrize("name, status", [("RefusesNonpositiveTemperature", "pass"),
+                                          ("ClampsButDeclaresRefusal", "fail")])
+def test_a_declared_temperature_refusal_is_handed_zero_and_minus_one(name: str, status: str) -> None:
+    """INV-FLAG-004 hands an engine that declares it refuses a temperature <= 0 (``refuses``) T = 0.0 and -1.0: one that
+    raises passes; one that clamps (finite outputs) fails, its declaration untrue."""
+    outcome = run_invariant(CATALOGUE["INV-FLAG-004"], engine(name), "packed", "cpu", profile="dev", max_examples=3)
+    assert outcome.status == status, outcome
+    if status == "fail":
+        assert "temperature=0.0" in outcome.error and "accepted silently" in outcome.error

@@ -91,8 +91,8 @@ REFUSALS = {
     "pad_mode": "a pad_mode other than no_padding (left_right, right) on a micro-batch of nested tensors",
     "sum_pi_squared_fused": "calculate_sum_pi_squared with use_fused_kernels (fused kernels return no logits)",
     "bucket_distillation": "a static bucket (pad_to_length) with top-K distillation (the contract's forbidden pair)",
-    "temperature_nonpositive": "a temperature <= 0 (0.0 and -1.0, one float): an engine that divides the logits by it "
-                               "as given, with no clamp (the contract's 1e-8), refuses it rather than return inf/NaN",
+    "temperature_nonpositive": "a temperature <= 0 (0.0 and -1.0, one float): an engine that declares it refuses it "
+                               "raises (impl does), never returns inf/NaN or an inverted distribution",
 }
 
 
