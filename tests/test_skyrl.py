@@ -16,7 +16,9 @@ from spec.cases.structure import Media
 from spec.cases.materialize import draws
 from spec.engines.skyrl import config as skyrl_config, records as skyrl_records
 from spec.engines.kit.hf_batch import left_aligned
+from spec.engines.skyrl.sequence_parallel import ulysses_rank
 from spec.execute.harness import execute, model_for
+from spec.execute.ranks import unavailable
 from spec.invariants import CATALOGUE
 from spec.protocol.known import KnownFailure
 from spec.run.registry import ENGINES, load_engine
@@ -121,6 +123,32 @@ def test_batch_layout_and_outputs_equal_the_oracle(name: str) -> None:
             got = run.outputs[key].unbind()
             for i, cols in enumerate(read):  # the positions scoring a response token (NaN elsewhere: never read)
                 assert torch.allclose(got[i][cols].double(), want.__dict__[key][i][cols], atol=1e-5), (name, key, i)
+
+
+def test_ulysses_needs_a_real_process_group() -> None:
+    """sp_size 1 runs without a group; above 1 an all_gather without a process group is refused (SkyRL's Ulysses path
+    reads one), never run as one rank."""
+    assert ulysses_rank(1, 0, None, "SkyRL") == (1, None)
+    with pytest.raises(NotImplementedError, match="process group"):
+        ulysses_rank(2, 0, lambda local: local, "SkyRL")
+
+
+@pytest.mark.parametrize("name", ["skyrl-train", "skyrl"])
+def test_ulysses_on_real_ranks_scores_what_one_rank_does(name: str) -> None:
+    """sp = 2 on real ranks (SkyRL's own slicing and gather): each rank's outputs are the single-rank run's, and the
+    labels it scores are its shard of the rolled row as SkyRL cut it (7 tokens + 1 pad over 2 ranks)."""
+    if not HAS[name]:
+        pytest.skip(f"{name} is not installed (spec/engines/skyrl/ci.sh)")
+    if unavailable("cpu", 2):
+        pytest.skip(unavailable("cpu", 2))
+    engine, case = load_engine(name), CASE.with_(prompt_lens=(3, 2), response_lens=(1, 1))
+    single, sharded = execute(engine, case), execute(engine, case.with_(sp_size=2))
+    row = torch.roll(torch.cat([s for s in sharded.micro_batch["input_ids"].unbind()]), -1)
+    labels = torch.cat([engine.view_inputs(i, a).labels for i, a in zip(sharded.inputs, sharded.output_args)])
+    assert [a["pad_size"] for a in sharded.output_args] == [1, 1] and torch.equal(labels[:7], row)
+    for outputs in sharded.rank_outputs:
+        for key, value in single.outputs.items():
+            assert torch.allclose(outputs[key].values(), value.values(), equal_nan=True), (name, key)
 
 
 def _replayed(monkeypatch, case: EngineCase, support=None):

@@ -26,7 +26,7 @@ from ..cases.structure import EngineCase
 from ..cases.topology_draws import topologies
 from ..execute.harness import Run
 from ..execute.ranks import MAX_WORLD
-from ..protocol.profile import tail_multiple_of
+from ..protocol.profile import Feature, tail_multiple_of
 from ..truth import rank_checks as checks
 from ..truth.rank_checks import restarts as _restarts
 from ..truth.rules import padded_length, token_temperatures
@@ -111,6 +111,12 @@ def _padded_len(case: EngineCase, engine) -> int:
 def _field(run: Run, name: str) -> list:
     """What every rank's view of the hand-off carries under ``name``, in rank order."""
     return [getattr(view, name) for view in run.views]
+
+
+def _handed_temperatures(ctx: Ctx, run: Run) -> list | None:
+    """Every rank's per-token temperature hand-off, or None for an engine that hands its output step none (it
+    lacks :attr:`Feature.TEMPERATURE_HANDOFF`: one float per forward, SkyRL's)."""
+    return None if ctx.engine.lacks(Feature.TEMPERATURE_HANDOFF) else _field(run, "temperature")
 
 
 def _replicated(run: Run) -> bool:
@@ -219,7 +225,7 @@ def ranks_pad_and_tail(ctx: Ctx) -> None:
     run = _real(ctx)
     case = ctx.case
     checks.rank_pad_and_tail(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
-                             _field(run, "temperature"), _field(run, "pad_size"), run.rank_outputs, case.seq_lens,
+                             _handed_temperatures(ctx, run), _field(run, "pad_size"), run.rank_outputs, case.seq_lens,
                              _padded_len(case, ctx.engine), case.sp_size, case.pad_to_length, case.mrope,
                              lambda key, value: leaked(ctx, key, value))
 
@@ -236,6 +242,9 @@ def _mrope_temperatures(case: EngineCase) -> EngineCase:
            protects="multi-axis positions and each sample's temperature follow its tokens onto whichever rank "
                     "holds them", repro=Plan(("packed_inputs", "keys", "values"), real_ranks=True))
 def ranks_mrope_temperature(ctx: Ctx) -> None:
+    if not ctx.case.mrope:  # the adjusted case moved into the profile (spec.invariants.core.within_profile)
+        ctx.not_exercised("the engine takes no mRoPE positions in the packed mode (its profile)")
+        return
     run = _real(ctx)
     case = ctx.case
     total, padded = case.total_nnz, _padded_len(case, ctx.engine)
@@ -293,7 +302,7 @@ def ranks_shape_contract(ctx: Ctx) -> None:
     run = _real(ctx, inputs_only=True)
     case = ctx.case
     checks.rank_shapes(_field(run, "input_ids"), _field(run, "position_ids"), _field(run, "labels"),
-                       _field(run, "temperature"), _field(run, "model_labels"), _field(run, "pad_size"),
+                       _handed_temperatures(ctx, run), _field(run, "model_labels"), _field(run, "pad_size"),
                        case.total_nnz, case.sp_size, 4 if case.mrope else None, case.use_fused_kernels)
 
 

@@ -90,8 +90,8 @@ def _token_temperature(sp_size: int, rank: int, temperature) -> torch.Tensor:
 def rank_pad_and_tail(ids, positions, labels, temperatures, pad_sizes, rank_outputs, seq_lens, padded: int,
                       sp_size: int, bucket, mrope: bool, leaked) -> None:
     """INV-RANK-003: pad_size = the bucket and sequence-parallel pad (``padded`` - total_nnz), each rank holds
-    ``padded / sp`` tokens, the tail's positions restart at 0 with temperature 1, and every rank's outputs hold
-    exactly the real tokens; ``leaked(key, value)``: the (sequence, position) pairs of an output a consumer reads that
+    ``padded / sp`` tokens, the tail's positions restart at 0 with temperature 1 (``temperatures`` None: an engine that
+    hands its output step no temperature), and every rank's outputs hold exactly the real tokens; ``leaked(key, value)``: the (sequence, position) pairs of an output a consumer reads that
     are not finite where they should be (what the poisoned tail put there)."""
     total = sum(seq_lens)
     pad, local = padded - total, padded // sp_size
@@ -107,7 +107,8 @@ def rank_pad_and_tail(ids, positions, labels, temperatures, pad_sizes, rank_outp
                  "padded row when every rank gets it)")
     row = joined_row(ids, whole)[0]
     pos = joined_row(positions, whole)
-    temps = torch.cat([_token_temperature(sp_size, r, t) for r, t in enumerate(temperatures)])
+    temps = torch.ones(padded) if temperatures is None else torch.cat(  # None: the engine hands over none
+        [_token_temperature(sp_size, r, t) for r, t in enumerate(temperatures)])
     tail_pos = pos[..., 0, total:] if mrope else pos[0, total:]
     if row.shape[0] != padded or not restarts(tail_pos) or not torch.equal(temps[total:], torch.ones(pad)):
         fail(f"sp={sp_size}: packed row of {row.shape[0]} tokens (expected {padded}), tail positions "
@@ -129,9 +130,11 @@ def rank_pad_and_tail(ids, positions, labels, temperatures, pad_sizes, rank_outp
 def rank_shapes(ids, positions, labels, temperatures, model_labels, pad_sizes, total_nnz: int, sp_size: int,
                 mrope_axes, fused: bool) -> None:
     """INV-RANK-006: each rank's model inputs are (1, n) ids and (1, n) or (C, 1, n) positions (``mrope_axes`` C, or
-    None), the labels and temperature it hands its output step (whatever their private shape) and fused
-    shift_labels have the n tokens the model returns, and n * sp = total_nnz + pad_size, n the same on every rank."""
+    None), the labels and temperature it hands its output step (whatever their private shape; ``temperatures`` None:
+    an engine that hands over none) and fused shift_labels have the n tokens the model returns, and
+    n * sp = total_nnz + pad_size, n the same on every rank."""
     whole = replicated(ids, labels)
+    temperatures = [None] * len(ids) if temperatures is None else temperatures
     widths = set()
     for r, (rank_ids, pos, rolled, temp, shift, pad_size) in enumerate(zip(ids, positions, labels, temperatures,
                                                                           model_labels, pad_sizes)):
@@ -144,8 +147,9 @@ def rank_shapes(ids, positions, labels, temperatures, model_labels, pad_sizes, t
                   "position_ids": (None if pos is None else tuple(pos.shape),
                                    (mrope_axes, 1, width) if mrope_axes else (1, width)),
                   # the hand-off to the output step: only its token count is part of the contract
-                  "labels": ((count(rolled),), (n,)),
-                  "temperature": ((count(temp),), (n,))}
+                  "labels": ((count(rolled),), (n,))}
+        if temp is not None:
+            shapes["temperature"] = ((count(temp),), (n,))
         if fused:
             shapes["shift_labels"] = (None if shift is None else tuple(shift.shape), (1, n))
         for key, (got, want) in shapes.items():

@@ -53,14 +53,12 @@ SURFACE = _surface("skyrl.train.dataset.preprocess", "skyrl.backends.skyrl_train
 #: branches of the surfaces no CPU run of the suite reaches, each with its reason (a ``gap:`` reason names the input
 #: a real trainer sends that the case space does not draw yet)
 _RAISE = {"*:raise": "an error path: SkyRL raises for an input it rejects; the suite's valid cases never take it"}
-_SP = "needs Ulysses sequence parallelism (sequence_parallel_size > 1: a process group; Feature.SP is not run)"
 _FLASH_CE = "needs flash-attn's Triton cross-entropy (a CUDA build of flash-attn; FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE)"
 _SEVERAL_ACTIONS = ("an error path: num_actions as a list of several counts becomes a NumPy array, which the slice "
                     "log_probs[:, -num_actions - 1:-1] rejects (TypeError: only integer scalar arrays can be converted "
                     "to a scalar index); the list of one count is drawn (config.py, num_actions_list)")
 TRAIN_UNREACHABLE: dict[str, str] = {
     **_RAISE,
-    **{f"skyrl_train.model_wrapper:{line}": _SP for line in ("311->313", "343->344", "370->371")},
     "skyrl_train.model_wrapper:385->388": _SEVERAL_ACTIONS, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
 }
 _EXPERTS = ("another model family's configuration: a mixture-of-experts model's routed expert indices (MoE router "
@@ -69,7 +67,6 @@ _EXPERTS = ("another model family's configuration: a mixture-of-experts model's 
 _WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess"
 UNREACHABLE: dict[str, str] = {
     **_RAISE,
-    **{f"{_WRAPPER}:{line}": _SP for line in ("369->371", "381", "444->445")},
     f"{_WRAPPER}:470->473": _SEVERAL_ACTIONS, "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
     **{f"{_PREPROCESS}:{line}": _EXPERTS for line in ("395->396", "397->399", "399->402")},
 }
@@ -144,7 +141,6 @@ PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", 
 
 #: why the engine lacks each feature it does not offer (the kit's ThirdPartyEngine.reasons)
 REASONS = {
-    Feature.SP: "Ulysses sequence parallelism needs a process group (not run here)",
     Feature.VALUE: "the critic is another model class (get_llm_for_sequence_regression), not HFModelWrapper",
     Feature.TEMPERATURE_HANDOFF: "one float temperature per forward call; nothing is handed over",
     Feature.CU_SEQLENS: "the unpadded path hands the model no cu_seqlens (flash-attn finds them from positions)",

@@ -1,0 +1,86 @@
+"""SkyRL's Ulysses sequence parallelism on real ranks (both versions: ``HFModelWrapper(sequence_parallel_size=sp)``).
+
+``HFModelWrapper.forward`` slices its row with its own ``ulysses_pad_and_slice_inputs`` (pads the row to a multiple of
+``sp``, then keeps this rank's ``1/sp``; the rolled ids likewise, rolled on the whole row first) and gathers the
+log-probs and entropy back with ``gather_outputs_and_unpad``, both through SkyRL's module-level Ulysses group
+(``skyrl_train.distributed.ulysses.utils``: ``set_ulysses_sequence_parallel_group``, as its FSDP workers set it).
+So an ``sp > 1`` engine object runs on the suite's real ranks (:mod:`spec.execute.ranks`), built with the
+``all_gather`` the rank worker hands every engine, whose ``.group`` is the rank's process group
+(:class:`impl.sequence_parallel.TorchDistributedAllGather`): :func:`ulysses_rank` checks it, :func:`ulysses_group`
+sets SkyRL's group around each forward, and :func:`recording_slices` keeps what SkyRL's own slicing returned, so the
+view reads the labels this rank scores (the rolled ids' shard) as SkyRL cut them, not as the suite would.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple
+
+import torch.distributed as dist
+
+__all__ = ["UlyssesRank", "ulysses_rank", "ulysses_group", "recording_slices"]
+
+
+class UlyssesRank(NamedTuple):
+    """This rank's Ulysses group: its size and the process group (``None``: no sequence parallelism)."""
+
+    size: int
+    group: Any
+
+
+def ulysses_rank(sp_size: Any, sp_rank: Any, all_gather: Any, library: str) -> UlyssesRank:
+    """The rank's group from the suite's settings: ``sp_size`` 1 runs without one; above 1 the ``all_gather`` must
+    carry the real process group (``.group``) whose world size and rank are ``sp_size`` and ``sp_rank``."""
+    size = int(sp_size or 1)
+    if size <= 1:
+        return UlyssesRank(1, None)
+    group = getattr(all_gather, "group", None)
+    if group is None:
+        raise NotImplementedError(f"{library}: Ulysses sequence parallelism (sp_size={size}) needs a torch.distributed "
+                                  "process group: an all_gather with a .group, on real ranks (spec.execute.ranks)")
+    if dist.get_world_size(group) != size or dist.get_rank(group) != sp_rank:
+        raise ValueError(f"{library}: sp_size={size}, sp_rank={sp_rank} do not match the process group (world "
+                         f"{dist.get_world_size(group)}, rank {dist.get_rank(group)})")
+    return UlyssesRank(size, group)
+
+
+def _ulysses_utils(wrapper_class: type) -> Any:
+    """SkyRL's Ulysses module, the one the wrapper's module imported its gather from (its slicing may be
+    :func:`recording_slices`' while it runs)."""
+    gather = sys.modules[wrapper_class.__module__].gather_outputs_and_unpad
+    return sys.modules[gather.__module__]
+
+
+@contextmanager
+def ulysses_group(wrapper_class: type, rank: UlyssesRank) -> Iterator[None]:
+    """SkyRL's module-level Ulysses group set to ``rank.group`` for the block (where there is one), then put back."""
+    if rank.group is None:
+        yield
+        return
+    utils = _ulysses_utils(wrapper_class)
+    before = utils.get_ulysses_sequence_parallel_group()
+    utils.set_ulysses_sequence_parallel_group(rank.group)
+    try:
+        yield
+    finally:
+        utils.set_ulysses_sequence_parallel_group(before)
+
+
+@contextmanager
+def recording_slices(wrapper_class: type) -> Iterator[list]:
+    """The results of every ``ulysses_pad_and_slice_inputs`` call the wrapper's forward makes in the block, in order
+    (its first slices the ids, positions and mask; its second the rolled ids: the labels this rank scores)."""
+    module = sys.modules[wrapper_class.__module__]
+    original, calls = module.ulysses_pad_and_slice_inputs, []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        calls.append(result)
+        return result
+
+    module.ulysses_pad_and_slice_inputs = recorded
+    try:
+        yield calls
+    finally:
+        module.ulysses_pad_and_slice_inputs = original
