@@ -69,6 +69,11 @@ REACH_CASES = (
     # one of them text-only, unequal grids (spec.truth.vision)
     EngineCase(prompt_lens=(5, 2, 7), response_lens=(2, 1, 3), vocab=16, mrope=True,
                media=((Media("image", 1, 2, 4, 1),), (), (Media("video", 2, 2, 2, 0), Media("image", 1, 4, 2, 1)))),
+    # a micro-batch whose media are all videos (a video dataset's), beside a text-only sample: a library that keys its
+    # media handling by the images' keys alone takes it wrong (OpenRLHF's VIDEO_ONLY record: found by a database
+    # example, never by a derandomized run); an image-only engine gets it as text
+    EngineCase(prompt_lens=(6, 3), response_lens=(2, 2), vocab=16, mrope=True,
+               media=((Media("video", 2, 2, 2, 0),), ())),
     # an audio micro-batch (engines whose profile lists audio; no other engine runs it): three clips over three
     # samples, one text-only, of 5, 4 and 7 frames (a sample's clips padded to its longest, the samples' to the
     # batch's: spec.truth.audio)
