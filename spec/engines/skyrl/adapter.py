@@ -10,22 +10,22 @@ it runs twice (``inputs_seen_by_model``, ``replaying``). The kit's loader (``Thi
 with transformers, peft, ray, datasets and flash-attn's CUDA package stubbed, flash-attn's ``bert_padding`` installed;
 0.4.0's ``skyrl.backends/__init__`` (the Tinker API, pydantic models that need Python 3.12) is not run. An mRoPE
 micro-batch is a vision-language model's (0.4.0's ``is_vlm`` path, padded only), its images as SkyRL's backend hands
-them (:mod:`spec.engines.skyrl.media`). spec/engines/skyrl/README.md.
+them (:mod:`spec.engines.skyrl.media`). Ulysses sequence parallelism runs on real ranks
+(:mod:`spec.engines.skyrl.sequence_parallel`). spec/engines/skyrl/README.md.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ...protocol import Feature, InputsView
-from ...protocol.engine import media_view
+from ...protocol import Feature
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
-from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying, rows_view
+from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying
 from .config import batch_builder, num_actions, precision, replay_kwargs
 from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
 from .records import REASONS, PROFILE, RECORDS, TRAIN_PROFILE
 from .prescaled_step import PPO_UTILS, skyrl_step_layer
-from .sequence_parallel import UlyssesRank, recording_slices, ulysses_group, ulysses_rank
+from .sequence_parallel import UlyssesRank, recording_slices, sharded_rows_view, ulysses_group, ulysses_rank
 from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
@@ -103,16 +103,7 @@ class SkyRLTrainEngine(ThirdPartyEngine):
         sequence-parallel invariants force it, as for verl."""
         return {**super().strategy_limits(), "allow_sp": False}
 
-    @staticmethod
-    def view_inputs(model_inputs, output_args):
-        """The rows' labels rolled by one (the kit's :func:`rows_view`); under sequence parallelism this rank's shard
-        of them as SkyRL's own slicing cut it, at the mask's positions where the rank has a mask (padded)."""
-        if "shard_labels" not in output_args:
-            return rows_view(model_inputs, output_args)
-        shard, mask = output_args["shard_labels"], model_inputs.get("attention_mask")
-        labels = shard[mask.bool()] if mask is not None else shard.reshape(-1)
-        return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), mask, labels=labels,
-                          pad_size=output_args["pad_size"], media=media_view(model_inputs))
+    view_inputs = staticmethod(sharded_rows_view)  # the rows rolled by one; under SP this rank's shard of them
 
     def step_layer(self):  # skyrl-train 0.3.1's policy step (step.py), skyrl 0.4.0's (prescaled_step.py)
         return (skyrl_train_step_layer if self.name == "skyrl-train" else skyrl_step_layer)(self.load)

@@ -19,7 +19,11 @@ from typing import Any, Iterator, NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["UlyssesRank", "ulysses_rank", "ulysses_group", "recording_slices"]
+from ...protocol import InputsView
+from ...protocol.engine import media_view
+from ..kit import rows_view
+
+__all__ = ["UlyssesRank", "ulysses_rank", "ulysses_group", "recording_slices", "sharded_rows_view"]
 
 
 class UlyssesRank(NamedTuple):
@@ -84,3 +88,15 @@ def recording_slices(wrapper_class: type) -> Iterator[list]:
         yield calls
     finally:
         module.ulysses_pad_and_slice_inputs = original
+
+
+def sharded_rows_view(model_inputs: dict, output_args: dict) -> InputsView:
+    """The rows' labels rolled by one (the kit's :func:`rows_view`); under sequence parallelism this rank's shard of
+    them and the row's pad as SkyRL's own slicing returned them (``shard_labels``, ``pad_size``: the adapter's
+    ``prepare_model_inputs`` keeps them), at the mask's positions where the rank has a mask (padded)."""
+    if "shard_labels" not in output_args:
+        return rows_view(model_inputs, output_args)
+    shard, mask = output_args["shard_labels"], model_inputs.get("attention_mask")
+    labels = shard[mask.bool()] if mask is not None else shard.reshape(-1)
+    return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), mask, labels=labels,
+                      pad_size=output_args["pad_size"], media=media_view(model_inputs))
