@@ -338,9 +338,7 @@ def execute(engine: EngineUnderTest, case: EngineCase, device: str = "cpu", *, p
     reason = unavailable(device, topology.world)
     if reason:
         raise RankFailure(f"real ranks cannot run here: {reason}")
-    load = getattr(engine, "load", None)  # a third-party library imported here as its adapter imports it (stubs of
-    if callable(load):                    # what does not import), so a rank's reply naming its objects unpickles
-        load()
+    engine.load_library()  # a rank's reply may name the library's objects: imported here as the adapter imports them
     task = {"engine": engine.name, "recipe": engine.recipe(), "case": case, "topology": topology, "device": device,
             "poison": poison, "micro_batch": None if micro_batch is None else on_device(micro_batch, "cpu"),
             "stop_after_inputs": stop_after_inputs}

@@ -378,6 +378,11 @@ class EngineUnderTest:
                     f"media={self.profile.media!r})")
         return None
 
+    def load_library(self) -> None:
+        """Import what the engine's objects may name, in this process (a third party's modules, with the stubs its
+        adapter imports them with): the real-rank parent calls it before it unpickles a rank's reply. Nothing by
+        default."""
+
     def microbatch_layer(self) -> Any:
         """The engine's micro-batch layer (a ``spec.protocol.microbatch.MicroBatchLayer``), or None."""
         return None

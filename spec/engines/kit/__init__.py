@@ -210,6 +210,10 @@ class ThirdPartyEngine(EngineUnderTest):
                               without=self.without_init, bert_padding=self.bert_padding, strict=self.strict_stubs,
                               values=stub_values(self.stub_values))
 
+    def load_library(self) -> None:
+        """:meth:`load` (a reply from a real rank may name the library's objects: the parent imports them so)."""
+        self.load()
+
     def make(self, head: str = "lm", **settings: Any) -> Any:
         """The engine object, handed the library's own switches drawn for the case (:meth:`config_space`: each by its
         name, ``engine_object(**{name: value})``); any suite setting is refused. A value head with no settings is

@@ -18,24 +18,22 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ...protocol import Feature
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying
 from .config import batch_builder, num_actions, precision, replay_kwargs
 from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
 from .records import REASONS, PROFILE, RECORDS, TRAIN_PROFILE
 from .prescaled_step import PPO_UTILS, skyrl_step_layer
-from .sequence_parallel import UlyssesRank, recording_slices, sharded_rows_view, ulysses_group, ulysses_rank
+from .sequence_parallel import AloneOnItsRank, UlyssesOnRealRanks
 from .step import SKYRL_STEP_RECORDS, skyrl_train_step_layer
 
 __all__ = ["SkyRLTrainEngine", "SkyRLEngine"]
 COLLATE = "convert_prompts_responses_to_batch_tensors"  # the batch builder, in both versions
 
 
-class SkyRLObject:
+class SkyRLObject(AloneOnItsRank):  # its Ulysses group (.sp): none, or set on real ranks (sequence_parallel.py)
     def __init__(self, engine: "SkyRLTrainEngine", **config):  # SkyRL's switches drawn (skyrl/config.py)
         self.new, (*_, self.wrapper, self.collate), self.config = engine.name == "skyrl", engine.load(), config
-        self.sp = UlyssesRank(1, None)  # this rank's Ulysses group (SkyRLTrainEngine.make; sequence_parallel.py)
 
     def _forward(self, model, a, vocab=None):
         unpad = {"remove_microbatch_padding" if self.new else "use_sample_packing": a["packed"]}
@@ -43,10 +41,9 @@ class SkyRLObject:
         wrapper = self.wrapper(model, use_flash_attention_2=a["packed"], sequence_parallel_size=self.sp.size, **unpad)
         wrapper.is_vlm = a["vlm"]  # as __init__ sets it from the config's vision_config
         replay = replay_kwargs(a["batch"], a["responses"], self.config, a["vlm"], vocab)  # config.py
-        with ulysses_group(self.wrapper, self.sp):  # SkyRL's module-level group, as its workers set it
-            out = wrapper(a["sequences"], num_actions(self.config, a["num_actions"]), attention_mask=a["attention_mask"],
-                          temperature=a["temperature"], return_output=a["entropy"], compute_entropy=a["entropy"],
-                          **a["images"], **replay)  # the output only where the entropy rides on it, as the worker does
+        out = wrapper(a["sequences"], num_actions(self.config, a["num_actions"]), attention_mask=a["attention_mask"],
+                      temperature=a["temperature"], return_output=a["entropy"], compute_entropy=a["entropy"],
+                      **a["images"], **replay)  # the output only where the entropy rides on it, sliced as the worker does
         return (out[0], out[1]["entropy"][:, -a["num_actions"] - 1:-1]) if a["entropy"] else (out, None)
 
     def prepare_model_inputs(self, mb):
@@ -60,19 +57,15 @@ class SkyRLObject:
                 "responses": responses, "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3,
                 "image_token_id": image_token_id(mb),
                 "images": vlm_inputs(mb, self.wrapper, self.config) if self.new else {}}
-        with recording_slices(self.wrapper) as slices:  # sp > 1: SkyRL's own slicing, its second call the labels'
-            inputs = inputs_seen_by_model(lambda model: self._forward(model, args))
-        if self.sp.size > 1:  # the rolled ids' shard this rank scores and the row's pad (sequence_parallel.py)
-            args["shard_labels"], args["pad_size"] = slices[1][0], slices[0][3]
         # a VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own (media.py)
-        return with_own_positions(inputs, args, mb), args
+        return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, args)), args, mb), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
         log_probs, entropy = self._forward(replaying(output), output_args, vocab=output.logits.shape[-1])
         return sequences_from_response_rows({"log_probs": log_probs, "entropy": entropy}, mb, right_aligned=self.new)
 
 
-class SkyRLTrainEngine(ThirdPartyEngine):
+class SkyRLTrainEngine(UlyssesOnRealRanks, ThirdPartyEngine):  # Ulysses SP on real ranks (sequence_parallel.py)
     name, library, known_failures = "skyrl-train", "SkyRL's HFModelWrapper.forward", (*RECORDS, *SKYRL_STEP_RECORDS)
     wheel, ci_step, bert_padding, strict_stubs = "skyrl-train==0.3.1", "spec/engines/skyrl/ci.sh", True, False
     # they load models, start clusters, run environments (skyrl_gym: 0.4.0's loss config module imports it)
@@ -83,27 +76,9 @@ class SkyRLTrainEngine(ThirdPartyEngine):
     profile = TRAIN_PROFILE  # prompts left-padded, responses right-padded; its surface (records.py)
     reasons = REASONS  # why it lacks the others (records.py, beside its profile)
     precision = staticmethod(precision)  # F22: in the logits' dtype (sample-support replay: float32, config.py)
-    offers = frozenset({Feature.SP, Feature.REAL_RANKS})  # Ulysses, on real ranks (sequence_parallel.py)
-    sp_on_real_ranks = True  # sp > 1 needs SkyRL's process group: spec.execute.harness sends those cases to real ranks
 
     def engine_object(self, **config):
         return SkyRLObject(self, **config)
-
-    def make(self, head: str = "lm", **settings):
-        """The engine object (the kit's), its Ulysses group from ``sp_size``, ``sp_rank`` and the ``all_gather``'s
-        process group (:func:`spec.engines.skyrl.sequence_parallel.ulysses_rank`)."""
-        sp = ulysses_rank(settings.pop("sp_size", 1), settings.pop("sp_rank", 0), settings.pop("all_gather", None),
-                          self.library)
-        obj = super().make(head, **settings)
-        obj.sp = sp
-        return obj
-
-    def strategy_limits(self):
-        """The kit's, with no ``sp > 1`` drawn by the generic strategies (a real-rank pool per example): the
-        sequence-parallel invariants force it, as for verl."""
-        return {**super().strategy_limits(), "allow_sp": False}
-
-    view_inputs = staticmethod(sharded_rows_view)  # the rows rolled by one; under SP this rank's shard of them
 
     def step_layer(self):  # skyrl-train 0.3.1's policy step (step.py), skyrl 0.4.0's (prescaled_step.py)
         return (skyrl_train_step_layer if self.name == "skyrl-train" else skyrl_step_layer)(self.load)
