@@ -109,3 +109,18 @@ def test_openrlhf_merges_each_experience_sample_images() -> None:
     assert torch.equal(inputs["pixel_values"], media["pixel_values"]) and inputs["position_ids"].shape == (4, 2, 6)
     assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
     _oracle_log_probs(engine, VLM_CASE, run)
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (the trl CI step)")
+@pytest.mark.parametrize("invariant, code", [("INV-VAL-001", 0), ("INV-MUT-002", 0), ("INV-FLAG-004", 1)])
+def test_a_fused_head_reproducer_runs_standalone(tmp_path, invariant: str, code: int) -> None:
+    """trl-fused's reproducers hand its head hidden states and the LM-head weight, as the suite's model does (they
+    crashed on 'hidden_states' before): the oracle check and the snapshot of the model's output pass standalone, and
+    the declared temperature refusal fails on T = -1.0 (FUSED_TEMPERATURE), by the check, not a crash."""
+    from spec.repro import run_reproducer, write_reproducer
+    path, why = write_reproducer(tmp_path / "fused.py", invariant=invariant, mode="packed",
+                                 engine=load_engine("trl-fused"), case=CASE)
+    assert why is None and "HEAD_INPUT = 'hidden'" in path.read_text()
+    got, printed = run_reproducer(path)
+    assert got == code, printed
+    assert code == 0 or "temperature=-1.0" in printed and "expected the engine to raise" in printed, printed
