@@ -15,7 +15,9 @@ from spec.cases import EngineCase
 from spec.cases.structure import Media
 from spec.cases.materialize import draws
 from spec.engines.skyrl import config as skyrl_config, records as skyrl_records
-from spec.engines.kit.hf_batch import left_aligned
+from spec.cases.materialize import materialize
+from spec.engines.kit.hf_batch import left_aligned, sequences_from_masked_rows
+from spec.protocol import sequences_from_responses
 from spec.engines.skyrl.sequence_parallel import ulysses_rank
 from spec.execute.harness import execute, model_for
 from spec.execute.ranks import unavailable
@@ -101,6 +103,21 @@ def test_known_failures_are_precise_documented_records() -> None:
 def test_left_aligned_moves_right_aligned_rows() -> None:
     rows = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 5.0]])
     assert left_aligned(rows, torch.tensor([2, 1]))[:, :2].tolist() == [[1.0, 2.0], [5.0, 0.0]]
+
+
+def test_outputs_are_read_at_the_librarys_response_mask() -> None:
+    """SkyRL's response-only rows are read where its own response mask is set (as its trainer reads them), whatever
+    the alignment; a mask that marks another count than a row's responses is refused, naming the counts."""
+    mb = materialize(CASE, "cpu")  # responses [2, 1]
+    rows = torch.tensor([[1.0, 2.0], [0.0, 5.0]])
+    right = sequences_from_masked_rows({"log_probs": rows}, mb, torch.tensor([[1, 1], [0, 1]]))["log_probs"]
+    left = sequences_from_masked_rows({"log_probs": torch.tensor([[1.0, 2.0], [5.0, 0.0]])}, mb,
+                                      torch.tensor([[1, 1], [1, 0]]))["log_probs"]  # 0.3.1's right-padded rows
+    want = sequences_from_responses(torch.tensor([[1.0, 2.0], [5.0, 0.0]]), mb)
+    assert torch.equal(right.values().nan_to_num(-1), want.values().nan_to_num(-1))
+    assert torch.equal(left.values().nan_to_num(-1), want.values().nan_to_num(-1))
+    with pytest.raises(ValueError, match=r"marks \[2, 0\] tokens per row"):
+        sequences_from_masked_rows({"log_probs": rows}, mb, torch.tensor([[1, 1], [0, 0]]))
 
 
 @pytest.mark.parametrize("name", ["skyrl-train", "skyrl"])

@@ -26,7 +26,8 @@ from ...protocol.errors import OneTemperatureError
 from ...truth.media_checks import stack_entries
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows", "left_aligned", "sequences_from_response_rows", "media_samples", "media_token_ids"]
+           "LeftRightRows", "left_aligned", "sequences_from_response_rows", "sequences_from_masked_rows", "media_samples",
+           "media_token_ids"]
 
 
 def samples(mb, key: str) -> list[torch.Tensor]:
@@ -99,6 +100,27 @@ def sequences_from_response_rows(outputs: dict[str, torch.Tensor | None], mb, *,
     lens = mb["responses"].offsets().diff()
     return {key: sequences_from_responses(left_aligned(rows, lens) if right_aligned else rows, mb)
             for key, rows in outputs.items() if rows is not None}
+
+
+def sequences_from_masked_rows(outputs: dict[str, torch.Tensor | None], mb, mask: torch.Tensor
+                               ) -> dict[str, torch.Tensor]:
+    """Response-only ``(B, R)`` outputs read where the library's own response mask ``(B, R)`` is set, row by row in
+    order, as its trainer reads them (SkyRL's ``response_mask``, 0.3.1's ``action_mask``), as nested tensors over the
+    sequences. A mask that does not mark each row's ``r_i`` response tokens is a ValueError naming its shape and
+    counts. An output that is None is left out."""
+    lens, out = mb["responses"].offsets().diff(), {}
+    for key, rows in outputs.items():
+        if rows is None:
+            continue
+        keep = mask.to(rows.device).bool()
+        counts = keep.sum(-1).cpu()
+        if keep.shape != rows.shape[:2] or not torch.equal(counts, lens.cpu()):
+            raise ValueError(f"response_mask of shape {tuple(mask.shape)} marks {counts.tolist()} tokens per row of "
+                             f"{key!r} {tuple(rows.shape)}; the responses have {lens.tolist()}")
+        moved = rows.new_zeros(rows.shape)  # each row's marked values first, in order (what the protocol reads)
+        moved[torch.arange(rows.shape[1], device=rows.device) < lens.to(rows.device).unsqueeze(1)] = rows[keep]
+        out[key] = sequences_from_responses(moved, mb)
+    return out
 
 
 def media_samples(mb) -> list[dict[str, torch.Tensor]] | None:

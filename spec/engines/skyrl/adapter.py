@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_response_rows
+from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_masked_rows
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying
 from .config import batch_builder, num_actions, precision, replay_kwargs
 from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
@@ -51,18 +51,18 @@ class SkyRLObject(AloneOnItsRank):  # its Ulysses group (.sp): none, or set on r
         prompts, responses = [[t.tolist() for t in samples(mb, k)] for k in ("prompts", "responses")]
         pad = f.pad_token_id if self.new else SimpleNamespace(pad_token_id=f.pad_token_id)  # 0.3.1 takes a tokenizer
         batch = batch_builder(self.collate, pad, prompts, responses, self.config, self.new)  # config.py
-        (seqs, mask), device = batch()[:2], mb["input_ids"].device
+        (seqs, mask, response_mask), device = batch()[:3], mb["input_ids"].device
         args = {"sequences": seqs.to(device), "attention_mask": mask.to(device), "packed": f.use_remove_padding,
                 "num_actions": max(map(len, responses)), "temperature": one_temperature(mb), "batch": batch,
                 "responses": responses, "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3,
-                "image_token_id": image_token_id(mb),
+                "image_token_id": image_token_id(mb), "response_mask": response_mask,  # its outputs read at the mask
                 "images": vlm_inputs(mb, self.wrapper, self.config) if self.new else {}}
         # a VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own (media.py)
         return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, args)), args, mb), args
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):
-        log_probs, entropy = self._forward(replaying(output), output_args, vocab=output.logits.shape[-1])
-        return sequences_from_response_rows({"log_probs": log_probs, "entropy": entropy}, mb, right_aligned=self.new)
+        out = dict(zip(("log_probs", "entropy"), self._forward(replaying(output), output_args, output.logits.size(2))))
+        return sequences_from_masked_rows(out, mb, output_args["response_mask"])  # read as SkyRL's trainer reads them
 
 
 class SkyRLTrainEngine(UlyssesOnRealRanks, ThirdPartyEngine):  # Ulysses SP on real ranks (sequence_parallel.py)
