@@ -118,6 +118,9 @@ _LOGGED = ("max_seq_len only decides whether a warning is logged (\"No truncatio
 EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_P4}:337 compare: Gt -> GtE": _LOGGED,
     f"{_P4}:337 branch: condition negated": _LOGGED,
+    f"{_P4}:346 dtype: dtype= dropped": "np.asarray of a list of Python ints (the prompts' lengths) is int64 already "
+                                        "on the platforms SkyRL runs on (Linux x86-64, aarch64): dtype=np.int64 "
+                                        "changes nothing",
     f"{_P4}:352 dtype: dtype= dropped": "np.full with a Python int fill (the pad id) is int64 already on the platforms "
                                         "SkyRL runs on (Linux x86-64, aarch64): dtype=np.int64 changes nothing",
     f"{_P4}:360 dtype: dtype= dropped": "np.arange of an int is int64 already on the platforms SkyRL runs on (Linux "
