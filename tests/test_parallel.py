@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def verify(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "spec", "verify", "--profile", "ci", "--out", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "SPEC_EXAMPLE_DB": ":memory:"})
+                          # no shrink deadline: a wall-clock limit would make the shrunk case depend on the load
+                          # (a loaded 2-core CI machine spent the 120 s default on one side only)
+                          env={**__import__("os").environ, "SPEC_EXAMPLE_DB": ":memory:",
+                               "SPEC_SHRINK_DEADLINE": "3600"})
 
 
 #: what may differ between processes: timings, and the counts of the path hypothesis took to the (same) shrunk
