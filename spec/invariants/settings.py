@@ -157,7 +157,7 @@ def _one_rank_scalar_temperature(case):
 for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
     invariant(_id, f"({_head} head) a setting the engine's profile declares unsupported (EngineProfile.refuses: a "
               "pad_mode other than no_padding, calculate_sum_pi_squared with use_fused_kernels, a static bucket with top-K "
-              "distillation, a temperature <= 0 where the engine does not clamp it) is refused with an "
+              "distillation, a temperature <= 0) is refused with an "
               "exception by each call that reads it: the preparation, prepare_model_outputs alone (a valid run's "
               "model output and output_args), postprocess_batch_func", contract=10, modes=("packed", "padded"),
               head=_head, adjust=_one_rank_scalar_temperature, needs=("value",) if _head == "value" else (),

@@ -220,7 +220,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
         return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, rank_outputs=None)
     args_before = [held(args) for args in output_args]
     model_outputs = _side("suite", _call_model)(model, inputs, c, POISONS[poison], PADDED_LAYOUT)
-    logits_before = [{k: v.detach().clone() for k, v in _tensor_fields(o).items()} for o in model_outputs]
+    outputs_before = [{k: v.detach().clone() for k, v in _tensor_fields(o).items()} for o in model_outputs]
     processors = [_processor(c, r) for r in range(len(engines))]
 
     def call(eng, r):
@@ -230,7 +230,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
     calls = [(lambda eng=eng, r=r: call(eng, r)) for r, eng in enumerate(engines)]
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
     return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, args_before=args_before,
-                           model_outputs=model_outputs, logits_before=logits_before,
+                           model_outputs=model_outputs, outputs_before=outputs_before,
                            rank_outputs=[_views_out(o) for o in raw])
 
 
@@ -329,7 +329,7 @@ def check_unchanged(c, mb, run, fresh):
     model's output (its logits, or hidden states and LM-head weight) and output_args as they were before the engine
     ran."""
     micro_batch_unchanged(batch_items(fresh), batch_items(mb))
-    model_output_unchanged([_tensor_fields(out) for out in run.model_outputs], run.logits_before)
+    model_output_unchanged([_tensor_fields(out) for out in run.model_outputs], run.outputs_before)
     output_args_unchanged(run.output_args, run.args_before)
 
 
