@@ -33,7 +33,7 @@ __all__ = ["Feature", "ShardLayout", "PaddedLayout", "OutputSpan", "HeadInput", 
            "EngineUnderTest", "InputsView", "OutputsView", "Precision", "CONTRACT_PRECISION", "ConfigSwitch",
            "ReproSnippet", "verl_fsdp_view", "media_view", "MEDIA_TOKEN_TYPES", "MEDIA_TOKEN_MARKS", "HELPERS",
            "HELPER_FEATURES", "ENGINE_FEATURE", "response_view", "completion_view", "action_view",
-           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS"]
+           "sequences_from_responses", "sequences_from_rows", "read_flags", "FLAG_DEFAULTS", "sp_process_group"]
 
 
 ENGINE_FEATURE = Feature.ENGINE
@@ -142,6 +142,26 @@ def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, An
 #: ``image_mask`` / ``video_mask``, where its VL models place the features
 MEDIA_TOKEN_TYPES = "mm_token_type_ids"
 MEDIA_TOKEN_MARKS = (MEDIA_TOKEN_TYPES, "image_mask", "video_mask")
+
+
+def sp_process_group(sp_size: Any, sp_rank: Any, all_gather: Any, library: str) -> Any:
+    """The ``torch.distributed`` process group an engine's sequence parallelism reads (verl's Ulysses path, SkyRL's),
+    from :meth:`EngineUnderTest.make`'s settings: None for ``sp_size`` 1; above 1, the ``all_gather``'s ``.group``
+    (on the suite's real ranks, :class:`impl.sequence_parallel.TorchDistributedAllGather` carries it), whose world size
+    and rank must be ``sp_size`` and ``sp_rank``. ``library`` names the engine in the errors."""
+    if int(sp_size or 1) <= 1:
+        return None
+    group = getattr(all_gather, "group", None)
+    if group is None:
+        raise NotImplementedError(
+            f"{library} sequence parallelism (sp_size={sp_size}) needs a torch.distributed process group: pass an "
+            "all_gather with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks "
+            "(spec.execute.ranks)")
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if world != int(sp_size) or rank != sp_rank:
+        raise ValueError(f"{library}: sp_size={sp_size}, sp_rank={sp_rank} do not match the process group "
+                         f"(world {world}, rank {rank})")
+    return group
 
 
 def media_view(model_inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:

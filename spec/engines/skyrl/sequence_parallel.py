@@ -6,7 +6,8 @@ log-probs and entropy back with ``gather_outputs_and_unpad``, both through SkyRL
 (``skyrl_train.distributed.ulysses.utils``: ``set_ulysses_sequence_parallel_group``, as its FSDP workers set it).
 So an ``sp > 1`` engine object runs on the suite's real ranks (:mod:`spec.execute.ranks`), built with the
 ``all_gather`` the rank worker hands every engine, whose ``.group`` is the rank's process group
-(:class:`impl.sequence_parallel.TorchDistributedAllGather`): :func:`ulysses_rank` checks it, and :class:`OnRank` runs
+(:class:`impl.sequence_parallel.TorchDistributedAllGather`): :func:`ulysses_rank` checks it (the protocol's
+:func:`~spec.protocol.engine.sp_process_group`, verl's check too), and :class:`OnRank` runs
 the engine object's calls with SkyRL's group set (:func:`ulysses_group`) and keeps what SkyRL's own slicing returned
 (:func:`recording_slices`), so the view reads the labels this rank scores (the rolled ids' shard) as SkyRL cut them,
 not as the suite would. :class:`UlyssesOnRealRanks` is what the engine class adds.
@@ -18,10 +19,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
 
-import torch.distributed as dist
-
 from ...protocol import Feature, InputsView
-from ...protocol.engine import media_view
+from ...protocol.engine import media_view, sp_process_group
 from ..kit import rows_view
 
 __all__ = ["UlyssesRank", "ulysses_rank", "ulysses_group", "recording_slices", "sharded_rows_view", "AloneOnItsRank",
@@ -36,19 +35,10 @@ class UlyssesRank(NamedTuple):
 
 
 def ulysses_rank(sp_size: Any, sp_rank: Any, all_gather: Any, library: str) -> UlyssesRank:
-    """The rank's group from the suite's settings: ``sp_size`` 1 runs without one; above 1 the ``all_gather`` must
-    carry the real process group (``.group``) whose world size and rank are ``sp_size`` and ``sp_rank``."""
-    size = int(sp_size or 1)
-    if size <= 1:
-        return UlyssesRank(1, None)
-    group = getattr(all_gather, "group", None)
-    if group is None:
-        raise NotImplementedError(f"{library}: Ulysses sequence parallelism (sp_size={size}) needs a torch.distributed "
-                                  "process group: an all_gather with a .group, on real ranks (spec.execute.ranks)")
-    if dist.get_world_size(group) != size or dist.get_rank(group) != sp_rank:
-        raise ValueError(f"{library}: sp_size={size}, sp_rank={sp_rank} do not match the process group (world "
-                         f"{dist.get_world_size(group)}, rank {dist.get_rank(group)})")
-    return UlyssesRank(size, group)
+    """The rank's group from the suite's settings (:func:`spec.protocol.engine.sp_process_group`: none for
+    ``sp_size`` 1; above 1 the ``all_gather``'s real process group, its world size and rank checked)."""
+    group = sp_process_group(sp_size, sp_rank, all_gather, library)
+    return UlyssesRank(1, None) if group is None else UlyssesRank(int(sp_size), group)
 
 
 def _ulysses_utils(wrapper_class: type) -> Any:

@@ -53,11 +53,10 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from ...cases.structure import DISTILLATION_KEYS
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
-from ...protocol.engine import CONTRACT_PRECISION, HELPERS, EngineUnderTest, Precision, ReproSnippet
+from ...protocol.engine import CONTRACT_PRECISION, HELPERS, EngineUnderTest, Precision, ReproSnippet, sp_process_group
 from ...protocol.microbatch import MicroBatchLayer
 from ...protocol.profile import drawn_config
 from ...protocol.step import StepLayer
@@ -377,7 +376,7 @@ class VerlEngine(EngineUnderTest):
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
         sp_size = int(settings.pop("sp_size", 1) or 1)
         sp_rank = settings.pop("sp_rank", 0)
-        group = getattr(settings.pop("all_gather", None), "group", None)
+        all_gather = settings.pop("all_gather", None)
         bucket = settings.pop("pad_to_length", None)
         cu_seqlens = bool(settings.pop("pass_cu_seqlens", False))
         chunk = settings.pop("entropy_chunk_size", None)
@@ -390,15 +389,14 @@ class VerlEngine(EngineUnderTest):
                 raise NotImplementedError(f"verl adapter: {unseen}=True is not run by the suite")
         if settings:
             raise TypeError(f"unknown engine settings for verl: {sorted(settings)}")
-        if sp_size > 1:
-            _check_sp_group(group, sp_size, sp_rank)
+        group = sp_process_group(sp_size, sp_rank, all_gather, "verl's Ulysses")  # None for sp_size 1
         if bucket and not self.caps.bucket:
             raise NotImplementedError(self.lacks("bucket"))
         eng = object.__new__(self._classes[head])
         # what FSDPEngine.__init__ derives from ulysses_sequence_parallel_size (the group: its device mesh's "sp")
         eng.use_ulysses_sp = sp_size > 1
         eng.ulysses_sequence_parallel_size = sp_size
-        eng.ulysses_parallel_group = group if sp_size > 1 else None
+        eng.ulysses_parallel_group = group
         chunked = getattr(self._verl_F, "entropy_from_logits_with_chunking", None)
         if chunk and chunked is None:
             raise NotImplementedError(self.lacks("chunking"))
@@ -465,17 +463,3 @@ class VerlEngine(EngineUnderTest):
 
     def __repr__(self) -> str:
         return f"<engine verl {self.caps.version}>"
-
-
-
-
-def _check_sp_group(group: Any, sp_size: int, sp_rank: Any) -> None:
-    """verl's Ulysses path reads world size and rank off a real process group: it must match the settings."""
-    if group is None:
-        raise NotImplementedError(
-            "verl's Ulysses sequence parallelism needs a torch.distributed process group: pass an all_gather "
-            "with a .group (impl.sequence_parallel.TorchDistributedAllGather) on real ranks (spec.execute.ranks)")
-    if dist.get_world_size(group) != sp_size or dist.get_rank(group) != sp_rank:
-        raise ValueError(f"sp_size={sp_size}, sp_rank={sp_rank} do not match the process group "
-                         f"(world {dist.get_world_size(group)}, rank {dist.get_rank(group)})")
-
