@@ -18,7 +18,7 @@ from tensordict import NonTensorStack
 from ..cases.materialize import materialize
 from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
-from ..protocol.profile import Convention, HeadInput, padded_layout_of, profile_of, tail_multiple_of
+from ..protocol.profile import Convention, Feature, HeadInput, padded_layout_of, profile_of, tail_multiple_of
 from ..protocol.vendor import assignments
 
 __all__ = ["batch_data", "case_data", "declarations", "declared_precision", "INLINE_LIMIT"]
@@ -63,8 +63,8 @@ def declared_precision(engine: EngineUnderTest, case: EngineCase) -> dict[str, t
 def declarations(engine: EngineUnderTest, case: Any = None) -> str:
     """What the file's checks read of the engine's declarations, as its assignment lines: its padded layout (on
     ``case``, where given: a drawn switch may change it) and output span, whether its profile promises verl's int32
-    attention mask, its tail multiple, the settings it refuses, what its model hands it (the invariants read the
-    same)."""
+    attention mask, its tail multiple, the settings it refuses, what its model hands it, whether it hands over a
+    per-token temperature (the invariants read the same)."""
     return assignments({
         "PADDED_LAYOUT": (padded_layout_of(engine, case) if case is not None
                           else PaddedLayout(getattr(engine, "padded_layout", PaddedLayout.RIGHT))).value,
@@ -72,14 +72,17 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
         "INT32_ATTENTION_MASK": profile_of(engine).promises(Convention.INT32_ATTENTION_MASK),
         "TAIL_MULTIPLE": tail_multiple_of(engine, case) if case is not None else profile_of(engine).tail_multiple,
         "REFUSES": sorted(profile_of(engine).refuses),
-        "HEAD_INPUT": HeadInput(getattr(engine, "head_input", HeadInput.LOGITS)).value}, {
+        "HEAD_INPUT": HeadInput(getattr(engine, "head_input", HeadInput.LOGITS)).value,
+        "HANDS_TEMPERATURE": engine.lacks(Feature.TEMPERATURE_HANDOFF) is None}, {
         "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
         "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
         "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
         "TAIL_MULTIPLE": "its packed row is padded at its tail to a multiple of this on the case (None: no rule)",
         "REFUSES": "the settings its profile declares unsupported (INV-FLAG-004/005: each call must refuse them)",
         "HEAD_INPUT": "what the stand-in model hands its lm head's output step: logits, or (a fused head) hidden "
-                      "states and the LM-head weight"})
+                      "states and the LM-head weight",
+        "HANDS_TEMPERATURE": "its input step hands its output step a per-token temperature (the rank checks read "
+                             "it; an engine lacking the hand-off takes one float)"})
 
 
 def _plain(value: Any) -> Any:

@@ -192,7 +192,8 @@ def _processor(c, r):
 
 
 def _tensor_fields(output):
-    """The model output's tensors by name: its logits, or (a fused head's model) its hidden states and LM-head weight."""
+    """The model output's tensors by name: its logits, or (a fused head's model) its hidden states and LM-head
+    weight."""
     return {k: v for k, v in vars(output).items() if isinstance(v, torch.Tensor)}
 
 

@@ -91,7 +91,8 @@ def rank_pad_and_tail(ids, positions, labels, temperatures, pad_sizes, rank_outp
                       sp_size: int, bucket, mrope: bool, leaked) -> None:
     """INV-RANK-003: pad_size = the bucket and sequence-parallel pad (``padded`` - total_nnz), each rank holds
     ``padded / sp`` tokens, the tail's positions restart at 0 with temperature 1 (``temperatures`` None: an engine that
-    hands its output step no temperature), and every rank's outputs hold exactly the real tokens; ``leaked(key, value)``: the (sequence, position) pairs of an output a consumer reads that
+    hands its output step no temperature), and every rank's outputs hold exactly the real tokens;
+    ``leaked(key, value)``: the (sequence, position) pairs of an output a consumer reads that
     are not finite where they should be (what the poisoned tail put there)."""
     total = sum(seq_lens)
     pad, local = padded - total, padded // sp_size
@@ -107,13 +108,14 @@ def rank_pad_and_tail(ids, positions, labels, temperatures, pad_sizes, rank_outp
                  "padded row when every rank gets it)")
     row = joined_row(ids, whole)[0]
     pos = joined_row(positions, whole)
-    temps = torch.ones(padded) if temperatures is None else torch.cat(  # None: the engine hands over none
-        [_token_temperature(sp_size, r, t) for r, t in enumerate(temperatures)])
+    tail_temps = None if temperatures is None else torch.cat(  # None: the engine hands over none
+        [_token_temperature(sp_size, r, t) for r, t in enumerate(temperatures)])[total:]
     tail_pos = pos[..., 0, total:] if mrope else pos[0, total:]
-    if row.shape[0] != padded or not restarts(tail_pos) or not torch.equal(temps[total:], torch.ones(pad)):
+    if row.shape[0] != padded or not restarts(tail_pos) or \
+            (tail_temps is not None and not torch.equal(tail_temps, torch.ones(pad))):
         fail(f"sp={sp_size}: packed row of {row.shape[0]} tokens (expected {padded}), tail positions "
-             f"{tail_pos.tolist()}, temperature {temps[total:].tolist()}; expected positions from 0 on every axis "
-             "(runs 0, 1, 2, ...) and ones")
+             f"{tail_pos.tolist()}, temperature {'none handed over' if tail_temps is None else tail_temps.tolist()}; "
+             "expected positions from 0 on every axis (runs 0, 1, 2, ...) and ones")
     offsets = torch.tensor((0, *seq_lens)).cumsum(0)
     for r, outputs in enumerate(rank_outputs):
         for key, value in outputs.items():

@@ -6,8 +6,9 @@ their own functions. These helpers split the suite's nested micro-batch into suc
 them out as ``generate`` returns them with the library's own pad function (:func:`left_right_rows`), put a
 shifted packed row's values back on the sequences (:func:`from_shifted_row`) and read the single float
 temperature both libraries take (:func:`one_temperature`); flags are read with the contract's typed reader
-(``impl.flags.BatchFlags``). SkyRL's adapter uses them too, and turns its response-only ``(B, R)`` outputs, left- or
-right-aligned, into nested ones (:func:`sequences_from_response_rows`). A vision-language micro-batch's images and
+(``impl.flags.BatchFlags``). Response-only ``(B, R)`` outputs, left- or right-aligned, become nested ones
+(:func:`sequences_from_response_rows`), or, read at the library's own response mask as its trainer reads them, SkyRL's
+(:func:`sequences_from_masked_rows`). A vision-language micro-batch's images and
 videos are read per sample (:func:`media_samples`, each sample's processor dict) with the model config's media token
 ids beside them (:func:`media_token_ids`).
 """
@@ -26,8 +27,8 @@ from ...protocol.errors import OneTemperatureError
 from ...truth.media_checks import stack_entries
 
 __all__ = ["samples", "one_temperature", "BatchFlags", "OneTemperatureError", "left_right_rows", "from_shifted_row",
-           "LeftRightRows", "left_aligned", "sequences_from_response_rows", "sequences_from_masked_rows", "media_samples",
-           "media_token_ids"]
+           "LeftRightRows", "left_aligned", "sequences_from_response_rows", "sequences_from_masked_rows",
+           "media_samples", "media_token_ids"]
 
 
 def samples(mb, key: str) -> list[torch.Tensor]:
@@ -108,17 +109,21 @@ def sequences_from_masked_rows(outputs: dict[str, torch.Tensor | None], mb, mask
     order, as its trainer reads them (SkyRL's ``response_mask``, 0.3.1's ``action_mask``), as nested tensors over the
     sequences. A mask that does not mark each row's ``r_i`` response tokens is a ValueError naming its shape and
     counts. An output that is None is left out."""
-    lens, out = mb["responses"].offsets().diff(), {}
+    lens, keep = mb["responses"].offsets().diff(), mask.bool()
+    counts = keep.sum(-1).cpu()
+    if not torch.equal(counts, lens.cpu()):
+        raise ValueError(f"response_mask of shape {tuple(mask.shape)} marks {counts.tolist()} tokens per row; the "
+                         f"responses have {lens.tolist()}")
+    first = torch.arange(keep.shape[-1], device=keep.device) < lens.to(keep.device).unsqueeze(1)  # where they go
+    out = {}
     for key, rows in outputs.items():
         if rows is None:
             continue
-        keep = mask.to(rows.device).bool()
-        counts = keep.sum(-1).cpu()
-        if keep.shape != rows.shape[:2] or not torch.equal(counts, lens.cpu()):
-            raise ValueError(f"response_mask of shape {tuple(mask.shape)} marks {counts.tolist()} tokens per row of "
-                             f"{key!r} {tuple(rows.shape)}; the responses have {lens.tolist()}")
+        if tuple(rows.shape[:2]) != tuple(keep.shape):
+            raise ValueError(f"{key!r} of shape {tuple(rows.shape)} is not read by a response_mask of shape "
+                             f"{tuple(mask.shape)}")
         moved = rows.new_zeros(rows.shape)  # each row's marked values first, in order (what the protocol reads)
-        moved[torch.arange(rows.shape[1], device=rows.device) < lens.to(rows.device).unsqueeze(1)] = rows[keep]
+        moved[first.to(rows.device)] = rows[keep.to(rows.device)]
         out[key] = sequences_from_responses(moved, mb)
     return out
 

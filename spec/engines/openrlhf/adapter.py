@@ -60,7 +60,7 @@ class OpenRLHFObject:
         a = {"temperature": one_temperature(mb), "packed": f.use_remove_padding,
              "sequences": merged_rows(pad, list(seqs), self.stack, side="right", value=f.pad_token_id),
              "attention_mask": merged_rows(pad, [torch.ones_like(s) for s in seqs], self.stack, side="right"),
-             **vlm_args(mb, pos, f.use_remove_padding, self.config)}  # a VLM's images, config and own positions (media.py)
+             **vlm_args(mb, pos, f.use_remove_padding, self.config)}  # a VLM's images, config, positions (media.py)
         return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, a)), a, list(pos), pad), a
 
     def prepare_model_outputs(self, output, output_args, mb, logits_processor_func=None):

@@ -58,9 +58,10 @@ from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
 
-__all__ = ["GRPO_ROWS", "TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
+__all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
            "padded_positions", "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions",
-           "sft_scores", "from_shifted_rows", "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows"]
+           "sft_scores", "from_shifted_rows", "fused_labels", "sft_fused_scores", "METRICS_ONLY", "completion_scores", "sft_rows",
+           "GRPO_ROWS"]
 
 _COLLATOR = (
     ConfigSwitch("pad_to_multiple_of", (None, 8), "SFTConfig.pad_to_multiple_of: the padding-free row padded at its "

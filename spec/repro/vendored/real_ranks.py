@@ -21,7 +21,7 @@ BOUND = ("SP_GROUP", "WORLD", "run_ranks", "join_group", "ShardedTopKProcessor",
          "ToyCausalLM", "execution_context", "make_engine", "_settings", "_views_in", "check_model_inputs", "_tracked",
          "rank_outputs", "POISONS", "POISON", "_views_out", "RUNS", "build_micro_batch", "CHECK_NAMES", "INPUTS_ONLY",
          "CHECKS", "INVARIANT", "padded_length", "reference", "read_positions", "OUTPUT_SPAN", "TAIL_MULTIPLE",
-         "rank_pad_and_tail", "rank_shapes", "rank_labels")
+         "HANDS_TEMPERATURE", "rank_pad_and_tail", "rank_shapes", "rank_labels")
 
 
 def _rank_processor(c, rank):
@@ -155,10 +155,9 @@ def _leaked(c, mb, run):
 
 
 def _handed_temperatures(run):
-    """Every rank's per-token temperature hand-off, or None where no rank hands one over (an engine that lacks the
-    hand-off: one float per forward, SkyRL's; the suite reads its declaration)."""
-    temps = _field(run, "temperature")
-    return temps if any(isinstance(t, torch.Tensor) for t in temps) else None
+    """Every rank's per-token temperature hand-off, or None for an engine that declares none (HANDS_TEMPERATURE
+    False: it lacks the hand-off, one float per forward, SkyRL's), as the suite reads it."""
+    return _field(run, "temperature") if HANDS_TEMPERATURE else None
 
 
 def check_rank_pad(c, mb, run):
