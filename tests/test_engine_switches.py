@@ -26,7 +26,8 @@ CASE = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 1), vocab=9, tempe
     ("trl", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "entropy_requires_grad",
              "row_mask", "model_takes_logits_to_keep", "index_k"}),
     ("trl-fused", {"pad_to_multiple_of", "prepacked", "sft_collator", "return_position_ids", "cast_lm_head_to_fp32",
-                   "compute_loss_func", "shift_labels", "logit_scaling", "moe_router"}),
+                   "compute_loss_func", "shift_labels", "logit_scaling", "moe_router", "score_chunk",
+                   "vision_family"}),
     ("openrlhf", {"action_mask", "stack", "return_logprobs", "allgather_logits", "video_token_id"})])
 def test_switches_are_declared(name, switches) -> None:
     assert {switch.name for switch in load_engine(name).config_space()} == switches
@@ -251,3 +252,61 @@ def test_openrlhf_action_mask_scores_the_response_only() -> None:
     log_probs = execute(engine, case).outputs["log_probs"].unbind()
     assert [seq[: p - 1].abs().sum().item() for seq, p in zip(log_probs, case.prompt_lens)] == [0.0, 0.0, 0.0]
     assert engine.output_span_of(case).value == "response" and engine.output_span_of(CASE).value == "sequence"
+
+
+def _family_cases():
+    from spec.engines.trl.vision_families import FAMILY_CASES
+    return [case.with_(use_remove_padding=False) for case in FAMILY_CASES]
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+@pytest.mark.parametrize("case", _family_cases(), ids=lambda c: dict(c.engine_config)["vision_family"])
+def test_trl_fused_vision_families_are_sliced_per_chunk(case, monkeypatch) -> None:
+    """Each vision family's processor output (vision_family) through GRPO's chunked scoring (score_chunk): GRPO calls
+    the backbone once per chunk with that family's keys (its own slicing branch), and the images the stand-in reads
+    back are the case's: the outputs are the Qwen2-VL run's. Idefics3's per-sample layout with images as many as rows,
+    spread unevenly, is TRL's PER_SAMPLE_AS_PER_IMAGE: the model is handed other rows' image slots."""
+    from trl.trainer import grpo_trainer
+    from spec.engines.trl.records import PER_SAMPLE_LAYOUT
+    from spec.engines.trl.vision_families import FAMILY_KEYS
+    calls = []
+    original = grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__
+
+    def recording(trainer, model, *args, **kwargs):
+        model.register_forward_pre_hook(lambda _, __, kw: calls.append(sorted(k for k in kw if k in FAMILY_KEYS)),
+                                        with_kwargs=True)
+        return original(trainer, model, *args, **kwargs)
+    monkeypatch.setattr(grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies, "__wrapped__", recording)
+    engine, family = load_engine("trl-fused"), dict(case.engine_config)["vision_family"]
+    if PER_SAMPLE_LAYOUT(case):
+        with pytest.raises(ValueError, match="hold other image slots"):
+            execute(engine, case)
+        return
+    at = Ctx(engine, case, "cpu", case.mode).read
+    got, want = _read(engine, case, at), _read(engine, case.with_(engine_config=()), at)
+    assert torch.allclose(torch.tensor(got["log_probs"]), torch.tensor(want["log_probs"]), atol=1e-5), family
+    chunk = dict(case.engine_config)["score_chunk"]
+    assert len(calls) >= 2 * -(-len(case.prompt_lens) // chunk), calls  # every chunk, in both runs of the forward
+    assert any("pixel_values" in keys for keys in calls), calls
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (spec/engines/trl/ci.sh)")
+@pytest.mark.parametrize("key", ["image_sizes", "image_position_ids", "spatial_shapes"])
+def test_trl_fused_an_image_sliced_off_its_size_is_caught(key, monkeypatch) -> None:
+    """A chunk handed its images beside another image's size or patch places (GRPO slicing the family's size key off
+    the image range, here: rolled by one image) reaches the stand-in as other patches under other grids: INV-MM-001
+    (the images the model is handed are the case's) fails on the family's reach case."""
+    from trl.trainer import grpo_trainer
+    from spec.invariants import CATALOGUE
+    family = {"image_sizes": "llava_next", "image_position_ids": "gemma4", "spatial_shapes": "lfm2_vl"}[key]
+    case = next(c for c in _family_cases() if dict(c.engine_config)["vision_family"] == family)
+    original = grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__
+
+    def missliced(trainer, model, *args, **kwargs):
+        kwargs[key] = kwargs[key].roll(1, 0)
+        return original(trainer, model, *args, **kwargs)
+    engine = load_engine("trl-fused")
+    CATALOGUE["INV-MM-001"].check(Ctx(engine, case, "cpu", "padded"))  # passes as TRL slices it
+    monkeypatch.setattr(grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies, "__wrapped__", missliced)
+    with pytest.raises(AssertionError):
+        CATALOGUE["INV-MM-001"].check(Ctx(engine, case, "cpu", "padded"))

@@ -124,3 +124,22 @@ def test_a_fused_head_reproducer_runs_standalone(tmp_path, invariant: str, code:
     got, printed = run_reproducer(path)
     assert got == code, printed
     assert code == 0 or "temperature=-1.0" in printed and "expected the engine to raise" in printed, printed
+
+
+@pytest.mark.skipif(not HAS["trl"], reason="trl is not installed (the trl CI step)")
+def test_per_sample_as_per_image_reproduces_standalone(tmp_path) -> None:
+    """TRL's PER_SAMPLE_AS_PER_IMAGE (Idefics3's per-sample images scored in chunks, two, none and one image over
+    three rows) reproduces without the suite: INV-MM-001's reproducer exits 1, the model handed other rows' image
+    slots; the same case in LLaVA-NeXT's per-image layout passes."""
+    from spec.engines.trl.records import PER_SAMPLE_LAYOUT
+    from spec.engines.trl.vision_families import FAMILY_CASES
+    from spec.repro import run_reproducer, write_reproducer
+    for family, code in (("idefics3", 1), ("llava_next", 0)):
+        case = next(c for c in FAMILY_CASES if dict(c.engine_config)["vision_family"] == family)
+        case = case.with_(use_remove_padding=False)
+        assert PER_SAMPLE_LAYOUT(case) == bool(code)
+        path, why = write_reproducer(tmp_path / f"{family}.py", invariant="INV-MM-001", mode="padded",
+                                     engine=load_engine("trl-fused"), case=case)
+        assert why is None
+        got, printed = run_reproducer(path)
+        assert got == code and (not code or "hold other image slots" in printed), printed

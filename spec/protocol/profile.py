@@ -29,6 +29,10 @@ for an engine under test (``EngineUnderTest.profile``):
   lines and branches ``spec verify`` measures with coverage.py;
 * ``unreachable``: branches of the surface no CPU run can reach, each with its reason (``"module:line"`` ->
   ``"needs CUDA"``);
+* ``reach_cases``: the engine's own pinned cases (``spec.cases.EngineCase``s with its switches set), run by every
+  engine-case invariant beside the generated ones, as the suite's reach cases are (spec.run.runner): switch values
+  the draws combine with a rare input only by chance (TRL's vision families, drawn on one case in fifteen: an
+  image batch);
 * ``refuses``: settings the engine declares it does not support (names of
   ``spec.invariants.settings.REFUSALS`` -> why); INV-FLAG-004/005 hand it each and assert an exception, never
   tensors (an engine that declares none is not asked);
@@ -310,6 +314,7 @@ class EngineProfile:
     head_input: HeadInput = HeadInput.LOGITS
     config_space: tuple[ConfigSwitch, ...] = ()
     per_sample_temperature: bool = True
+    reach_cases: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         for mode in self.modes:

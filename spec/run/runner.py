@@ -208,7 +208,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
     limits.setdefault("media_modes", profile_of(engine).media_modes if engine is not None else MODES)
     limits.setdefault("mrope_modes", profile_of(engine).mrope_modes if engine is not None else MODES)
     cases = []
-    for case in (*SEED_CASES, *REACH_CASES):
+    for case in (*SEED_CASES, *REACH_CASES, *(profile_of(engine).reach_cases if engine is not None else ())):
         if mode in ("packed", "padded"):
             case = case.with_(use_remove_padding=mode == "packed")
         if engine is not None:  # an image-only engine gets the reach case's images; an engine without audio no clips

@@ -3,7 +3,8 @@
 * :func:`inputs_seen_by_model` and :func:`replaying`: for an engine that calls the model inside its own
   ``forward`` (OpenRLHF's ``Actor.forward``). The suite runs the model between its two steps, so such a forward
   runs twice: once with a model that records what it is handed and stops the forward (the input step), once
-  with a model that returns the harness's output (the output step).
+  with a model that returns the harness's output (the output step); :func:`calls_seen_by_model` records every call
+  of a forward that calls the model a chunk of rows at a time.
 * :func:`stub_imports`: heavy module-level imports stubbed strictly (:mod:`spec.engines.kit.stubs`): a stub's name
   that nobody declared raises when the code under test calls it or tests its truth, so a stub cannot change
   the code under test unnoticed; the names libraries call at import time have well-known values, declared once
@@ -44,7 +45,7 @@ from ...protocol.engine import media_view
 from ...protocol.errors import ModelNotCalled, StopForward
 from .stubs import GatheredParameters, StubReport, import_with_stubs, library_imports, without_init
 
-__all__ = ["inputs_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
+__all__ = ["inputs_seen_by_model", "calls_seen_by_model", "replaying", "ModelOutput", "stub_imports", "ThirdPartyEngine", "refuse_flags",
            "ModelNotCalled", "require", "HiddenStatesModel", "import_library", "install_bert_padding", "rows_view",
            "in_logits_dtype", "GatheredParameters", "stub_values"]
 
@@ -80,6 +81,31 @@ def inputs_seen_by_model(forward: Callable[[Callable[..., Any]], Any],
     except StopForward:
         return recorder.inputs
     raise ModelNotCalled("the engine's forward returned without calling the model")
+
+
+class _CallRecorder(_Recorder):
+    def __init__(self, positional: tuple[str, ...], reply: Callable[[dict[str, Any]], Any]):
+        super().__init__(positional)
+        self.reply, self.calls = reply, []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            super().__call__(*args, **kwargs)
+        except StopForward:
+            self.calls.append(self.inputs)
+        return self.reply(self.inputs)
+
+
+def calls_seen_by_model(forward: Callable[[Callable[..., Any]], Any], reply: Callable[[dict[str, Any]], Any],
+                        positional: tuple[str, ...] = ("input_ids",)) -> list[dict[str, Any]]:
+    """As :func:`inputs_seen_by_model`, for an engine that calls the model more than once (a chunk of rows at a time,
+    TRL's GRPO scoring): run ``forward(model)`` to its end with a model that records each call's keyword arguments
+    and answers ``reply(inputs)``; every call's inputs, in order."""
+    recorder = _CallRecorder(positional, reply)
+    forward(recorder)
+    if not recorder.calls:
+        raise ModelNotCalled("the engine's forward returned without calling the model")
+    return recorder.calls
 
 
 class ModelOutput(dict):
@@ -269,9 +295,14 @@ class _Backbone(torch.nn.Module):
 
     def __init__(self, hidden: torch.Tensor, head: _Head):
         super().__init__()
-        self.hidden, self.lm_head = hidden, head
+        self.hidden, self.lm_head, self.served = hidden, head, 0
 
     def forward(self, *args, **kwargs):
+        ids, rows = kwargs.get("input_ids", args[0] if args else None), self.hidden.shape[0]
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] < rows:
+            # a library scoring its rows a chunk at a time, in order (TRL's GRPO): the next chunk's hidden states
+            start, self.served = self.served % rows, self.served + ids.shape[0]
+            return SimpleNamespace(last_hidden_state=self.hidden[start:start + ids.shape[0]])
         return SimpleNamespace(last_hidden_state=self.hidden)
 
     def get_output_embeddings(self) -> _Head:

@@ -33,6 +33,13 @@ each changes the path TRL's own preparation takes, and each reaches the engine o
   logits and adds the load-balancing loss, and GRPO asks for that loss (``compute_aux_loss``); the stand-in's
   backbone returns two layers' router logits (a fixed projection of the hidden states), which feed that loss only: the
   log-probs and entropy a consumer reads are the harness's as before;
+* ``score_chunk`` (trl-fused; GRPO's ``per_device_train_batch_size``): GRPO scores the generation batch's old and
+  reference log-probs that many rows at a time (``_get_per_token_logps_and_entropies(batch_size=...)``), slicing each
+  chunk's rows, images, grids and media keys off the batch's; the stand-in backbone serves each chunk its rows'
+  hidden states in order (spec.engines.kit), and the model is handed every chunk's inputs, concatenated;
+* ``vision_family`` (trl-fused): a vision-language batch as another family's processor returns it (LLaVA-NeXT,
+  Gemma 3, Gemma 4, Idefics3, InternVL, LFM2-VL: :mod:`spec.engines.trl.vision_families`), so GRPO's slicing for
+  that family's keys runs; the stand-in reads the images back through the family's own sizes and masks;
 * ``compute_loss_func`` (trl-fused; ``SFTTrainer(compute_loss_func=...)``, or label smoothing): on SFT's rows the
   trainer calls the unpatched forward (no ``fused_lm_head``, no labels) for the logits its loss function reads, then
   the fused forward under ``torch.no_grad`` for its metrics: the log-probs and entropy are detached;
@@ -57,6 +64,7 @@ from ...protocol.engine import ConfigSwitch, PaddedLayout, sequences_from_rows
 from ...protocol.profile import drawn_config
 from ...protocol.known import When
 from ..kit.hf_batch import media_samples
+from .vision_families import FAMILIES
 
 __all__ = ["TRL_SWITCHES", "FUSED_SWITCHES", "LOGIT_SCALINGS", "MOE_CONFIG", "keeping_model", "gathered_log_probs",
            "padded_positions", "HEAD_IN_LOGITS_DTYPE", "DETACHED_ENTROPY", "sft_batch", "sft_padded", "sft_positions",
@@ -99,6 +107,13 @@ FUSED_SWITCHES: tuple[ConfigSwitch, ...] = (
                          "lm_head_multiplier": "Falcon-H1's: the same multiplier, read where the two above are unset"}),
     ConfigSwitch("moe_router", (False, True), "an MoE model's config (output_router_logits, 4 experts, top-2, "
                  "router_aux_loss_coef 0.001): router logits asked for, the load-balancing loss added"),
+    ConfigSwitch("score_chunk", (None, 1, 2), "GRPO scores the generation batch's old and reference log-probs "
+                 "per_device_train_batch_size rows at a time (_get_per_token_logps_and_entropies(batch_size=...)): "
+                 "each chunk's rows and images sliced off the batch's"),
+    ConfigSwitch("vision_family", (None, *FAMILIES), "the vision-language model's family: its processor's keys, "
+                 "which GRPO slices per chunk by what it finds (per image: LLaVA-NeXT's image_sizes, Gemma 3's "
+                 "token_type_ids, Gemma 4's image_position_ids; per sample: Idefics3's pixel_attention_mask; per "
+                 "tile: InternVL's num_tiles, LFM2-VL's spatial_shapes); None: Qwen2-VL's grids"),
 )
 
 #: the MoE config ``moe_router`` draws (Qwen3-MoE's and Mixtral's keys)

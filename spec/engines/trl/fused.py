@@ -14,13 +14,16 @@ from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
 
+import torch
+
 from ...protocol import HeadInput
-from ..kit import HiddenStatesModel, inputs_seen_by_model, require
+from ..kit import HiddenStatesModel, calls_seen_by_model, require
 from .adapter import TrlEngine, TrlObject
 from .step import trl_step_layer
 from .config import FUSED_SWITCHES, sft_fused_scores, sft_rows
 from .families import stand_in
-from .media import BACKBONE_MEDIA, grpo_media
+from .media import grpo_media, seen_by_backbone
+from .vision_families import FAMILY_CASES
 from .records import FUSED_OFF_PATH, FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
@@ -29,13 +32,16 @@ __all__ = ["TrlFusedEngine"]
 class TrlFusedObject(TrlObject):
     def prepare_model_inputs(self, mb):
         inputs, a = super().prepare_model_inputs(mb)
-        a["media"] = {} if a["sft"] else grpo_media(mb, self.utils.pad, a["keep"])
-        if a["media"]:  # what GRPO hands the backbone (its ids, mask and media), the sample's own positions beside
-            seen = inputs_seen_by_model(lambda backbone: self._grpo(HiddenStatesModel(None, None, backbone), a, False))
-            inputs = {**{k: seen[k] for k in ("input_ids", "attention_mask", *BACKBONE_MEDIA) if k in seen},
-                      "position_ids": inputs["position_ids"]}
+        family = self.config.get("vision_family")
+        a["media"] = {} if a["sft"] else grpo_media(mb, self.utils.pad, a["keep"], family)
+        if a["media"]:  # what GRPO hands the backbone, chunk by chunk, as the stand-in reads it; the positions beside
+            vocab = int(a["input_ids"].max()) + 1
+            calls = calls_seen_by_model(lambda backbone: self._grpo(HiddenStatesModel(None, torch.zeros(vocab, 1),
+                                                                                      backbone), a, False),
+                                        lambda seen: SimpleNamespace(last_hidden_state=torch.zeros(
+                                            *seen["input_ids"].shape, 1)))
+            inputs = {**seen_by_backbone(calls, family), "position_ids": inputs["position_ids"]}
         return inputs, a
-
     def _fused(self, model, a):
         self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"),
                                      cast_lm_head_to_fp32=bool(self.config.get("cast_lm_head_to_fp32")))
@@ -49,7 +55,7 @@ class TrlFusedObject(TrlObject):
         aux = hasattr(config, "output_router_logits") and getattr(config, "router_aux_loss_coef", 0.0) != 0.0
         return grpo._get_per_token_logps_and_entropies.__wrapped__(  # compute_aux_loss: GRPO's aux_loss_enabled
             trainer, model, a["input_ids"], a["attention_mask"], a["keep"], compute_entropy=entropy,
-            compute_aux_loss=aux, **a["media"])[:2]
+            compute_aux_loss=aux, batch_size=self.config.get("score_chunk"), **a["media"])[:2]
 
     def scores(self, output, a, entropy):
         model = stand_in(output, self.config)
@@ -65,7 +71,7 @@ class TrlFusedEngine(TrlEngine):
     # vision data)
     profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, off_path=FUSED_OFF_PATH,
                       head_input=HeadInput.HIDDEN, config_space=FUSED_SWITCHES, media=("image",),
-                      media_modes=("padded",))
+                      media_modes=("padded",), reach_cases=FAMILY_CASES)
 
     def engine_object(self, **config):
         return TrlFusedObject(**config)
