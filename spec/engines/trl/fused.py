@@ -24,7 +24,7 @@ from .config import FUSED_SWITCHES, sft_fused_scores, sft_rows
 from .families import stand_in
 from .media import grpo_media, seen_by_backbone
 from .vision_families import FAMILY_CASES
-from .records import FUSED_OFF_PATH, FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
+from .records import FUSED_EQUIVALENT_MUTANTS, FUSED_OFF_PATH, FUSED_RECORDS, FUSED_SURFACE, FUSED_UNREACHABLE
 
 __all__ = ["TrlFusedEngine"]
 
@@ -71,7 +71,8 @@ class TrlFusedEngine(TrlEngine):
     # vision data)
     profile = replace(TrlEngine.profile, surface=FUSED_SURFACE, unreachable=FUSED_UNREACHABLE, off_path=FUSED_OFF_PATH,
                       head_input=HeadInput.HIDDEN, config_space=FUSED_SWITCHES, media=("image",),
-                      media_modes=("padded",), reach_cases=FAMILY_CASES)
+                      media_modes=("padded",), reach_cases=FAMILY_CASES,
+                      equivalent_mutants=FUSED_EQUIVALENT_MUTANTS)
 
     def engine_object(self, **config):
         return TrlFusedObject(**config)

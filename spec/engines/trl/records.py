@@ -15,7 +15,7 @@ from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_I
 from .config import DETACHED_ENTROPY, GRPO_ROWS, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
 
 __all__ = ["REASONS", "LOGITS_RECORDS", "FUSED_RECORDS", "PROFILE", "FUSED_SURFACE", "FUSED_UNREACHABLE",
-           "FUSED_OFF_PATH"]
+           "FUSED_EQUIVALENT_MUTANTS", "FUSED_OFF_PATH", "PER_SAMPLE_LAYOUT"]
 
 IN_LOGITS_DTYPE = ("selective_log_softmax and entropy_from_logits compute in the logits' dtype (a per-row "
                    "log_softmax in bf16/fp16; outputs bf16/fp16): up to 0.06 nats of log-prob error in bf16, and "
@@ -174,6 +174,23 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
     "trl.experimental.sdft.sdft_trainer:SDFTTrainer._forward_logits:1103 dict key: key 'use_cache' dropped":
         "use_cache only decides whether the forward also builds and returns a KV cache (past_key_values); the "
         "logits SDFT reads are the same either way",
+}
+
+#: survivors of ``spec mutate --engine trl-fused`` that no input tells from TRL's code, each with why (by mutant id)
+_UNPATCHED_NONE = ("handed the unpatched forward as None (the mutant adds the keyword where it is None): a Hugging "
+                   "Face causal LM reads it only to compute a loss from labels, and the path that calls the unpatched "
+                   "forward (SFT's compute_loss_func logits) hands no labels; None is the keyword's own default")
+FUSED_EQUIVALENT_MUTANTS: dict[str, str] = {
+    **{key: why for key, why in EQUIVALENT_MUTANTS.items() if key.rsplit(":", 1)[0] in _BATCH},  # trl's shared
+    f"{_U}:add_fused_lm_head:1605 branch: condition negated": "shift_labels " + _UNPATCHED_NONE,
+    f"{_U}:add_fused_lm_head:1607 branch: condition negated": "num_items_in_batch " + _UNPATCHED_NONE,
+    f"{_U}:add_fused_lm_head:1662 inplace: .clamp -> .clamp_":
+        "mask.sum() is a fresh integer tensor nothing else holds (no gradient): clamping it in place gives the same "
+        "divisor",
+    f"{_U}:add_fused_lm_head:1674 compare: LtE -> Lt":
+        "the comparison runs only after text_config.model_type == 'gpt_oss' (a GPT-OSS config, declared another "
+        "model family: 1674->1677), which the stand-in's config never is; it would differ only under transformers "
+        "5.0.0 itself",
 }
 
 #: trl's profile: GRPO's batch (left-padded prompts, right-padded completions; SFT's right-padded rows where its
