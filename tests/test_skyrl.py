@@ -197,3 +197,30 @@ def test_sample_support_replay_renormalises_over_the_recorded_support(monkeypatc
         got = run.outputs[key].unbind()
         for i, (p, r) in enumerate(zip(CASE.prompt_lens, CASE.response_lens)):
             assert got[i][p - 1:p + r - 1].abs().max() < 1e-6, (key, i, got[i])
+
+
+_ROUTED = EngineCase(prompt_lens=(3, 1, 2), response_lens=(2, 1, 0), vocab=16, temperature=0.7,
+                     engine_config=(("routed_experts", "int16"),))
+
+
+@pytest.mark.skipif(not HAS["skyrl"], reason="skyrl is not installed (spec/engines/skyrl/ci.sh)")
+@pytest.mark.parametrize("packed", [True, False])
+def test_routes_are_collated_at_each_trajectorys_tokens(packed: bool, monkeypatch) -> None:
+    """With routed_experts drawn, 0.4.0's batch builder collates the rollout's routes (one array per trajectory, every
+    other one read-only as decoded from the wire) and INV-ROUTE-001 holds; a builder that writes each segment with
+    the next trajectory's routes (a planted misalignment) fails it, by the check. A batch whose routes miss a
+    trajectory is refused (routes_misaligned: INV-FLAG-004)."""
+    import sys
+    from spec.execute.attribution import AttributedEngine
+    from spec.invariants import Ctx
+    engine, case = AttributedEngine(load_engine("skyrl")), _ROUTED.with_(use_remove_padding=packed)
+    preprocess = sys.modules[engine.load()[-1].__module__]  # imported with its stubs (the kit's loader)
+    CATALOGUE["INV-ROUTE-001"].check(Ctx(engine, case, "cpu", case.mode))
+    CATALOGUE["INV-FLAG-004"].check(Ctx(engine, case, "cpu", case.mode))
+    fill = preprocess._fill_routed_expert_segment
+
+    def next_ones(packed_, cu_seqlens, routes, index):
+        fill(packed_, cu_seqlens, routes[1:] + routes[:1] if index == 0 else routes, index)
+    monkeypatch.setattr(preprocess, "_fill_routed_expert_segment", next_ones)
+    with pytest.raises(AssertionError, match="routed experts of sample 0"):
+        CATALOGUE["INV-ROUTE-001"].check(Ctx(engine, case, "cpu", case.mode))

@@ -11,7 +11,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from .media import MEDIA_TOKEN_FLAGS, MULTI_MODAL_KEY, MediaDraws, draw_media, media_stack
 from .structure import DenseCase, EngineCase
 from ..truth.rules import offsets as _offsets
+from ..truth.routes import ROUTES_KEY, rollout_routes
 from ..truth.vision import media_token_ids
+from ..protocol.profile import routes_dtype
 
 __all__ = ["jagged", "draws", "Draws", "materialize", "materialize_dense", "select_rows", "move", "PadMode", "MROPE_AXES"]
 
@@ -126,6 +128,10 @@ def materialize(case: EngineCase, device: torch.device | str = "cpu") -> TensorD
     if d.teacher_ids is not None:
         data["teacher_ids"] = jagged(view(d.teacher_ids, 0), lens)
         data["teacher_logprobs"] = jagged(view(d.teacher_logprobs, 0), lens)
+    if routes_dtype(case) is not None:  # an MoE rollout's routes (spec.truth.routes): captured rows, then zero rows
+        place, n = _positions(lens, "cpu"), torch.repeat_interleave(torch.tensor(lens), torch.tensor(lens))
+        routes = rollout_routes(ids, routes_dtype(case), place)
+        data[ROUTES_KEY] = jagged(routes * (place < n.clamp(min=2) - 1).reshape(-1, 1, 1), lens)
     td = TensorDict(data, batch_size=[case.batch_size], device=None)
     if d.media is not None:
         td.set(MULTI_MODAL_KEY, media_stack(d.media, case))

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from ..protocol.profile import POSITIONS, VISION, EngineProfile, takes_mode
+from ..protocol.profile import POSITIONS, ROUTES_SWITCH, VISION, EngineProfile, takes_mode
 from ..truth.audio import AUDIO_STRIDE
 from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
@@ -260,7 +260,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  contexts: tuple[str, ...] = CONTEXTS, config_space: tuple = (),
                  modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
                  media: tuple[str, ...] = (), media_modes: tuple[str, ...] = MODES,
-                 mrope_modes: tuple[str, ...] = MODES, pin_tail_rule: bool = False) -> EngineCase:
+                 mrope_modes: tuple[str, ...] = MODES, pin_tail_rule: bool = False,
+                 pin_routes: bool = False) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -278,7 +279,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     switches (``spec.protocol.ConfigSwitch``) drawn after it, each from its values (shrinking to the first, its
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``pin_tail_rule``: a switch that sets the packed row's tail multiple (``ConfigSwitch.tail_multiple``) is drawn
-    from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies).
+    from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies);
+    ``pin_routes`` likewise the switch collating routed experts (``spec.protocol.profile.ROUTES_SWITCH``, INV-ROUTE-001).
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
     small and batch tiers' mRoPE cases (images and videos) and, where it takes audio, of their 1-D cases (audio
     clips) (:func:`media_items`), so every earlier draw stays where it was; only in
@@ -377,32 +379,42 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
         mask_hole_rate=draw(st.sampled_from((0.2, 0.0, 0.5))),
         seed=draw(st.integers(0, 2**16)),
         context=draw(st.sampled_from(contexts)),
-        engine_config=_engine_config(draw, config_space, head, pin_tail_rule),
+        engine_config=_engine_config(draw, config_space, head, pin_tail_rule, pin_routes),
     )
     return _with_media(draw, case, media, tier, media_modes, pinned=mode is not None)
 
 
-def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False) -> tuple[tuple[str, object], ...]:
+def _pinned(switch, tail_rule: bool, routes: bool) -> bool:
+    """Whether ``switch`` is drawn off its default only: the one setting the tail multiple (``tail_rule``), the one
+    collating routed experts (``routes``)."""
+    return tail_rule and switch.tail_multiple or routes and switch.name == ROUTES_SWITCH
+
+
+def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False,
+                   pin_routes: bool = False) -> tuple[tuple[str, object], ...]:
     """The drawn values of the switches of ``space`` that differ from their defaults (the first value); a switch
-    needing the value head is drawn for value-head cases only; with ``pin_tail_rule``, a switch setting the tail
-    multiple is drawn off its default."""
+    needing the value head is drawn for value-head cases only; with ``pin_tail_rule`` (``pin_routes``), a switch
+    setting the tail multiple (collating routed experts) is drawn off its default."""
     drawn = []
     for switch in space:
         if switch.setting is not None or len(switch.values) < 2:
             continue
         if "value" in switch.needs and head != "value":
             continue
-        pinned = pin_tail_rule and switch.tail_multiple
+        pinned = _pinned(switch, pin_tail_rule, pin_routes)
         value = draw(st.sampled_from(switch.values[1:] if pinned else switch.values))
         if value != switch.values[0]:
             drawn.append((switch.name, value))
     return tuple(drawn)
 
 
-def with_tail_rule(case: EngineCase, space: tuple) -> EngineCase:
-    """``case`` with each switch of ``space`` that sets the tail multiple (``ConfigSwitch.tail_multiple``) at its first
-    value off the default, as ``engine_cases(pin_tail_rule=True)`` draws it (the pinned seed cases of INV-PAD-003)."""
-    pinned = {switch.name: switch.values[1] for switch in space if switch.tail_multiple and len(switch.values) > 1}
+def with_tail_rule(case: EngineCase, space: tuple, routes: bool = False) -> EngineCase:
+    """``case`` with each switch of ``space`` that sets the tail multiple (``ConfigSwitch.tail_multiple``; with
+    ``routes``: the one collating routed experts instead) at its first value off the default, as
+    ``engine_cases(pin_tail_rule=True)`` (``pin_routes``) draws it (the pinned seed cases of INV-PAD-003,
+    INV-ROUTE-001)."""
+    pinned = {switch.name: switch.values[1] for switch in space
+              if _pinned(switch, not routes, routes) and len(switch.values) > 1}
     if not pinned:
         return case
     kept = tuple((name, value) for name, value in case.engine_config if name not in pinned)

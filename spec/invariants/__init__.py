@@ -18,6 +18,7 @@ from . import microbatch_trainer  # noqa: F401 - the layer as a trainer calls it
 from . import media  # noqa: F401 - images and videos (multi_modal_inputs)
 from . import degenerate  # noqa: F401 - degenerate inputs real runs produce (a zero-length response)
 from . import step  # noqa: F401 - the whole training step: cut, loss aggregation, gradient (issue 49)
+from . import routes  # noqa: F401 - an MoE rollout's routed experts, collated for router replay
 from .core import CATALOGUE, Ctx, InvariantInfo
 
 __all__ = ["CATALOGUE", "Ctx", "InvariantInfo"]

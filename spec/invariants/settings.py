@@ -20,6 +20,7 @@ from ..cases.materialize import PadMode, materialize, materialize_dense
 from ..protocol.profile import profile_of
 from ..truth import settings_checks as checks
 from ..truth import slice_checks
+from ..truth.routes import routes_of, without_last_routes
 from ..truth.settings_checks import BAD_FLAGS, BOOL_FLAGS, FLAG_DEFAULTS, bad_settings, recode_flags
 from .core import Ctx, fail, invariant
 from .reproduction import Plan
@@ -93,6 +94,9 @@ REFUSALS = {
     "bucket_distillation": "a static bucket (pad_to_length) with top-K distillation (the contract's forbidden pair)",
     "temperature_nonpositive": "a temperature <= 0 (0.0 and -1.0, one float): an engine that declares it refuses it "
                                "raises (impl does), never returns inf/NaN or an inverted distribution",
+    "routes_misaligned": "routed experts that miss a sample's (the micro-batch's last sample's dropped: routes of "
+                         "another batch), where the case carries routes: the engine raises, never collates the "
+                         "routes onto other tokens",
 }
 
 
@@ -135,6 +139,9 @@ def _unsupported_refused(ctx: Ctx) -> None:
             bad.set_non_tensor("temperature", value)
             expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=bad),
                                 f"temperature={value} ({refuses['temperature_nonpositive']})")
+    if "routes_misaligned" in refuses and routes_of(run.micro_batch) is not None and case.batch_size > 1:
+        expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=without_last_routes(
+            run.micro_batch)), f"routed experts missing the last sample's ({refuses['routes_misaligned']})")
     if "bucket_distillation" in refuses and case.head == "lm" and case.use_remove_padding:
         bad = run.micro_batch.copy()
         bad.set_non_tensor("distillation_use_topk", True)

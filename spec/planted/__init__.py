@@ -80,6 +80,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
                lm=I.LossMaskAttention),
     PlantedBug("drop_distillation_padded", ("INV-KEYS-001", "INV-VAL-004"), lm=O.DropDistillationPadded),
     PlantedBug("mask_off_by_one", ("INV-MASK-001",), lm=I.MaskOffByOne),
+    PlantedBug("routes_one_token_late", ("INV-ROUTE-001",), lm=I.RoutesOneTokenLate, config=(I.ROUTES,)),
     PlantedBug("sum_pi_squared_missing_padded", ("INV-KEYS-002",), lm=O.SumPiSquaredMissingPadded),
     PlantedBug("shard_roll", ("INV-LABEL-002", "INV-SP-001"), lm=I.ShardRoll),
     PlantedBug("no_temperature_padded", ("INV-TEMP-001", "INV-VAL-001"), lm=O.NoTemperaturePadded),

@@ -7,6 +7,9 @@ import torch
 import impl
 from impl.flags import read_flag
 
+from ..protocol.profile import ROUTES_SWITCH, ConfigSwitch
+from ..truth.routes import routes_of
+
 def _is_padded(mb) -> bool:
     return not read_flag(mb, "use_remove_padding", True)
 
@@ -290,3 +293,32 @@ class PaddedIdsLeftAligned(impl.LMHeadEngine):
             cols = (torch.arange(width, device=ids.device).unsqueeze(0) - shift) % width
             mi["input_ids"] = ids.gather(1, cols)
         return mi, oa
+
+
+class RoutesOneTokenLate(impl.LMHeadEngine):
+    """With ``routed_experts`` on (router replay: the engine collates the rollout's routes per token), the routes are
+    laid over the packed row one token late (each token handed the route of the token before it, the row's first
+    that of the last): every sample's routes land on the next token, the first sample's on the second
+    (INV-ROUTE-001)."""
+
+    def __init__(self, **settings):
+        self.routes_on = settings.pop(ROUTES_SWITCH, None)
+        super().__init__(**settings)
+
+    def prepare_model_inputs(self, mb):
+        mi, oa = super().prepare_model_inputs(mb)
+        routes = routes_of(mb)
+        if self.routes_on and routes is not None:
+            lens = [int(t.shape[0]) for t in routes]
+            rows = torch.cat([torch.where(t.flatten(1).any(1).reshape(-1, 1, 1), t, _distinct(t)) for t in routes])
+            oa = {**oa, "routes": list(rows.roll(1, 0).split(lens))}
+        return mi, oa
+
+
+def _distinct(routes: torch.Tensor) -> torch.Tensor:
+    """Routes of distinct experts ``0..k-1`` in every layer, shaped as ``routes`` (a token without a captured one)."""
+    return torch.arange(routes.shape[-1], dtype=routes.dtype).expand(routes.shape)
+
+
+#: the switch RoutesOneTokenLate hides behind (the routes' dtype: verl's agent loop hands int16)
+ROUTES = ConfigSwitch(ROUTES_SWITCH, (None, "int16"), "router replay: the rollout's routed experts collated per token")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import (AUDIO_INPUT_KEYS, DEFAULT_PROFILE, MEDIA_INPUT_KEYS, VISION, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
+from .profile import (AUDIO_INPUT_KEYS, DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ROUTES_SWITCH, VISION, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
                       PaddedLayout, drawn_config, token_columns)
 from .vendor import source
 
@@ -102,6 +102,8 @@ class InputsView:
     * ``media``: the images' and videos' features and grids handed to the model, by the model's key names
       (``spec.protocol.profile.MEDIA_INPUT_KEYS``: ``pixel_values``, ``image_grid_thw``, ...) and the token types
       marks where handed (:data:`MEDIA_TOKEN_MARKS`); empty for none.
+    * ``routes``: the routed experts handed on for router replay, one ``(n_i, layers, top_k)`` tensor per sample
+      (each token's), as the engine collated them; None for none.
     """
 
     input_ids: torch.Tensor
@@ -117,13 +119,15 @@ class InputsView:
     return_dict: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     media: dict[str, torch.Tensor] = field(default_factory=dict)
+    routes: list[torch.Tensor] | None = None
 
 
 def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
     """The normalized view of verl's FSDP convention (impl, verl's FSDP and VeOmni engines, Automodel):
     ``output_args`` carry ``input_ids_rmpad_rolled`` and ``temperature_rmpad`` (packed) or ``temperature``
-    (padded) and ``pad_size``; ``model_inputs`` may carry ``cu_seqlens``/``cu_seqlens_cpu`` and, for fused
-    kernels, ``temperature``, ``shift_labels`` and ``return_dict``."""
+    (padded) and ``pad_size`` (and, where the engine collates routed experts, ``routes``); ``model_inputs`` may carry
+    ``cu_seqlens``/``cu_seqlens_cpu`` and, for fused kernels, ``temperature``, ``shift_labels`` and
+    ``return_dict``."""
     temperature = output_args.get("temperature_rmpad", output_args.get("temperature"))
     labels = output_args.get("input_ids_rmpad_rolled")
     return InputsView(input_ids=model_inputs["input_ids"], position_ids=model_inputs.get("position_ids"),
@@ -133,7 +137,8 @@ def verl_fsdp_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, An
                       temperature=temperature,
                       pad_size=int(output_args.get("pad_size", 0) or 0),
                       model_temperature=model_inputs.get("temperature"), model_labels=model_inputs.get("shift_labels"),
-                      return_dict=model_inputs.get("return_dict"), media=media_view(model_inputs))
+                      return_dict=model_inputs.get("return_dict"), media=media_view(model_inputs),
+                      routes=output_args.get("routes"))
 
 
 #: the model inputs that mark the media tokens of the ids: ``mm_token_type_ids`` each token text (0), image (1) or video
@@ -393,6 +398,9 @@ class EngineUnderTest:
         if feature is Feature.MEDIA and not set(self.profile.media) & set(VISION):
             return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
                     f"media={self.profile.media!r})")
+        if feature is Feature.ROUTES and not any(switch.name == ROUTES_SWITCH for switch in self.config_space()):
+            return (f"engine {self.name} collates no routed experts (no switch {ROUTES_SWITCH!r} in its configuration: "
+                    "MoE router replay)")
         if feature is Feature.AUDIO and "audio" not in self.profile.media:
             return (f"engine {self.name} hands its model no audio clips from multi_modal_inputs (its profile: "
                     f"media={self.profile.media!r})")

@@ -76,7 +76,7 @@ import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "VISION", "MEDIA_INPUT_KEYS", "AUDIO_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
-           "layout_starts", "token_columns", "profile_of", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
+           "layout_starts", "token_columns", "profile_of", "ROUTES_SWITCH", "routes_dtype", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
            "takes_mode", "drawn_config"]
 
 #: the two ways a trainer feeds the model
@@ -157,6 +157,9 @@ class Feature(str, Enum):
     #: audio clips: the engine hands an audio model a micro-batch's ``multi_modal_inputs`` (``"audio"`` in its
     #: profile's ``media``)
     AUDIO = "audio"
+    #: MoE router replay: the rollout's routed experts handed on per token (a switch of its configuration named
+    #: :data:`ROUTES_SWITCH` collates them: the micro-batch then carries ``routed_experts``)
+    ROUTES = "routes"
 
     @classmethod
     def parse(cls, name: "str | Feature") -> "Feature":
@@ -421,6 +424,17 @@ class EngineProfile:
 
 
 DEFAULT_PROFILE = EngineProfile()
+
+
+#: the switch of an engine's configuration that has it collate the rollout's routed experts (MoE router replay, R3),
+#: its values the routes' dtype (``spec.truth.routes.ROUTE_DTYPES``): drawn on, the micro-batch carries each sample's
+#: ``routed_experts`` (spec.cases.materialize) and INV-ROUTE-001 reads what the engine hands on (``InputsView.routes``)
+ROUTES_SWITCH = "routed_experts"
+
+
+def routes_dtype(case: Any) -> str | None:
+    """The dtype of the rollout's routes ``case`` carries (its :data:`ROUTES_SWITCH` drawn), or None."""
+    return drawn_config(case).get(ROUTES_SWITCH)
 
 
 def drawn_config(case: Any) -> dict[str, Any]:

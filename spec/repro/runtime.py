@@ -56,7 +56,10 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               # images and videos: what a model takes of them (spec/protocol/engine.py, spec/truth/vision.py) and the
               # check of what it is handed (spec/truth/media_checks.py)
               "MEDIA_INPUT_KEYS", "media_view", "media_token_ids", "audio_token_id", "samples_media",
-              "joined_ids", "media_inputs_handed")
+              "joined_ids", "media_inputs_handed",
+              # an MoE rollout's routed experts: the check of what is handed on, and a micro-batch's routes
+              # (spec/truth/routes.py)
+              "routes_handed", "routes_of", "without_last_routes", "ROUTES_SWITCH", "drawn_config")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -126,7 +129,7 @@ def build_micro_batch(run):
 #: what one rank hands the model and its own output step (the suite's InputsView fields); a key a snippet's
 #: view_inputs leaves out reads as None (pad_size as 0; media as the model takes them of the model inputs)
 VIEW_KEYS = ("input_ids", "position_ids", "attention_mask", "cu_seqlens", "cu_seqlens_host", "labels", "temperature",
-             "pad_size", "model_temperature", "model_labels", "return_dict", "media")
+             "pad_size", "model_temperature", "model_labels", "return_dict", "media", "routes")
 
 
 def _views_in(model_inputs, output_args):
@@ -141,7 +144,7 @@ def _views_in(model_inputs, output_args):
                 "temperature": output_args.get("temperature_rmpad", output_args.get("temperature")),
                 "pad_size": int(output_args.get("pad_size", 0) or 0),
                 "model_temperature": model_inputs.get("temperature"), "model_labels": model_inputs.get("shift_labels"),
-                "return_dict": model_inputs.get("return_dict")}
+                "return_dict": model_inputs.get("return_dict"), "routes": output_args.get("routes")}
     if view.get("media") is None:  # the images' and videos' keys the model takes, as handed (the suite's media_view)
         view["media"] = media_view(model_inputs)
     return {key: view.get(key, 0 if key == "pad_size" else None) for key in VIEW_KEYS}
@@ -384,6 +387,17 @@ def check_media_handed(c, mb, run, fresh):
                         *media_token_ids(c.vocab), joined, groups,
                         own_positions=[v["position_ids"] is None for v in run.views],
                         audio_id=audio_token_id(c.vocab) if c.has_audio else None)
+
+
+def check_routes_handed(c, mb, run, fresh):
+    """INV-ROUTE-001 (spec/truth/routes.py): every rank hands on each sample's captured routes at its own first tokens,
+    in sample order, the others routed to distinct experts; the samples' ids read off the micro-batch built afresh."""
+    dtype = drawn_config(c).get(ROUTES_SWITCH)
+    if dtype is None:
+        print("NOT EXERCISED: the case carries no routed experts")
+        return
+    for view in run.views:
+        routes_handed(view["routes"], list(fresh["input_ids"].unbind()), dtype)
 
 
 def check_grad(c, mb, run):
@@ -652,6 +666,8 @@ def check_refused(c, mb, run):
             bad = mb.copy()
             bad.set_non_tensor("temperature", value)
             problem = problem or _rejected(c, bad, f"temperature={value}")
+    if "routes_misaligned" in REFUSES and routes_of(mb) is not None and len(c.prompt_lens) > 1:
+        problem = problem or _rejected(c, without_last_routes(mb), "routed experts missing the last sample's")
     if "bucket_distillation" in REFUSES and c.head == "lm" and c.use_remove_padding:
         bad = mb.copy()
         bad.set_non_tensor("distillation_use_topk", True)
@@ -739,7 +755,8 @@ CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_posit
           "slice_dtypes": check_slice_dtypes, "mask_helper": check_mask_helper, "response_values": check_response_values,
           "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
           "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings, "refused": check_refused,
-          "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda}
+          "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda,
+          "routes_handed": check_routes_handed}
 #: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
           "rejects", "bad_settings", "refused"}
@@ -747,9 +764,9 @@ NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_help
 INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_shape", "mask_dtype", "labels",
                "shard_labels", "ids_fill", "positions_fill", "tail", "tail_rule", "tail_fill", "rolled_row",
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu",
-               "media_handed"}
+               "media_handed", "routes_handed"}
 #: checks that also read the micro-batch built afresh (what the engine was handed, untouched)
-WITH_FRESH = {"unchanged": check_unchanged, "media_handed": check_media_handed}
+WITH_FRESH = {"unchanged": check_unchanged, "media_handed": check_media_handed, "routes_handed": check_routes_handed}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
 

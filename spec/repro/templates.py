@@ -18,10 +18,10 @@ from pathlib import Path
 from ..execute import handoff, harness
 from ..protocol import engine as protocol_engine
 from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES, OutputSpan, PaddedLayout, ReproSnippet
-from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS, drawn_config, layout_starts
+from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS, ROUTES_SWITCH, drawn_config, layout_starts
 from ..protocol.vendor import assignments, definitions, source
 from ..truth import (audio, closeness, failing, handoff_checks, media_checks, microbatch_checks, oracle, outputs_checks,
-                     rank_checks, rules, settings_checks, slice_checks, state_checks, toy_model, vision)
+                     rank_checks, routes, rules, settings_checks, slice_checks, state_checks, toy_model, vision)
 from . import runtime
 from .vendored import loader, preamble, suite_guard
 
@@ -79,7 +79,9 @@ def suite_blocks() -> str:
               definitions(failing), definitions(closeness), definitions(handoff_checks), definitions(media_checks),
               definitions(outputs_checks),
               definitions(slice_checks), definitions(microbatch_checks), definitions(rank_checks),
-              definitions(state_checks), definitions(settings_checks)]
+              definitions(state_checks), definitions(settings_checks),
+              "# ---- an MoE rollout's routed experts (spec/truth/routes.py, spec/protocol/profile.py) ----",
+              assignments({"ROUTES_SWITCH": ROUTES_SWITCH}), definitions(routes)]
     return "\n".join(parts)
 
 

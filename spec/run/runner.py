@@ -224,6 +224,8 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
             case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
         if limits.get("pin_tail_rule") and engine is not None:  # the engine's tail rule on, as INV-PAD-003 draws it
             case = with_tail_rule(case, tuple(engine.config_space()))
+        if limits.get("pin_routes") and engine is not None:  # its routed experts collated, as INV-ROUTE-001 draws it
+            case = with_tail_rule(case, tuple(engine.config_space()), routes=True)
         case = info.adjust(case) if info.adjust else case
         cases.append(honour_engine(case, engine) if engine is not None else case)
     return cases

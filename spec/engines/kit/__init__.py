@@ -182,10 +182,11 @@ def stub_values(values: Mapping[str, Mapping[str, object]]) -> tuple[tuple[str, 
 def rows_view(model_inputs: Mapping[str, Any], output_args: Mapping[str, Any]) -> InputsView:
     """The hand-off of an engine whose ``output_args`` hold the dense rows it runs (``sequences``, ``attention_mask``:
     OpenRLHF's and SkyRL's forward take them so) and that scores each real token's next column: the model's inputs
-    as handed, the labels those rows rolled by one, token by token (``view_inputs = staticmethod(rows_view)``)."""
+    as handed, the labels those rows rolled by one, token by token (``view_inputs = staticmethod(rows_view)``), and
+    the routed experts it collated for router replay (``output_args["routes"]``, one tensor per sample), where any."""
     labels = torch.roll(output_args["sequences"], -1, 1)[output_args["attention_mask"].bool()]
     return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), model_inputs["attention_mask"],
-                      labels=labels, media=media_view(model_inputs))
+                      labels=labels, media=media_view(model_inputs), routes=output_args.get("routes"))
 
 
 def in_logits_dtype(key: str, case: Any) -> Precision:
@@ -254,8 +255,9 @@ class ThirdPartyEngine(EngineUnderTest):
 
     def lacks(self, feature: "str | Feature") -> str | None:
         feature = Feature.parse(feature)
-        # media and a tail rule: what its profile (and its switches) declare
-        if feature in {Feature.ENGINE, Feature.CUDA, Feature.MEDIA, Feature.AUDIO, Feature.TAIL_RULE} | set(self.offers):
+        # media, a tail rule, routed experts: what its profile (and its switches) declare
+        declared = {Feature.ENGINE, Feature.CUDA, Feature.MEDIA, Feature.AUDIO, Feature.TAIL_RULE, Feature.ROUTES}
+        if feature in declared | set(self.offers):
             return super().lacks(feature)
         return self.reasons.get(feature, f"{self.library} has no {feature.value}")
 

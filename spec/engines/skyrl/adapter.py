@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from ..kit.hf_batch import BatchFlags, one_temperature, samples, sequences_from_masked_rows
 from ..kit import ThirdPartyEngine, inputs_seen_by_model, refuse_flags, replaying
-from .config import batch_builder, num_actions, precision, replay_kwargs
+from .config import batch_builder, collated_routes, num_actions, precision, replay_kwargs, rollout_routes
 from .media import VisionModel, image_token_id, vlm_inputs, with_own_positions
 from .records import REASONS, PROFILE, RECORDS, TRAIN_PROFILE
 from .prescaled_step import PPO_UTILS, skyrl_step_layer
@@ -50,13 +50,13 @@ class SkyRLObject(AloneOnItsRank):  # its Ulysses group (.sp): none, or set on r
         f = refuse_flags(BatchFlags.from_batch(mb), "SkyRL's HFModelWrapper.forward")
         prompts, responses = [[t.tolist() for t in samples(mb, k)] for k in ("prompts", "responses")]
         pad = f.pad_token_id if self.new else SimpleNamespace(pad_token_id=f.pad_token_id)  # 0.3.1 takes a tokenizer
-        batch = batch_builder(self.collate, pad, prompts, responses, self.config, self.new)  # config.py
-        (seqs, mask, response_mask), device = batch()[:3], mb["input_ids"].device
+        batch = batch_builder(self.collate, pad, prompts, responses, self.config, self.new, rollout_routes(mb))
+        (seqs, mask, response_mask), device = batch()[:3], mb["input_ids"].device  # config.py
         args = {"sequences": seqs.to(device), "attention_mask": mask.to(device), "packed": f.use_remove_padding,
                 "num_actions": max(map(len, responses)), "temperature": one_temperature(mb), "batch": batch,
                 "responses": responses, "entropy": f.calculate_entropy, "vlm": mb["position_ids"].dim() == 3,
                 "image_token_id": image_token_id(mb), "response_mask": response_mask,  # its outputs read at the mask
-                "images": vlm_inputs(mb, self.wrapper, self.config) if self.new else {}}
+                "images": vlm_inputs(mb, self.wrapper, self.config) if self.new else {}, "routes": collated_routes(batch)}
         # a VLM computes its own (mRoPE) positions: the stand-in is handed the samples' own (media.py)
         return with_own_positions(inputs_seen_by_model(lambda model: self._forward(model, args)), args, mb), args
 

@@ -22,6 +22,11 @@
   check holds them to (computed in float32: :func:`precision`). A bounded ``top_k`` below the vocabulary is not
   drawn (the switch's ``unseen``): its log-probs are the policy's conditioned on the sampler's top-k, a quantity the
   contract does not define;
+* ``routed_experts`` (0.4.0; ``generator.inference_engine.enable_return_routed_experts``, an MoE model's router
+  replay, R3): the rollout's routed experts handed to the batch builder, one ``(captured, layers, top_k)`` array per
+  trajectory in the wire's dtype (uint8, int16, int32; every other one read-only, as decoded from the wire), which
+  collates them into one ``PackedTensor`` over every trajectory's tokens for the Megatron worker's replay
+  (INV-ROUTE-001 reads it; the FSDP forward does not take them);
 * ``images_concatenated`` (0.4.0's VLM): ``pixel_values`` and ``image_grid_thw`` handed as the concatenated tensors
   the Hugging Face model takes (what SkyRL's renderer, ``decode_mm_kwargs``, returns), not as per-sample
   ``TensorList`` s: ``forward`` hands them on as they are.
@@ -37,10 +42,11 @@ import torch
 
 from ...protocol.engine import ConfigSwitch, Precision
 from ...protocol.known import When
-from ...protocol.profile import drawn_config
+from ...protocol.profile import ROUTES_SWITCH, drawn_config
+from ...truth.routes import ROUTE_DTYPES, captured_rows, routes_of
 
 __all__ = ["TRAIN_SWITCHES", "SWITCHES", "SUPPORT_REPLAY", "batch_builder", "num_actions", "replay_kwargs",
-           "precision", "full_support"]
+           "precision", "full_support", "rollout_routes", "collated_routes"]
 
 _COMMON = (
     ConfigSwitch("rollout_logprobs", (False, True), "generator.sampling_params.logprobs=1: the rollout's per-token "
@@ -61,6 +67,9 @@ SWITCHES: tuple[ConfigSwitch, ...] = (
                                       "does not define (its log-probs are the full vocabulary's)"}),
     ConfigSwitch("images_concatenated", (False, True), "a VLM's pixel_values and image_grid_thw handed concatenated "
                  "(the renderer's tensors), not as per-sample TensorLists"),
+    ConfigSwitch(ROUTES_SWITCH, (None, *ROUTE_DTYPES), "an MoE rollout's routed experts (router replay, R3) handed to "
+                 "the batch builder per trajectory in the wire's dtype, which collates them into one PackedTensor "
+                 "for the Megatron worker's replay; a wire-decoded (read-only) array for every other trajectory"),
 )
 
 #: the cases whose log-probs and entropy forward takes over the recorded support (a text micro-batch, switch on)
@@ -69,11 +78,12 @@ SUPPORT_REPLAY = When("sample_support_replay on (a text micro-batch)", lambda ca
 
 
 def batch_builder(collate: Callable[..., tuple], pad: Any, prompts: list[list[int]], responses: list[list[int]],
-                  config: dict, new: bool) -> Callable[..., tuple]:
+                  config: dict, new: bool, routes: list[np.ndarray] | None = None) -> Callable[..., tuple]:
     """SkyRL's batch builder ``collate`` bound to the samples (``pad``: 0.4.0's pad id, 0.3.1's tokenizer) as the
     trainer calls it: zero rewards (0.3.1's as tensors where ``reward_tensors``), every response token loss-active,
     the rollout's log-probs where ``rollout_logprobs`` (any per-token values: the forward never reads them), 0.4.0's
-    ``max_seq_len``; the returned callable takes the rest (``rollout_sample_support``)."""
+    ``max_seq_len`` and the rollout's routed experts (``routes``); the returned callable takes the rest
+    (``rollout_sample_support``)."""
     tensors = not new and config.get("reward_tensors")
     kwargs: dict[str, Any] = {
         "rewards": [torch.zeros(len(r)) if tensors else [0.0] * len(r) for r in responses],
@@ -81,7 +91,31 @@ def batch_builder(collate: Callable[..., tuple], pad: Any, prompts: list[list[in
         "logprobs": [[-1.0] * len(r) for r in responses] if config.get("rollout_logprobs") else None}
     if new:
         kwargs["max_seq_len"] = config.get("max_seq_len")
+    if routes is not None:
+        kwargs["rollout_expert_indices"] = routes
     return partial(collate, pad, prompts, responses, **kwargs)
+
+
+def rollout_routes(mb: Any) -> list[np.ndarray] | None:
+    """The micro-batch's routed experts (``routed_experts``, drawn where the ``routed_experts`` switch is on) as the
+    rollout hands SkyRL's batch builder them: one ``(captured, layers, top_k)`` array per trajectory, every other one
+    read-only (decoded from the wire, ``generate_wire``), or None."""
+    routes = routes_of(mb)
+    if routes is None:
+        return None
+    arrays = [captured_rows(t).cpu().numpy().copy() for t in routes]
+    for array in arrays[1::2]:
+        array.flags.writeable = False
+    return arrays
+
+
+def collated_routes(batch: Callable[..., tuple]) -> list[torch.Tensor] | None:
+    """The routes SkyRL's batch builder (``batch``, :func:`batch_builder`'s) collated, a ``PackedTensor`` (values over
+    every trajectory's tokens, ``cu_seqlens``), per trajectory; None where it was handed none."""
+    if "rollout_expert_indices" not in batch.keywords:
+        return None
+    packed = batch()[6]
+    return list(packed.values.split(torch.diff(torch.as_tensor(packed.cu_seqlens)).tolist()))
 
 
 def num_actions(config: dict, count: int) -> int | list[int]:

@@ -61,15 +61,15 @@ TRAIN_UNREACHABLE: dict[str, str] = {
     **_RAISE,
     "skyrl_train.model_wrapper:385->388": _SEVERAL_ACTIONS, "skyrl_train.utils.torch_utils:136->137": _FLASH_CE,
 }
-_EXPERTS = ("another model family's configuration: a mixture-of-experts model's routed expert indices (MoE router "
-            "replay, generator.inference_engine.enable_return_routed_experts), collated for the trainer's router "
-            "mask; the suite's models are dense (HFModelWrapper.forward takes no routes)")
 _WRAPPER, _PREPROCESS = "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl.train.dataset.preprocess"
 UNREACHABLE: dict[str, str] = {
     **_RAISE,
     f"{_WRAPPER}:470->473": _SEVERAL_ACTIONS, "skyrl.backends.skyrl_train.utils.torch_utils:137->138": _FLASH_CE,
-    **{f"{_PREPROCESS}:{line}": _EXPERTS for line in ("395->396", "397->399", "399->402")},
 }
+#: what 0.4.0's batch builder refuses (INV-FLAG-004/005 hand it each): routed experts of fewer trajectories than the
+#: batch (ValueError 'rollout_expert_indices must contain routes for every trajectory')
+REFUSES = {"routes_misaligned": "convert_prompts_responses_to_batch_tensors raises ValueError('rollout_expert_indices "
+                                "must contain routes for every trajectory')"}
 
 #: survivors of ``spec mutate --engine skyrl-train`` that no input tells from SkyRL's code, each with why (by id)
 _SP_ONE = ("with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
@@ -138,7 +138,7 @@ TRAIN_PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT_RIGHT,), positio
                               unreachable=TRAIN_UNREACHABLE, equivalent_mutants=TRAIN_EQUIVALENT_MUTANTS,
                               output_span=OutputSpan.RESPONSE, config_space=TRAIN_SWITCHES)  # skyrl/config.py
 PROFILE = EngineProfile(padded_layouts=(PaddedLayout.LEFT,), positions=("rope", "mrope"), media=("image",),
-                        mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE,
+                        mrope_modes=("padded",), surface=SURFACE, unreachable=UNREACHABLE, refuses=REFUSES,
                         equivalent_mutants=EQUIVALENT_MUTANTS,
                         output_span=OutputSpan.RESPONSE, config_space=SWITCHES)  # skyrl/config.py
 

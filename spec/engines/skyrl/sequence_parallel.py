@@ -91,7 +91,7 @@ def sharded_rows_view(model_inputs: dict, output_args: dict) -> InputsView:
     shard, mask = output_args["shard_labels"], model_inputs.get("attention_mask")
     labels = shard[mask.bool()] if mask is not None else shard.reshape(-1)
     return InputsView(model_inputs["input_ids"], model_inputs.get("position_ids"), mask, labels=labels,
-                      pad_size=output_args["pad_size"], media=media_view(model_inputs))
+                      pad_size=output_args["pad_size"], media=media_view(model_inputs), routes=output_args.get("routes"))
 
 
 class AloneOnItsRank:

@@ -1,0 +1,105 @@
+"""Router replay's routed experts (docs/contract.md, "Routed experts"): the rule written once.
+
+A mixture-of-experts rollout (vLLM's or SGLang's with routed-expert capture: R3) records, for each token it ran
+through the model, the top-k experts each MoE layer routed it to: ``(captured, layers, top_k)`` per trajectory. The
+last token a rollout samples is never run through the model, so ``captured = n - 1`` of a sequence's ``n`` tokens
+(one for a one-token sequence). A trainer replaying the routes hands them on per token, the trajectory's captured
+rows at its first tokens, in sample order: a route that lands on another token, or another sample's, routes that
+token through other experts, silently. The tokens without a captured route get routes of their own whose top-k
+experts are distinct in every layer (a duplicate would collapse an expert slot in the dispatch), which the
+contract asks of nothing else.
+
+* :func:`rollout_routes`: the routes the suite's stand-in rollout recorded for a sequence's ids (a fixed function of
+  each token's id, its place and the layer, so a route moved to another token or sample differs);
+* :func:`routes_handed`: the check that the routes handed on per sample are those (AssertionError naming the sample
+  and token);
+* :func:`routes_of`, :func:`captured_rows`, :func:`without_last_routes`: a micro-batch's routes per sample, the
+  captured rows of one (a library that takes only those: SkyRL's), and a copy of the micro-batch whose routes miss
+  the last sample's (routes of another batch: the refusal ``routes_misaligned``).
+
+Imports nothing from ``spec`` (the truth layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "routes_handed",
+           "routes_of", "captured_rows", "without_last_routes"]
+
+#: the micro-batch's key for each sample's routes, nested ``(B, n_i, layers, top_k)`` (verl's name and layout): its
+#: captured rows, then an all-zero row for each token without a captured route (a captured row never is: its top-k
+#: are distinct)
+ROUTES_KEY = "routed_experts"
+#: the MoE layers and top-k of the stand-in rollout's routes
+ROUTED_LAYERS = 2
+ROUTED_TOPK = 2
+#: the dtypes a rollout hands routes in, with the experts each holds: uint8 (up to 256), int16, int32
+ROUTE_DTYPES = {"uint8": (torch.uint8, 8), "int16": (torch.int16, 300), "int32": (torch.int32, 300)}
+
+
+def captured(n: int) -> int:
+    """The route rows a rollout captured of an ``n``-token sequence (its last sampled token never ran: ``n - 1``)."""
+    return max(1, n - 1)
+
+
+def rollout_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = None) -> torch.Tensor:
+    """``(n, ROUTED_LAYERS, ROUTED_TOPK)`` routes of the tokens ``ids`` ``(n,)`` at their places in their sequence
+    (``place``; default ``0..n-1``, one sequence) in ``dtype`` (a key of :data:`ROUTE_DTYPES`): each token's top-k
+    are distinct experts, a function of its id, its place and the layer. A rollout captured the first
+    :func:`captured` rows of a sequence's."""
+    torch_dtype, experts = ROUTE_DTYPES[dtype]
+    ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1, 1, 1).cpu()
+    place = (torch.arange(ids.shape[0]) if place is None else place.cpu()).reshape(-1, 1, 1)
+    layer = torch.arange(ROUTED_LAYERS).reshape(1, -1, 1)
+    slot = torch.arange(ROUTED_TOPK).reshape(1, 1, -1)
+    return ((ids * 7 + place * 3 + layer * 5) % experts + slot).remainder(experts).to(torch_dtype)
+
+
+def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tensor], dtype: str) -> None:
+    """The routes handed on, one ``(n_i, layers, top_k)`` tensor per sample (``handed``), are each sample's: its
+    captured rows the rollout's (:func:`rollout_routes` of its ``sequences`` ids), its other tokens' top-k distinct
+    experts in every layer."""
+    if handed is None:
+        raise AssertionError("the engine hands on no routed experts (the micro-batch carries them)")
+    if len(handed) != len(sequences):
+        raise AssertionError(f"routed experts handed for {len(handed)} samples, the micro-batch has {len(sequences)}")
+    for i, (got, ids) in enumerate(zip(handed, sequences)):
+        want = rollout_routes(ids, dtype)[:captured(ids.numel())]
+        if tuple(got.shape) != (ids.numel(), ROUTED_LAYERS, ROUTED_TOPK):
+            raise AssertionError(f"routed experts of sample {i}: shape {tuple(got.shape)}, expected "
+                                 f"({ids.numel()}, {ROUTED_LAYERS}, {ROUTED_TOPK}): one route per token")
+        rows = want.shape[0]
+        wrong = (got[:rows].to(torch.int64) != want.to(torch.int64)).flatten(1).any(1).nonzero().flatten()
+        if wrong.numel():
+            t = int(wrong[0])
+            raise AssertionError(f"routed experts of sample {i} at token {t}: got {got[t].tolist()}, expected "
+                                 f"{want[t].tolist()} (the rollout's route of that token)")
+        rest = got[rows:].to(torch.int64)
+        if rest.numel() and bool((rest.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise AssertionError(f"routed experts of sample {i}: a token without a captured route gets a duplicate "
+                                 f"expert in its top-k {rest.tolist()}")
+
+
+def routes_of(micro_batch) -> list[torch.Tensor] | None:
+    """A micro-batch's routed experts (:data:`ROUTES_KEY`) per sample: its nested tensor's, or a list handed as
+    such (:func:`without_last_routes`); None where it carries none."""
+    if ROUTES_KEY not in micro_batch.keys():
+        return None
+    value = micro_batch.get(ROUTES_KEY)
+    return list(value.unbind()) if isinstance(value, torch.Tensor) else list(getattr(value, "data", value))
+
+
+def captured_rows(routes: torch.Tensor) -> torch.Tensor:
+    """A sample's captured routes: its rows before the all-zero ones of the tokens without a captured route."""
+    return routes[routes.flatten(1).any(1)]
+
+
+def without_last_routes(micro_batch):
+    """A copy of ``micro_batch`` whose routed experts miss its last sample's (a list of the others': a nested tensor
+    cannot hold fewer samples than the batch)."""
+    bad = micro_batch.copy()
+    routes = routes_of(micro_batch)[:-1]
+    del bad[ROUTES_KEY]
+    bad.set_non_tensor(ROUTES_KEY, routes)
+    return bad
