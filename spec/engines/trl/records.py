@@ -180,13 +180,22 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
 _UNPATCHED_NONE = ("handed the unpatched forward as None (the mutant adds the keyword where it is None): a Hugging "
                    "Face causal LM reads it only to compute a loss from labels, and the path that calls the unpatched "
                    "forward (SFT's compute_loss_func logits) hands no labels; None is the keyword's own default")
+_AT_FIVE = ("Version(transformers.__version__) < Version('5.0.0') and <= differ only under transformers 5.0.0 "
+            "itself; the installed 5.25 is above both")
 FUSED_EQUIVALENT_MUTANTS: dict[str, str] = {
-    **{key: why for key, why in EQUIVALENT_MUTANTS.items() if key.rsplit(":", 1)[0] in _BATCH},  # trl's shared
+    # trl's own on the batch builders both surfaces share (an id is "module:function:LINE operator: ...")
+    **{key: why for key, why in EQUIVALENT_MUTANTS.items() if key.split(" ")[0].rsplit(":", 1)[0] in _BATCH},
+    f"{_U}:add_fused_lm_head:1603 branch: condition negated": "labels " + _UNPATCHED_NONE,
     f"{_U}:add_fused_lm_head:1605 branch: condition negated": "shift_labels " + _UNPATCHED_NONE,
+    f"{_U}:add_fused_lm_head:1594 compare: Lt -> LtE": _AT_FIVE,
+    f"{_U}:add_fused_lm_head:1669 compare: Lt -> LtE": _AT_FIVE,
     f"{_U}:add_fused_lm_head:1607 branch: condition negated": "num_items_in_batch " + _UNPATCHED_NONE,
     f"{_U}:add_fused_lm_head:1662 inplace: .clamp -> .clamp_":
         "mask.sum() is a fresh integer tensor nothing else holds (no gradient): clamping it in place gives the same "
         "divisor",
+    f"{_U}:add_fused_lm_head:1674 compare: Eq -> NotEq":
+        "the mutant reads num_experts off the model where the config is not GPT-OSS's and the transformers version is "
+        "in [5.0, 5.6): the installed transformers 5.25 is outside that window, so both read text_config.num_experts",
     f"{_U}:add_fused_lm_head:1674 compare: LtE -> Lt":
         "the comparison runs only after text_config.model_type == 'gpt_oss' (a GPT-OSS config, declared another "
         "model family: 1674->1677), which the stand-in's config never is; it would differ only under transformers "
