@@ -34,7 +34,7 @@ from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
                         TEMPERATURE_FLOOR, DenseCase, EngineCase, Media)
 
-__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "with_tail_rule", "MODES", "TIERS", "TIER_WEIGHTS",
+__all__ = ["seq_lengths", "temperatures", "engine_cases", "dense_cases", "within_limits", "with_pinned_switches", "MODES", "TIERS", "TIER_WEIGHTS",
            "EXPERT_COUNTS", "MOE_LAYERS", "MOE_TOPK", "WIDE_VOCAB_BANDS", "router_replay", "profile_draws",
            "draw_mrope", "media_items", "MEDIA_TIERS", "with_aborted_response", "ABORTED_ONE_IN"]
 
@@ -280,7 +280,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     default, which the case leaves out); a switch drawn as one of the suite's settings draws nothing here.
     ``pin_tail_rule``: a switch that sets the packed row's tail multiple (``ConfigSwitch.tail_multiple``) is drawn
     from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies);
-    ``pin_routes`` likewise the switch collating routed experts (``spec.protocol.profile.ROUTES_SWITCH``, INV-ROUTE-001).
+    ``pin_routes`` likewise the switch collating routed experts (``spec.protocol.profile.ROUTES_SWITCH``,
+    INV-ROUTE-001).
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
     small and batch tiers' mRoPE cases (images and videos) and, where it takes audio, of their 1-D cases (audio
     clips) (:func:`media_items`), so every earlier draw stays where it was; only in
@@ -408,13 +409,14 @@ def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False,
     return tuple(drawn)
 
 
-def with_tail_rule(case: EngineCase, space: tuple, routes: bool = False) -> EngineCase:
-    """``case`` with each switch of ``space`` that sets the tail multiple (``ConfigSwitch.tail_multiple``; with
-    ``routes``: the one collating routed experts instead) at its first value off the default, as
-    ``engine_cases(pin_tail_rule=True)`` (``pin_routes``) draws it (the pinned seed cases of INV-PAD-003,
-    INV-ROUTE-001)."""
+def with_pinned_switches(case: EngineCase, space: tuple, *, tail_rule: bool = False,
+                         routes: bool = False) -> EngineCase:
+    """``case`` with each switch of ``space`` that ``engine_cases`` draws off its default only (:func:`_pinned`: with
+    ``tail_rule`` the one setting the tail multiple, ``ConfigSwitch.tail_multiple``; with ``routes`` the one
+    collating routed experts) at its first value off the default, as ``engine_cases(pin_tail_rule=True)``
+    (``pin_routes``) draws it (the pinned seed cases of INV-PAD-003, INV-ROUTE-001)."""
     pinned = {switch.name: switch.values[1] for switch in space
-              if _pinned(switch, not routes, routes) and len(switch.values) > 1}
+              if _pinned(switch, tail_rule, routes) and len(switch.values) > 1}
     if not pinned:
         return case
     kept = tuple((name, value) for name, value in case.engine_config if name not in pinned)

@@ -23,7 +23,7 @@ from ..cases.coverage import dimensions
 from ..cases.structure import DenseCase, EngineCase, Media
 from ..protocol.engine import EngineUnderTest
 from ..protocol.profile import MODES, profile_of
-from ..cases.strategies import with_tail_rule, within_limits
+from ..cases.strategies import with_pinned_switches, within_limits
 from ..invariants import CATALOGUE, Ctx as CheckContext, InvariantInfo
 from ..invariants.core import convention_skip, honour_engine, media_within_profile, mode_reason
 from ..protocol.errors import BudgetSpent, Failures, InvalidRecord, StreamDone
@@ -222,10 +222,9 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
             case = case.with_(pad_to_length=8 if case.total_nnz % 8 else 9, distillation_keys=(), distillation_only=False)
         if info.head != case.head:
             case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
-        if limits.get("pin_tail_rule") and engine is not None:  # the engine's tail rule on, as INV-PAD-003 draws it
-            case = with_tail_rule(case, tuple(engine.config_space()))
-        if limits.get("pin_routes") and engine is not None:  # its routed experts collated, as INV-ROUTE-001 draws it
-            case = with_tail_rule(case, tuple(engine.config_space()), routes=True)
+        if engine is not None:  # the engine's tail rule on (INV-PAD-003), its routed experts collated (INV-ROUTE-001)
+            case = with_pinned_switches(case, tuple(engine.config_space()), tail_rule=bool(limits.get("pin_tail_rule")),
+                                        routes=bool(limits.get("pin_routes")))
         case = info.adjust(case) if info.adjust else case
         cases.append(honour_engine(case, engine) if engine is not None else case)
     return cases

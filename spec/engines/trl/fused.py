@@ -42,6 +42,7 @@ class TrlFusedObject(TrlObject):
                                             *seen["input_ids"].shape, 1)))
             inputs = {**seen_by_backbone(calls, family), "position_ids": inputs["position_ids"]}
         return inputs, a
+
     def _fused(self, model, a):
         self.utils.add_fused_lm_head(model, temperature=a["temperature"], outputs=("log_probs", "entropy"),
                                      cast_lm_head_to_fp32=bool(self.config.get("cast_lm_head_to_fp32")))
