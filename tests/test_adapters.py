@@ -17,13 +17,14 @@ from spec.run.registry import ENGINES, builtin_engine_names, load_engine
 from spec.execute.harness import execute
 from spec.cases.materialize import draws, materialize
 from spec.cases.structure import EngineCase, Media
-from spec.invariants import CATALOGUE
+from spec.invariants import CATALOGUE, Ctx
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
 from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
 from spec.protocol.profile import VISION
 from spec.run.runner import run_invariant, skip_reason
 from spec.engines.megatron.records import vision_widths
+from spec.engines.megatron import adapter as megatron
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAS_VERL, reason="verl not installed (the verl tox envs run these)")
@@ -141,6 +142,41 @@ def test_native_verl_engines_hand_the_model_the_samples_media(name: str) -> None
             assert torch.equal(view.media[key], value) and torch.equal(run.inputs[0][key], value), (packed, key)
 
 
+_ROUTED = EngineCase(prompt_lens=(3, 1, 2), response_lens=(2, 1, 0), vocab=16, temperature=0.7,
+                     engine_config=(("routed_experts", "int16"),))
+
+
+@needs_verl
+@pytest.mark.parametrize("bucket", [None, 4])
+def test_veomni_replays_the_rollouts_routes_at_each_samples_tokens(bucket, monkeypatch) -> None:
+    """With routed_experts drawn (R3), VeOmni's engine arms its controller with the micro-batch's routes, the stand-in
+    MoE routers fire through VeOmni's hook, and INV-ROUTE-001 holds (the pad bucket's zero rows routed natively; every
+    router fired: prepare_model_outputs' own check). An engine that hands the targets one token late, or hands zero
+    targets (routes never copied: the routers route natively, as the rollout did not), fails it, by the check."""
+    engine = load_engine("verl-veomni")
+    if engine.lacks("routes"):
+        pytest.skip(engine.lacks("routes"))
+    case = _ROUTED.with_(pad_to_length=bucket)
+    run = execute(engine, case)  # the model and prepare_model_outputs too: every router fired
+    assert [t.shape[0] for t in run.outputs["log_probs"].unbind()] == [5, 2, 2]
+    CATALOGUE["INV-ROUTE-001"].check(Ctx(engine, case, "cpu", case.mode))
+    cls = engine._classes["lm"]
+    arm = cls._prepare_router_replay_inputs
+    for wrong, match in ((lambda v: v.roll(1, 0), "routed experts of sample 0 at token 0"),
+                         (torch.zeros_like, "routed experts of sample 0 at token 0")):
+        def planted(self, micro_batch, output_args, wrong=wrong):
+            bad = micro_batch.copy()
+            routes = micro_batch["routed_experts"]
+            bad["routed_experts"] = torch.nested.nested_tensor_from_jagged(wrong(routes.values()), routes.offsets())
+            return arm(self, bad, output_args)
+        monkeypatch.setattr(cls, "_prepare_router_replay_inputs", planted)
+        with pytest.raises(AssertionError, match=match):
+            CATALOGUE["INV-ROUTE-001"].check(Ctx(engine, case, "cpu", case.mode))
+    assert skip_reason(CATALOGUE["INV-ROUTE-001"], engine, "cpu", "padded") == (
+        "the engine replays routed experts in the packed mode only (its profile: routes_modes=('packed',)); no "
+        "padded run with routes")
+
+
 @needs_verl
 def test_verl_torchtitan_capabilities_are_probed() -> None:
     caps = load_engine("verl-torchtitan").capabilities()
@@ -160,6 +196,29 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
             valid = ours.rows != 0  # x has no zeros: the valid rows (pad positions are no one's contract)
             assert torch.equal(ours.rows, verl.rows) and torch.equal(ours.positions[valid], verl.positions[valid])
             assert torch.equal(ours.cu_seqlens_padded, verl.cu_seqlens_padded.to(ours.cu_seqlens_padded.dtype))
+
+
+@needs_verl
+def test_verl_megatron_dynamic_cp_splits_as_fixed_cp(monkeypatch) -> None:
+    """Dynamic CP (local_cp_size: the CP group taken per micro-batch) packs every rank's shard as fixed CP does, and
+    re-assembles them (verl's own branches, the group and rank from the fake parallel state); a packer that reads its
+    rank from the fixed CP group instead (rank 0 everywhere) fails INV-MEG-001 under a dynamic spec, by the check."""
+    engine = load_engine("verl-megatron")
+    x = nested_from([torch.arange(1, 4), torch.arange(10, 15), torch.tensor([20])])
+    for tp, cp in ((1, 2), (2, 4)):
+        fixed, dynamic = PackSpec(tp=tp, cp=cp), PackSpec(tp=tp, cp=cp, dynamic=True)
+        shards = [engine.packer.pack_thd(x, dynamic, rank) for rank in range(cp)]
+        for rank, shard in enumerate(shards):
+            assert torch.equal(shard.rows, engine.packer.pack_thd(x, fixed, rank).rows), (tp, cp, rank)
+            assert shard.state.local_cp_size == cp
+        assert all(torch.equal(a, b) for a, b in zip(engine.packer.unpack_thd(shards, x, dynamic).unbind(),
+                                                     x.unbind()))
+    case = EngineCase(prompt_lens=(3, 2), response_lens=(2, 1), seed=0)
+    CATALOGUE["INV-MEG-001"].check(Ctx(engine, case, "cpu", "any"))
+    real = megatron.fake_parallel_state
+    monkeypatch.setattr(megatron, "fake_parallel_state", lambda spec, rank: real(spec, 0 if spec.dynamic else rank))
+    with pytest.raises(AssertionError, match="dynamic CP"):
+        CATALOGUE["INV-MEG-001"].check(Ctx(engine, case, "cpu", "any"))
 
 
 @needs_verl

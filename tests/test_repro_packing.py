@@ -82,7 +82,7 @@ def test_verls_packer_is_written_out_over_its_module_by_name(tmp_path) -> None:
                                  case=outcome.case)
     assert why is None, why
     text = path.read_text()
-    assert "def fake_parallel_state(" in text and "class VerlMegatronPacker" in text
+    assert "def fake_parallel_state(" in text and "class VerlMegatronPacker" in text and "class _DynamicGroup" in text
     assert "importlib.import_module('no_such_verl_module.mcore.util')" in text
     assert "pip install verl megatron-core torch tensordict" in text
     assert not re.search(r"^\s*(import|from)\s+spec\b", text, re.M)

@@ -145,12 +145,13 @@ def mode_reason(info: InvariantInfo, engine: EngineUnderTest, mode: str) -> str 
     """Why ``info``'s target in ``mode`` does not apply to ``engine``: a mode its profile does not run (a
     ``both`` target compares the two modes; an ``any`` target runs in a mode the engine has). A skip with the
     profile's reason, never the engine's failure; so is a mode an invariant on images and videos has no media in
-    (the profile's ``media_modes``)."""
+    (the profile's ``media_modes``), or one on routed experts no routes in (``routes_modes``)."""
     if mode not in ("packed", "padded", "both"):
         return None
     profile = profile_of(engine)
-    return profile.mode_reason(mode) or (profile.media_mode_reason(mode) if {"media", "audio"} & set(info.needs)
-                                         else None)
+    return (profile.mode_reason(mode) or (profile.media_mode_reason(mode) if {"media", "audio"} & set(info.needs)
+                                          else None)
+            or (profile.routes_mode_reason(mode) if "routes" in info.needs else None))
 
 
 def shares_one_temperature(engine: EngineUnderTest) -> bool:

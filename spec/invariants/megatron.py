@@ -1,6 +1,7 @@
 """Megatron-style packing (spec/truth/megatron_packing.py): what its TP x CP design adds to the contract.
 
-Each example checks every TP in {1, 2, 4} x CP in {1, 2, 4} x CP layout the engine offers; the
+Each example checks every TP in {1, 2, 4} x CP in {1, 2, 4} x CP layout the engine offers (THD zig-zag CP also as
+dynamic CP: ``local_cp_size``, the group taken per micro-batch); the
 drawn case gives the sequence lengths and a seed from which the trailing dims ((L,), (L, K) or
 (L, layers, top-k)), FP8 alignment, the static bucket (unless the case draws one) and the values
 are chosen. Shrinking goes towards one short sequence, TP = CP = 1 failing first.
@@ -38,6 +39,8 @@ def _specs(ctx: Ctx, *, bshd: bool = False) -> list[PackSpec]:
         if cp == 1 and layout is not layouts[0]:
             continue  # one CP rank: the layouts coincide
         specs.append(PackSpec(tp, cp, layout, fp8=fp8, bucket=None if bshd else _bucket(ctx)))
+        if cp > 1 and not bshd and layout is ShardLayout.ZIGZAG:  # BSHD has no dynamic CP
+            specs.append(PackSpec(tp, cp, layout, fp8=fp8, bucket=_bucket(ctx), dynamic=True))
     return specs
 
 
@@ -171,3 +174,36 @@ def thd_vs_bshd(ctx: Ctx) -> None:
             _same(bshd, x, f"BSHD round trip [{spec}]")
             thd = packer.unpack_thd([packer.pack_thd(x, spec, rank) for rank in range(spec.cp)], x, spec)
             _same(bshd, thd, f"BSHD vs THD [{spec}]")
+
+
+@invariant("INV-MEG-007", "pipeline stages: a stage after the first is handed the first stage's packed boundaries "
+           "(no positions); a stage before the last hands its output on untouched, THD and BSHD", contract=7,
+           modes=ANY, needs=NEEDS,
+           protects="every pipeline stage attends within the same sequences, and the hidden states a stage hands on "
+                    "reach the next stage as it computed them")
+def pipeline_stages(ctx: Ctx) -> None:
+    x, packer = _batch(ctx), ctx.engine.packer
+    for spec in _specs(ctx):
+        with _at(spec):
+            for rank in range(spec.cp):
+                first = packer.pack_thd(x, spec, rank)
+                later = packer.later_stage_thd(x, spec, rank)
+                want, got = first.cu_seqlens_padded.tolist(), later.cu_seqlens_padded.tolist()
+                if got != want:
+                    fail(f"pipeline stage after the first [{spec}] rank {rank}: packed boundaries {got}, the first "
+                         f"stage's {want}")
+                if later.positions is not None:
+                    fail(f"pipeline stage after the first [{spec}] rank {rank}: handed positions (its input is the "
+                         "stage before's hidden states)")
+                handed = packer.hand_on_thd(first.rows, first, x, spec, rank)
+                if handed.shape != first.rows.shape or not torch.equal(handed, first.rows):
+                    fail(f"pipeline stage before the last [{spec}] rank {rank}: hands on {tuple(handed.shape)} "
+                         f"other than its THD output {tuple(first.rows.shape)}")
+    for spec in _specs(ctx, bshd=True):
+        with _at(spec):
+            for rank in range(spec.cp):
+                rows, mask, _pos = packer.pack_bshd(x, spec, rank)
+                handed = packer.hand_on_bshd(rows, mask, spec, rank)
+                if handed.shape != rows.shape or not torch.equal(handed, rows):
+                    fail(f"pipeline stage before the last [{spec}] rank {rank}: hands on {tuple(handed.shape)} "
+                         f"other than its BSHD output {tuple(rows.shape)}")

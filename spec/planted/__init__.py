@@ -212,6 +212,7 @@ PLANTED: dict[str, PlantedBug] = {bug.name: bug for bug in (
     PlantedBug("roll_local_shard", ("INV-MEG-004",), packer=M.RollLocalShard),
     PlantedBug("positions_continue", ("INV-MEG-003",), packer=M.PositionsContinue),
     PlantedBug("unpack_from_unpadded_offsets", ("INV-MEG-001",), packer=M.UnpackFromUnpaddedOffsets),
+    PlantedBug("later_stage_unpadded_boundaries", ("INV-MEG-007",), packer=M.LaterStageUnpaddedBoundaries),
     PlantedBug("vision_packed_at_unpadded_offsets", ("INV-MEG-006",), packer=M.VisionPackedAtUnpaddedOffsets),
     PlantedBug("vision_features_longest_first", ("INV-MEG-006",), packer=M.VisionFeaturesLongestFirst,
                quiet="a vision-language micro-batch whose samples with media are out of length order"),

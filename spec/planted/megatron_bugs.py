@@ -94,3 +94,13 @@ class VisionFeaturesLongestFirst(ReferencePacker):
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
         entries = stack_entries(micro_batch.get("multi_modal_inputs"))
         return {**handed, **samples_media([entries[i] for i in order])}
+
+
+class LaterStageUnpaddedBoundaries(ReferencePacker):
+    """A pipeline stage after the first packs its boundaries from the unpadded lengths (the TP x CP alignment
+    forgotten where no input_ids are packed): its attention segments drift from the first stage's."""
+
+    def later_stage_thd(self, x, spec, rank):
+        shard = super().later_stage_thd(x, spec, rank)
+        cu = torch.tensor([0, *x.offsets().diff().tolist()]).cumsum(0).to(shard.cu_seqlens_padded.dtype)
+        return type(shard)(shard.rows, None, cu)

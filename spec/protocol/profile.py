@@ -18,6 +18,9 @@ for an engine under test (``EngineUnderTest.profile``):
   both modes draws none unless both are listed;
 * ``mrope_modes``: the same for mRoPE positions (default both; SkyRL's vision-language model, the only one of its
   models taking mRoPE positions, refuses packing: ``("padded",)``);
+* ``routes_modes``: the modes in which it replays an MoE rollout's routed experts where its configuration draws them
+  (default both; VeOmni's engine refuses router replay without packing: ``("packed",)``): INV-ROUTE-001 is skipped,
+  with this reason, in the others;
 * ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule); the
   packed invariants read the tail as padding (:func:`spec.truth.rules.padded_length`);
 * ``contexts``: the execution contexts its callers run the preparation in (:data:`CONTEXTS`: the autograd modes,
@@ -302,6 +305,7 @@ class EngineProfile:
     positions: tuple[str, ...] = POSITIONS
     media: tuple[str, ...] = ()
     media_modes: tuple[str, ...] = MODES
+    routes_modes: tuple[str, ...] = MODES
     mrope_modes: tuple[str, ...] = MODES
     tail_multiple: int | None = None
     contexts: tuple[str, ...] = AUTOGRAD_CONTEXTS
@@ -333,7 +337,8 @@ class EngineProfile:
         for kind in self.media:
             if kind not in MEDIA:
                 raise ValueError(f"profile media: unknown kind {kind!r}; kinds: {MEDIA}")
-        for name, kind in (("media_modes", self.media), ("mrope_modes", "mrope" in self.positions)):
+        for name, kind in (("media_modes", self.media), ("mrope_modes", "mrope" in self.positions),
+                           ("routes_modes", True)):
             value = getattr(self, name)
             if kind and not set(value) & set(self.modes) or not set(value) <= set(MODES):
                 raise ValueError(f"profile {name} {value!r}: modes of {MODES}, one of them among the engine's modes "
@@ -412,6 +417,17 @@ class EngineProfile:
         return (f"the engine takes images and videos in the {' and '.join(allowed)} mode only (its profile: "
                 f"media_modes={self.media_modes!r}, mrope_modes={self.mrope_modes!r}); no {' or '.join(missing)} run "
                 "with media")
+
+    def routes_mode_reason(self, mode: str) -> str | None:
+        """Why a target of ``mode`` (``packed``, ``padded``, ``both``) hands on no routed experts, or None: a mode
+        the engine never runs router replay in (its profile's ``routes_modes``; an engine without the switch:
+        :meth:`~spec.protocol.engine.EngineUnderTest.lacks`)."""
+        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        missing = [m for m in wanted if self.runs(m) and m not in self.routes_modes]
+        if not missing:
+            return None
+        return (f"the engine replays routed experts in the {' and '.join(self.routes_modes)} mode only (its profile: "
+                f"routes_modes={self.routes_modes!r}); no {' or '.join(missing)} run with routes")
 
     def context_reason(self, context: str) -> str | None:
         """Why cases in execution ``context`` are not drawn for this engine, or None."""

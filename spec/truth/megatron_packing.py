@@ -7,8 +7,14 @@ A *packer* turns a jagged batch ``x`` (nested ``(B, j, *trailing)``) into per-ra
   total a multiple of ``lcm(bucket, align)``: the last sequence takes that padding and must stay
   aligned for the CP split and the TP scatter), one packed row; CP rank ``r`` holds either the r-th
   contiguous ``1/CP`` of that row, or, zig-zag, chunks ``r`` and ``2CP-1-r`` of every sequence.
+  Dynamic CP (``PackSpec.dynamic``: a micro-batch's own CP size over a group of that size) splits the same way.
 * BSHD: a dense ``(B, S, *trailing)`` batch, ``S`` aligned likewise (FP8: ``B*S`` a multiple of
   ``128 * TP * CP``), zig-zag across CP ranks, with a per-rank validity mask.
+
+Under pipeline parallelism the first stage packs as above; a stage after it gets its input from the stage before
+(hidden states already packed), so it is handed ``x`` as it is with no positions, and the first stage's boundaries
+(``cu_seqlens_padded``: every stage attends within the same sequences); a stage before the last hands its output on
+to the next as it is (the last re-assembles).
 
 ``need_roll`` packs the labels instead: at each valid token the next token of the *same* sequence.
 Unpacking gathers every rank's shard and returns the valid tokens, nested like ``x``.
@@ -45,9 +51,13 @@ class PackSpec:
     layout: ShardLayout = ShardLayout.ZIGZAG
     fp8: bool = False
     bucket: int | None = None
+    #: CP as dynamic context parallelism (a micro-batch's own CP size, ``local_cp_size``, over a group of that size
+    #: taken per micro-batch): the same split, the group and rank another way
+    dynamic: bool = False
 
     def __str__(self) -> str:
-        extra = (", fp8" if self.fp8 else "") + (f", bucket={self.bucket}" if self.bucket else "")
+        extra = ((", fp8" if self.fp8 else "") + (f", bucket={self.bucket}" if self.bucket else "")
+                 + (", dynamic CP" if self.dynamic else ""))
         return f"TP={self.tp} CP={self.cp} {self.layout.value}{extra}"
 
 
@@ -75,6 +85,13 @@ class Packer(Protocol):
                     spec: PackSpec) -> torch.Tensor: ...
 
     def vlm_inputs(self, micro_batch: Any, spec: PackSpec, rank: int, *, packed: bool) -> dict[str, Any]: ...
+
+    def later_stage_thd(self, x: torch.Tensor, spec: PackSpec, rank: int) -> ThdShard: ...
+
+    def hand_on_thd(self, output: torch.Tensor, shard: ThdShard, x: torch.Tensor, spec: PackSpec,
+                    rank: int) -> torch.Tensor: ...
+
+    def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor: ...
 
 
 def case_bucket(case: Any) -> int | None:
@@ -141,6 +158,19 @@ class ReferencePacker:
         index = self._rank_rows(padded, spec, rank)
         cu = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
         return ThdShard(rows[index].unsqueeze(0), pos[index].unsqueeze(0), cu)
+
+    def later_stage_thd(self, x: torch.Tensor, spec: PackSpec, rank: int) -> ThdShard:
+        """What a pipeline stage after the first is handed (the module docstring): ``x`` as it is, no positions,
+        the first stage's boundaries."""
+        return ThdShard(x, None, self.pack_thd(x, spec, rank).cu_seqlens_padded)
+
+    def hand_on_thd(self, output: torch.Tensor, shard: ThdShard, x: torch.Tensor, spec: PackSpec,
+                    rank: int) -> torch.Tensor:
+        """What a pipeline stage before the last does with its output: hands it on as it is."""
+        return output
+
+    def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor:
+        return output
 
     def unpack_thd(self, shards: list[ThdShard], x: torch.Tensor, spec: PackSpec) -> torch.Tensor:
         padded = shards[0].cu_seqlens_padded.diff().tolist()

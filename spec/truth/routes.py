@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "routes_handed",
+__all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "model_routes",
+           "routes_handed",
            "routes_of", "captured_rows", "without_last_routes"]
 
 #: the micro-batch's key for each sample's routes, nested ``(B, n_i, layers, top_k)`` (verl's name and layout): its
@@ -54,6 +55,15 @@ def rollout_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = N
     layer = torch.arange(ROUTED_LAYERS).reshape(1, -1, 1)
     slot = torch.arange(ROUTED_TOPK).reshape(1, 1, -1)
     return ((ids * 7 + place * 3 + layer * 5) % experts + slot).remainder(experts).to(torch_dtype)
+
+
+def model_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = None) -> torch.Tensor:
+    """``(n, ROUTED_LAYERS, ROUTED_TOPK)`` int64 routes the stand-in MoE model's routers pick on their own for the
+    tokens ``ids`` at ``place`` (as :func:`rollout_routes`): top-k distinct experts, none of them the rollout's
+    route of that token (a trainer's model routes differently from the rollout's: what router replay corrects), so
+    a token whose route is not replayed is seen."""
+    _, experts = ROUTE_DTYPES[dtype]
+    return (rollout_routes(ids, dtype, place).to(torch.int64) + ROUTED_TOPK).remainder(experts)
 
 
 def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tensor], dtype: str) -> None:
@@ -92,7 +102,7 @@ def routes_of(micro_batch) -> list[torch.Tensor] | None:
 
 def captured_rows(routes: torch.Tensor) -> torch.Tensor:
     """A sample's captured routes: its rows before the all-zero ones of the tokens without a captured route."""
-    return routes[routes.flatten(1).any(1)]
+    return routes[routes.flatten(1).ne(0).any(1)]
 
 
 def without_last_routes(micro_batch):

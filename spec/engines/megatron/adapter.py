@@ -50,11 +50,23 @@ MODULE = "verl.models.mcore.util"
 
 
 def fake_parallel_state(spec: PackSpec, rank: int) -> SimpleNamespace:
-    """What ``verl.models.mcore.util`` reads of ``megatron.core.parallel_state``."""
+    """What ``verl.models.mcore.util`` reads of ``megatron.core.parallel_state`` (dynamic CP: its groups of a
+    micro-batch's CP size; the fixed CP group is then of size 1)."""
+    fixed = 1 if spec.dynamic else spec.cp
     return SimpleNamespace(get_tensor_model_parallel_world_size=lambda: spec.tp,
-                           get_context_parallel_world_size=lambda: spec.cp,
-                           get_context_parallel_rank=lambda: rank,
-                           get_context_parallel_group=lambda: f"cp-group({spec.cp})")
+                           get_context_parallel_world_size=lambda: fixed,
+                           get_context_parallel_rank=lambda: 0 if spec.dynamic else rank,
+                           get_context_parallel_group=lambda: f"cp-group({fixed})",
+                           get_dynamic_data_context_parallel_groups=lambda group_size: _DynamicGroup(group_size, rank))
+
+
+class _DynamicGroup(str):
+    """A dynamic CP group of ``size`` ranks as the fake parallel state hands it: its name, and this rank in it."""
+
+    def __new__(cls, size: int, rank: int) -> "_DynamicGroup":
+        group = super().__new__(cls, f"dynamic-cp-group({size})")
+        group.rank = rank
+        return group
 
 
 class VerlMegatronPacker:
@@ -71,24 +83,50 @@ class VerlMegatronPacker:
             for i, part in enumerate(gathered or []):
                 output_list[i].copy_(part)
 
+        def get_rank(group=None):
+            return group.rank  # a dynamic CP group's (the only group verl asks its rank of here)
+
         with mock.patch.object(self.util, "mpu", fake_parallel_state(spec, rank)), \
-                mock.patch.object(torch.distributed, "all_gather", all_gather):
+                mock.patch.object(torch.distributed, "all_gather", all_gather), \
+                mock.patch.object(torch.distributed, "get_rank", get_rank):
             yield
 
     def pack_thd(self, x: torch.Tensor, spec: PackSpec, rank: int, *, need_roll: bool = False) -> ThdShard:
         with self._rank(spec, rank):
             rows, params, positions = self.util.preprocess_thd_engine(
                 x, pre_process=True, need_roll=need_roll, use_fp8_padding=spec.fp8,
+                local_cp_size=spec.cp if spec.dynamic else None,
                 pad_to_length_bucket=spec.bucket, cp_layout=spec.layout.value)
         return ThdShard(rows, positions, params.cu_seqlens_q_padded, params)
+
+    def later_stage_thd(self, x: torch.Tensor, spec: PackSpec, rank: int) -> ThdShard:
+        """A pipeline stage after the first: ``pre_process=False``."""
+        with self._rank(spec, rank):
+            rows, params, positions = self.util.preprocess_thd_engine(
+                x, pre_process=False, use_fp8_padding=spec.fp8, local_cp_size=spec.cp if spec.dynamic else None,
+                pad_to_length_bucket=spec.bucket, cp_layout=spec.layout.value)
+        return ThdShard(rows, positions, params.cu_seqlens_q_padded, params)
+
+    def hand_on_thd(self, output: torch.Tensor, shard: ThdShard, x: torch.Tensor, spec: PackSpec,
+                    rank: int) -> torch.Tensor:
+        """A pipeline stage before the last: ``post_process=False``."""
+        with self._rank(spec, rank):
+            return self.util.postprocess_thd_engine(output, shard.state, x, x.shape[0], post_process=False,
+                                                    local_cp_size=spec.cp if spec.dynamic else None,
+                                                    cp_layout=spec.layout.value)
+
+    def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor:
+        with self._rank(spec, rank):
+            return self.util.postprocess_bshd_engine(output, mask, post_process=False)
 
     def unpack_thd(self, shards: list[ThdShard], x: torch.Tensor, spec: PackSpec) -> torch.Tensor:
         outs = []
         gathered = [s.rows for s in shards]
         for rank, shard in enumerate(shards):  # every rank re-assembles; they must agree
             with self._rank(spec, rank, gathered):
-                outs.append(self.util.postprocess_thd_engine(shard.rows, shard.state, x, x.shape[0],
-                                                             post_process=True, cp_layout=spec.layout.value))
+                outs.append(self.util.postprocess_thd_engine(shard.rows, shard.state, x, x.shape[0], post_process=True,
+                                                             local_cp_size=spec.cp if spec.dynamic else None,
+                                                             cp_layout=spec.layout.value))
         for rank, out in enumerate(outs[1:], 1):
             if not all(torch.equal(a, b) for a, b in zip(out.unbind(), outs[0].unbind())):
                 raise AssertionError(f"CP rank {rank} re-assembles other values than rank 0 ({spec})")
@@ -152,12 +190,10 @@ UNALIGNED_BUCKET = When("a static bucket (the case's, or the one its seed picks)
 
 
 _U = "verl.models.mcore.util"
-_CONTIGUOUS = ("contiguous CP needs megatron-core's PackedSeqParams.cp_partition_mode, which megatron-core 0.16.1 "
-               "lacks (verl refuses it with CP > 1): the adapter packs zig-zag only (layout_note)")
-_PIPELINE = "needs pipeline parallelism: a stage that is not the first (pre_process) or last (post_process)"
-_DYNAMIC_CP = ("needs a process group: dynamic context parallelism (local_cp_size) takes its CP group from "
-               "mpu.get_dynamic_data_context_parallel_groups and its rank from torch.distributed.get_rank(group=...) "
-               "(the adapter's fake parallel state answers the fixed CP group's size and rank only)")
+_CONTIGUOUS = ("contiguous CP needs megatron-core's PackedSeqParams.cp_partition_mode (DeepSeek-V4's CP attention), "
+               "which no released megatron-core has: 0.16.1 here lacks it, and so does 0.19.2, the newest (checked "
+               "2026-12-07); verl refuses cp_layout='contiguous' with CP > 1 without it: the adapter packs zig-zag "
+               "only (layout_note)")
 _NPU = "needs an Ascend NPU (npu_fusion_attention's attention-mask layout)"
 _MIN_ROWS = ("needs another model family's configuration: verl 0.9.1 passes min_local_rows only for DeepSeek-V4's "
              "hybrid attention (experimental_attention_variant 'dsv4_hybrid': its csa_window_size, in "
@@ -170,12 +206,9 @@ _BACK_CHUNK = ("dead code for the contract's sequences (each holds its prompt, n
 #: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines), each with its reason
 MEGATRON_UNREACHABLE: dict[str, str] = {
     **VERL_LAYER_UNREACHABLE,  # (its "*:raise" covers the packers' refusals: a cp_layout, a bucket <= 0)
-    f"{_U}:360->362": _DYNAMIC_CP, f"{_U}:596->597": _DYNAMIC_CP,
     f"{_U}:370->371": _CONTIGUOUS, f"{_U}:539->544": _CONTIGUOUS, f"{_U}:436": _CONTIGUOUS, f"{_U}:441": _CONTIGUOUS,
     f"{_U}:449": _CONTIGUOUS, f"{_U}:614->615": _CONTIGUOUS, f"{_U}:616": _CONTIGUOUS,
     f"{_U}:396->397": _MIN_ROWS, f"{_U}:398": _MIN_ROWS,
-    f"{_U}:426->539": _PIPELINE, f"{_U}:561->564": _PIPELINE, f"{_U}:581->582": _PIPELINE,
-    f"{_U}:783->784": _PIPELINE,
     f"{_U}:503->516": _BACK_CHUNK, f"{_U}:520->434": _BACK_CHUNK,
     f"{_U}:768->770": _NPU, f"{_U}:786->787": _NPU,
 }
@@ -197,7 +230,7 @@ class MegatronEngine(EngineUnderTest):
         KnownFailure(inv, "preprocess_thd_engine pads the total to lcm(pad_to_length_bucket, CP) and gives it to the "
                      "last sequence, which then is no multiple of 2*CP (zig-zag) or TP: the CP split drops rows and "
                      f"postprocess_thd_engine raises; engine bug ({what})", raises=AssertionError,
-                     matches=r"^AssertionError: \[TP=\d+ CP=\d+ \w+(, fp8)?, bucket=\d+\] "
+                     matches=r"^AssertionError: \[TP=\d+ CP=\d+ \w+(, fp8)?, bucket=\d+(, dynamic CP)?\] "
                              r"(the packer raised RuntimeError: The expanded size of the tensor|padded lengths )",
                      when=UNALIGNED_BUCKET)
         for inv, what in (("INV-MEG-001", "round trip"), ("INV-MEG-002", "alignment"),

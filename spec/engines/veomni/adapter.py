@@ -6,7 +6,8 @@ FSDP's ``prepare_model_inputs`` / ``prepare_model_outputs`` and add their own in
 VL image/video masks, VeOmni's sequence-parallel slicing; fused kernels: ``labels``/``shift_labels``/
 ``return_log_probs``; router replay). The object is built without its constructor, exactly like the
 FSDP adapter (:class:`spec.engines.verl.adapter.VerlEngine`, reused here); the extra attributes VeOmni reads
-are set to "off": ``_router_replay = None``, a model type that is not a VL type (a media micro-batch's is one:
+are set to "off": ``_router_replay = None`` (R3 router replay where its switch is drawn:
+:mod:`spec.engines.veomni.router_replay`), a model type that is not a VL type (a media micro-batch's is one:
 :mod:`spec.engines.veomni.media`).
 
 ``veomni`` itself installs CPU-only from the package index (``pip install --no-deps veomni``); when it
@@ -20,6 +21,7 @@ import warnings
 from typing import Any
 
 from ...protocol.engine import Feature
+from ...protocol.profile import ROUTES_SWITCH
 from ...protocol.known import as_records
 from dataclasses import replace
 
@@ -27,6 +29,7 @@ from ..verl.adapter import VerlEngine, VerlEngineObject
 from ..verl.media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
 from ..verl.profile import VERL_OFF_PATH, VERL_SURFACE, VERL_UNREACHABLE
 from .media import VeOmniEngineObject
+from .router_replay import ROUTER_REPLAY, RouterReplay, replay_hooks
 from ..kit.stubs import StubReport, import_with_stubs
 
 __all__ = ["VeOmniEngine", "KNOWN_FAILURES"]
@@ -36,10 +39,9 @@ MODULE = "verl.workers.engine.veomni.transformer_impl"
 _ULYSSES, _FSDP = "verl.utils.ulysses:", "verl.workers.engine.fsdp.transformer_impl"
 _SP = ("needs VeOmni's sequence parallelism (veomni.distributed.parallel_state's process group): sp > 1 is not run "
        "(VeOmniEngine.lacks)")
-_REPLAY = ("needs an MoE model (another model family): router replay (RECORD / REPLAY) records and replays the "
-           "routers of an MoE model's expert layers (VeOmniRouterReplay.install hooks them, transformer_impl.py:251); "
-           "the stand-in models are dense, with no router to hook, so _router_replay stays None, as "
-           "VeOmniEngine.__init__ leaves it for a model run without router replay")
+_RECORD = ("gap: R2 router replay's RECORD: a trainer's compute_log_prob under R2 records the MoE routers' own routes "
+           "and returns them as an output (routed_experts, per sample); the contract states no routes output yet, so "
+           "the switch draws R3's REPLAY only (spec/engines/veomni/router_replay.py)")
 #: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines): the FSDP ones but verl's Ulysses
 #: helpers' (off the surface here), and VeOmni's own
 UNREACHABLE: dict[str, str] = {
@@ -48,9 +50,8 @@ UNREACHABLE: dict[str, str] = {
     **VERL_MM_UNREACHABLE,
     f"{MODULE}:117": "needs a vision-language model type and sequence parallelism (VeOmni's sp_shard_collator on the "
                      "image/video masks); " + _SP, f"{MODULE}:123->124": _SP,
-    f"{MODULE}:873": _SP,
-    f"{MODULE}:VeOmniEngineWithLMHead._prepare_router_replay_inputs": _REPLAY,
-    f"{MODULE}:936->937": _REPLAY, f"{MODULE}:941->942": _REPLAY, f"{MODULE}:942->953": _REPLAY,
+    f"{MODULE}:873": _SP, f"{MODULE}:920->921": _SP,
+    f"{MODULE}:902->903": _RECORD, f"{MODULE}:936->937": _RECORD,
 }
 
 #: failures of VeOmni beyond the FSDP ones it inherits (spec/engines/veomni/README.md)
@@ -76,29 +77,39 @@ class VeOmniEngine(VerlEngine):
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
             "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=UNREACHABLE,
-        off_path=VERL_OFF_PATH, refuses={})  # VeOmni's own preparation: its refusals not declared (not checked here)
+        off_path=VERL_OFF_PATH, refuses={},
+        config_space=(*VerlEngine.profile.config_space, ROUTER_REPLAY), routes_modes=("packed",))  # VeOmni's own preparation: its refusals not declared (not checked here)
 
     def __init__(self) -> None:
         super().__init__()
         self.stubs = load_veomni()
         impl = self.stubs.module
         self._classes = {"lm": impl.VeOmniEngineWithLMHead, "value": impl.VeOmniEngineWithValueHead}
+        self._replay_hooks, self._replay_error = replay_hooks()
         # FSDP's precise records (spec/engines/verl/records.py), plus VeOmni's own (none today)
         self.known_failures = (*as_records(self.known_failures),
                                *as_records({k: f"verl-veomni {self.caps.version}: {v}" for k, v in KNOWN_FAILURES.items()}))
 
     def lacks(self, feature: str | Feature) -> str | None:  # type: ignore[override]
+        if Feature.parse(feature) is Feature.ROUTES and self._replay_hooks is None:
+            return ("router replay hooks the routers through veomni.utils.moe_router_replay, which does not import "
+                    f"here ({self._replay_error})")
         if Feature.parse(feature) is Feature.SP:
             return ("VeOmni slices for sequence parallelism through veomni.distributed.parallel_state (a process "
                     "group); the suite's thread-rank all_gather seam is not VeOmni's, so sp > 1 is not run")
         return super().lacks(feature)
 
     def make(self, head: str = "lm", **settings: Any) -> VerlEngineObject:
+        routes = settings.pop(ROUTES_SWITCH, None)
         obj = super().make(head, **settings)
         eng = obj.verl_engine
         eng._router_replay = None  # router replay off (VeOmniEngine.__init__ sets it from the config)
         eng.module.config.model_type = "toy"  # a text model; a VL type for a media micro-batch (veomni/media.py)
         obj.vl_types = self.stubs.module.VL_TYPE2INDEX
+        if routes is not None and head == "lm":  # a critic's batches never ask replay (no enable_routing_replay)
+            if self._replay_hooks is None:
+                raise NotImplementedError(self.lacks(Feature.ROUTES))
+            obj.router_replay = RouterReplay(self.stubs.module.VeOmniRouterReplay, self._replay_hooks, routes)
         return obj
 
     def __repr__(self) -> str:

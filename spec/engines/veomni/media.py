@@ -7,9 +7,16 @@ VeOmni's ``VL_TYPE2INDEX``: the type's image and video token ids (Qwen2.5-VL's a
 from that table, not from the model's config). VeOmni's VL models place the features at those masks. The adapter's
 stand-in is a VL model type of its own, registered in that table with its media token ids (the micro-batch's flags
 beside its media), as a model VeOmni adds is registered; a text micro-batch keeps a text model type.
+
+The engine object also runs router replay where its switch is drawn (:mod:`spec.engines.veomni.router_replay`): the
+controller armed before VeOmni's ``prepare_model_inputs``, the MoE routers fired after it.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from impl.flags import read_flag
 
 from ..kit.hf_batch import media_samples, media_token_ids
 from ..verl.adapter import VerlEngineObject
@@ -24,6 +31,8 @@ class VeOmniEngineObject(VerlEngineObject):
     """verl's engine object with the model type a micro-batch's model has: a VL type for one carrying media."""
 
     vl_types: dict = {}  # VeOmni's VL_TYPE2INDEX (set by VeOmniEngine.make)
+    #: router replay (R3) where its switch is drawn (spec/engines/veomni/router_replay.py; set by VeOmniEngine.make)
+    router_replay: Any = None
 
     def prepare_model_inputs(self, micro_batch):
         config = self.verl_engine.module.config
@@ -33,4 +42,12 @@ class VeOmniEngineObject(VerlEngineObject):
             image_id, video_id = media_token_ids(micro_batch)
             self.vl_types[STAND_IN_VL_TYPE] = {"IMAGE_INPUT_INDEX": image_id, "VIDEO_INPUT_INDEX": video_id}
             config.model_type = STAND_IN_VL_TYPE
-        return super().prepare_model_inputs(micro_batch)
+        replay = self.router_replay
+        if replay is None:
+            return super().prepare_model_inputs(micro_batch)
+        packed = read_flag(micro_batch, "use_remove_padding", True) not in (False,)  # as verl reads it
+        replay.arm(self.verl_engine, packed)
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        if packed:  # the MoE model's routers fire on the inputs, as in its forward
+            output_args["routes"] = replay.fire(model_inputs, output_args, micro_batch)
+        return model_inputs, output_args
