@@ -192,7 +192,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "reach-figures": measured.reach_table,
     "verl-unreached": lambda: measured.unreached_table("verl"),
     **{f"{engine}-mutation-survivors": (lambda engine=engine: measured.survivors_list(engine))
-       for engine in ("verl", "trl", "skyrl-train", "openrlhf")},
+       for engine in ("verl", "trl", "skyrl-train", "openrlhf", "skyrl", "verl-megatron")},
 }
 
 

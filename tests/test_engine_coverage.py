@@ -384,11 +384,13 @@ def test_a_surface_scored_whole_says_so(toy, tmp_path):
     assert json.loads((tmp_path / "mutate-toy.json").read_text())["population"] == len(everything)
 
 
-@pytest.mark.parametrize("engine", ["verl", "trl", "trl-fused", "skyrl-train", "skyrl", "openrlhf"])
+@pytest.mark.parametrize("engine", ["verl", "trl", "trl-fused", "skyrl-train", "skyrl", "openrlhf", "verl-megatron"])
 def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
-    line moved or whose mutant no longer exists is stale): verl's, TRL's, SkyRL's (both versions) and OpenRLHF's, where
-    installed (the verl091, trl, openrlhf and skyrl CI steps; trl-fused's in the trl step)."""
+    line moved or whose mutant no longer exists is stale): verl's, TRL's, SkyRL's (both versions), OpenRLHF's and
+    verl's Megatron packing's, where installed (the verl091, trl, openrlhf, skyrl and megatron CI steps; trl-fused's in
+    the trl step)."""
+    from spec.engines.megatron.adapter import MegatronEngine
     from spec.engines.openrlhf.records import PROFILE as OPENRLHF_PROFILE
     from spec.engines.skyrl.records import PROFILE as SKYRL_PROFILE, TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
     from spec.engines.trl.fused import TrlFusedEngine
@@ -397,7 +399,8 @@ def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     from spec.mutate import mutants_of
 
     profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "trl-fused": TrlFusedEngine.profile,
-               "skyrl-train": SKYRL_TRAIN_PROFILE, "skyrl": SKYRL_PROFILE, "openrlhf": OPENRLHF_PROFILE}[engine]
+               "skyrl-train": SKYRL_TRAIN_PROFILE, "skyrl": SKYRL_PROFILE, "openrlhf": OPENRLHF_PROFILE,
+               "verl-megatron": MegatronEngine.profile}[engine]
     found, missing = regions(profile.surface)
     if missing or not found:
         pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")

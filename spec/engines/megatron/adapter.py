@@ -42,6 +42,7 @@ from .records import VISION_RECORDS
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
 from ..kit.stubs import import_verl_module
 from ..verl.microbatch_layer import verl_microbatch_layer
+from ..verl.mutants import VERL_EQUIVALENT_MUTANTS
 from ..verl.profile import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE
 
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
@@ -214,15 +215,70 @@ MEGATRON_UNREACHABLE: dict[str, str] = {
 }
 
 
+#: what the packing measures of verl (spec.run.engine_coverage): its THD/BSHD pre/postprocess, the vision path and
+#: the micro-batch layer
+MEGATRON_SURFACE = (*(f"{_U}:{f}" for f in (
+    "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
+    "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *VERL_LAYER)
+_ARANGE = "torch.arange of Python ints is int64 already: dtype=torch.long changes nothing"
+_ONE_D = "a 1-D tensor (the per-sequence lengths): its other dim, -1, is dim 0"
+_MASK_VALUES = ("the mask is built int64 instead of bool with the same 0/1 values: the contract states a 2-D mask's "
+                "values (0/1 in an integer or bool dtype, as INV-MASK-002), not its dtype")
+_BOOL_MASK = "the masks preprocess_bshd_engine builds (and the gather returns) are bool already"
+_ALIGN_ONE = "with an alignment of 1 the pad (1 - n % 1) % 1 is 0: the width is the same"
+#: survivors of ``spec mutate --engine verl-megatron`` that no input tells from verl's code, each with why (by id);
+#: and verl's own declarations on the functions the surfaces share (the micro-batch layer's)
+MEGATRON_EQUIVALENT_MUTANTS: dict[str, str] = {
+    **{key: why for key, why in VERL_EQUIVALENT_MUTANTS.items()
+       if (site := key.split(" ")[0].rsplit(":", 1)[0]) in MEGATRON_SURFACE or site.split(":")[0] in MEGATRON_SURFACE},
+    f"{_U}:preprocess_thd_engine:384 dim: dim -> other dim": _ONE_D,
+    f"{_U}:preprocess_thd_engine:386 dim: dim -> other dim": _ONE_D,
+    f"{_U}:preprocess_thd_engine:467 dtype: dtype= dropped": _ARANGE,
+    f"{_U}:preprocess_thd_engine:513 dtype: dtype= dropped": _ARANGE,
+    f"{_U}:preprocess_bshd_engine:756 dtype: dtype= dropped": _ARANGE,
+    f"{_U}:preprocess_bshd_engine:761 dtype: dtype= dropped": _ARANGE,
+    f"{_U}:preprocess_thd_engine:496 dtype: dtype= dropped": _ARANGE,
+    f"{_U}:preprocess_thd_engine:483 dtype: dtype= dropped":
+        "the zig-zag pad's zeros come out float32: torch.cat then promotes the sequence to float32 (int ids are exact "
+        "below 2**24, every vocabulary's; a float64 one stays float64) and input_ids_rmpad, of the input's dtype, "
+        "casts the rows back where they are written: the same values",
+    f"{_U}:preprocess_bshd_engine:707 compare: Gt -> GtE": "with one CP rank max_seqlen // 1 is max_seqlen",
+    f"{_U}:build_vlm_attn_mask_bshd:898 dtype: dtype= dropped": _MASK_VALUES,
+    f"{_U}:preprocess_thd_engine:503 compare: Gt -> GtE": "remain_len is always half_seqlen >= 1 (the back chunk's "
+                                                          "reason, 503->516 above): > 0 and >= 0 agree",
+    f"{_U}:preprocess_thd_engine:372 compare: Gt -> GtE":
+        "zig-zag's factor 2 also with one CP rank: each sequence padded to a multiple of 2 x TP instead of TP, still "
+        "a multiple of the alignment the packing asks (INV-MEG-002: TP x CP, x2 zig-zag with CP > 1), with more "
+        "padding rows, which the re-assembly drops: no output changes",
+    f"{_U}:postprocess_bshd_engine:800 compare: Gt -> GtE": "with one CP rank the gather over its group returns the "
+                                                           "rank's own output (and mask): the same rows",
+    f"{_U}:preprocess_thd_engine:511 compare: Gt -> GtE": "with valid_pos_len == 0 the arange is empty: it writes no "
+                                                          "position",
+    f"{_U}:preprocess_thd_engine:519 arith: Add -> Sub #2": "need_roll's positions are dropped by every caller "
+                                                           "(model_forward.py:329 and 430 keep [0], the rolled rows)",
+    f"{_U}:preprocess_thd_engine:522 arith: Add -> Sub #2":
+        "the wrap label of a sequence's last padded row (d[0], CP rank 0, whose back chunk ends the sequence) moves "
+        "to the row before the sequence's first on the rank: the previous sequence's last padded row (for the first "
+        "sequence, index -1: the last sequence's), whose own wrap label it overwrites; both follow a sequence's last "
+        "row, which has no next token (the contract's 'then anything'); no label of a token inside a sequence moves",
+    f"{_U}:postprocess_bshd_engine:805 dtype: dtype= dropped": "torch.empty_like keeps the mask's dtype: "
+                                                              "dtype=attention_mask.dtype changes nothing",
+    f"{_U}:postprocess_bshd_engine:815 cast: .bool() removed": _BOOL_MASK,
+    f"{_U}:postprocess_bshd_engine:829 cast: .bool() removed": _BOOL_MASK,
+    f"{_U}:build_vlm_attn_mask_thd:858 compare: Gt -> GtE": _ALIGN_ONE,
+    f"{_U}:build_vlm_attn_mask_bshd:889 compare: Gt -> GtE": _ALIGN_ONE,
+    f"{_U}:build_vlm_attn_mask_thd:865 dtype: dtype= dropped": _MASK_VALUES,
+}
+
+
 class MegatronEngine(EngineUnderTest):
     """verl's Megatron packing (``Feature.PACKING``); no engine object (see the module docstring)."""
 
     name = "verl-megatron"
     #: verl's Megatron packing (THD and BSHD pre/postprocess) and its micro-batch layer
-    profile = replace(EngineUnderTest.profile, surface=(*(f"verl.models.mcore.util:{f}" for f in (
-        "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
-        "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *VERL_LAYER),
-        unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH, media=VISION)
+    profile = replace(EngineUnderTest.profile, surface=MEGATRON_SURFACE,
+                      unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH,
+                      media=VISION, equivalent_mutants=MEGATRON_EQUIVALENT_MUTANTS)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties

@@ -75,10 +75,19 @@ REFUSES = {"routes_misaligned": "convert_prompts_responses_to_batch_tensors rais
 _SP_ONE = ("with sequence_parallel_size == 1 ulysses_pad_and_slice_inputs returns its inputs as they are (sp_size <= 1) "
            "with a pad of 0, and the packed mask it sets to None is None already; the gather after it still tests > 1")
 _INT64 = "torch.tensor of lists of Python ints is int64 already: dtype=torch.int64 changes nothing"
+_BOTH_LOG_SOFTMAX = ("both branches take log_softmax at the label (a gather minus a per-row logsumexp, or a per-row "
+                     "log_softmax then a gather) in the logits' dtype: the same log-probs up to rounding")
+_ENTROPY_FLOAT32 = ("the entropy is stored in float32 (torch's default) for the logits' dtype: the same values, computed "
+                    "in the logits' dtype; float32 is the contract's own dtype, so no consumer can be hurt (F22 records "
+                    "bf16/fp16)")
+_PAD_POSITION = ("the position of a padding column stays cumsum - 1 (-1 or the last real position) instead of 1: "
+                 "packed, unpad_input drops those columns; padded, the attention mask hides them as keys, and a RoPE "
+                 "model's output at a real token does not read its own padding columns' positions; no output is read "
+                 "at a padding column")
+_EXTRA_CHUNK = ("(L + 1025) // 1024 chunks for (L + 1023) // 1024: the extra chunk starts at L, an empty slice that "
+                "writes nothing")
 TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
-    "skyrl_train.utils.torch_utils:logprobs_from_logits_v2:164 branch: condition negated":
-        "both branches take log_softmax at the label (a gather minus a per-row logsumexp, or a per-row log_softmax "
-        "then a gather) in the logits' dtype: the same log-probs up to rounding",
+    "skyrl_train.utils.torch_utils:logprobs_from_logits_v2:164 branch: condition negated": _BOTH_LOG_SOFTMAX,
     "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:109 dtype: dtype= dropped": _INT64,
     "skyrl_train.dataset.preprocess:convert_prompts_responses_to_batch_tensors:110 dtype: dtype= dropped": _INT64,
     "skyrl_train.model_wrapper:HFModelWrapper.forward:311 compare: Gt -> GtE": _SP_ONE,
@@ -92,19 +101,12 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
         "the loss masks come out int64 (the action mask's dtype) with the same values: the generator's loss masks are "
         "0/1 ints (GeneratorOutput.loss_masks: List[List[int]]), and every consumer multiplies or sums them with "
         "float tensors (masked_mean, the advantage estimators), which gives the same floats",
-    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:91 arith: Sub -> Add":
-        "(L + 1025) // 1024 chunks for (L + 1023) // 1024: the extra chunk starts at L, an empty slice that writes "
-        "nothing",
-    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:92 dtype: dtype= dropped":
-        "the entropy is stored in float32 (torch's default) for the logits' dtype: the same values, computed in the "
-        "logits' dtype; float32 is the contract's own dtype, so no consumer can be hurt (F22 records bf16/fp16)",
+    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:91 arith: Sub -> Add": _EXTRA_CHUNK,
+    "skyrl_train.utils.torch_utils:chunked_entropy_from_logits:92 dtype: dtype= dropped": _ENTROPY_FLOAT32,
     "skyrl_train.model_wrapper:HFModelWrapper.forward:291 cast: .long() removed":
         "the batch builder's attention mask is int64 already (torch.tensor(..., dtype=torch.int64)): .long() is a "
         "no-op, and its cumsum is int64 either way",
-    "skyrl_train.model_wrapper:HFModelWrapper.forward:292 inplace: .masked_fill_ -> .masked_fill":
-        "the position of a padding column stays cumsum - 1 (-1 or the last real position) instead of 1: packed, "
-        "unpad_input drops those columns; padded, the attention mask hides them as keys, and a RoPE model's output at "
-        "a real token does not read its own padding columns' positions; no output is read at a padding column",
+    "skyrl_train.model_wrapper:HFModelWrapper.forward:292 inplace: .masked_fill_ -> .masked_fill": _PAD_POSITION,
     "skyrl_train.model_wrapper:HFModelWrapper.forward:361 branch: condition negated":
         "the entropy at padding columns is not multiplied by the attention mask (padded), packed the mask is None "
         "either way: the entropy at a real token is the same, and no consumer reads it at a padding column "
@@ -113,6 +115,7 @@ TRAIN_EQUIVALENT_MUTANTS: dict[str, str] = {
 
 #: survivors of ``spec mutate --engine skyrl`` (0.4.0) that no input tells from SkyRL's code, each with why (by id)
 _W4, _P4 = f"{_WRAPPER}:HFModelWrapper.forward", f"{_PREPROCESS}:convert_prompts_responses_to_batch_tensors"
+_TU4 = "skyrl.backends.skyrl_train.utils.torch_utils"
 _LOGGED = ("max_seq_len only decides whether a warning is logged (\"No truncation is performed\"): the batch is the "
            "same either way")
 EQUIVALENT_MUTANTS: dict[str, str] = {
@@ -121,13 +124,25 @@ EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_P4}:346 dtype: dtype= dropped": "np.asarray of a list of Python ints (the prompts' lengths) is int64 already "
                                         "on the platforms SkyRL runs on (Linux x86-64, aarch64): dtype=np.int64 "
                                         "changes nothing",
+    f"{_P4}:347 dtype: dtype= dropped": "np.asarray of a list of Python ints (the responses' lengths) is int64 "
+                                        "already on the platforms SkyRL runs on (Linux x86-64, aarch64): "
+                                        "dtype=np.int64 changes nothing",
     f"{_P4}:352 dtype: dtype= dropped": "np.full with a Python int fill (the pad id) is int64 already on the platforms "
                                         "SkyRL runs on (Linux x86-64, aarch64): dtype=np.int64 changes nothing",
     f"{_P4}:360 dtype: dtype= dropped": "np.arange of an int is int64 already on the platforms SkyRL runs on (Linux "
                                         "x86-64, aarch64): dtype=np.int64 changes nothing",
+    f"{_P4}:364 dtype: dtype= dropped": "np.arange of an int is int64 already on the platforms SkyRL runs on (Linux "
+                                        "x86-64, aarch64): dtype=np.int64 changes nothing",
     f"{_W4}:345 cast: .long() removed": "the batch builder's attention mask is int64 already "
                                         "(torch.from_numpy of an int64 array): .long() is a no-op",
     f"{_W4}:369 compare: Gt -> GtE": _SP_ONE,
+    f"{_W4}:346 inplace: .masked_fill_ -> .masked_fill": _PAD_POSITION,
+    f"{_W4}:405 compare: Eq -> NotEq": "packed, attention_mask_fwd is None already (set so where the rows are "
+                                       "unpadded, whatever the attention implementation): both model calls hand the "
+                                       "model the same inputs; unpacked, remove_microbatch_padding is False either way",
+    f"{_TU4}:logprobs_from_logits_v2:165 branch: condition negated": _BOTH_LOG_SOFTMAX,
+    f"{_TU4}:chunked_entropy_from_logits:91 arith: Sub -> Add": _EXTRA_CHUNK,
+    f"{_TU4}:chunked_entropy_from_logits:92 dtype: dtype= dropped": _ENTROPY_FLOAT32,
 }
 
 #: the adapters' profiles: skyrl-train (0.3.1) left-pads prompts and right-pads responses, skyrl (0.4.0) left-pads

@@ -77,8 +77,8 @@ class VeOmniEngine(VerlEngine):
             "VeOmniEngine._apply_veomni_input_transforms", "VeOmniEngineWithLMHead.prepare_model_inputs",
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
             "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=UNREACHABLE,
-        off_path=VERL_OFF_PATH, refuses={},
-        config_space=(*VerlEngine.profile.config_space, ROUTER_REPLAY), routes_modes=("packed",))  # VeOmni's own preparation: its refusals not declared (not checked here)
+        off_path=VERL_OFF_PATH, refuses={},  # VeOmni's own preparation: its refusals not declared (not checked here)
+        config_space=(*VerlEngine.profile.config_space, ROUTER_REPLAY), routes_modes=("packed",))
 
     def __init__(self) -> None:
         super().__init__()

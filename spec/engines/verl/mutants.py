@@ -13,6 +13,8 @@ __all__ = ["VERL_EQUIVALENT_MUTANTS"]
 _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 _SB = "verl.utils.seqlen_balancing"
 
+_ONE_BATCH_DIM = "the micro-batch TensorDicts have a 1-D batch size: TensorDict.cat along dim -1 is along dim 0"
+
 VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs:1501 dtype: dtype= dropped":
         "torch.zeros_like(seq_lengths, dtype=torch.int64): seq_lengths is the diff of a jagged tensor's int64 "
@@ -102,8 +104,12 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     "verl.utils.torch_functional:logprobs_from_logits_v2:194 branch: condition negated":
         "both branches compute log_softmax at the label (a gather minus a logsumexp, or a per-row log_softmax): "
         "they differ only in rounding, within the bound of the precision verl declares for each logits dtype",
-    "verl.utils.tensordict_utils:concat_tensordict:292 dim: dim -> other dim":
-        "the micro-batch TensorDicts have a 1-D batch size: TensorDict.cat along dim -1 is along dim 0",
+    "verl.utils.tensordict_utils:concat_tensordict:292 dim: dim -> other dim": _ONE_BATCH_DIM,
+    "verl.utils.tensordict_utils:concat_tensordict:279 dim: dim -> other dim": _ONE_BATCH_DIM,
+    f"{_SB}:karmarkar_karp:151 arith: Add -> Sub":
+        "equal_size's seeding takes sorted[offset - i] for sorted[offset + i]: over the offsets 0, k, 2k, ... that is "
+        "every sample once, k to a partition, other samples grouped together; the contract asks every sample once in "
+        "partitions of equal count, no particular grouping among them (the balance is the heuristic's)",
     "verl.utils.tensordict_utils:list_of_dict_to_tensordict:927 compare: Gt -> GtE":
         "the assert only guards an empty list, which raises either way (IndexError at list_of_dicts[0])",
 }
