@@ -195,15 +195,17 @@ def pipeline_stages(ctx: Ctx) -> None:
                 if later.positions is not None:
                     fail(f"pipeline stage after the first [{spec}] rank {rank}: handed positions (its input is the "
                          "stage before's hidden states)")
-                handed = packer.hand_on_thd(first.rows, first, x, spec, rank)
-                if handed.shape != first.rows.shape or not torch.equal(handed, first.rows):
-                    fail(f"pipeline stage before the last [{spec}] rank {rank}: hands on {tuple(handed.shape)} "
-                         f"other than its THD output {tuple(first.rows.shape)}")
+                _handed_on(packer.hand_on_thd(first.rows, first, x, spec, rank), first.rows, f"[{spec}] rank {rank}",
+                           "THD")
     for spec in _specs(ctx, bshd=True):
         with _at(spec):
             for rank in range(spec.cp):
                 rows, mask, _pos = packer.pack_bshd(x, spec, rank)
-                handed = packer.hand_on_bshd(rows, mask, spec, rank)
-                if handed.shape != rows.shape or not torch.equal(handed, rows):
-                    fail(f"pipeline stage before the last [{spec}] rank {rank}: hands on {tuple(handed.shape)} "
-                         f"other than its BSHD output {tuple(rows.shape)}")
+                _handed_on(packer.hand_on_bshd(rows, mask, spec, rank), rows, f"[{spec}] rank {rank}", "BSHD")
+
+
+def _handed_on(handed: torch.Tensor, output: torch.Tensor, where: str, layout: str) -> None:
+    """A stage before the last hands on its ``layout`` output as it computed it (INV-MEG-007, THD and BSHD alike)."""
+    if handed.shape != output.shape or not torch.equal(handed, output):
+        fail(f"pipeline stage before the last {where}: hands on {tuple(handed.shape)} other than its {layout} output "
+             f"{tuple(output.shape)}")

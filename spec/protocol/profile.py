@@ -80,7 +80,7 @@ import torch
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "VISION", "MEDIA_INPUT_KEYS", "AUDIO_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
            "layout_starts", "token_columns", "profile_of", "ROUTES_SWITCH", "routes_dtype", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
-           "takes_mode", "drawn_config"]
+           "takes_mode", "drawn_config", "equivalents_on"]
 
 #: the two ways a trainer feeds the model
 MODES = ("packed", "padded")
@@ -106,6 +106,12 @@ AUTOCAST_DTYPES = {"autocast_bf16": "bfloat16"}
 CONTEXTS = AUTOGRAD_CONTEXTS + tuple(AUTOCAST_DTYPES)
 #: the outputs an engine may declare metrics only (``EngineProfile.metrics``): logged, never differentiated
 METRIC_OUTPUTS = ("entropy", "sum_pi_squared")
+
+
+def _target_modes(mode: str) -> tuple[str, ...]:
+    """The modes a target of ``mode`` runs: both for ``both`` (one comparing the two), ``mode`` itself for
+    ``packed``/``padded``, none for another (``any``: the mode left to the draw)."""
+    return MODES if mode == "both" else (mode,) if mode in MODES else ()
 
 
 def takes_mode(mode: str, *, mrope: bool = False, media: bool = False, modes: tuple[str, ...] = MODES,
@@ -387,7 +393,7 @@ class EngineProfile:
     def mode_reason(self, mode: str) -> str | None:
         """Why a target of ``mode`` (``packed``, ``padded``, ``both``: one comparing the two) does not apply to this
         engine, or None."""
-        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        wanted = _target_modes(mode)
         missing = [m for m in wanted if m not in self.modes]
         if not missing:
             return None
@@ -409,7 +415,7 @@ class EngineProfile:
     def media_mode_reason(self, mode: str) -> str | None:
         """Why a target of ``mode`` (``packed``, ``padded``, ``both``: one comparing the two) draws no images or
         videos, or None (an engine without media: :meth:`media_reason`)."""
-        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        wanted = _target_modes(mode)
         allowed = [m for m in MODES if self.takes(m, mrope=True, media=True)]
         missing = [m for m in wanted if self.runs(m) and not self.takes(m, mrope=True, media=True)]
         if not self.media or not missing:
@@ -422,7 +428,7 @@ class EngineProfile:
         """Why a target of ``mode`` (``packed``, ``padded``, ``both``) hands on no routed experts, or None: a mode
         the engine never runs router replay in (its profile's ``routes_modes``; an engine without the switch:
         :meth:`~spec.protocol.engine.EngineUnderTest.lacks`)."""
-        wanted = MODES if mode == "both" else (mode,) if mode in MODES else ()
+        wanted = _target_modes(mode)
         missing = [m for m in wanted if self.runs(m) and m not in self.routes_modes]
         if not missing:
             return None
@@ -446,6 +452,18 @@ DEFAULT_PROFILE = EngineProfile()
 #: its values the routes' dtype (``spec.truth.routes.ROUTE_DTYPES``): drawn on, the micro-batch carries each sample's
 #: ``routed_experts`` (spec.cases.materialize) and INV-ROUTE-001 reads what the engine hands on (``InputsView.routes``)
 ROUTES_SWITCH = "routed_experts"
+
+
+def equivalents_on(declared: Mapping[str, str], surface: tuple[str, ...]) -> dict[str, str]:
+    """The equivalent-mutant declarations of ``declared`` (keyed by ``spec.mutate.Mutant.id``, ``module:function:LINE
+    operator: ...``) whose mutant lies on ``surface`` (an entry naming its ``module:function``, or its whole module):
+    what an engine that shares functions with another takes of that engine's declarations."""
+    out: dict[str, str] = {}
+    for key, why in declared.items():
+        site = key.split(" ", 1)[0].rsplit(":", 1)[0]
+        if site in surface or site.partition(":")[0] in surface:
+            out[key] = why
+    return out
 
 
 def routes_dtype(case: Any) -> str | None:

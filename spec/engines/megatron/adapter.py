@@ -36,7 +36,7 @@ import torch
 from ...protocol.known import KnownFailure, When
 from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
-from ...protocol.profile import VISION
+from ...protocol.profile import VISION, equivalents_on
 from ..verl.microbatch_records import MICROBATCH_RECORDS
 from .records import VISION_RECORDS
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
@@ -59,6 +59,12 @@ def fake_parallel_state(spec: PackSpec, rank: int) -> SimpleNamespace:
                            get_context_parallel_rank=lambda: 0 if spec.dynamic else rank,
                            get_context_parallel_group=lambda: f"cp-group({fixed})",
                            get_dynamic_data_context_parallel_groups=lambda group_size: _DynamicGroup(group_size, rank))
+
+
+def _local_cp_size(spec: PackSpec) -> int | None:
+    """What verl's pre/postprocess take as ``local_cp_size``: the micro-batch's own CP size under dynamic CP, else
+    None (the fixed CP group's)."""
+    return spec.cp if spec.dynamic else None
 
 
 class _DynamicGroup(str):
@@ -96,7 +102,7 @@ class VerlMegatronPacker:
         with self._rank(spec, rank):
             rows, params, positions = self.util.preprocess_thd_engine(
                 x, pre_process=True, need_roll=need_roll, use_fp8_padding=spec.fp8,
-                local_cp_size=spec.cp if spec.dynamic else None,
+                local_cp_size=_local_cp_size(spec),
                 pad_to_length_bucket=spec.bucket, cp_layout=spec.layout.value)
         return ThdShard(rows, positions, params.cu_seqlens_q_padded, params)
 
@@ -104,7 +110,7 @@ class VerlMegatronPacker:
         """A pipeline stage after the first: ``pre_process=False``."""
         with self._rank(spec, rank):
             rows, params, positions = self.util.preprocess_thd_engine(
-                x, pre_process=False, use_fp8_padding=spec.fp8, local_cp_size=spec.cp if spec.dynamic else None,
+                x, pre_process=False, use_fp8_padding=spec.fp8, local_cp_size=_local_cp_size(spec),
                 pad_to_length_bucket=spec.bucket, cp_layout=spec.layout.value)
         return ThdShard(rows, positions, params.cu_seqlens_q_padded, params)
 
@@ -113,7 +119,7 @@ class VerlMegatronPacker:
         """A pipeline stage before the last: ``post_process=False``."""
         with self._rank(spec, rank):
             return self.util.postprocess_thd_engine(output, shard.state, x, x.shape[0], post_process=False,
-                                                    local_cp_size=spec.cp if spec.dynamic else None,
+                                                    local_cp_size=_local_cp_size(spec),
                                                     cp_layout=spec.layout.value)
 
     def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor:
@@ -126,7 +132,7 @@ class VerlMegatronPacker:
         for rank, shard in enumerate(shards):  # every rank re-assembles; they must agree
             with self._rank(spec, rank, gathered):
                 outs.append(self.util.postprocess_thd_engine(shard.rows, shard.state, x, x.shape[0], post_process=True,
-                                                             local_cp_size=spec.cp if spec.dynamic else None,
+                                                             local_cp_size=_local_cp_size(spec),
                                                              cp_layout=spec.layout.value))
         for rank, out in enumerate(outs[1:], 1):
             if not all(torch.equal(a, b) for a, b in zip(out.unbind(), outs[0].unbind())):
@@ -229,8 +235,7 @@ _ALIGN_ONE = "with an alignment of 1 the pad (1 - n % 1) % 1 is 0: the width is 
 #: survivors of ``spec mutate --engine verl-megatron`` that no input tells from verl's code, each with why (by id);
 #: and verl's own declarations on the functions the surfaces share (the micro-batch layer's)
 MEGATRON_EQUIVALENT_MUTANTS: dict[str, str] = {
-    **{key: why for key, why in VERL_EQUIVALENT_MUTANTS.items()
-       if (site := key.split(" ")[0].rsplit(":", 1)[0]) in MEGATRON_SURFACE or site.split(":")[0] in MEGATRON_SURFACE},
+    **equivalents_on(VERL_EQUIVALENT_MUTANTS, MEGATRON_SURFACE),
     f"{_U}:preprocess_thd_engine:384 dim: dim -> other dim": _ONE_D,
     f"{_U}:preprocess_thd_engine:386 dim: dim -> other dim": _ONE_D,
     f"{_U}:preprocess_thd_engine:467 dtype: dtype= dropped": _ARANGE,

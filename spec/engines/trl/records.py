@@ -10,7 +10,7 @@ from itertools import accumulate
 
 from ...protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
 from ...protocol.known import KnownFailure, When
-from ...protocol.profile import drawn_config
+from ...protocol.profile import drawn_config, equivalents_on
 from ..kit.records import CANCELLATION, LOW_PRECISION_LOGITS, MISMATCH, ORACLE_INVARIANTS, UNCLAMPED, VALUE_MISMATCH
 from .config import DETACHED_ENTROPY, GRPO_ROWS, HEAD_IN_LOGITS_DTYPE, METRICS_ONLY, TRL_SWITCHES
 
@@ -184,7 +184,7 @@ _AT_FIVE = ("Version(transformers.__version__) < Version('5.0.0') and <= differ 
             "itself; the installed 5.25 is above both")
 FUSED_EQUIVALENT_MUTANTS: dict[str, str] = {
     # trl's own on the batch builders both surfaces share (an id is "module:function:LINE operator: ...")
-    **{key: why for key, why in EQUIVALENT_MUTANTS.items() if key.split(" ")[0].rsplit(":", 1)[0] in _BATCH},
+    **equivalents_on(EQUIVALENT_MUTANTS, _BATCH),
     f"{_U}:add_fused_lm_head:1603 branch: condition negated": "labels " + _UNPATCHED_NONE,
     f"{_U}:add_fused_lm_head:1605 branch: condition negated": "shift_labels " + _UNPATCHED_NONE,
     f"{_U}:add_fused_lm_head:1594 compare: Lt -> LtE": _AT_FIVE,

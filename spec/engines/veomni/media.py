@@ -43,10 +43,10 @@ class VeOmniEngineObject(VerlEngineObject):
             self.vl_types[STAND_IN_VL_TYPE] = {"IMAGE_INPUT_INDEX": image_id, "VIDEO_INPUT_INDEX": video_id}
             config.model_type = STAND_IN_VL_TYPE
         replay = self.router_replay
-        if replay is None:
-            return super().prepare_model_inputs(micro_batch)
-        packed = read_flag(micro_batch, "use_remove_padding", True) not in (False,)  # as verl reads it
-        replay.arm(self.verl_engine, packed)
+        # the flag read only with replay on (as verl reads it), so a bad flag otherwise meets verl's own check first
+        packed = replay is not None and read_flag(micro_batch, "use_remove_padding", True) not in (False,)
+        if replay is not None:
+            replay.arm(self.verl_engine, packed)
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         if packed:  # the MoE model's routers fire on the inputs, as in its forward
             output_args["routes"] = replay.fire(model_inputs, output_args, micro_batch)

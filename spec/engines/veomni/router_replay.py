@@ -74,8 +74,8 @@ class RouterReplay:
     """The R3 router replay of one engine object: the controller (``VeOmniRouterReplay``, in REPLAY as
     ``forward_backward_batch`` arms it), the routers and the route dtype drawn.
 
-    ``arm(engine, micro_batch)`` sets the engine's controller for a micro-batch (None for a padded one: VeOmni never
-    runs router replay on it); ``fire(model_inputs, output_args, micro_batch)`` runs the routers on the model inputs
+    ``arm(engine, packed)`` sets the engine's controller for a micro-batch (None for a padded one: VeOmni never runs
+    router replay on it); ``fire(model_inputs, output_args, micro_batch)`` runs the routers on the model inputs
     and returns the routes they took, per sample."""
 
     def __init__(self, controller_class: type, hooks: Any, dtype: str):
