@@ -187,7 +187,7 @@ def test_verl_torchtitan_capabilities_are_probed() -> None:
 @needs_verl
 def test_verl_megatron_packer_agrees_with_the_reference() -> None:
     engine = load_engine("verl-megatron")
-    assert engine.lacks(Feature.PACKING) is None and engine.lacks(Feature.ENGINE)
+    assert engine.lacks(Feature.PACKING) is None and engine.lacks(Feature.ENGINE) is None
     x = nested_from([torch.arange(1, 4), torch.arange(10, 15), torch.tensor([20])])
     for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 4)):
         spec = PackSpec(tp=tp, cp=cp, layout=ShardLayout.ZIGZAG)
@@ -249,19 +249,56 @@ def test_verl_megatron_vision_forward_agrees_with_the_reference() -> None:
 
 @needs_verl
 def test_verl_megatron_runs_the_layer_checks_bridged_to_step_layers() -> None:
-    """verl-megatron has verl's micro-batch layer and no engine object: the micro-batch checks that also run through a
-    step layer (INV-MB-001/006/007/008, which drop the ``microbatch`` need) still run its layer, not skip for the
-    missing engine object; a check that runs the engine object still skips."""
+    """verl-megatron has verl's micro-batch layer and an engine object on one rank: the micro-batch checks that also run
+    through a step layer (INV-MB-001/006/007/008, which drop the ``microbatch`` need) run its layer; the value checks
+    run the engine object; a check that needs sequence parallelism skips with the engine's reason."""
     engine = load_engine("verl-megatron")
     for inv in ("INV-MB-001", "INV-MB-006", "INV-MB-007", "INV-MB-008"):
         assert "microbatch" not in CATALOGUE[inv].needs and skip_reason(CATALOGUE[inv], engine, "cpu") is None, inv
-    assert skip_reason(CATALOGUE["INV-VAL-001"], engine, "cpu", "packed") == engine.lacks(Feature.ENGINE)
+    assert skip_reason(CATALOGUE["INV-VAL-001"], engine, "cpu", "packed") is None
+    assert skip_reason(CATALOGUE["INV-SP-001"], engine, "cpu", "packed") == engine.lacks(Feature.SP)
 
 
+@needs_verl
+@pytest.mark.parametrize("packed", [True, False])
+def test_verl_megatron_engine_object_runs_forward_step_to_the_oracle(packed: bool) -> None:
+    """Megatron's forward_step, run whole on one rank (spec/engines/megatron/engine.py), returns the oracle's log-probs,
+    entropy, top-K terms and values on a text micro-batch and on a vision-language one (an image beside a text-only
+    sample, mRoPE positions), THD and BSHD; the view states the packed row the model attends and the labels the
+    logits processor scores (each sample's next id inside it)."""
+    from spec.cases.materialize import draws
+    from spec.execute.harness import model_for
+    from spec.truth.oracle import expected
+
+    engine = load_engine("verl-megatron")
+    cases = [EngineCase(prompt_lens=(5, 2), response_lens=(2, 1), vocab=16, calculate_entropy=True, topk=2,
+                        distillation_keys=("distillation_losses", "student_mass")),
+             EngineCase(prompt_lens=(5, 2), response_lens=(2, 1), vocab=16, mrope=True, seed=4,
+                        media=((Media("image", 1, 2, 4, 1),), ())),
+             EngineCase(prompt_lens=(3, 4), response_lens=(1, 2), vocab=16, head="value")]
+    for case in cases:
+        case = replace(case, use_remove_padding=packed)
+        run = execute(engine, case)
+        want = expected(case, model_for(case, "cpu", engine), draws(case))
+        for key, got in run.outputs.items():
+            if key in ("overlap_count", "overlap_token_advantage", "teacher_mass"):
+                continue
+            for i, (g, w) in enumerate(zip(got.unbind(), want.of(key))):
+                n = len(w)  # (each sequence's last position scores no token of its own)
+                assert torch.allclose(g[:n].double(), w.double(), atol=1e-4), (case, key, i)
+        view = engine.view_inputs(run.inputs[0], run.output_args[0])
+        ids = run.micro_batch["input_ids"]
+        assert (view.attention_mask is None) == packed
+        if case.head == "lm":
+            starts = ids.offsets()[:-1]
+            assert torch.equal(view.labels[starts], ids.values()[starts + 1]), case
+        if packed:
+            assert view.cu_seqlens.tolist() == ids.offsets().tolist() and torch.equal(view.input_ids[0], ids.values())
 @pytest.mark.parametrize("module, attr", [("spec.engines.torchtitan.adapter", "KNOWN_RECORDS"),
                                           ("spec.engines.automodel.adapter", "KNOWN_RECORDS"),
                                           ("spec.engines.megatron.adapter", "MegatronEngine"),
-                                          ("spec.engines.megatron.records", "VISION_RECORDS")])
+                                          ("spec.engines.megatron.records", "VISION_RECORDS"),
+                                          ("spec.engines.megatron.records", "MEGATRON_ENGINE_RECORDS")])
 def test_every_engine_known_failure_is_a_precise_documented_record(module: str, attr: str) -> None:
     """Each adapter's known failures are KnownFailure records (no legacy dict): an invariant of the catalogue, a
     condition, an exception type and a message pattern, and a mention in its page (spec/engines/<folder>/README.md)."""

@@ -160,6 +160,7 @@ def _static_records() -> dict[str, tuple]:
     built): every version's."""
     from spec.engines.automodel import adapter as automodel
     from spec.engines.megatron import adapter as megatron
+    from spec.engines.megatron.records import MEGATRON_ENGINE_RECORDS
     from spec.engines.torchtitan import adapter as torchtitan
     from spec.engines.veomni import adapter as veomni
     from spec.engines.verl import records as verl
@@ -170,7 +171,7 @@ def _static_records() -> dict[str, tuple]:
         + (verl.OVERLAP_COUNT_INT64, verl.STUDENT_MASS_LOW_PRECISION, verl.SUM_PI_SQUARED_CANCELLATION)
     return {"verl": bugs, "verl-veomni": bugs + tuple(as_records(veomni.KNOWN_FAILURES)),
             "verl-torchtitan": torchtitan.KNOWN_RECORDS, "verl-automodel": automodel.KNOWN_RECORDS,
-            "verl-megatron": megatron.MegatronEngine.KNOWN + micro}
+            "verl-megatron": megatron.MegatronEngine.KNOWN + MEGATRON_ENGINE_RECORDS + micro}
 
 
 def _records():

@@ -16,7 +16,8 @@ are stubbed.
 Megatron's engine methods ``prepare_model_inputs`` / ``prepare_model_outputs`` are pass-throughs:
 the preparation runs inside ``gptmodel_forward_model_engine`` around the model call, with megatron's
 vocab-parallel kernels (``tensor_parallel.vocab_parallel_cross_entropy``, a TP process group). So
-this adapter offers :attr:`Feature.PACKING` (the packing invariants) and lacks :attr:`Feature.ENGINE`.
+this adapter offers :attr:`Feature.PACKING` (the packing invariants, every TP x CP) and :attr:`Feature.ENGINE`
+on one rank: the engine object runs ``forward_step`` as a whole, TP = CP = 1 (spec/engines/megatron/engine.py).
 On a vision-language micro-batch the packer also runs the engine's own ``forward_step`` up to the model call
 (:meth:`VerlMegatronPacker.vlm_inputs`, spec/engines/megatron/media.py): INV-MEG-006 checks what it hands the model.
 """
@@ -38,8 +39,11 @@ from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_align
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
 from ...protocol.profile import VISION, equivalents_on
 from ..verl.microbatch_records import MICROBATCH_RECORDS
-from .records import VISION_RECORDS
+from .records import MEGATRON_ENGINE_RECORDS, VISION_RECORDS
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
+from ...cases.structure import DISTILLATION_KEYS
+from .engine import (ENGINE_SURFACE, ENGINE_UNREACHABLE, MEGATRON_CONFIG_SPACE, MEGATRON_REFUSES, MegatronEngineObject, megatron_precision,
+                     megatron_processor, megatron_view)
 from ..kit.stubs import import_verl_module
 from ..verl.microbatch_layer import verl_microbatch_layer
 from ..verl.mutants import VERL_EQUIVALENT_MUTANTS
@@ -225,7 +229,7 @@ MEGATRON_UNREACHABLE: dict[str, str] = {
 #: the micro-batch layer
 MEGATRON_SURFACE = (*(f"{_U}:{f}" for f in (
     "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
-    "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *VERL_LAYER)
+    "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *ENGINE_SURFACE, *VERL_LAYER)
 _ARANGE = "torch.arange of Python ints is int64 already: dtype=torch.long changes nothing"
 _ONE_D = "a 1-D tensor (the per-sequence lengths): its other dim, -1, is dim 0"
 _MASK_VALUES = ("the mask is built int64 instead of bool with the same 0/1 values: the contract states a 2-D mask's "
@@ -282,8 +286,10 @@ class MegatronEngine(EngineUnderTest):
     name = "verl-megatron"
     #: verl's Megatron packing (THD and BSHD pre/postprocess) and its micro-batch layer
     profile = replace(EngineUnderTest.profile, surface=MEGATRON_SURFACE,
-                      unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE}, off_path=VERL_LAYER_OFF_PATH,
-                      media=VISION, equivalent_mutants=MEGATRON_EQUIVALENT_MUTANTS)
+                      unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE, **ENGINE_UNREACHABLE},
+                      off_path=VERL_LAYER_OFF_PATH,
+                      media=VISION, equivalent_mutants=MEGATRON_EQUIVALENT_MUTANTS, refuses=MEGATRON_REFUSES,
+                      config_space=MEGATRON_CONFIG_SPACE)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties
@@ -305,7 +311,7 @@ class MegatronEngine(EngineUnderTest):
             self.layouts = (ShardLayout.ZIGZAG,)
             self.layout_note = ("contiguous CP not run: this megatron-core's PackedSeqParams has no "
                                 "cp_partition_mode, and verl refuses cp_layout='contiguous' with CP > 1 without it")
-        self.known_failures = (*self.KNOWN, *VISION_RECORDS, *MICROBATCH_RECORDS.get("*", ()),
+        self.known_failures = (*self.KNOWN, *VISION_RECORDS, *MEGATRON_ENGINE_RECORDS, *MICROBATCH_RECORDS.get("*", ()),
                                *MICROBATCH_RECORDS.get(self.version, ()))
 
     def microbatch_layer(self):
@@ -315,21 +321,53 @@ class MegatronEngine(EngineUnderTest):
             self._microbatch = verl_microbatch_layer()
         return self._microbatch
 
+    #: why the engine object (one rank, TP = CP = 1: spec/engines/megatron/engine.py) lacks a feature
+    ENGINE_LACKS = {
+        Feature.SP: "context parallelism splits the packed row across CP ranks: the packing invariants (INV-MEG-*) "
+                    "check that split; the engine object runs one rank (TP = CP = 1)",
+        Feature.FUSED: "fused kernels (get_mcore_forward_fused_model_engine_fn) patch megatron's GPTModel output layer "
+                       "with verl's fused linear cross-entropy kernel: a real GPTModel, not run",
+        Feature.TEMPERATURE_HANDOFF: "forward_step reads the micro-batch's temperatures itself (the logits processor "
+                                     "is bound to the micro-batch)",
+    }
+
     def lacks(self, feature: str | Feature) -> str | None:
         feature = Feature.parse(feature)
-        if feature is Feature.PACKING:
+        if feature is Feature.PACKING or feature is Feature.ENGINE:
             if self.stubs.stubbed:
                 return ("megatron-core does not import here (stubbed: " + ", ".join(self.stubs.stubbed)
                         + "); PackedSeqParams is megatron's record, install megatron-core")
             return None
-        if feature in (Feature.CUDA, Feature.MICROBATCH, Feature.REAL_RANKS, Feature.MEDIA):
-            return super().lacks(feature)
-        return (f"verl-megatron {self.version}: Megatron's prepare_model_inputs/outputs are pass-throughs; its "
-                "preparation runs inside gptmodel_forward_model_engine around the model call with megatron's "
-                "vocab-parallel kernels (a TP process group); only its packing is run")
+        if feature in self.ENGINE_LACKS:
+            return f"verl-megatron {self.version}: {self.ENGINE_LACKS[feature]}"
+        return super().lacks(feature)
 
-    def make(self, head: str = "lm", **settings: Any) -> Any:
-        raise NotImplementedError(self.lacks(Feature.ENGINE))
+    def make(self, head: str = "lm", **settings: Any) -> MegatronEngineObject:
+        if head not in ("lm", "value"):
+            raise ValueError(f"unknown head {head!r} (lm or value)")
+        if int(settings.pop("sp_size", 1) or 1) > 1:
+            raise NotImplementedError(self.lacks(Feature.SP))
+        settings.pop("sp_rank", None), settings.pop("all_gather", None)
+        settings.pop("pass_cu_seqlens", None)  # Megatron hands its packed boundaries always
+        chunk, bucket = settings.pop("entropy_chunk_size", None), settings.pop("pad_to_length", None)
+        for switch in self.profile.config_space:  # drawn switches: read through their settings or the processor
+            settings.pop(switch.name, None)
+        if settings:
+            raise TypeError(f"unknown engine settings for verl-megatron: {sorted(settings)}")
+        return MegatronEngineObject(self.packer._rank, head=head, chunk=chunk, bucket=bucket)
+
+    view_inputs = staticmethod(megatron_view)
+    precision = staticmethod(megatron_precision)
+
+    def logits_processor(self, case: Any, sp_size: int = 1, sp_rank: int = 0) -> Any:
+        return megatron_processor(case)  # verl's own (spec/engines/megatron/engine.py)
+
+    def processor_keys(self, case: Any) -> tuple[str, ...]:
+        return DISTILLATION_KEYS  # compute_forward_kl_topk returns all five, whatever the case asks
+
+    def companions(self) -> dict[str, str]:
+        return {"logits_processor": "own: verl.trainer.distillation.losses.distillation_ppo_loss (megatron "
+                                    "compute_forward_kl_topk, vocab-parallel on one rank)"}
 
     def __repr__(self) -> str:
         return f"<engine verl-megatron {self.version}>"

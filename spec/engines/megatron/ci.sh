@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI step: verl-megatron
-# verl 0.9.1's Megatron packing: `spec verify --engine verl-megatron`
+# verl 0.9.1's Megatron packing and engine object: `spec verify --engine verl-megatron`
 #
 # verl's Megatron packing engine's CI step (.ci/steps.sh finds it here, in the engine's folder), in the venv
 # .venv-verl-engines that verl 0.9.1's four native engines share (spec/engines/verl/native-step.sh: installed once,

@@ -19,20 +19,17 @@ recorder with what ``unwrap_model`` reads (``pre_process``, ``post_process``, ``
 
 from __future__ import annotations
 
-from functools import partial
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-from ...protocol.engine import read_flags
 from ...truth.megatron_packing import PackSpec
 from ..kit import inputs_seen_by_model
 from ..kit.stubs import import_verl_module
+from .engine import IMPL, MegatronModel, engine_namespace
 from ..verl.media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE, VERL_VARLEN_UNREACHABLE
 
 __all__ = ["MegatronVisionForward", "MEGATRON_MM_SURFACE", "MEGATRON_MM_UNREACHABLE"]
 
-IMPL = "verl.workers.engine.megatron.transformer_impl"
 _U = "verl.models.mcore.util"
 #: what the vision-language path runs of verl before the model call
 MEGATRON_MM_SURFACE = (f"{IMPL}:MegatronEngineWithLMHead.prepare_model_inputs", f"{_U}:build_vlm_attn_mask_thd",
@@ -41,33 +38,6 @@ MEGATRON_MM_UNREACHABLE: dict[str, str] = {
     **VERL_MM_UNREACHABLE, **VERL_VARLEN_UNREACHABLE,
     f"{_U}:895->896": "needs an Ascend NPU (is_npu_available: the VLM BSHD path hands no attention mask there)",
 }
-
-
-class _Model:
-    """The model ``gptmodel_forward_model_engine`` is handed: what ``unwrap_model`` reads, and the recorder."""
-
-    def __init__(self, record: Any, spec: PackSpec):
-        self.record, self.pre_process, self.post_process = record, True, True
-        self.config = SimpleNamespace(fp8="e4m3" if spec.fp8 else None)
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return self.record(**kwargs)
-
-
-def _engine_self(impl: Any, micro_batch: Any, *, packed: bool) -> SimpleNamespace:
-    """What ``forward_step`` reads of its engine object before the model call (the module docstring)."""
-    cls = impl.MegatronEngineWithLMHead
-    engine = SimpleNamespace(
-        engine_config=SimpleNamespace(use_fused_kernels=False, pad_to_length=False, pad_to_length_bucket=None,
-                                      use_remove_padding=packed, dynamic_context_parallel=False),
-        enable_routing_replay=False, _get_context_parallel_layout=cls._get_context_parallel_layout,
-        model_config=SimpleNamespace(
-            hf_config=SimpleNamespace(architectures=["Qwen2_5_VLForConditionalGeneration"], vision_config={}),
-            tokenizer=SimpleNamespace(pad_token_id=read_flags(micro_batch)["pad_token_id"]),
-            mtp=SimpleNamespace(enable=False)))
-    engine.prepare_model_inputs = partial(cls.prepare_model_inputs, engine)
-    engine._lm_head_logits_processor = partial(cls._lm_head_logits_processor, engine)
-    return engine
 
 
 class MegatronVisionForward:
@@ -79,10 +49,10 @@ class MegatronVisionForward:
     def handed(self, micro_batch: Any, spec: PackSpec, rank: int, rank_context: Any, *, packed: bool) -> dict:
         """The model's keyword arguments as ``forward_step`` builds them (``rank_context``: the packer's fake
         parallel state for ``spec`` and ``rank``); ``cu_seqlens_padded`` from its ``packed_seq_params`` (THD)."""
-        engine = _engine_self(self.impl, micro_batch, packed=packed)
+        engine = engine_namespace(self.impl, micro_batch, packed=packed, vision=True)
         step = self.impl.MegatronEngineWithLMHead.forward_step
         with rank_context(spec, rank), mock.patch.object(self.impl, "get_device_id", lambda: "cpu"):
-            handed = inputs_seen_by_model(lambda record: step(engine, iter([micro_batch]), _Model(record, spec),
+            handed = inputs_seen_by_model(lambda record: step(engine, iter([micro_batch]), MegatronModel(record, spec),
                                                               None, None))
         params = handed.pop("packed_seq_params", None)
         if params is not None:
