@@ -384,15 +384,18 @@ def test_a_surface_scored_whole_says_so(toy, tmp_path):
     assert json.loads((tmp_path / "mutate-toy.json").read_text())["population"] == len(everything)
 
 
-@pytest.mark.parametrize("engine", ["verl", "trl", "trl-fused", "skyrl-train", "skyrl", "openrlhf", "verl-megatron"])
+@pytest.mark.parametrize("engine", ["verl", "trl", "trl-fused", "skyrl-train", "skyrl", "openrlhf", "verl-megatron",
+                                    "verl-automodel", "verl-torchtitan"])
 def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
     """Every mutant an engine's profile declares equivalent is a mutant of its installed surface (a declaration whose
     line moved or whose mutant no longer exists is stale): verl's, TRL's, SkyRL's (both versions), OpenRLHF's and
-    verl's Megatron packing's, where installed (the verl091, trl, openrlhf, skyrl and megatron CI steps; trl-fused's in
-    the trl step)."""
+    verl's Megatron, Automodel and TorchTitan engines' (verl's on the functions they share), where installed (the
+    verl091, trl, openrlhf, skyrl and verl-engines CI steps; trl-fused's in the trl step)."""
+    from spec.engines.automodel.adapter import AutomodelEngine
     from spec.engines.megatron.adapter import MegatronEngine
     from spec.engines.openrlhf.records import PROFILE as OPENRLHF_PROFILE
     from spec.engines.skyrl.records import PROFILE as SKYRL_PROFILE, TRAIN_PROFILE as SKYRL_TRAIN_PROFILE
+    from spec.engines.torchtitan.adapter import TorchTitanEngine
     from spec.engines.trl.fused import TrlFusedEngine
     from spec.engines.trl.records import PROFILE as TRL_PROFILE
     from spec.engines.verl.adapter import VerlEngine
@@ -400,7 +403,8 @@ def test_declared_equivalent_mutants_are_mutants_of_the_surface(engine):
 
     profile = {"verl": VerlEngine.profile, "trl": TRL_PROFILE, "trl-fused": TrlFusedEngine.profile,
                "skyrl-train": SKYRL_TRAIN_PROFILE, "skyrl": SKYRL_PROFILE, "openrlhf": OPENRLHF_PROFILE,
-               "verl-megatron": MegatronEngine.profile}[engine]
+               "verl-megatron": MegatronEngine.profile, "verl-automodel": AutomodelEngine.profile,
+               "verl-torchtitan": TorchTitanEngine.profile}[engine]
     found, missing = regions(profile.surface)
     if missing or not found:
         pytest.skip(f"{engine}'s surface is not installed here: {sorted(missing)[:2]}")

@@ -15,11 +15,12 @@ from typing import Any, Callable, Mapping
 
 from ...protocol.known import KnownFailure
 from ...protocol.engine import EngineUnderTest, Feature, Precision
-from ...protocol.profile import MEDIA, ConfigSwitch, EngineProfile
+from ...protocol.profile import MEDIA, ConfigSwitch, EngineProfile, equivalents_on
 from .microbatch_records import MICROBATCH_RECORDS
 from ..kit.stubs import import_verl_module
 from .microbatch_layer import verl_microbatch_layer
 from .media import VERL_MM_SURFACE, VERL_MM_UNREACHABLE
+from .mutants import VERL_EQUIVALENT_MUTANTS
 from .records import verl_precision
 from .profile import (ENTROPY_CHECKPOINTING, VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE,
                       VERL_LOGITS_HELPERS, VERL_LOGITS_UNREACHABLE)
@@ -45,10 +46,13 @@ def native_profile(base: EngineProfile, module: str, lm_class: str, own: Mapping
                    switches: tuple[ConfigSwitch, ...] = ()) -> EngineProfile:
     """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
     engines hand ``extract_multi_modal_inputs``' keys to the model beside mRoPE positions, in both modes), the shared
-    off-path functions, its configuration (:data:`ENTROPY_CHECKPOINTING`, and its own ``switches``), and as unreachable
-    the shared branches and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason)."""
-    return replace(base, surface=native_surface(module, lm_class), off_path=NATIVE_OFF_PATH, media=MEDIA,
+    off-path functions, its configuration (:data:`ENTROPY_CHECKPOINTING`, and its own ``switches``), as unreachable
+    the shared branches and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason), and verl's
+    equivalent-mutant declarations on the functions it shares with the FSDP engine."""
+    surface = native_surface(module, lm_class)
+    return replace(base, surface=surface, off_path=NATIVE_OFF_PATH, media=MEDIA,
                    config_space=(ENTROPY_CHECKPOINTING, *switches),
+                   equivalent_mutants=equivalents_on(VERL_EQUIVALENT_MUTANTS, surface),
                    unreachable={**NATIVE_UNREACHABLE, **{f"{module}:{line}": why for line, why in own.items()}})
 
 
