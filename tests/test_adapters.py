@@ -199,6 +199,38 @@ def test_verl_megatron_packer_agrees_with_the_reference() -> None:
 
 
 @needs_verl
+def test_verl_megatron_mtp_targets_agree_with_the_reference_and_a_planted_mask_fails() -> None:
+    """gptmodel_forward_model_engine(mtp_enable_train=True) hands an MTP model, on every rank, the targets the
+    reference packer states (the labels rolled within each sequence, the loss mask aligned to the ids and rolled
+    likewise; THD the positions and the step's factor), the loss mask handed nested or padded beside its attention
+    mask; INV-MEG-008 passes on verl's and fails on a packer that does not roll the mask."""
+    engine = load_engine("verl-megatron")
+    x = nested_from([torch.arange(1, 6), torch.arange(10, 14), torch.tensor([20, 21])]).double()
+    response = nested_from([torch.tensor([True, False, True]), torch.tensor([True]), torch.tensor([], dtype=torch.bool)])
+    reference = ReferencePacker()
+    # a sequence's last token has no next token: its label is anything (verl's THD roll without CP takes the next
+    # sequence's first); its loss mask must be 0
+    inner = nested_from([torch.cat([torch.ones(n - 1), torch.zeros(1)]) for n in (5, 4, 2)])
+    for tp, cp, packed, dense in ((1, 1, True, False), (2, 2, True, True), (1, 4, True, False), (2, 2, False, True)):
+        spec = PackSpec(tp=tp, cp=cp, layout=ShardLayout.ZIGZAG)
+        for rank in range(cp):
+            ours = reference.mtp_targets(x, response, spec, rank, packed=packed, factor=0.5)
+            verl = engine.packer.mtp_targets(x, response, spec, rank, packed=packed, factor=0.5, dense_mask=dense)
+            valid = (reference.pack_thd(x, spec, rank).rows if packed else reference.pack_bshd(x, spec, rank)[0]) != 0
+            within = (reference.pack_thd(inner, spec, rank).rows if packed else
+                      reference.pack_bshd(inner, spec, rank)[0]) != 0
+            assert torch.equal(verl["labels"].double()[within], ours["labels"].double()[within]), (spec, rank)
+            assert torch.equal(verl["loss_mask"].double(), ours["loss_mask"].double()), (spec, rank)  # padding 0
+            if packed:
+                assert torch.equal(verl["position_ids"][valid], ours["position_ids"][valid]) and verl["factor"] == 0.5
+    case = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 2, 0), seed=7)
+    CATALOGUE["INV-MEG-008"].check(Ctx(engine, case, "cpu", "any"))
+    planted = load_engine("planted:mtp_loss_mask_unrolled")
+    with pytest.raises(AssertionError, match="MTP loss mask"):
+        CATALOGUE["INV-MEG-008"].check(Ctx(planted, case, "cpu", "any"))
+
+
+@needs_verl
 def test_verl_megatron_dynamic_cp_splits_as_fixed_cp(monkeypatch) -> None:
     """Dynamic CP (local_cp_size: the CP group taken per micro-batch) packs every rank's shard as fixed CP does, and
     re-assembles them (verl's own branches, the group and rank from the fake parallel state); a packer that reads its

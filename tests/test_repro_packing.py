@@ -23,13 +23,14 @@ from tests.planted_repro import planted_and_twins
 from tests.test_repro_dense import _run_without_spec
 
 #: (planted bug, the invariant it fails): every planted packer (a round trip, the alignment, positions, labels)
-#: and the drop-in helpers (right-padded whole sequences, marks on padding columns)
+#: the MTP targets, and the drop-in helpers (right-padded whole sequences, marks on padding columns)
 BUGS = (
     ("zigzag_halves_swapped", "INV-MEG-001"),
     ("unpack_from_unpadded_offsets", "INV-MEG-001"),
     ("align_ignores_tp", "INV-MEG-002"),
     ("positions_continue", "INV-MEG-003"),
     ("roll_local_shard", "INV-MEG-004"),
+    ("mtp_loss_mask_unrolled", "INV-MEG-008"),
     ("left_right_runs_from_column_counts", "INV-DROPIN-001"),
     ("left_right_split_from_columns", "INV-DROPIN-001"),
     ("left_right_loss_mask_keeps_stray_marks", "INV-DROPIN-002"),

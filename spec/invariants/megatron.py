@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ..truth.megatron_packing import PackSpec, case_bucket, nested_from, thd_alignment
+from ..truth.megatron_packing import PackSpec, ThdShard, case_bucket, full_loss_mask, nested_from, thd_alignment
 from ..protocol.engine import ShardLayout
 from .core import Ctx, fail, invariant
 
@@ -209,3 +209,85 @@ def _handed_on(handed: torch.Tensor, output: torch.Tensor, where: str, layout: s
     if handed.shape != output.shape or not torch.equal(handed, output):
         fail(f"pipeline stage before the last {where}: hands on {tuple(handed.shape)} other than its {layout} output "
              f"{tuple(output.shape)}")
+
+
+def _mtp_batch(ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids (distinct values, one per token) and a response mask with holes (a tool's output), from the seed."""
+    gen = torch.Generator().manual_seed(ctx.case.seed)
+    ids = nested_from([1.0 + torch.rand(n, generator=gen, dtype=torch.float64) for n in ctx.case.seq_lens])
+    response = nested_from([torch.rand(r, generator=gen) < 0.75 for r in ctx.case.response_lens])
+    return ids, response
+
+
+def _replaced(shards: list[ThdShard], rows: list[torch.Tensor], what: str) -> list[ThdShard]:
+    """The packed shards of the ids with each rank's rows replaced by what the model was handed there."""
+    out = []
+    for rank, (shard, handed) in enumerate(zip(shards, rows)):
+        if handed is None or tuple(handed.shape) != tuple(shard.rows.shape):
+            fail(f"{what} on rank {rank}: handed {None if handed is None else tuple(handed.shape)}, expected the ids' "
+                 f"packed shape {tuple(shard.rows.shape)}")
+        out.append(ThdShard(handed.to(torch.float64), shard.positions, shard.cu_seqlens_padded, shard.state))
+    return out
+
+
+def _mtp_mask(got: torch.Tensor, full: torch.Tensor, what: str) -> None:
+    for i, (a, want) in enumerate(zip(got.unbind(), full.unbind())):
+        expected = torch.cat([want[1:], want.new_zeros(1)]).to(torch.float64)
+        if a.shape != expected.shape or not torch.equal(a.to(torch.float64), expected):
+            fail(f"{what}: sequence {i} got {a.tolist()}, expected the next token's loss mask {expected.tolist()} "
+                 "(0 at the last token)")
+
+
+def _counted(handed: list[torch.Tensor], full: torch.Tensor, what: str) -> None:
+    counted, want = sum(float(h.to(torch.float64).sum()) for h in handed), float(full.values().sum())
+    if counted != want:
+        fail(f"{what}: the ranks' loss masks count {counted:g} positions, the sequences' {want:g} (padding counted)")
+
+
+@invariant("INV-MEG-008", "multi-token prediction: the model is handed, packed like the ids on every rank, the next "
+           "token of the same sequence as its label and the next token's loss mask (the prompt's zeros, then the "
+           "response mask; 0 at a sequence's last token and on padding), THD and BSHD; THD also the rotary positions "
+           "and the step's loss normalization factor", contract=5, modes=ANY, needs=NEEDS,
+           protects="the MTP loss trains each position on its own sequence's next tokens, over exactly the response "
+                    "tokens the policy loss counts, scaled as the step asks")
+def mtp_targets(ctx: Ctx) -> None:
+    x, response = _mtp_batch(ctx)
+    full = full_loss_mask(response, list(ctx.case.seq_lens))
+    factor = (None, 0.5, 1.25)[ctx.case.seed % 3]
+    dense = ctx.case.seed // 7 % 2 == 1
+    packer, where = ctx.engine.packer, f"(loss mask handed {'padded' if dense else 'nested'})"
+    positions = nested_from([torch.arange(n, dtype=torch.float64) for n in ctx.case.seq_lens])
+    for spec in _specs(ctx):
+        with _at(spec):
+            handed = [packer.mtp_targets(x, response, spec, rank, packed=True, factor=factor, dense_mask=dense)
+                      for rank in range(spec.cp)]
+            shards = [packer.pack_thd(x, spec, rank) for rank in range(spec.cp)]
+            labels = packer.unpack_thd(_replaced(shards, [h["labels"] for h in handed], "MTP labels"), x, spec)
+            masks = packer.unpack_thd(_replaced(shards, [h["loss_mask"] for h in handed], "MTP loss mask"), x, spec)
+            rotary = packer.unpack_thd(_replaced(shards, [h["position_ids"] for h in handed], "MTP positions"), x,
+                                       spec)
+        _next_tokens(labels, x, f"THD MTP labels [{spec}]")
+        _mtp_mask(masks, full, f"THD MTP loss mask [{spec}] {where}")
+        _counted([h["loss_mask"] for h in handed], full, f"THD MTP loss mask [{spec}] {where}")
+        _same(rotary, positions, f"THD MTP positions [{spec}]")
+        for rank, h in enumerate(handed):
+            if h["factor"] != factor:
+                fail(f"THD MTP [{spec}] rank {rank}: loss normalization factor {h['factor']!r} on packed_seq_params, "
+                     f"the step's {factor!r}")
+    for spec in _specs(ctx, bshd=True):
+        with _at(spec):
+            handed = [packer.mtp_targets(x, response, spec, rank, packed=False, dense_mask=dense)
+                      for rank in range(spec.cp)]
+            shards = [packer.pack_bshd(x, spec, rank) for rank in range(spec.cp)]
+            for rank, (h, (rows, _m, _p)) in enumerate(zip(handed, shards)):
+                for key in ("labels", "loss_mask"):
+                    if h[key] is None or tuple(h[key].shape) != tuple(rows.shape):
+                        fail(f"BSHD MTP {key} [{spec}] rank {rank}: handed "
+                             f"{None if h[key] is None else tuple(h[key].shape)}, expected the ids' {tuple(rows.shape)}")
+            labels = packer.unpack_bshd([(h["labels"].to(torch.float64), m, p)
+                                         for h, (_r, m, p) in zip(handed, shards)], x, spec)
+            masks = packer.unpack_bshd([(h["loss_mask"].to(torch.float64), m, p)
+                                        for h, (_r, m, p) in zip(handed, shards)], x, spec)
+        _next_tokens(labels, x, f"BSHD MTP labels [{spec}]")
+        _mtp_mask(masks, full, f"BSHD MTP loss mask [{spec}] {where}")
+        _counted([h["loss_mask"] for h in handed], full, f"BSHD MTP loss mask [{spec}] {where}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..truth.media_checks import samples_media, stack_entries
-from ..truth.megatron_packing import PackSpec, ReferencePacker, nested_from
+from ..truth.megatron_packing import PackSpec, ReferencePacker, full_loss_mask, nested_from
 from ..protocol.engine import ShardLayout
 
 
@@ -104,3 +104,15 @@ class LaterStageUnpaddedBoundaries(ReferencePacker):
         shard = super().later_stage_thd(x, spec, rank)
         cu = torch.tensor([0, *x.offsets().diff().tolist()]).cumsum(0).to(shard.cu_seqlens_padded.dtype)
         return type(shard)(shard.rows, None, cu)
+
+
+class MtpLossMaskUnrolled(ReferencePacker):
+    """The MTP loss mask packed aligned to the ids but not rolled with the labels: each position's mask is its own
+    token's, so the first response token's label is never counted and a sequence's last token (whose label wraps to
+    its first) is."""
+
+    def mtp_targets(self, x, response_mask, spec, rank, *, packed, factor=None, dense_mask=False):
+        handed = super().mtp_targets(x, response_mask, spec, rank, packed=packed, factor=factor, dense_mask=dense_mask)
+        mask = full_loss_mask(response_mask, x.offsets().diff().tolist())
+        handed["loss_mask"] = self.pack_thd(mask, spec, rank).rows if packed else self.pack_bshd(mask, spec, rank)[0]
+        return handed

@@ -19,6 +19,13 @@ to the next as it is (the last re-assembles).
 ``need_roll`` packs the labels instead: at each valid token the next token of the *same* sequence.
 Unpacking gathers every rank's shard and returns the valid tokens, nested like ``x``.
 
+A model with multi-token prediction layers (MTP: DeepSeek-V3, MiMo) computes its MTP loss inside the model, so it is
+handed its targets packed like the ids (``mtp_targets``): the labels (``need_roll``: the next token of the same
+sequence), the loss mask aligned to the ids (the prompt's zeros, then the response mask) and rolled the same way (so
+the last token of each sequence, whose next token is its own first, a prompt token, is never a loss position, and
+padding never is), THD the rotary positions, and the loss normalization factor the step hands on (THD: on the
+boundaries' ``packed_seq_params``).
+
 A vision-language model packs for itself (its image features must first reach its image tokens): it is handed
 the micro-batch's ids in rows, one sample a row from column 0, the mask marking each sample's tokens, the samples'
 media (features and grids concatenated in sample order) and, THD, the padded boundaries its labels are packed
@@ -41,7 +48,8 @@ import torch
 from ..protocol.engine import ShardLayout, read_flags
 from .media_checks import samples_media, stack_entries
 
-__all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket"]
+__all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket",
+           "full_loss_mask"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,15 @@ class Packer(Protocol):
                     rank: int) -> torch.Tensor: ...
 
     def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor: ...
+
+    def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
+                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]: ...
+
+
+def full_loss_mask(response_mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """The response mask (nested ``(B, j_r)``) aligned to sequences of ``lens`` tokens: each sequence's prompt
+    zeros, then its response mask (nested ``(B, j)``)."""
+    return nested_from([torch.cat([r.new_zeros(n - r.shape[0]), r]) for r, n in zip(response_mask.unbind(), lens)])
 
 
 def case_bucket(case: Any) -> int | None:
@@ -230,3 +247,15 @@ class ReferencePacker:
         if packed:
             handed["cu_seqlens_padded"] = self.pack_thd(ids, spec, rank).cu_seqlens_padded
         return handed
+
+    def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
+                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]:
+        """What an MTP model is handed on ``rank`` (the module docstring), THD (``packed``) or BSHD; ``dense_mask``
+        (the response mask handed padded beside its attention mask) does not change it."""
+        mask = full_loss_mask(response_mask, x.offsets().diff().tolist())
+        if not packed:
+            return {"labels": self.pack_bshd(x, spec, rank, need_roll=True)[0],
+                    "loss_mask": self.pack_bshd(mask, spec, rank, need_roll=True)[0], "factor": None}
+        shard = self.pack_thd(x, spec, rank)
+        return {"labels": self.pack_thd(x, spec, rank, need_roll=True).rows, "position_ids": shard.positions,
+                "loss_mask": self.pack_thd(mask, spec, rank, need_roll=True).rows, "factor": factor}

@@ -42,8 +42,9 @@ from ..verl.microbatch_records import MICROBATCH_RECORDS
 from .records import MEGATRON_ENGINE_RECORDS, VISION_RECORDS
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
 from ...cases.structure import DISTILLATION_KEYS
-from .engine import (ENGINE_SURFACE, ENGINE_UNREACHABLE, MEGATRON_CONFIG_SPACE, MEGATRON_REFUSES, MegatronEngineObject, megatron_precision,
-                     megatron_processor, megatron_view)
+from .engine import (ENGINE_SURFACE, ENGINE_UNREACHABLE, MEGATRON_CONFIG_SPACE, MEGATRON_REFUSES, MTP_SWITCH,
+                     MegatronEngineObject, MegatronModel, megatron_precision, megatron_processor, megatron_view)
+from ..kit import inputs_seen_by_model
 from ..kit.stubs import import_verl_module
 from ..verl.microbatch_layer import verl_microbatch_layer
 from ..verl.mutants import VERL_EQUIVALENT_MUTANTS
@@ -52,6 +53,7 @@ from ..verl.profile import VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHAB
 __all__ = ["MegatronEngine", "VerlMegatronPacker", "fake_parallel_state"]
 
 MODULE = "verl.models.mcore.util"
+_FORWARD = "verl.models.mcore.model_forward"
 
 
 def fake_parallel_state(spec: PackSpec, rank: int) -> SimpleNamespace:
@@ -175,6 +177,33 @@ class VerlMegatronPacker:
             self._vision = MegatronVisionForward()
         return self._vision.handed(micro_batch, spec, rank, self._rank, packed=packed)
 
+    def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
+                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]:
+        """What ``gptmodel_forward_model_engine(mtp_enable_train=True)`` hands an MTP model on ``rank``
+        (model_forward.py:316-332 THD, 416-432 BSHD): the labels (``forward_step``'s: the ids) and the loss mask
+        (``forward_step``'s: the response mask; ``dense_mask``: padded ``(B, R)`` beside its
+        ``response_attention_mask``, as a padded micro-batch carries it) packed with ``need_roll``, THD the
+        positions and the factor on ``packed_seq_params``."""
+        forward = import_verl_module("verl-megatron", _FORWARD, ("megatron",))[1].module
+        attention = None
+        if dense_mask:
+            lens = response_mask.offsets().diff()
+            attention = torch.arange(int(lens.max())).unsqueeze(0) < lens.unsqueeze(1)
+            dense = response_mask.values().new_zeros(attention.shape)
+            dense[attention] = response_mask.values()
+            response_mask = dense
+        args = {"label": x, "loss_mask": response_mask, "response_attention_mask": attention}
+        with self._rank(spec, rank):
+            handed = inputs_seen_by_model(lambda model: forward.gptmodel_forward_model_engine(
+                MegatronModel(model, spec), x, {}, logits_processor=None, logits_processor_args=args,
+                data_format="thd" if packed else "bshd", mtp_enable_train=True, local_cp_size=_local_cp_size(spec),
+                pad_to_length_bucket=spec.bucket if packed else None, cp_layout=spec.layout.value,
+                mtp_loss_normalization_factor=factor))
+        params = handed.get("packed_seq_params")
+        return {"labels": handed.get("labels"), "loss_mask": handed.get("loss_mask"),
+                "position_ids": handed.get("position_ids") if packed else None,
+                "factor": getattr(params, "_verl_mtp_loss_normalization_factor", None)}
+
 
 def _bucket_breaks_alignment(case: Any) -> bool:
     """Whether verl's bucket padding (the total rounded up to lcm(bucket, CP), FP8's total alignment included,
@@ -292,7 +321,7 @@ class MegatronEngine(EngineUnderTest):
                       config_space=MEGATRON_CONFIG_SPACE)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
-    #: failures documented in spec/engines/megatron/README.md: one bug, seen by four properties
+    #: failures documented in spec/engines/megatron/README.md: one bug, seen by five properties
     KNOWN: tuple[KnownFailure, ...] = tuple(
         KnownFailure(inv, "preprocess_thd_engine pads the total to lcm(pad_to_length_bucket, CP) and gives it to the "
                      "last sequence, which then is no multiple of 2*CP (zig-zag) or TP: the CP split drops rows and "
@@ -301,7 +330,7 @@ class MegatronEngine(EngineUnderTest):
                              r"(the packer raised RuntimeError: The expanded size of the tensor|padded lengths )",
                      when=UNALIGNED_BUCKET)
         for inv, what in (("INV-MEG-001", "round trip"), ("INV-MEG-002", "alignment"),
-                          ("INV-MEG-003", "positions"), ("INV-MEG-004", "labels")))
+                          ("INV-MEG-003", "positions"), ("INV-MEG-004", "labels"), ("INV-MEG-008", "MTP targets")))
 
     def __init__(self) -> None:
         self.version, self.stubs = import_verl_module(self.name, MODULE, ("megatron",))
@@ -350,11 +379,12 @@ class MegatronEngine(EngineUnderTest):
         settings.pop("sp_rank", None), settings.pop("all_gather", None)
         settings.pop("pass_cu_seqlens", None)  # Megatron hands its packed boundaries always
         chunk, bucket = settings.pop("entropy_chunk_size", None), settings.pop("pad_to_length", None)
+        mtp = bool(settings.pop(MTP_SWITCH, False))
         for switch in self.profile.config_space:  # drawn switches: read through their settings or the processor
             settings.pop(switch.name, None)
         if settings:
             raise TypeError(f"unknown engine settings for verl-megatron: {sorted(settings)}")
-        return MegatronEngineObject(self.packer._rank, head=head, chunk=chunk, bucket=bucket)
+        return MegatronEngineObject(self.packer._rank, head=head, chunk=chunk, bucket=bucket, mtp=mtp)
 
     view_inputs = staticmethod(megatron_view)
     precision = staticmethod(megatron_precision)

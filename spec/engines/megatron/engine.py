@@ -17,7 +17,7 @@ harness's logits (the output step). Megatron's THD model is handed no positions:
 each sequence of ``packed_seq_params`` from 0 (``cu_seqlens_q_padded``), so the view hands the stand-in model those.
 
 The seams, each what a real run's setup fills: the engine object's configuration (:func:`engine_namespace`: what
-``forward_step`` reads; no fused kernels, router replay, MTP or dynamic CP), megatron's parallel state for one rank
+``forward_step`` reads; MTP drawn; no fused kernels, router replay or dynamic CP), megatron's parallel state for one rank
 (the packer's fake; the vocab-parallel kernels' tensor-parallel group of one rank, whose all-reduces are then the
 identity) and ``get_device_id`` (the CPU). ``torch.compile`` is off inside (``_VocabParallelEntropy``'s compiled
 ``(a * b).sum(-1)`` runs eagerly: the same function, without a compile per new shape).
@@ -57,11 +57,16 @@ ENGINE_SURFACE = (f"{IMPL}:MegatronEngineWithLMHead.forward_step", f"{IMPL}:Mega
                   f"{_TP}:vocab_parallel_entropy_with_chunking", f"{_TP}:vocab_parallel_sum_pi_squared",
                   f"{_TP}:vocab_parallel_log_probs_from_logits", f"{_KL}:compute_forward_kl_topk",
                   f"{_KL}:vocab_parallel_log_softmax", f"{_KL}:_VocabParallelKLDivergence.forward",
-                  f"{_KL}:_VocabParallelKLDivergence.backward", f"{IMPL}:MegatronEngine._get_context_parallel_layout")
-_MTP = ("gap: multi-token prediction (model_config.mtp.enable_train, a model with MTP layers: DeepSeek-V3, MiMo): "
-        "gptmodel_forward_model_engine hands the model labels and a loss mask aligned to the ids for its MTP loss "
-        "(_convert_to_nested_tensor, _build_mtp_loss_mask_nested), and forward_step its loss normalization; no case "
-        "draws MTP (it needs a check of what the MTP head is handed)")
+                  f"{_KL}:_VocabParallelKLDivergence.backward", f"{IMPL}:MegatronEngine._get_context_parallel_layout",
+                  f"{_FORWARD}:_build_mtp_loss_mask_nested", f"{_FORWARD}:_convert_to_nested_tensor")
+_MTP_NORMALIZATION = ("gap: the MTP loss normalization factor forward_step hands on (routed_num_tokens / "
+                      "batch_num_tokens, with tf_config.calculate_per_token_loss) reads counts forward_backward_batch "
+                      "assigns for the whole mini-batch (its all-reduced loss-mask and routed-token counts), which the "
+                      "engine object (one micro-batch's forward_step) does not run; INV-MEG-008 checks that "
+                      "gptmodel_forward_model_engine hands a factor on to the MTP loss")
+_MTP_LABELS_NESTED = ("dead code in verl 0.9.1: forward_step's MTP label is the micro-batch's nested ids cloned "
+                      "(transformer_impl.py:1326, the only pad_mode it packs), so _convert_to_nested_tensor returns it "
+                      "at once")
 _REPLAY = ("gap: Megatron's router replay (R2 record / R3 replay: set_router_replay_data, merge_router_topk_indices) "
            "arms megatron's patched TopKRouter of a MoE model; the engine object's stand-in model has no router")
 _DYNAMIC_CP = ("needs context parallelism: dynamic CP's router padding mask and local_cp_size come from the dynamic-CP "
@@ -71,29 +76,33 @@ _FUSED = ("needs a real kernel: fused kernels (get_mcore_forward_fused_model_eng
 _VPP = ("gap: a model chunk of a virtual pipeline stage (vp_stage), read only as the router replay's vp_rank; the "
         "stand-in model is one chunk")
 _DENSE_MASK = ("gap: a dense (B, R) loss_mask beside an attention_mask (the MTP padded alignment's "
-               "response_attention_mask); the micro-batches of no_padding carry a nested loss_mask")
+               "response_attention_mask); the micro-batches of no_padding carry a nested loss_mask (INV-MEG-008 hands "
+               "gptmodel_forward_model_engine a padded loss mask with its response_attention_mask)")
 _FWD, _TI = _FORWARD, IMPL
 #: branches of :data:`ENGINE_SURFACE` (and the packing's) the engine object never takes, each with its reason
 ENGINE_UNREACHABLE: dict[str, str] = {
-    **{f"{_FWD}:{line}": _MTP for line in ("311->312", "316->318", "322", "324", "416->417", "423", "425")},
+    **{f"{_FWD}:{line}": _MTP_LABELS_NESTED for line in ("191->194", "200", "203", "205")},
     f"{_FWD}:352->353": _DYNAMIC_CP, f"{_TI}:1287->1288": _DYNAMIC_CP, f"{_TI}:1289->1291": _DYNAMIC_CP,
     **{f"{_TI}:{line}": _REPLAY for line in ("1301->1304", "1306->1309", "1310->1315", "1316", "1417->1418",
                                              "1429->1432")},
     f"{_TI}:1334->1335": _FUSED, f"{_TI}:1337->1338": _FUSED,
     f"{_TI}:1296->1297": _VPP,
     f"{_TI}:1378->1379": _DENSE_MASK,
-    **{f"{_TI}:{line}": _MTP for line in ("1388->1393", "1395")},
+    **{f"{_TI}:{line}": _MTP_NORMALIZATION for line in ("1388->1393", "1395")},
     f"{_TI}:174->175": "needs another model family's configuration: DeepSeek-V4's hybrid attention "
                        "(experimental_attention_variant 'dsv4_hybrid') packs CP contiguous",
 }
+#: the engine object's MTP switch (:data:`MEGATRON_CONFIG_SPACE`)
+MTP_SWITCH = "mtp_enable_train"
 #: one rank: tensor-parallel world of one (its all-reduces are the identity)
 ONE_RANK = PackSpec(1, 1, ShardLayout.ZIGZAG)
 
 
 def engine_namespace(impl: Any, micro_batch: Any, *, packed: bool, chunk: int | None = None, bucket: int | None = None,
-                 vision: bool = False) -> SimpleNamespace:
+                     vision: bool = False, mtp: bool = False) -> SimpleNamespace:
     """What ``forward_step`` reads of its engine object (the module docstring): a Qwen2 config, or with ``vision`` a
-    Qwen2.5-VL one with a ``vision_config``; the tokenizer's pad id the micro-batch's."""
+    Qwen2.5-VL one with a ``vision_config``; the tokenizer's pad id the micro-batch's; ``mtp``: a model with MTP
+    layers trained (``model_config.mtp``), the loss not per token (``tf_config.calculate_per_token_loss`` off)."""
     cls = impl.MegatronEngineWithLMHead
     hf_config = SimpleNamespace(architectures=["Qwen2_5_VLForConditionalGeneration" if vision else "Qwen2ForCausalLM"])
     if vision:
@@ -107,7 +116,8 @@ def engine_namespace(impl: Any, micro_batch: Any, *, packed: bool, chunk: int | 
         enable_routing_replay=False, _get_context_parallel_layout=cls._get_context_parallel_layout,
         model_config=SimpleNamespace(hf_config=hf_config,
                                      tokenizer=SimpleNamespace(pad_token_id=read_flags(micro_batch)["pad_token_id"]),
-                                     mtp=SimpleNamespace(enable=False)))
+                                     mtp=SimpleNamespace(enable=mtp, enable_train=mtp)),
+        tf_config=SimpleNamespace(calculate_per_token_loss=False))
     engine.prepare_model_inputs = partial(cls.prepare_model_inputs, engine)  # (the value head's inherits it)
     engine._lm_head_logits_processor = partial(cls._lm_head_logits_processor, engine)
     return engine
@@ -153,9 +163,9 @@ class MegatronEngineObject:
     fake parallel state (:meth:`spec.engines.megatron.adapter.VerlMegatronPacker._rank`)."""
 
     def __init__(self, rank_context: Callable[..., Any], *, head: str = "lm", chunk: int | None = None,
-                 bucket: int | None = None):
+                 bucket: int | None = None, mtp: bool = False):
         self.impl, self.tp, self.cross_entropy, self.parallel_state = _modules()
-        self.rank_context, self.chunk, self.bucket = rank_context, chunk, bucket
+        self.rank_context, self.chunk, self.bucket, self.mtp = rank_context, chunk, bucket, mtp
         #: the LM head's engine, or the value head's (MegatronEngineWithValueHead: forward_fn(value_model=True), the
         #: model's (.., 1) output squeezed, no logits processor)
         self.cls = self.impl.MegatronEngineWithValueHead if head == "value" else self.impl.MegatronEngineWithLMHead
@@ -181,7 +191,7 @@ class MegatronEngineObject:
               labels: list | None = None):
         flags = read_flags(micro_batch)
         engine = engine_namespace(self.impl, micro_batch, packed=bool(flags["use_remove_padding"]), chunk=self.chunk,
-                              bucket=self.bucket, vision=_vision(micro_batch))
+                                  bucket=self.bucket, vision=_vision(micro_batch), mtp=self.mtp)
         if labels is not None:  # record the labels the logits processor scores
             processor = engine._lm_head_logits_processor
             engine._lm_head_logits_processor = lambda logits, label, *a, **k: (labels.append(label),
@@ -329,6 +339,10 @@ MEGATRON_CONFIG_SPACE: tuple[ConfigSwitch, ...] = (
     ConfigSwitch("pad_to_length_bucket", setting="pad_to_length", needs=("bucket",),
                  text="engine_config.pad_to_length / pad_to_length_bucket (with use_remove_padding): "
                       "preprocess_thd_engine pads the packed total to the bucket, on the last sequence"),
+    ConfigSwitch(MTP_SWITCH, (False, True),
+                 text="model_config.mtp.enable / enable_train: a model with multi-token prediction layers, trained "
+                      "(gptmodel_forward_model_engine hands it labels, a loss mask and positions besides the ids: "
+                      "INV-MEG-008 checks them; the main outputs must not change)"),
     ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
                  text="distillation.distillation_loss.log_prob_min_clamp: megatron's _VocabParallelKLDivergence "
                       "clamps both top-K log-probs below (the oracle computes it: spec.truth.oracle.topk_terms)"),

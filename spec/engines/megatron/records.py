@@ -18,7 +18,7 @@ from ...protocol.known import KnownFailure, When
 from ...protocol.profile import drawn_config
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
-from ..verl.records import FP16_WIDE_VOCAB, FP16_ZERO_TEMPERATURE, LOW_DTYPES, fp16_records
+from ..verl.records import DISTILLATION_ASKED, FP16_WIDE_VOCAB, FP16_ZERO_TEMPERATURE, LOW_DTYPES, fp16_records
 
 __all__ = ["VISION_RECORDS", "MEGATRON_ENGINE_RECORDS", "fp8_vision_width_differs", "vision_widths"]
 
@@ -71,8 +71,8 @@ def _in(dtype: str) -> When:
 
 
 BUCKET = When("a static bucket (pad_to_length) that pads the packed row", lambda c: bool(c.pad_to_length))
-CLAMPED = When("top-K distillation with a log_prob_min_clamp drawn", lambda c: bool(c.distillation_keys)
-               and drawn_config(c).get(LOG_PROB_MIN_CLAMP) is not None)
+CLAMPED = DISTILLATION_ASKED & When("a log_prob_min_clamp drawn",
+                                    lambda c: drawn_config(c).get(LOG_PROB_MIN_CLAMP) is not None)
 MASS_AFTER_CLAMP = ("verl's Megatron top-K KL computes student_mass and teacher_mass from the log-probs after "
                     "log_prob_min_clamp (exp(clamp) for every top-K id below it; FSDP's before the clamp): the logged "
                     "masses exceed the distributions' (1.28 for a teacher mass of 1); verl bug, fixed upstream by "
@@ -109,7 +109,7 @@ MEGATRON_ENGINE_RECORDS: tuple[KnownFailure, ...] = (
     *(KnownFailure(inv, NO_CLAMP, matches=MISMATCH, when=UNCLAMPED, certain=inv != "INV-SLICE-006")
       for inv in ("INV-VAL-001", "INV-TEMP-006", "INV-SLICE-006")),
     KnownFailure("INV-VAL-004", NO_CLAMP + " (the top-K terms of the logits scaled so)", matches=MISMATCH,
-                 when=UNCLAMPED & When("top-K distillation asked", lambda c: bool(c.distillation_keys)),
+                 when=UNCLAMPED & DISTILLATION_ASKED,
                  certain=False),
     KnownFailure("INV-CU-001", BUCKET_BOUNDS, modes=("packed",), raises=AssertionError,
                  matches=r"cu_seqlens \[[\d, ]+\], expected \[[\d, ]+\] for a packed row of \d+ tokens",
@@ -121,7 +121,7 @@ MEGATRON_ENGINE_RECORDS: tuple[KnownFailure, ...] = (
                  "distillation/megatron/losses.py:198) returns overlap_count as int64 (overlap_mask.sum(dim=-1), a "
                  "count), nested as it comes; contract difference (the contract's outputs are float32), the count's "
                  "value is compared elsewhere", raises=AssertionError,
-                 when=When("top-K distillation asked (verl's own processor runs)", lambda c: bool(c.distillation_keys)),
+                 when=DISTILLATION_ASKED,
                  matches=r"^AssertionError: output 'overlap_count' has dtype torch\.int64, expected torch\.float32$"),
     *(KnownFailure("INV-VAL-004", MASS_AFTER_CLAMP, when=CLAMPED, certain=False, raises=AssertionError,
                    matches=r"'(student_mass|teacher_mass)' of sequence \d+: at \(\d+,\) got .* expected .* \(\|diff\|"),),
