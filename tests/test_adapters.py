@@ -219,13 +219,13 @@ def test_verl_megatron_mtp_targets_agree_with_the_reference_and_a_planted_mask_f
             valid = (reference.pack_thd(x, spec, rank).rows if packed else reference.pack_bshd(x, spec, rank)[0]) != 0
             within = (reference.pack_thd(inner, spec, rank).rows if packed else
                       reference.pack_bshd(inner, spec, rank)[0]) != 0
-            assert torch.equal(verl["labels"].double()[within], ours["labels"].double()[within]), (spec, rank)
-            assert torch.equal(verl["loss_mask"].double(), ours["loss_mask"].double()), (spec, rank)  # padding 0
+            assert torch.equal(verl.labels.double()[within], ours.labels.double()[within]), (spec, rank)
+            assert torch.equal(verl.loss_mask.double(), ours.loss_mask.double()), (spec, rank)  # padding 0
             if packed:
-                assert torch.equal(verl["position_ids"][valid], ours["position_ids"][valid]) and verl["factor"] == 0.5
+                assert torch.equal(verl.positions[valid], ours.positions[valid]) and verl.factor == 0.5
     case = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 2, 0), seed=7)
     CATALOGUE["INV-MEG-008"].check(Ctx(engine, case, "cpu", "any"))
-    planted = load_engine("planted:mtp_loss_mask_unrolled")
+    planted = load_engine("planted:mtp_mask_unrolled")
     with pytest.raises(AssertionError, match="MTP loss mask"):
         CATALOGUE["INV-MEG-008"].check(Ctx(planted, case, "cpu", "any"))
 

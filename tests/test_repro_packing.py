@@ -30,7 +30,7 @@ BUGS = (
     ("align_ignores_tp", "INV-MEG-002"),
     ("positions_continue", "INV-MEG-003"),
     ("roll_local_shard", "INV-MEG-004"),
-    ("mtp_loss_mask_unrolled", "INV-MEG-008"),
+    ("mtp_mask_unrolled", "INV-MEG-008"),
     ("left_right_runs_from_column_counts", "INV-DROPIN-001"),
     ("left_right_split_from_columns", "INV-DROPIN-001"),
     ("left_right_loss_mask_keeps_stray_marks", "INV-DROPIN-002"),

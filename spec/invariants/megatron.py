@@ -262,17 +262,17 @@ def mtp_targets(ctx: Ctx) -> None:
             handed = [packer.mtp_targets(x, response, spec, rank, packed=True, factor=factor, dense_mask=dense)
                       for rank in range(spec.cp)]
             shards = [packer.pack_thd(x, spec, rank) for rank in range(spec.cp)]
-            labels = packer.unpack_thd(_replaced(shards, [h["labels"] for h in handed], "MTP labels"), x, spec)
-            masks = packer.unpack_thd(_replaced(shards, [h["loss_mask"] for h in handed], "MTP loss mask"), x, spec)
-            rotary = packer.unpack_thd(_replaced(shards, [h["position_ids"] for h in handed], "MTP positions"), x,
+            labels = packer.unpack_thd(_replaced(shards, [h.labels for h in handed], "MTP labels"), x, spec)
+            masks = packer.unpack_thd(_replaced(shards, [h.loss_mask for h in handed], "MTP loss mask"), x, spec)
+            rotary = packer.unpack_thd(_replaced(shards, [h.positions for h in handed], "MTP positions"), x,
                                        spec)
         _next_tokens(labels, x, f"THD MTP labels [{spec}]")
         _mtp_mask(masks, full, f"THD MTP loss mask [{spec}] {where}")
-        _counted([h["loss_mask"] for h in handed], full, f"THD MTP loss mask [{spec}] {where}")
+        _counted([h.loss_mask for h in handed], full, f"THD MTP loss mask [{spec}] {where}")
         _same(rotary, positions, f"THD MTP positions [{spec}]")
         for rank, h in enumerate(handed):
-            if h["factor"] != factor:
-                fail(f"THD MTP [{spec}] rank {rank}: loss normalization factor {h['factor']!r} on packed_seq_params, "
+            if h.factor != factor:
+                fail(f"THD MTP [{spec}] rank {rank}: loss normalization factor {h.factor!r} on packed_seq_params, "
                      f"the step's {factor!r}")
     for spec in _specs(ctx, bshd=True):
         with _at(spec):
@@ -280,14 +280,14 @@ def mtp_targets(ctx: Ctx) -> None:
                       for rank in range(spec.cp)]
             shards = [packer.pack_bshd(x, spec, rank) for rank in range(spec.cp)]
             for rank, (h, (rows, _m, _p)) in enumerate(zip(handed, shards)):
-                for key in ("labels", "loss_mask"):
-                    if h[key] is None or tuple(h[key].shape) != tuple(rows.shape):
+                for key, got in (("labels", h.labels), ("loss mask", h.loss_mask)):
+                    if got is None or tuple(got.shape) != tuple(rows.shape):
                         fail(f"BSHD MTP {key} [{spec}] rank {rank}: handed "
-                             f"{None if h[key] is None else tuple(h[key].shape)}, expected the ids' {tuple(rows.shape)}")
-            labels = packer.unpack_bshd([(h["labels"].to(torch.float64), m, p)
+                             f"{None if got is None else tuple(got.shape)}, expected the ids' {tuple(rows.shape)}")
+            labels = packer.unpack_bshd([(h.labels.to(torch.float64), m, p)
                                          for h, (_r, m, p) in zip(handed, shards)], x, spec)
-            masks = packer.unpack_bshd([(h["loss_mask"].to(torch.float64), m, p)
+            masks = packer.unpack_bshd([(h.loss_mask.to(torch.float64), m, p)
                                         for h, (_r, m, p) in zip(handed, shards)], x, spec)
         _next_tokens(labels, x, f"BSHD MTP labels [{spec}]")
         _mtp_mask(masks, full, f"BSHD MTP loss mask [{spec}] {where}")
-        _counted([h["loss_mask"] for h in handed], full, f"BSHD MTP loss mask [{spec}] {where}")
+        _counted([h.loss_mask for h in handed], full, f"BSHD MTP loss mask [{spec}] {where}")

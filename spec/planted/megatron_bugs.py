@@ -114,5 +114,5 @@ class MtpLossMaskUnrolled(ReferencePacker):
     def mtp_targets(self, x, response_mask, spec, rank, *, packed, factor=None, dense_mask=False):
         handed = super().mtp_targets(x, response_mask, spec, rank, packed=packed, factor=factor, dense_mask=dense_mask)
         mask = full_loss_mask(response_mask, x.offsets().diff().tolist())
-        handed["loss_mask"] = self.pack_thd(mask, spec, rank).rows if packed else self.pack_bshd(mask, spec, rank)[0]
+        handed.loss_mask = self.pack_thd(mask, spec, rank).rows if packed else self.pack_bshd(mask, spec, rank)[0]
         return handed

@@ -39,8 +39,8 @@ __all__ = ["MEG_REQUIRES", "ReferencePackingEngine", "packer_requires", "write_p
 
 TRUTH = "spec.truth.megatron_packing"
 #: the statement's names the checks and the written-out packers read, bound from the written-out modules
-STATEMENT = {"PackSpec": TRUTH, "ThdShard": TRUTH, "nested_from": TRUTH, "thd_alignment": TRUTH,
-             "case_bucket": TRUTH, "ShardLayout": "spec.protocol.engine"}
+STATEMENT = {"PackSpec": TRUTH, "ThdShard": TRUTH, "MtpTargets": TRUTH, "nested_from": TRUTH, "thd_alignment": TRUTH,
+             "case_bucket": TRUTH, "full_loss_mask": TRUTH, "ShardLayout": "spec.protocol.engine"}
 #: names the written file defines itself
 PROVIDED = (*STATEMENT, "fail", "torch", "Any")
 #: what verl's packer needs installed besides torch and tensordict

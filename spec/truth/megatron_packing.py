@@ -48,8 +48,8 @@ import torch
 from ..protocol.engine import ShardLayout, read_flags
 from .media_checks import samples_media, stack_entries
 
-__all__ = ["PackSpec", "ThdShard", "Packer", "ReferencePacker", "thd_alignment", "nested_from", "case_bucket",
-           "full_loss_mask"]
+__all__ = ["PackSpec", "ThdShard", "MtpTargets", "Packer", "ReferencePacker", "thd_alignment", "nested_from",
+           "case_bucket", "full_loss_mask"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ class ThdShard:
     state: Any = None
 
 
+@dataclass
+class MtpTargets:
+    """What an MTP model is handed on one rank (the module docstring), in that rank's layout (THD ``(1, n_local)``,
+    BSHD ``(B, S_local)``): its ``labels`` and ``loss_mask``, THD its ``positions``, and the loss normalization
+    ``factor`` (THD: on ``packed_seq_params``; None where none is handed)."""
+
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    positions: torch.Tensor | None = None
+    factor: float | None = None
+
+
 @runtime_checkable
 class Packer(Protocol):
     def pack_thd(self, x: torch.Tensor, spec: PackSpec, rank: int, *, need_roll: bool = False) -> ThdShard: ...
@@ -102,7 +114,7 @@ class Packer(Protocol):
     def hand_on_bshd(self, output: torch.Tensor, mask: torch.Tensor, spec: PackSpec, rank: int) -> torch.Tensor: ...
 
     def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
-                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]: ...
+                    factor: float | None = None, dense_mask: bool = False) -> MtpTargets: ...
 
 
 def full_loss_mask(response_mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -249,13 +261,13 @@ class ReferencePacker:
         return handed
 
     def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
-                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]:
+                    factor: float | None = None, dense_mask: bool = False) -> MtpTargets:
         """What an MTP model is handed on ``rank`` (the module docstring), THD (``packed``) or BSHD; ``dense_mask``
         (the response mask handed padded beside its attention mask) does not change it."""
         mask = full_loss_mask(response_mask, x.offsets().diff().tolist())
         if not packed:
-            return {"labels": self.pack_bshd(x, spec, rank, need_roll=True)[0],
-                    "loss_mask": self.pack_bshd(mask, spec, rank, need_roll=True)[0], "factor": None}
-        shard = self.pack_thd(x, spec, rank)
-        return {"labels": self.pack_thd(x, spec, rank, need_roll=True).rows, "position_ids": shard.positions,
-                "loss_mask": self.pack_thd(mask, spec, rank, need_roll=True).rows, "factor": factor}
+            return MtpTargets(self.pack_bshd(x, spec, rank, need_roll=True)[0],
+                              self.pack_bshd(mask, spec, rank, need_roll=True)[0])
+        return MtpTargets(self.pack_thd(x, spec, rank, need_roll=True).rows,
+                          self.pack_thd(mask, spec, rank, need_roll=True).rows,
+                          self.pack_thd(x, spec, rank).positions, factor)

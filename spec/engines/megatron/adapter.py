@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 
 from ...protocol.known import KnownFailure, When
-from ...truth.megatron_packing import PackSpec, ThdShard, case_bucket, thd_alignment
+from ...truth.megatron_packing import MtpTargets, PackSpec, ThdShard, case_bucket, thd_alignment
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
 from ...protocol.profile import VISION, equivalents_on
 from ..verl.microbatch_records import MICROBATCH_RECORDS
@@ -178,7 +178,7 @@ class VerlMegatronPacker:
         return self._vision.handed(micro_batch, spec, rank, self._rank, packed=packed)
 
     def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
-                    factor: float | None = None, dense_mask: bool = False) -> dict[str, Any]:
+                    factor: float | None = None, dense_mask: bool = False) -> MtpTargets:
         """What ``gptmodel_forward_model_engine(mtp_enable_train=True)`` hands an MTP model on ``rank``
         (model_forward.py:316-332 THD, 416-432 BSHD): the labels (``forward_step``'s: the ids) and the loss mask
         (``forward_step``'s: the response mask; ``dense_mask``: padded ``(B, R)`` beside its
@@ -200,9 +200,9 @@ class VerlMegatronPacker:
                 pad_to_length_bucket=spec.bucket if packed else None, cp_layout=spec.layout.value,
                 mtp_loss_normalization_factor=factor))
         params = handed.get("packed_seq_params")
-        return {"labels": handed.get("labels"), "loss_mask": handed.get("loss_mask"),
-                "position_ids": handed.get("position_ids") if packed else None,
-                "factor": getattr(params, "_verl_mtp_loss_normalization_factor", None)}
+        return MtpTargets(handed.get("labels"), handed.get("loss_mask"),
+                          handed.get("position_ids") if packed else None,
+                          getattr(params, "_verl_mtp_loss_normalization_factor", None))
 
 
 def _bucket_breaks_alignment(case: Any) -> bool:
