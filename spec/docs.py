@@ -39,13 +39,19 @@ FILES = ("README.md", "spec/README.md", *sorted(str(p.relative_to(ROOT)) for p i
 _BLOCK = re.compile(r"(<!-- generated:([a-z0-9-]+) -->\n?)(.*?)(<!-- /generated -->)", re.S)
 
 
+def _needs(info) -> str:
+    """An invariant's needs as the catalogue table states them: each it needs, and "any of" those it needs one of."""
+    parts = [*info.needs, *([f"any of {' / '.join(info.needs_any)}"] if info.needs_any else [])]
+    return ", ".join(parts) or "-"
+
+
 def catalogue() -> str:
     """The invariant catalogue table (as ``python -m spec list --markdown`` prints it)."""
     lines = ["| ID | title | contract | modes | needs | facts |", "|---|---|---:|---|---|---|"]
     for key in sorted(CATALOGUE):
         info = CATALOGUE[key]
         lines.append(f"| {info.id} | {info.title} | {info.contract} | {', '.join(info.modes)} | "
-                     f"{', '.join(info.needs) or '-'} | {', '.join(info.facts) or '-'} |")
+                     f"{_needs(info)} | {', '.join(info.facts) or '-'} |")
     return "\n".join(lines)
 
 

@@ -122,3 +122,42 @@ def test_an_engines_assert_is_the_engine_raising_not_a_failed_check() -> None:
         assert detects(bug, "ci") is None, "spec.detection counted an engine's own assert as a rejection"
     finally:
         detection.planted_engine = original
+
+
+class _NoSequenceParallelism(ImplEngine):
+    """impl without sequence parallelism: it takes a bucket and a chunk size, no sp_size; it records what it is
+    handed."""
+
+    name = "impl-without-sp"
+    handed: list = []
+
+    def lacks(self, feature):
+        return "no sequence parallelism here" if str(getattr(feature, "value", feature)) == "sp" else \
+            super().lacks(feature)
+
+    def make(self, head: str = "lm", **settings):
+        if "sp_size" in settings or "sp_rank" in settings:
+            raise AssertionError(f"handed sp settings {settings} although it lacks sp")
+        self.handed.append(dict(settings))
+        return super().make(head, **settings)
+
+
+class _NoSettings(_NoSequenceParallelism):
+    name = "impl-without-settings"
+
+    def lacks(self, feature):
+        value = str(getattr(feature, "value", feature))
+        return f"no {value} here" if value in ("sp", "bucket", "chunking") else super().lacks(feature)
+
+
+def test_set001_hands_only_the_settings_the_engine_takes_and_skips_one_that_takes_none() -> None:
+    """INV-SET-001 needs any of sp, bucket, chunking (needs_any): an engine without sequence parallelism is still
+    handed its impossible buckets and chunk sizes (and passes where it rejects them); one without any is skipped
+    with the reasons, never passed on zero examples."""
+    engine = _NoSequenceParallelism()
+    outcome = run_invariant(CATALOGUE["INV-SET-001"], engine, "packed", profile="dev", shrink=False)
+    assert outcome.status == "pass" and outcome.exercised > 0, outcome
+    tried = {key for settings in engine.handed for key in settings}
+    assert {"pad_to_length", "entropy_chunk_size"} <= tried and not {"sp_size", "sp_rank"} & tried, tried
+    skipped = run_invariant(CATALOGUE["INV-SET-001"], _NoSettings(), "packed", profile="dev", shrink=False)
+    assert skipped.status == "skip" and "no sp here" in skipped.reason and "no chunking here" in skipped.reason

@@ -63,6 +63,9 @@ class InvariantInfo:
     check: Callable[["Ctx"], None]
     modes: tuple[str, ...] = ("packed", "padded")
     needs: tuple[str, ...] = ()
+    #: engine features of which it needs at least one (it checks those the engine offers): an engine lacking every
+    #: one gets it skipped with their reasons
+    needs_any: tuple[str, ...] = ()
     kind: str = "batch"  # "batch": EngineCase end to end; "dense": a DenseCase for left_right_2_no_padding
     head: str = "lm"
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)

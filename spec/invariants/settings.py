@@ -21,8 +21,9 @@ from ..protocol.profile import profile_of
 from ..truth import settings_checks as checks
 from ..truth import slice_checks
 from ..truth.routes import routes_of, without_last_routes
-from ..truth.settings_checks import BAD_FLAGS, BOOL_FLAGS, FLAG_DEFAULTS, bad_settings, recode_flags
-from .core import Ctx, fail, invariant
+from ..truth.settings_checks import (BAD_FLAGS, BOOL_FLAGS, FLAG_DEFAULTS, SETTING_FEATURES, bad_settings,
+                                     offered_settings, recode_flags)
+from .core import Ctx, EveryFailure, fail, invariant
 from .reproduction import Plan
 
 __all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "bad_settings", "same_run", "recode_flags"]
@@ -173,17 +174,22 @@ for _id, _head in (("INV-FLAG-004", "lm"), ("INV-FLAG-005", "value")):
 
 
 @invariant("INV-SET-001", "an impossible engine setting (sp_size < 1, sp_rank outside [0, sp_size), a bucket "
-           "or entropy chunk size < 1) is rejected, by the constructor or the first call", contract=10,
-           modes=("packed",), needs=("sp", "bucket", "chunking"),
+           "or entropy chunk size < 1) is rejected, by the constructor or the first call (each of those settings "
+           "the engine takes)", contract=10,
+           modes=("packed",), needs_any=SETTING_FEATURES,
            protects="a misconfigured engine (chunk 0, rank out of range) fails at start, not with missing outputs",
            repro=Plan(("bad_settings",)))
 def settings_rejected(ctx: Ctx) -> None:
-    for bad in bad_settings(ctx.case):
+    """Every impossible setting is tried (a record excusing one never hides another's acceptance)."""
+    facts = EveryFailure()
+    for bad in bad_settings(ctx.case, offered_settings(ctx.engine)):
         def build_and_call() -> None:
             ctx.engine.make(ctx.case.head, **bad).prepare_model_inputs(ctx.batch)
         # only the engine's own exception (its constructor's or its first call's) is a rejection: the suite's
         # own failure is not (spec/execute/attribution.py)
-        expect_engine_error(build_and_call, f"engine settings {bad}")
+        with facts.each():
+            expect_engine_error(build_and_call, f"engine settings {bad}")
+    facts.raise_any()
 
 
 @invariant("INV-DTYPE-001", "the response-slice helpers are exact for bool, int and float per-token tensors "

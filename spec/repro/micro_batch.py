@@ -20,6 +20,7 @@ from ..cases.structure import EngineCase
 from ..protocol.engine import EngineUnderTest, OutputSpan, PaddedLayout
 from ..protocol.profile import Convention, Feature, HeadInput, padded_layout_of, profile_of, tail_multiple_of
 from ..protocol.vendor import assignments
+from ..truth.settings_checks import offered_settings
 
 __all__ = ["batch_data", "case_data", "declarations", "declared_precision", "INLINE_LIMIT"]
 
@@ -73,7 +74,8 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
         "TAIL_MULTIPLE": tail_multiple_of(engine, case) if case is not None else profile_of(engine).tail_multiple,
         "REFUSES": sorted(profile_of(engine).refuses),
         "HEAD_INPUT": HeadInput(getattr(engine, "head_input", HeadInput.LOGITS)).value,
-        "HANDS_TEMPERATURE": engine.lacks(Feature.TEMPERATURE_HANDOFF) is None}, {
+        "HANDS_TEMPERATURE": engine.lacks(Feature.TEMPERATURE_HANDOFF) is None,
+        "SETTINGS_OFFERED": offered_settings(engine)}, {
         "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
         "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
         "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
@@ -82,7 +84,9 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
         "HEAD_INPUT": "what the stand-in model hands its lm head's output step: logits, or (a fused head) hidden "
                       "states and the LM-head weight",
         "HANDS_TEMPERATURE": "its input step hands its output step a per-token temperature (the rank checks read "
-                             "it; an engine lacking the hand-off takes one float)"})
+                             "it; an engine lacking the hand-off takes one float)",
+        "SETTINGS_OFFERED": "the engine settings it takes of sp, bucket and chunking (INV-SET-001 hands it only "
+                            "impossible values of those)"})
 
 
 def _plain(value: Any) -> Any:

@@ -29,7 +29,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT", "SETTINGS_OFFERED")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
@@ -680,7 +680,7 @@ def check_refused(c, mb, run):
 
 def check_bad_settings(c, mb, run):
     """INV-SET-001: each impossible setting the invariant tries rejected, by the constructor or the first call."""
-    for bad in bad_settings(c):
+    for bad in bad_settings(c, tuple(SETTINGS_OFFERED)):
         problem = _refused_by(_side("engine", lambda: make_engine(c.head, **bad).prepare_model_inputs(mb)),
                               f"engine settings {bad}")
         if problem:

@@ -173,6 +173,9 @@ def skip_reason(info: InvariantInfo, engine: EngineUnderTest, device: str, mode:
         reason = engine.lacks(need) or _real_ranks_unavailable(engine, need)
         if reason:
             return reason
+    lacking = [engine.lacks(need) for need in info.needs_any]
+    if lacking and all(lacking):
+        return "; ".join(dict.fromkeys(lacking))
     reason = implied_reason(info, engine)
     # an invariant that names the functions it calls (the micro-batch layer's) is skipped where one is missing
     extra = getattr(info, "skip_reason_for", None)

@@ -16,8 +16,8 @@ import torch
 from .failing import fail
 from .state_checks import same
 
-__all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "flag_value", "recode_flags", "bad_settings", "same_run",
-           "defaulted_flags", "slice_without_width", "slice_with_width"]
+__all__ = ["FLAG_DEFAULTS", "BOOL_FLAGS", "BAD_FLAGS", "flag_value", "recode_flags", "bad_settings", "offered_settings",
+           "SETTING_FEATURES", "same_run", "defaulted_flags", "slice_without_width", "slice_with_width"]
 
 #: every per-batch flag of the contract with its default (pad_mode: NO_PADDING, compared by value)
 FLAG_DEFAULTS: dict[str, Any] = {
@@ -148,8 +148,20 @@ BAD_FLAGS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def bad_settings(case) -> tuple[dict[str, Any], ...]:
-    """Every impossible engine setting INV-SET-001 tries (at the case's sp size, or 2)."""
+#: the engine features whose settings INV-SET-001 tries, in order: sequence parallelism, the static bucket, chunking
+SETTING_FEATURES = ("sp", "bucket", "chunking")
+
+
+def offered_settings(engine: Any) -> tuple[str, ...]:
+    """The features of :data:`SETTING_FEATURES` whose settings ``engine`` takes (``engine.lacks`` none)."""
+    return tuple(feature for feature in SETTING_FEATURES if engine.lacks(feature) is None)
+
+
+def bad_settings(case, offered: tuple[str, ...] = SETTING_FEATURES) -> tuple[dict[str, Any], ...]:
+    """Every impossible engine setting INV-SET-001 tries (at the case's sp size, or 2) of the features ``offered``
+    (of :data:`SETTING_FEATURES`: an engine is handed only settings it takes)."""
     sp = max(case.sp_size, 2)
-    return ({"sp_size": 0, "sp_rank": 0}, {"sp_size": sp, "sp_rank": sp}, {"sp_size": sp, "sp_rank": -1},
-            {"pad_to_length": 0}, {"pad_to_length": -8}, {"entropy_chunk_size": 0}, {"entropy_chunk_size": -1})
+    bad = {"sp": ({"sp_size": 0, "sp_rank": 0}, {"sp_size": sp, "sp_rank": sp}, {"sp_size": sp, "sp_rank": -1}),
+           "bucket": ({"pad_to_length": 0}, {"pad_to_length": -8}),
+           "chunking": ({"entropy_chunk_size": 0}, {"entropy_chunk_size": -1})}
+    return tuple(setting for feature in SETTING_FEATURES if feature in offered for setting in bad[feature])

@@ -75,9 +75,10 @@ _FUSED = ("needs a real kernel: fused kernels (get_mcore_forward_fused_model_eng
           "output layer with verl's fused linear cross-entropy")
 _VPP = ("gap: a model chunk of a virtual pipeline stage (vp_stage), read only as the router replay's vp_rank; the "
         "stand-in model is one chunk")
-_DENSE_MASK = ("gap: a dense (B, R) loss_mask beside an attention_mask (the MTP padded alignment's "
-               "response_attention_mask); the micro-batches of no_padding carry a nested loss_mask (INV-MEG-008 hands "
-               "gptmodel_forward_model_engine a padded loss mask with its response_attention_mask)")
+_DENSE_MASK = ("gap: a dense (B, R) loss_mask beside a dense attention_mask, as verl's trainer path hands them after "
+               "left_right_2_no_padding (the response_mask as loss_mask; the MTP padded alignment's "
+               "response_attention_mask); the engine object's micro-batches are no_padding's, with a nested loss_mask "
+               "(INV-MEG-008 hands gptmodel_forward_model_engine a padded loss mask with its response_attention_mask)")
 _FWD, _TI = _FORWARD, IMPL
 #: branches of :data:`ENGINE_SURFACE` (and the packing's) the engine object never takes, each with its reason
 ENGINE_UNREACHABLE: dict[str, str] = {
@@ -108,11 +109,11 @@ def engine_namespace(impl: Any, micro_batch: Any, *, packed: bool, chunk: int | 
     if vision:
         hf_config.vision_config = {}
     engine = SimpleNamespace(
-        engine_config=SimpleNamespace(use_fused_kernels=False, pad_to_length=bool(bucket),
-                                      pad_to_length_bucket=int(bucket) if bucket else None,
+        engine_config=SimpleNamespace(use_fused_kernels=False, pad_to_length=bucket is not None,
+                                      pad_to_length_bucket=None if bucket is None else int(bucket),
                                       use_remove_padding=packed, dynamic_context_parallel=False,
-                                      entropy_from_logits_with_chunking=bool(chunk),
-                                      entropy_from_logits_chunk_size=int(chunk or 2048)),
+                                      entropy_from_logits_with_chunking=chunk is not None,
+                                      entropy_from_logits_chunk_size=2048 if chunk is None else int(chunk)),
         enable_routing_replay=False, _get_context_parallel_layout=cls._get_context_parallel_layout,
         model_config=SimpleNamespace(hf_config=hf_config,
                                      tokenizer=SimpleNamespace(pad_token_id=read_flags(micro_batch)["pad_token_id"]),

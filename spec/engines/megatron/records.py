@@ -18,7 +18,7 @@ from ...protocol.known import KnownFailure, When
 from ...protocol.profile import drawn_config
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ..kit.records import CANCELLATION, MISMATCH, UNCLAMPED
-from ..verl.records import DISTILLATION_ASKED, FP16_WIDE_VOCAB, FP16_ZERO_TEMPERATURE, LOW_DTYPES, fp16_records
+from ..verl.records import DISTILLATION_ASKED, SETTINGS_UNCHECKED, FP16_WIDE_VOCAB, FP16_ZERO_TEMPERATURE, LOW_DTYPES, fp16_records
 
 __all__ = ["VISION_RECORDS", "MEGATRON_ENGINE_RECORDS", "fp8_vision_width_differs", "vision_widths"]
 
@@ -92,6 +92,7 @@ BUCKET_BOUNDS = ("preprocess_thd_engine puts the static bucket's padding into th
                  "tokens see none of it; max_seqlen_q grows by the padding); contract difference (the contract hands "
                  "a final boundary for tail padding)")
 MEGATRON_ENGINE_RECORDS: tuple[KnownFailure, ...] = (
+    SETTINGS_UNCHECKED,
     KnownFailure("INV-DEV-001", "returns entropy (unchunked) and sum_pi_squared in the logits' dtype "
                  f"{_ENGINE}, and a value head's values in the model's; log_probs and the top-K terms in float32 "
                  "(megatron-core upcasts); contract difference, the values are compared at that precision elsewhere",

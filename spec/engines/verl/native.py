@@ -43,16 +43,17 @@ NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
 
 
 def native_profile(base: EngineProfile, module: str, lm_class: str, own: Mapping[str, str],
-                   switches: tuple[ConfigSwitch, ...] = ()) -> EngineProfile:
+                   switches: tuple[ConfigSwitch, ...] = (), equivalents: Mapping[str, str] = {}) -> EngineProfile:
     """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
     engines hand ``extract_multi_modal_inputs``' keys to the model beside mRoPE positions, in both modes), the shared
     off-path functions, its configuration (:data:`ENTROPY_CHECKPOINTING`, and its own ``switches``), as unreachable
     the shared branches and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason), and verl's
-    equivalent-mutant declarations on the functions it shares with the FSDP engine."""
+    equivalent-mutant declarations on the functions it shares with the FSDP engine, with its own ``equivalents``
+    (mutant id -> why no input tells it from the engine's code)."""
     surface = native_surface(module, lm_class)
     return replace(base, surface=surface, off_path=NATIVE_OFF_PATH, media=MEDIA,
                    config_space=(ENTROPY_CHECKPOINTING, *switches),
-                   equivalent_mutants=equivalents_on(VERL_EQUIVALENT_MUTANTS, surface),
+                   equivalent_mutants={**equivalents_on(VERL_EQUIVALENT_MUTANTS, surface), **equivalents},
                    unreachable={**NATIVE_UNREACHABLE, **{f"{module}:{line}": why for line, why in own.items()}})
 
 

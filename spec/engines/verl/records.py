@@ -216,6 +216,16 @@ def fused_padded_dense_slices(why: str, invariants: tuple[str, ...] = FUSED_PADD
                  for inv in dict.fromkeys(invariants))
 
 
+#: verl's engines (FSDP, VeOmni, Automodel, TorchTitan, Megatron) take the entropy chunk size and the bucket unchecked
+SETTINGS_UNCHECKED = KnownFailure(
+    "INV-SET-001", "the engine takes its settings as attributes and never checks them, and neither do verl's "
+    "engine config dataclasses (0.9.1: the __post_init__ of FSDPEngineConfig, McoreEngineConfig, VeOmni's, "
+    "Automodel's and TorchTitan's check neither entropy_from_logits_chunk_size nor pad_to_length_bucket): an entropy "
+    "chunk size of 0 or -1, or a bucket of -8, reaches the preparation unchecked; verl bug (validation), not a wrong "
+    "value for valid settings", raises=AssertionError,
+    matches=r"^AssertionError: engine settings \{.*\} was accepted (silently|by the engine)")
+
+
 #: version -> the known-failure records of that release ("*": every release). Each names the cases it
 #: applies to and the failure it expects; spec/engines/verl/README.md has a minimal counterexample for each.
 KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
@@ -253,11 +263,7 @@ KNOWN_BUGS: dict[str, tuple[KnownFailure, ...]] = {
             "check: use_remove_padding='False' (a str) runs packed, None runs padded, a float pad_token_id pads "
             "with it; contract difference (invariant 10), not a wrong value for well-typed flags",
             raises=AssertionError, matches=r"^AssertionError: flag \w+=.* was accepted (silently|by the engine)"),
-        KnownFailure(
-            "INV-SET-001", "the engine takes its settings as attributes and never checks them (verl validates "
-            "its config dataclasses elsewhere, before an engine is built): an entropy chunk size of 0 or a bucket "
-            "of -8 reaches prepare_model_inputs unchecked; contract difference, not a wrong value for valid settings",
-            raises=AssertionError, matches=r"^AssertionError: engine settings \{.*\} was accepted (silently|by the engine)"),
+        SETTINGS_UNCHECKED,
         KnownFailure(
             "INV-VAL-002", "entropy_from_logits computes logsumexp(z) - sum(softmax(z) * z): two large, nearly equal "
             "float32 terms whose difference is a small entropy (low temperature, large vocabulary); verl bug "
