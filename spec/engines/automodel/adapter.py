@@ -43,12 +43,14 @@ KNOWN_RECORDS: tuple[KnownFailure, ...] = (
 
 
 #: survivors of ``spec mutate --engine verl-automodel`` no check can tell from Automodel's code, each with why
+_DENSE_SLICES = ("masked by a recorded engine bug, not a behaviour the contract tells apart: the padded fused path "
+                 "returns dense response slices output.log_probs / output.entropy[:, -L-1:-1] instead of nested full "
+                 "sequences (fused_padded_dense_slices' records), so every check of that path fails on the layout "
+                 "first; a slice one column off is another wrong layout of the same recorded failure")
+_AUTOMODEL = "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs"
 AUTOMODEL_EQUIVALENT_MUTANTS: dict[str, str] = {
-    "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs:649 slice: "
-    "slice lower + 1": "masked by a recorded engine bug, not a behaviour the contract tells apart: the padded fused "
-    "path returns dense response slices output.entropy[:, -L-1:-1] instead of nested full sequences "
-    "(fused_padded_dense_slices' records), so every check of that path fails on the layout first; the mutant's slice "
-    "one column narrower is another wrong layout of the same recorded failure",
+    f"{_AUTOMODEL}:649 slice: slice lower + 1": _DENSE_SLICES,
+    f"{_AUTOMODEL}:648 slice: slice upper + 1": _DENSE_SLICES,
 }
 
 

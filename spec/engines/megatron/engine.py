@@ -58,7 +58,8 @@ ENGINE_SURFACE = (f"{IMPL}:MegatronEngineWithLMHead.forward_step", f"{IMPL}:Mega
                   f"{_TP}:vocab_parallel_log_probs_from_logits", f"{_KL}:compute_forward_kl_topk",
                   f"{_KL}:vocab_parallel_log_softmax", f"{_KL}:_VocabParallelKLDivergence.forward",
                   f"{_KL}:_VocabParallelKLDivergence.backward", f"{IMPL}:MegatronEngine._get_context_parallel_layout",
-                  f"{_FORWARD}:_build_mtp_loss_mask_nested", f"{_FORWARD}:_convert_to_nested_tensor")
+                  f"{_FORWARD}:_build_mtp_loss_mask_nested", f"{_FORWARD}:_convert_to_nested_tensor",
+                  "verl.utils.torch_functional:expand_as_nested")
 _MTP_NORMALIZATION = ("gap: the MTP loss normalization factor forward_step hands on (routed_num_tokens / "
                       "batch_num_tokens, with tf_config.calculate_per_token_loss) reads counts forward_backward_batch "
                       "assigns for the whole mini-batch (its all-reduced loss-mask and routed-token counts), which the "

@@ -35,7 +35,7 @@ from ...protocol.known import KnownFailure, When
 from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision, media_view
 from ...truth.rules import TEMPERATURE_FLOOR
 from ..kit.records import SAMPLE_MISMATCH, UNCLAMPED, VALUE_MISMATCH
-from ..verl.native import NativeVerlEngine, native_profile
+from ..verl.native import NATIVE_LOGITS_HELPERS, NativeVerlEngine, native_profile
 from ..verl.records import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
@@ -155,7 +155,8 @@ class TorchTitanEngine(NativeVerlEngine):
     # one; those that force per-sample temperatures carry its record
     profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class, {
         "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
-                    "prepare_context_parallel_input shards over it)"})
+                    "prepare_context_parallel_input shards over it)"},
+        helpers=tuple(h for h in NATIVE_LOGITS_HELPERS if not h.endswith(":expand_as_nested")))  # one temperature
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
                "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {

@@ -25,16 +25,22 @@ from .records import verl_precision
 from .profile import (ENTROPY_CHECKPOINTING, VERL_LAYER, VERL_LAYER_OFF_PATH, VERL_LAYER_UNREACHABLE,
                       VERL_LOGITS_HELPERS, VERL_LOGITS_UNREACHABLE)
 
-__all__ = ["NativeVerlEngine", "native_surface", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH", "native_profile"]
+__all__ = ["NativeVerlEngine", "native_surface", "NATIVE_LOGITS_HELPERS", "NATIVE_UNREACHABLE", "NATIVE_OFF_PATH",
+           "native_profile"]
 
 
-def native_surface(module: str, lm_class: str) -> tuple[str, ...]:
-    """A native engine's surface: its own prepare_model_inputs / prepare_model_outputs, verl's log-prob helpers it
+#: verl's log-prob helpers the native engines call (neither calls calculate_sum_pi_squared_from_logits: verl 0.9.1's
+#: TorchTitan and Automodel engines compute no sum_pi_squared)
+NATIVE_LOGITS_HELPERS = tuple(h for h in VERL_LOGITS_HELPERS if not h.endswith(":calculate_sum_pi_squared_from_logits"))
+
+
+def native_surface(module: str, lm_class: str, helpers: tuple[str, ...] = NATIVE_LOGITS_HELPERS) -> tuple[str, ...]:
+    """A native engine's surface: its own prepare_model_inputs / prepare_model_outputs, verl's log-prob ``helpers`` it
     calls (verl.utils.torch_functional; neither calls verl's padding or Ulysses helpers), verl's multi-modal helpers
     (both call extract_multi_modal_inputs on every micro-batch: spec/engines/verl/media.py) and the micro-batch
     layer."""
     return (f"{module}:{lm_class}.prepare_model_inputs", f"{module}:{lm_class}.prepare_model_outputs",
-            *VERL_LOGITS_HELPERS, *VERL_MM_SURFACE, *VERL_LAYER)
+            *helpers, *VERL_MM_SURFACE, *VERL_LAYER)
 
 
 #: the branches of the shared part of their surfaces no CPU run reaches (verl 0.9.1's lines), with the reasons
@@ -43,14 +49,15 @@ NATIVE_OFF_PATH: dict[str, str] = dict(VERL_LAYER_OFF_PATH)
 
 
 def native_profile(base: EngineProfile, module: str, lm_class: str, own: Mapping[str, str],
-                   switches: tuple[ConfigSwitch, ...] = (), equivalents: Mapping[str, str] = {}) -> EngineProfile:
+                   switches: tuple[ConfigSwitch, ...] = (), equivalents: Mapping[str, str] = {},
+                   helpers: tuple[str, ...] = NATIVE_LOGITS_HELPERS) -> EngineProfile:
     """A native engine's profile: ``base`` with its surface (:func:`native_surface`), images and videos drawn (both
     engines hand ``extract_multi_modal_inputs``' keys to the model beside mRoPE positions, in both modes), the shared
     off-path functions, its configuration (:data:`ENTROPY_CHECKPOINTING`, and its own ``switches``), as unreachable
     the shared branches and its ``own`` branches (``"LINE->DEST"`` or ``"LINE"`` of ``module`` -> reason), and verl's
     equivalent-mutant declarations on the functions it shares with the FSDP engine, with its own ``equivalents``
-    (mutant id -> why no input tells it from the engine's code)."""
-    surface = native_surface(module, lm_class)
+    (mutant id -> why no input tells it from the engine's code); ``helpers``: verl's log-prob helpers it calls."""
+    surface = native_surface(module, lm_class, helpers)
     return replace(base, surface=surface, off_path=NATIVE_OFF_PATH, media=MEDIA,
                    config_space=(ENTROPY_CHECKPOINTING, *switches),
                    equivalent_mutants={**equivalents_on(VERL_EQUIVALENT_MUTANTS, surface), **equivalents},

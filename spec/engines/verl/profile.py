@@ -24,8 +24,8 @@ _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 _SB, _TU, _EU = "verl.utils.seqlen_balancing", "verl.utils.tensordict_utils", "verl.workers.engine.utils"
 
 
-#: verl.utils.torch_functional's log-prob helpers: all of verl's helpers that the native engines (torchtitan's,
-#: automodel's) call
+#: verl.utils.torch_functional's log-prob helpers the FSDP engine calls (the native engines, torchtitan's and
+#: automodel's, all but calculate_sum_pi_squared_from_logits: spec/engines/verl/native.py)
 VERL_LOGITS_HELPERS = tuple(f"verl.utils.torch_functional:{f}" for f in (
     "logprobs_from_logits", "logprobs_from_logits_v2", "entropy_from_logits", "entropy_from_logits_with_chunking",
     "calculate_sum_pi_squared_from_logits", "expand_as_nested"))
