@@ -219,15 +219,18 @@ def _mtp_batch(ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, response
 
 
+def _like(handed: torch.Tensor | None, rows: torch.Tensor, what: str, rank: int) -> torch.Tensor:
+    """What the model was handed on ``rank``, in float64, where it has the ids' packed shape there (THD and BSHD)."""
+    if handed is None or tuple(handed.shape) != tuple(rows.shape):
+        fail(f"{what} on rank {rank}: handed {None if handed is None else tuple(handed.shape)}, expected the ids' "
+             f"packed shape {tuple(rows.shape)}")
+    return handed.to(torch.float64)
+
+
 def _replaced(shards: list[ThdShard], rows: list[torch.Tensor], what: str) -> list[ThdShard]:
     """The packed shards of the ids with each rank's rows replaced by what the model was handed there."""
-    out = []
-    for rank, (shard, handed) in enumerate(zip(shards, rows)):
-        if handed is None or tuple(handed.shape) != tuple(shard.rows.shape):
-            fail(f"{what} on rank {rank}: handed {None if handed is None else tuple(handed.shape)}, expected the ids' "
-                 f"packed shape {tuple(shard.rows.shape)}")
-        out.append(ThdShard(handed.to(torch.float64), shard.positions, shard.cu_seqlens_padded, shard.state))
-    return out
+    return [ThdShard(_like(handed, shard.rows, what, rank), shard.positions, shard.cu_seqlens_padded, shard.state)
+            for rank, (shard, handed) in enumerate(zip(shards, rows))]
 
 
 def _mtp_mask(got: torch.Tensor, full: torch.Tensor, what: str) -> None:
@@ -242,6 +245,15 @@ def _counted(handed: list[torch.Tensor], full: torch.Tensor, what: str) -> None:
     counted, want = sum(float(h.to(torch.float64).sum()) for h in handed), float(full.values().sum())
     if counted != want:
         fail(f"{what}: the ranks' loss masks count {counted:g} positions, the sequences' {want:g} (padding counted)")
+
+
+def _targets_checked(labels: torch.Tensor, masks: torch.Tensor, handed: list, x: torch.Tensor, full: torch.Tensor,
+                     layout: str, spec: PackSpec, where: str) -> None:
+    """What both layouts promise of the re-assembled MTP targets: the next tokens, the next token's loss mask, and
+    no padding row counted on any rank."""
+    _next_tokens(labels, x, f"{layout} MTP labels [{spec}]")
+    _mtp_mask(masks, full, f"{layout} MTP loss mask [{spec}] {where}")
+    _counted([h.loss_mask for h in handed], full, f"{layout} MTP loss mask [{spec}] {where}")
 
 
 def _sampled(specs: list[PackSpec], seed: int, k: int) -> list[PackSpec]:
@@ -276,9 +288,7 @@ def mtp_targets(ctx: Ctx) -> None:
             masks = packer.unpack_thd(_replaced(shards, [h.loss_mask for h in handed], "MTP loss mask"), x, spec)
             rotary = packer.unpack_thd(_replaced(shards, [h.positions for h in handed], "MTP positions"), x,
                                        spec)
-        _next_tokens(labels, x, f"THD MTP labels [{spec}]")
-        _mtp_mask(masks, full, f"THD MTP loss mask [{spec}] {where}")
-        _counted([h.loss_mask for h in handed], full, f"THD MTP loss mask [{spec}] {where}")
+        _targets_checked(labels, masks, handed, x, full, "THD", spec, where)
         _same(rotary, positions, f"THD MTP positions [{spec}]")
         for rank, h in enumerate(handed):
             if h.factor != factor:
@@ -289,15 +299,8 @@ def mtp_targets(ctx: Ctx) -> None:
             handed = [packer.mtp_targets(x, response, spec, rank, packed=False, dense_mask=dense)
                       for rank in range(spec.cp)]
             shards = [packer.pack_bshd(x, spec, rank) for rank in range(spec.cp)]
-            for rank, (h, (rows, _m, _p)) in enumerate(zip(handed, shards)):
-                for key, got in (("labels", h.labels), ("loss mask", h.loss_mask)):
-                    if got is None or tuple(got.shape) != tuple(rows.shape):
-                        fail(f"BSHD MTP {key} [{spec}] rank {rank}: handed "
-                             f"{None if got is None else tuple(got.shape)}, expected the ids' {tuple(rows.shape)}")
-            labels = packer.unpack_bshd([(h.labels.to(torch.float64), m, p)
-                                         for h, (_r, m, p) in zip(handed, shards)], x, spec)
-            masks = packer.unpack_bshd([(h.loss_mask.to(torch.float64), m, p)
-                                        for h, (_r, m, p) in zip(handed, shards)], x, spec)
-        _next_tokens(labels, x, f"BSHD MTP labels [{spec}]")
-        _mtp_mask(masks, full, f"BSHD MTP loss mask [{spec}] {where}")
-        _counted([h.loss_mask for h in handed], full, f"BSHD MTP loss mask [{spec}] {where}")
+            labels = packer.unpack_bshd([(_like(h.labels, r, f"BSHD MTP labels [{spec}]", rank), m, p)
+                                         for rank, (h, (r, m, p)) in enumerate(zip(handed, shards))], x, spec)
+            masks = packer.unpack_bshd([(_like(h.loss_mask, r, f"BSHD MTP loss mask [{spec}]", rank), m, p)
+                                        for rank, (h, (r, m, p)) in enumerate(zip(handed, shards))], x, spec)
+        _targets_checked(labels, masks, handed, x, full, "BSHD", spec, where)
