@@ -20,6 +20,7 @@ from spec.cases.structure import EngineCase, Media
 from spec.invariants import CATALOGUE, Ctx
 from spec.protocol.known import KnownFailure
 from spec.truth.megatron_packing import PackSpec, ReferencePacker, nested_from, thd_alignment
+from spec.truth.routes import rollout_routes
 from spec.protocol.engine import Capabilities, EngineUnderTest, Feature, InputsView, OutputsView, ShardLayout
 from spec.protocol.profile import VISION
 from spec.run.runner import run_invariant, skip_reason
@@ -228,6 +229,78 @@ def test_verl_megatron_mtp_targets_agree_with_the_reference_and_a_planted_mask_f
     planted = load_engine("planted:mtp_mask_unrolled")
     with pytest.raises(AssertionError, match="MTP loss mask"):
         CATALOGUE["INV-MEG-008"].check(Ctx(planted, case, "cpu", "any"))
+
+
+@needs_verl
+def test_verl_megatron_router_replay_agrees_with_the_reference_and_planted_replays_fail() -> None:
+    """verl's forward_step hands each TP rank of each CP rank the routes (and R3's replay mask) the reference packer
+    states on every token row (padding rows aside), R2's record merges every rank's routes back to the tokens,
+    under fixed and dynamic CP and FP8; INV-MEG-009 passes on verl's and fails on packers that pack the routes
+    unaligned, replay only the response, or gather the TP ranks' records in reverse."""
+    engine = load_engine("verl-megatron")
+    case = EngineCase(prompt_lens=(3, 2, 1), response_lens=(2, 3, 0), seed=7)
+    micro_batch = materialize(case)
+    lens = micro_batch["input_ids"].offsets().diff().tolist()
+    gen = torch.Generator().manual_seed(0)
+    routes = nested_from([torch.randint(0, 64, (n, 2, 2), generator=gen).to(torch.int16) for n in lens])
+    rollout = nested_from([r[:-1] if i == 1 else r for i, r in enumerate(routes.unbind())])  # one missing last route
+    reference = ReferencePacker()
+    for spec in (PackSpec(1, 1), PackSpec(2, 2), PackSpec(1, 4, fp8=True), PackSpec(2, 2, dynamic=True)):
+        ones = nested_from([torch.ones(n) for n in lens])
+        for mode, given in (("R2", routes), ("R3", rollout)):
+            batch = micro_batch.copy()
+            batch["routed_experts"] = given
+            for rank in range(spec.cp):
+                valid = reference.pack_thd(ones, spec, rank).rows[0] != 0
+                ours = reference.replayed_routes(batch, spec, rank, mode=mode)
+                verl = engine.packer.replayed_routes(batch, spec, rank, mode=mode)
+                assert len(verl.routes) == spec.tp, (spec, mode)
+                got, want = torch.cat(verl.routes), torch.cat(ours.routes)
+                assert torch.equal(got[valid].long(), want[valid].long()), (spec, mode, rank)
+                if mode == "R2":
+                    assert all(m is None for m in verl.masks), (spec, rank)
+                else:
+                    assert torch.equal(torch.cat(verl.masks)[valid], torch.cat(ours.masks)[valid]), (spec, rank)
+        recorded = [list(reference.pack_thd(routes, spec, rank).rows[0].chunk(spec.tp)) for rank in range(spec.cp)]
+        merged = engine.packer.recorded_routes(micro_batch, recorded, spec)
+        assert all(torch.equal(a.long(), b.long()) for a, b in zip(merged.unbind(), routes.unbind())), spec
+    CATALOGUE["INV-MEG-009"].check(Ctx(engine, case, "cpu", "any"))
+    for bug, match in (("routes_packed_unaligned", "replays route"), ("replay_mask_response_only", "replays rows"),
+                       ("record_tp_parts_reversed", "recorded routes")):
+        planted = load_engine(f"planted:{bug}")
+        with pytest.raises(AssertionError, match=match):
+            for seed in range(8):  # the quiet one shows under TP > 1 only: a spec the seed picks
+                CATALOGUE["INV-MEG-009"].check(Ctx(planted, replace(case, seed=seed), "cpu", "any"))
+
+
+@needs_verl
+def test_verl_megatron_r3_replay_on_the_engine_object_and_f28_in_bshd() -> None:
+    """The engine object with R3 router replay (the routes switch): THD, every token a counted log-prob reads replays
+    the rollout's route (INV-ROUTE-001); BSHD (F28, run by hand: the profile runs THD only): forward_step packs the
+    routes THD while the model's routers read (S, B) rows, so equal-length samples silently replay other tokens'
+    routes and other batches raise. Fails once verl packs BSHD routes in the model's row order."""
+    engine = load_engine("verl-megatron")
+    assert engine.profile.routes_modes == ("packed",) and "F28" in engine.profile.routes_note
+    for mode, packed in (("packed", True), ("padded", False)):
+        case = EngineCase(prompt_lens=(1, 2), response_lens=(1, 1), use_remove_padding=packed, mask_hole_rate=0.0,
+                          engine_config=(("routed_experts", "int16"),), seed=0)  # two samples of 2 and 3 tokens
+        if packed:
+            CATALOGUE["INV-ROUTE-001"].check(Ctx(engine, case, "cpu", mode))
+    replay = megatron.EngineReplay("int16", bshd=True)
+    obj = megatron.MegatronEngineObject(engine.packer._rank, replay=replay)
+    for lens, raises in (((2, 2), False), ((2, 3), True)):
+        case = EngineCase(prompt_lens=(1, lens[1] - 1), response_lens=(1, 1), use_remove_padding=False,
+                          mask_hole_rate=0.0, engine_config=(("routed_experts", "int16"),), seed=0)
+        micro_batch = materialize(case)
+        if raises:
+            with pytest.raises(RuntimeError, match="Router replay tensors are not aligned"):
+                obj.prepare_model_inputs(micro_batch)
+            continue
+        _, output_args = obj.prepare_model_inputs(micro_batch)
+        ids = micro_batch["input_ids"].unbind()
+        first = [bool(torch.equal(got[0].long(), rollout_routes(seq, "int16")[0].long()))
+                 for got, seq in zip(output_args["routes"], ids)]
+        assert first == [True, False], first  # sample 1's first token replays sample 0's second token's route
 
 
 @needs_verl

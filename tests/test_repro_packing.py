@@ -31,6 +31,8 @@ BUGS = (
     ("positions_continue", "INV-MEG-003"),
     ("roll_local_shard", "INV-MEG-004"),
     ("mtp_mask_unrolled", "INV-MEG-008"),
+    ("routes_packed_unaligned", "INV-MEG-009"),
+    ("record_tp_parts_reversed", "INV-MEG-009"),
     ("left_right_runs_from_column_counts", "INV-DROPIN-001"),
     ("left_right_split_from_columns", "INV-DROPIN-001"),
     ("left_right_loss_mask_keeps_stray_marks", "INV-DROPIN-002"),

@@ -10,6 +10,7 @@ from . import context  # noqa: F401 - the autograd context (grad, no_grad, infer
 from . import dropin  # noqa: F401 - registers the drop-in checks (issue 15)
 from . import megatron  # noqa: F401 - Megatron-style packing (needs the "packing" feature)
 from . import megatron_media  # noqa: F401 - a vision-language micro-batch through Megatron-style packing
+from . import megatron_routes  # noqa: F401 - router replay through Megatron-style packing
 from . import ranks  # noqa: F401 - the real-rank checks (spec/execute/ranks.py)
 from . import settings  # noqa: F401 - flags, engine settings and slice dtypes (issue 10: mutation survivors)
 from . import state  # noqa: F401 - an engine object kept across micro-batches

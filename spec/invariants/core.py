@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ..cases.structure import DenseCase, EngineCase
 from ..protocol.engine import CONTRACT_PRECISION, EngineUnderTest, OutputSpan, Precision
-from ..protocol.profile import AUTOCAST_DTYPES, Convention, EngineProfile, profile_of
+from ..protocol.profile import AUTOCAST_DTYPES, ROUTES_SWITCH, Convention, EngineProfile, profile_of, routes_dtype
 from ..execute.harness import Run, execute, model_for
 from ..execute.attribution import origin
 from ..protocol.errors import Failures
@@ -181,7 +181,8 @@ def honour_engine(case: EngineCase, engine: EngineUnderTest) -> EngineCase:
 def within_profile(case: Any, profile: EngineProfile) -> Any:
     """``case`` moved into what ``profile`` accepts where an invariant's ``adjust`` or a pinned example asks what
     the engine does not take: its mode (packed-only settings dropped for the padded mode), its position kind, its
-    execution context (the profile's first), media of a kind it does not take (their tokens left as text). The strategies draw nothing else (:func:`profile_draws`); a case
+    execution context (the profile's first), media of a kind it does not take (their tokens left as text), routed
+    experts beside a static bucket where the engine refuses the pair (``bucket_replay``: the bucket stays). The strategies draw nothing else (:func:`profile_draws`); a case
     already inside the profile is returned as it is."""
     mrope = getattr(case, "mrope", None)
     if mrope and isinstance(case, EngineCase) and profile.runs(case.mode) and not profile.takes(case.mode, mrope=True):
@@ -196,6 +197,10 @@ def within_profile(case: Any, profile: EngineProfile) -> Any:
             use_remove_padding=False, sp_size=1, topology=None, pad_to_length=None, pass_cu_seqlens=False)
     if case.context not in profile.contexts:
         case = case.with_(context=profile.contexts[0])
+    if "bucket_replay" in profile.refuses and case.pad_to_length and routes_dtype(case) is not None:
+        # the pair the engine refuses (INV-FLAG-004 checks the refusal): the bucket a target asks for stays
+        case = case.with_(engine_config=tuple((name, value) for name, value in case.engine_config
+                                              if name != ROUTES_SWITCH))
     return media_within_profile(case, profile)
 
 

@@ -8,6 +8,10 @@ captured routes (:mod:`spec.cases.materialize`, the rule :mod:`spec.truth.routes
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from ..cases.materialize import draws
 from ..protocol.profile import routes_dtype
 from ..truth.routes import routes_handed
@@ -16,7 +20,8 @@ from .reproduction import Plan
 
 
 @invariant("INV-ROUTE-001", "the rollout's routed experts are handed on at each sample's own tokens, in sample order, "
-           "the tokens without a captured route routed to distinct experts", contract=16,
+           "at every token a counted log-prob reads (those before the sample's last counted response token), the "
+           "tokens without the rollout's route routed to distinct experts", contract=16,
            protects="router replay routes every token through the experts the rollout routed it to (a route moved to "
            "another token or sample silently changes the replayed forward)",
            needs=("routes",), strategy_kwargs={"pin_routes": True}, repro=Plan(("routes_handed",)))
@@ -25,6 +30,17 @@ def routes_handed_on(ctx: Ctx) -> None:
     if dtype is None:
         ctx.not_exercised("the case carries no routed experts (its engine's routed_experts switch drawn off)")
         return
-    ids = draws(ctx.case).ids.split(list(ctx.case.seq_lens))
+    d = draws(ctx.case)
+    ids = d.ids.split(list(ctx.case.seq_lens))
     for view in ctx.inputs_run.views:
-        routes_handed(view.routes, list(ids), dtype)
+        routes_handed(view.routes, list(ids), dtype, read_rows(d.loss_mask, ctx.case))
+
+
+def read_rows(loss_mask: torch.Tensor, case: Any) -> list[int]:
+    """Per sample, the rows a counted log-prob reads: those before its last counted response token (its prompt and
+    response up to there; none for a sample with no counted token)."""
+    rows = []
+    for p, mask in zip(case.prompt_lens, loss_mask.split(list(case.response_lens))):
+        counted = mask.nonzero().flatten()
+        rows.append(p + int(counted[-1]) if counted.numel() else 0)
+    return rows

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from ..execute.attribution import engine_side, expect_engine_error
 from ..execute.harness import Run, execute, processor_for
 from ..cases.materialize import PadMode, materialize, materialize_dense
-from ..protocol.profile import profile_of
+from ..protocol.profile import ROUTES_SWITCH, profile_of, routes_dtype
 from ..truth import settings_checks as checks
 from ..truth import slice_checks
 from ..truth.routes import routes_of, without_last_routes
@@ -95,6 +95,8 @@ REFUSALS = {
     "bucket_distillation": "a static bucket (pad_to_length) with top-K distillation (the contract's forbidden pair)",
     "temperature_nonpositive": "a temperature <= 0 (0.0 and -1.0, one float): an engine that declares it refuses it "
                                "raises (impl does), never returns inf/NaN or an inverted distribution",
+    "bucket_replay": "a static bucket (pad_to_length) with router replay (the case's routed experts replayed): the "
+                     "engine raises, as verl's Megatron engine does",
     "routes_misaligned": "routed experts that miss a sample's (the micro-batch's last sample's dropped: routes of "
                          "another batch), where the case carries routes: the engine raises, never collates the "
                          "routes onto other tokens",
@@ -143,6 +145,11 @@ def _unsupported_refused(ctx: Ctx) -> None:
     if "routes_misaligned" in refuses and routes_of(run.micro_batch) is not None and case.batch_size > 1:
         expect_engine_error(lambda: execute(ctx.engine, case, ctx.device, micro_batch=without_last_routes(
             run.micro_batch)), f"routed experts missing the last sample's ({refuses['routes_misaligned']})")
+    if "bucket_replay" in refuses and routes_dtype(case) is not None and case.head == "lm" and case.use_remove_padding:
+        bucket = case.total_nnz + 1
+        expect_engine_error(lambda: ctx.engine.make(case.head, pad_to_length=bucket, **{
+            ROUTES_SWITCH: routes_dtype(case)}).prepare_model_inputs(run.micro_batch),
+            f"pad_to_length={bucket} with router replay ({refuses['bucket_replay']})")
     if "bucket_distillation" in refuses and case.head == "lm" and case.use_remove_padding:
         bad = run.micro_batch.copy()
         bad.set_non_tensor("distillation_use_topk", True)

@@ -116,3 +116,43 @@ class MtpLossMaskUnrolled(ReferencePacker):
         mask = full_loss_mask(response_mask, x.offsets().diff().tolist())
         handed.loss_mask = self.pack_thd(mask, spec, rank).rows if packed else self.pack_bshd(mask, spec, rank)[0]
         return handed
+
+
+class RoutesPackedUnaligned(ReferencePacker):
+    """Router replay packs the routes back to back, without the ids' per-sequence TP x CP alignment (the total padded
+    at the end): with any alignment padding every route after the first sequence's lands on another token's row."""
+
+    def replayed_routes(self, micro_batch, spec, rank, *, mode):
+        handed = super().replayed_routes(micro_batch, spec, rank, mode=mode)
+        routes, ids = micro_batch["routed_experts"], micro_batch["input_ids"]
+        lens = ids.offsets().diff().tolist()
+        values = torch.cat([torch.cat([r, r.new_zeros(n - r.shape[0], *r.shape[1:])])
+                            for r, n in zip(routes.unbind(), lens)])
+        total = sum(self._padded_lengths(lens, spec))
+        row = torch.cat([values, values.new_zeros(total - values.shape[0], *values.shape[1:])])
+        local = row[self._rank_rows(self._padded_lengths([total], spec), spec, rank)]
+        handed.routes = list(local.chunk(spec.tp))
+        return handed
+
+
+class ReplayMaskResponseOnly(ReferencePacker):
+    """R3's replay mask marks only the response's rows (built from the response mask's positions): the prompt's rows
+    route natively, though every response token's log-prob attends to them."""
+
+    def replayed_routes(self, micro_batch, spec, rank, *, mode):
+        handed = super().replayed_routes(micro_batch, spec, rank, mode=mode)
+        if mode != "R3":
+            return handed
+        lens = micro_batch["input_ids"].offsets().diff().tolist()
+        responses = micro_batch["response_mask"].offsets().diff().tolist()
+        replay = nested_from([torch.arange(n) >= n - r for n, r in zip(lens, responses)])
+        handed.masks = list(self.pack_thd(replay, spec, rank).rows[0].chunk(spec.tp))
+        return handed
+
+
+class RecordTpPartsReversed(ReferencePacker):
+    """R2's record gathers the TP ranks' recorded routes in reverse rank order: with TP > 1 each rank's rows take
+    another rank's routes."""
+
+    def recorded_routes(self, micro_batch, recorded, spec):
+        return super().recorded_routes(micro_batch, [parts[::-1] for parts in recorded], spec)

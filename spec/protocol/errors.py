@@ -23,7 +23,8 @@ what an adapter met:
   per-sample ones);
 
 and the signals that end a run early (``BaseException``s: neither hypothesis nor an engine's ``except Exception``
-catches them): :class:`StopForward` (an engine's forward stopped at its model call), :class:`BudgetSpent` (a target's
+catches them): :class:`StopForward` (an engine's forward stopped at its model call), :class:`PartTaken` (a
+collective stopped once it has what one rank hands it), :class:`BudgetSpent` (a target's
 fault budget or shrink deadline spent), :class:`StreamDone` (every member of a group has failed), :class:`MutantTimeout`
 (a target ran past ``spec mutate --timeout`` under a mutant).
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 __all__ = ["SuiteError", "MissingDependency", "EngineFault", "Failures", "RankFailure", "RankFault", "UnknownName",
            "DatabaseUnavailable", "UsageError", "InvalidRecord", "StubError", "ModelNotCalled", "OneTemperatureError",
-           "StopForward", "BudgetSpent", "StreamDone",
+           "StopForward", "PartTaken", "BudgetSpent", "StreamDone",
            "MutantTimeout"]
 
 
@@ -111,6 +112,11 @@ class OneTemperatureError(NotImplementedError):
 class StopForward(BaseException):
     """Stops the engine's forward at the model call (a BaseException: an engine's ``except Exception`` cannot
     swallow it)."""
+
+
+class PartTaken(BaseException):
+    """Stops an engine's call at a collective (a faked TP gather) once it has what this rank hands it: the part every
+    rank's call is then answered with."""
 
 
 class BudgetSpent(BaseException):

@@ -20,7 +20,7 @@ for an engine under test (``EngineUnderTest.profile``):
   models taking mRoPE positions, refuses packing: ``("padded",)``);
 * ``routes_modes``: the modes in which it replays an MoE rollout's routed experts where its configuration draws them
   (default both; VeOmni's engine refuses router replay without packing: ``("packed",)``): INV-ROUTE-001 is skipped,
-  with this reason, in the others;
+  with this reason and ``routes_note``, in the others;
 * ``tail_multiple``: the packed row is padded at its tail to a multiple of this many tokens (None: no rule); the
   packed invariants read the tail as padding (:func:`spec.truth.rules.padded_length`);
 * ``contexts``: the execution contexts its callers run the preparation in (:data:`CONTEXTS`: the autograd modes,
@@ -312,6 +312,9 @@ class EngineProfile:
     media: tuple[str, ...] = ()
     media_modes: tuple[str, ...] = MODES
     routes_modes: tuple[str, ...] = MODES
+    #: why router replay is not run in the modes ``routes_modes`` leaves out (the skip reason says it), where the
+    #: engine has them but the suite runs them elsewhere (verl Megatron's BSHD: a finding with its own reproducer)
+    routes_note: str = ""
     mrope_modes: tuple[str, ...] = MODES
     tail_multiple: int | None = None
     contexts: tuple[str, ...] = AUTOGRAD_CONTEXTS
@@ -433,7 +436,8 @@ class EngineProfile:
         if not missing:
             return None
         return (f"the engine replays routed experts in the {' and '.join(self.routes_modes)} mode only (its profile: "
-                f"routes_modes={self.routes_modes!r}); no {' or '.join(missing)} run with routes")
+                f"routes_modes={self.routes_modes!r}); no {' or '.join(missing)} run with routes"
+                + (f": {self.routes_note}" if self.routes_note else ""))
 
     def context_reason(self, context: str) -> str | None:
         """Why cases in execution ``context`` are not drawn for this engine, or None."""

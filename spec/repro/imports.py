@@ -171,12 +171,14 @@ def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -
     seen: dict[str, str] = {}
     constants: dict[str, str] = {}
     imports: dict[str, str] = {}
+    aliases: dict[str, str] = {}  # a function or class imported under another name (``offsets as _offsets``)
+    objects: dict[str, Any] = {}
     todo = list(checks)
     while todo:
         fn = todo.pop()
         if fn.__name__ in seen:
             continue
-        seen[fn.__name__] = _body(fn)
+        seen[fn.__name__], objects[fn.__name__] = _body(fn), fn
         names, scope = _reached(fn)
         for name in sorted(n for n in names - provided if not n.startswith("__")):
             obj = scope.get(name)
@@ -184,6 +186,8 @@ def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -
                 continue
             if (inspect.isfunction(obj) or inspect.isclass(obj)) and _suite(obj.__module__):
                 todo.append(obj)
+                if name != obj.__name__:
+                    aliases[name] = obj.__name__
             elif _plain(obj):
                 constants[name] = literal(obj)
             elif _suite(getattr(obj, "__module__", "") or ""):
@@ -192,4 +196,18 @@ def written_out(checks: Iterable[Callable[..., Any]], provided: Iterable[str]) -
                 imports[name] = line
     head = "".join(f"{line}\n" for _, line in sorted(imports.items()))
     head += "".join(f"{name} = {value}\n" for name, value in sorted(constants.items()))
-    return head + "\n\n" + "\n\n".join(reversed(list(seen.values()))), None
+    tail = "".join(f"{name} = {target}\n" for name, target in sorted(aliases.items()))
+    order: list[str] = []
+
+    def place(name: str) -> None:  # a class after the suite's classes it derives from
+        if name in order:
+            return
+        for base in getattr(objects[name], "__bases__", ()):
+            if base.__name__ in objects and objects[base.__name__] is base:
+                place(base.__name__)
+        order.append(name)
+
+    for name in reversed(list(seen)):
+        place(name)
+    body = "\n\n".join(seen[name] for name in order)
+    return head + "\n\n" + body + ("\n\n" + tail if tail else ""), None

@@ -26,6 +26,15 @@ the last token of each sequence, whose next token is its own first, a prompt tok
 padding never is), THD the rotary positions, and the loss normalization factor the step hands on (THD: on the
 boundaries' ``packed_seq_params``).
 
+A mixture-of-experts model can replay its routing (router replay): each router is handed a route (the ``top-k``
+experts of each of its layers) for every token row it holds, and replays it instead of routing. A rank's routers hold
+the rows of that rank's THD packing of the ids, split over the TP ranks in order (sequence parallelism: TP rank ``t``
+holds the ``t``-th ``1/TP`` of the rank's row), so a route must be packed exactly like the ids. R2 replays in training
+the routes recorded in the step's log-prob forward (every token's, gathered back to the tokens from every rank's
+routers: ``recorded_routes``); R3 replays the routes the rollout recorded (``routed_experts``: a route for every token
+but possibly a sequence's last, which no forward produced): the rows that can change a response token's log-prob (a
+generating sequence's every row but its last) replay, a mask saying which (``replayed_routes``).
+
 A vision-language model packs for itself (its image features must first reach its image tokens): it is handed
 the micro-batch's ids in rows, one sample a row from column 0, the mask marking each sample's tokens, the samples'
 media (features and grids concatenated in sample order) and, THD, the padded boundaries its labels are packed
@@ -48,7 +57,7 @@ import torch
 from ..protocol.engine import ShardLayout, read_flags
 from .media_checks import samples_media, stack_entries
 
-__all__ = ["PackSpec", "ThdShard", "MtpTargets", "Packer", "ReferencePacker", "thd_alignment", "nested_from",
+__all__ = ["PackSpec", "ThdShard", "MtpTargets", "RoutesHanded", "Packer", "ReferencePacker", "thd_alignment", "nested_from",
            "case_bucket", "full_loss_mask"]
 
 
@@ -92,6 +101,16 @@ class MtpTargets:
     factor: float | None = None
 
 
+@dataclass
+class RoutesHanded:
+    """What one CP rank's routers are handed to replay (the module docstring): per TP rank, in order, the routes of
+    its rows (``(n_local / TP, layers, top_k)``) and its replay mask (``(n_local / TP,)``, True where the row replays
+    its route; None: every row replays)."""
+
+    routes: list[torch.Tensor]
+    masks: list[torch.Tensor | None]
+
+
 @runtime_checkable
 class Packer(Protocol):
     def pack_thd(self, x: torch.Tensor, spec: PackSpec, rank: int, *, need_roll: bool = False) -> ThdShard: ...
@@ -115,6 +134,10 @@ class Packer(Protocol):
 
     def mtp_targets(self, x: torch.Tensor, response_mask: torch.Tensor, spec: PackSpec, rank: int, *, packed: bool,
                     factor: float | None = None, dense_mask: bool = False) -> MtpTargets: ...
+
+    def replayed_routes(self, micro_batch: Any, spec: PackSpec, rank: int, *, mode: str) -> RoutesHanded: ...
+
+    def recorded_routes(self, micro_batch: Any, recorded: list[list[torch.Tensor]], spec: PackSpec) -> torch.Tensor: ...
 
 
 def full_loss_mask(response_mask: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -271,3 +294,29 @@ class ReferencePacker:
         return MtpTargets(self.pack_thd(x, spec, rank, need_roll=True).rows,
                           self.pack_thd(mask, spec, rank, need_roll=True).rows,
                           self.pack_thd(x, spec, rank).positions, factor)
+
+    def replayed_routes(self, micro_batch: Any, spec: PackSpec, rank: int, *, mode: str) -> RoutesHanded:
+        """What ``rank``'s routers replay (the module docstring) of the micro-batch's ``routed_experts`` (nested
+        ``(B, j, layers, top_k)``; R3: a sequence's may lack its last token's): the routes packed like the ids, split
+        over TP; R2 every row, R3 a generating sequence's rows but its last."""
+        ids, routes = micro_batch["input_ids"], micro_batch["routed_experts"]
+        lens = ids.offsets().diff().tolist()
+        full = nested_from([torch.cat([r, r.new_zeros(n - r.shape[0], *r.shape[1:])]) for r, n in
+                            zip(routes.unbind(), lens)])
+        rows = self.pack_thd(full, spec, rank).rows[0]
+        masks: list[torch.Tensor | None] = [None] * spec.tp
+        if mode == "R3":
+            generating = micro_batch["response_mask"].offsets().diff().tolist()
+            replay = nested_from([torch.arange(n) < (n - 1 if g > 0 else 0) for n, g in zip(lens, generating)])
+            masks = list(self.pack_thd(replay, spec, rank).rows[0].chunk(spec.tp))
+        return RoutesHanded(list(rows.chunk(spec.tp)), masks)
+
+    def recorded_routes(self, micro_batch: Any, recorded: list[list[torch.Tensor]], spec: PackSpec) -> torch.Tensor:
+        """Every token's route (nested ``(B, j, layers, top_k)``) from what each CP rank's TP ranks' routers recorded
+        on their rows (``recorded[cp][tp]``) in the micro-batch's forward."""
+        ids = micro_batch["input_ids"]
+        shards = []
+        for rank, parts in enumerate(recorded):
+            shard = self.pack_thd(ids, spec, rank)
+            shards.append(ThdShard(torch.cat(parts).unsqueeze(0), shard.positions, shard.cu_seqlens_padded))
+        return self.unpack_thd(shards, ids, spec)

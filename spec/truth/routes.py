@@ -66,10 +66,13 @@ def model_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = Non
     return (rollout_routes(ids, dtype, place).to(torch.int64) + ROUTED_TOPK).remainder(experts)
 
 
-def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tensor], dtype: str) -> None:
-    """The routes handed on, one ``(n_i, layers, top_k)`` tensor per sample (``handed``), are each sample's: its
-    captured rows the rollout's (:func:`rollout_routes` of its ``sequences`` ids), its other tokens' top-k distinct
-    experts in every layer."""
+def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tensor], dtype: str,
+                  read: list[int] | None = None) -> None:
+    """The routes handed on, one ``(n_i, layers, top_k)`` tensor per sample (``handed``), are each sample's: the
+    rollout's (:func:`rollout_routes` of its ``sequences`` ids) at every token a counted log-prob reads (``read[i]``:
+    the sample's first rows, those before its last counted response token; default every captured row); at its
+    other captured tokens the rollout's route or one of its own; at every token without the rollout's route top-k
+    distinct experts in every layer."""
     if handed is None:
         raise AssertionError("the engine hands on no routed experts (the micro-batch carries them)")
     if len(handed) != len(sequences):
@@ -80,15 +83,18 @@ def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tenso
             raise AssertionError(f"routed experts of sample {i}: shape {tuple(got.shape)}, expected "
                                  f"({ids.numel()}, {ROUTED_LAYERS}, {ROUTED_TOPK}): one route per token")
         rows = want.shape[0]
-        wrong = (got[:rows].to(torch.int64) != want.to(torch.int64)).flatten(1).any(1).nonzero().flatten()
+        must = rows if read is None else min(rows, read[i])
+        differs = (got[:rows].to(torch.int64) != want.to(torch.int64)).flatten(1).any(1)
+        wrong = differs[:must].nonzero().flatten()
         if wrong.numel():
             t = int(wrong[0])
             raise AssertionError(f"routed experts of sample {i} at token {t}: got {got[t].tolist()}, expected "
-                                 f"{want[t].tolist()} (the rollout's route of that token)")
-        rest = got[rows:].to(torch.int64)
-        if rest.numel() and bool((rest.sort(-1).values.diff(dim=-1) == 0).any()):
-            raise AssertionError(f"routed experts of sample {i}: a token without a captured route gets a duplicate "
-                                 f"expert in its top-k {rest.tolist()}")
+                                 f"{want[t].tolist()} (the rollout's route of that token"
+                                 + (")" if read is None else f", read by a counted log-prob: tokens 0..{must - 1})"))
+        own = torch.cat([got[:rows][differs], got[rows:]]).to(torch.int64)
+        if own.numel() and bool((own.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise AssertionError(f"routed experts of sample {i}: a token without the rollout's route gets a "
+                                 f"duplicate expert in its top-k {own.tolist()}")
 
 
 def routes_of(micro_batch) -> list[torch.Tensor] | None:

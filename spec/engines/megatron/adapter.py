@@ -35,11 +35,12 @@ from unittest import mock
 import torch
 
 from ...protocol.known import KnownFailure, When
-from ...truth.megatron_packing import MtpTargets, PackSpec, ThdShard, case_bucket, thd_alignment
+from ...truth.megatron_packing import MtpTargets, PackSpec, RoutesHanded, ThdShard, case_bucket, thd_alignment
 from ...protocol.engine import EngineUnderTest, Feature, ShardLayout
-from ...protocol.profile import VISION, equivalents_on
+from ...protocol.profile import ROUTES_SWITCH, VISION, equivalents_on
 from ..verl.microbatch_records import MICROBATCH_RECORDS
 from .records import MEGATRON_ENGINE_RECORDS, VISION_RECORDS
+from .routing import BSHD_REPLAY, ROUTING_SURFACE, ROUTING_UNREACHABLE, EngineReplay, VerlRouterReplay
 from .media import MEGATRON_MM_SURFACE, MEGATRON_MM_UNREACHABLE, MegatronVisionForward
 from ...cases.structure import DISTILLATION_KEYS
 from .engine import (ENGINE_SURFACE, ENGINE_UNREACHABLE, MEGATRON_CONFIG_SPACE, MEGATRON_REFUSES, MTP_SWITCH,
@@ -88,6 +89,7 @@ class VerlMegatronPacker:
     def __init__(self, util: Any):
         self.util = util
         self._vision: MegatronVisionForward | None = None  # transformer_impl imported at the first media batch
+        self._routing: VerlRouterReplay | None = None  # router_replay_utils imported at the first routed batch
 
     @contextmanager
     def _rank(self, spec: PackSpec, rank: int, gathered: list[torch.Tensor] | None = None) -> Iterator[None]:
@@ -205,6 +207,23 @@ class VerlMegatronPacker:
                           getattr(params, "_verl_mtp_loss_normalization_factor", None))
 
 
+    def replayed_routes(self, micro_batch: Any, spec: PackSpec, rank: int, *, mode: str) -> RoutesHanded:
+        """What ``forward_step`` hands ``rank``'s routers to replay (spec/engines/megatron/routing.py), the routers
+        found in REPLAY_BACKWARD (a micro-batch after another's backward) and the model a virtual stage's chunk on
+        every other setting."""
+        if self._routing is None:
+            self._routing = VerlRouterReplay()
+        turn = (spec.tp + spec.cp + rank) % 2 == 1
+        return self._routing.replayed(micro_batch, spec, rank, self._rank, mode=mode, backward_first=turn,
+                                      vp_stage=turn)
+
+    def recorded_routes(self, micro_batch: Any, recorded: list[list[torch.Tensor]], spec: PackSpec) -> torch.Tensor:
+        """``merge_router_topk_indices`` over every TP and CP rank (spec/engines/megatron/routing.py)."""
+        if self._routing is None:
+            self._routing = VerlRouterReplay()
+        return self._routing.recorded(micro_batch, recorded, spec, self._rank, _local_cp_size(spec))
+
+
 def _bucket_breaks_alignment(case: Any) -> bool:
     """Whether verl's bucket padding (the total rounded up to lcm(bucket, CP), FP8's total alignment included,
     all of it on the last sequence) leaves the last sequence off its per-sequence alignment for some TP, CP in
@@ -258,7 +277,7 @@ MEGATRON_UNREACHABLE: dict[str, str] = {
 #: the micro-batch layer
 MEGATRON_SURFACE = (*(f"{_U}:{f}" for f in (
     "preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
-    "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *ENGINE_SURFACE, *VERL_LAYER)
+    "_compute_fp8_thd_align_size")), *MEGATRON_MM_SURFACE, *ENGINE_SURFACE, *ROUTING_SURFACE, *VERL_LAYER)
 _ARANGE = "torch.arange of Python ints is int64 already: dtype=torch.long changes nothing"
 _ONE_D = "a 1-D tensor (the per-sequence lengths): its other dim, -1, is dim 0"
 _MASK_VALUES = ("the mask is built int64 instead of bool with the same 0/1 values: the contract states a 2-D mask's "
@@ -315,10 +334,11 @@ class MegatronEngine(EngineUnderTest):
     name = "verl-megatron"
     #: verl's Megatron packing (THD and BSHD pre/postprocess) and its micro-batch layer
     profile = replace(EngineUnderTest.profile, surface=MEGATRON_SURFACE,
-                      unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE, **ENGINE_UNREACHABLE},
+                      unreachable={**MEGATRON_UNREACHABLE, **MEGATRON_MM_UNREACHABLE, **ENGINE_UNREACHABLE,
+                                   **ROUTING_UNREACHABLE},
                       off_path=VERL_LAYER_OFF_PATH,
                       media=VISION, equivalent_mutants=MEGATRON_EQUIVALENT_MUTANTS, refuses=MEGATRON_REFUSES,
-                      config_space=MEGATRON_CONFIG_SPACE)
+                      config_space=MEGATRON_CONFIG_SPACE, routes_modes=("packed",), routes_note=BSHD_REPLAY)
     layouts = (ShardLayout.ZIGZAG, ShardLayout.CONTIGUOUS)
     layout_note = ""
     #: failures documented in spec/engines/megatron/README.md: one bug, seen by five properties
@@ -380,11 +400,14 @@ class MegatronEngine(EngineUnderTest):
         settings.pop("pass_cu_seqlens", None)  # Megatron hands its packed boundaries always
         chunk, bucket = settings.pop("entropy_chunk_size", None), settings.pop("pad_to_length", None)
         mtp = bool(settings.pop(MTP_SWITCH, False))
+        routes = settings.pop(ROUTES_SWITCH, None)
+        # a critic never replays; a BSHD micro-batch's replay is F28's (routes_note), not run by the engine object
+        replay = EngineReplay(routes) if routes is not None and head == "lm" else None
         for switch in self.profile.config_space:  # drawn switches: read through their settings or the processor
             settings.pop(switch.name, None)
         if settings:
             raise TypeError(f"unknown engine settings for verl-megatron: {sorted(settings)}")
-        return MegatronEngineObject(self.packer._rank, head=head, chunk=chunk, bucket=bucket, mtp=mtp)
+        return MegatronEngineObject(self.packer._rank, head=head, chunk=chunk, bucket=bucket, mtp=mtp, replay=replay)
 
     view_inputs = staticmethod(megatron_view)
     precision = staticmethod(megatron_precision)

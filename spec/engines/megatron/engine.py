@@ -17,16 +17,17 @@ harness's logits (the output step). Megatron's THD model is handed no positions:
 each sequence of ``packed_seq_params`` from 0 (``cu_seqlens_q_padded``), so the view hands the stand-in model those.
 
 The seams, each what a real run's setup fills: the engine object's configuration (:func:`engine_namespace`: what
-``forward_step`` reads; MTP drawn; no fused kernels, router replay or dynamic CP), megatron's parallel state for one rank
-(the packer's fake; the vocab-parallel kernels' tensor-parallel group of one rank, whose all-reduces are then the
-identity) and ``get_device_id`` (the CPU). ``torch.compile`` is off inside (``_VocabParallelEntropy``'s compiled
+``forward_step`` reads; MTP and R3 router replay drawn, R3 on THD micro-batches: spec/engines/megatron/routing.py;
+no fused kernels or dynamic CP), megatron's parallel state for one rank (the packer's fake; the vocab-parallel
+kernels' tensor-parallel group of one rank, whose all-reduces are then the identity) and ``get_device_id`` (the
+CPU). ``torch.compile`` is off inside (``_VocabParallelEntropy``'s compiled
 ``(a * b).sum(-1)`` runs eagerly: the same function, without a compile per new shape).
 """
 
 from __future__ import annotations
 
 import importlib
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from functools import lru_cache, partial
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -35,14 +36,16 @@ from unittest import mock
 import torch
 
 from ...protocol.engine import CONTRACT_PRECISION, InputsView, Precision, ShardLayout, media_view, read_flags
-from ...protocol.profile import ConfigSwitch, drawn_config
+from ...protocol.profile import ROUTES_SWITCH, ConfigSwitch, drawn_config
+from ...truth.routes import ROUTE_DTYPES
 from ...truth.oracle import LOG_PROB_MIN_CLAMP
 from ...cases.structure import DISTILLATION_KEYS
 from ...truth.megatron_packing import PackSpec
 from ..kit import calls_seen_by_model
 from ..kit.stubs import import_verl_module
 
-__all__ = ["MegatronEngineObject", "MegatronModel", "engine_namespace", "megatron_view", "megatron_precision",
+__all__ = ["MegatronEngineObject", "MegatronModel", "one_rank", "engine_modules", "packed_rows", "zero_logits",
+           "no_terms", "no_loss", "engine_namespace", "megatron_view", "megatron_precision",
            "megatron_processor", "ENGINE_SURFACE", "ENGINE_UNREACHABLE", "MEGATRON_REFUSES", "MEGATRON_CONFIG_SPACE"]
 
 IMPL = "verl.workers.engine.megatron.transformer_impl"
@@ -68,14 +71,8 @@ _MTP_NORMALIZATION = ("gap: the MTP loss normalization factor forward_step hands
 _MTP_LABELS_NESTED = ("dead code in verl 0.9.1: forward_step's MTP label is the micro-batch's nested ids cloned "
                       "(transformer_impl.py:1326, the only pad_mode it packs), so _convert_to_nested_tensor returns it "
                       "at once")
-_REPLAY = ("gap: Megatron's router replay (R2 record / R3 replay: set_router_replay_data, merge_router_topk_indices) "
-           "arms megatron's patched TopKRouter of a MoE model; the engine object's stand-in model has no router")
-_DYNAMIC_CP = ("needs context parallelism: dynamic CP's router padding mask and local_cp_size come from the dynamic-CP "
-               "scheduler of a CP group (the engine object runs one rank; INV-MEG-001..004 check dynamic CP's packing)")
 _FUSED = ("needs a real kernel: fused kernels (get_mcore_forward_fused_model_engine_fn) patch megatron's GPTModel "
           "output layer with verl's fused linear cross-entropy")
-_VPP = ("gap: a model chunk of a virtual pipeline stage (vp_stage), read only as the router replay's vp_rank; the "
-        "stand-in model is one chunk")
 _DENSE_MASK = ("gap: a dense (B, R) loss_mask beside a dense attention_mask, as verl's trainer path hands them after "
                "left_right_2_no_padding (the response_mask as loss_mask; the MTP padded alignment's "
                "response_attention_mask); the engine object's micro-batches are no_padding's, with a nested loss_mask "
@@ -84,11 +81,7 @@ _FWD, _TI = _FORWARD, IMPL
 #: branches of :data:`ENGINE_SURFACE` (and the packing's) the engine object never takes, each with its reason
 ENGINE_UNREACHABLE: dict[str, str] = {
     **{f"{_FWD}:{line}": _MTP_LABELS_NESTED for line in ("191->194", "200", "203", "205")},
-    f"{_FWD}:352->353": _DYNAMIC_CP, f"{_TI}:1287->1288": _DYNAMIC_CP, f"{_TI}:1289->1291": _DYNAMIC_CP,
-    **{f"{_TI}:{line}": _REPLAY for line in ("1301->1304", "1306->1309", "1310->1315", "1316", "1417->1418",
-                                             "1429->1432")},
     f"{_TI}:1334->1335": _FUSED, f"{_TI}:1337->1338": _FUSED,
-    f"{_TI}:1296->1297": _VPP,
     f"{_TI}:1378->1379": _DENSE_MASK,
     **{f"{_TI}:{line}": _MTP_NORMALIZATION for line in ("1388->1393", "1395")},
     f"{_TI}:174->175": "needs another model family's configuration: DeepSeek-V4's hybrid attention "
@@ -101,10 +94,13 @@ ONE_RANK = PackSpec(1, 1, ShardLayout.ZIGZAG)
 
 
 def engine_namespace(impl: Any, micro_batch: Any, *, packed: bool, chunk: int | None = None, bucket: int | None = None,
-                     vision: bool = False, mtp: bool = False) -> SimpleNamespace:
+                     vision: bool = False, mtp: bool = False, replay: str | None = None,
+                     dynamic: bool = False) -> SimpleNamespace:
     """What ``forward_step`` reads of its engine object (the module docstring): a Qwen2 config, or with ``vision`` a
     Qwen2.5-VL one with a ``vision_config``; the tokenizer's pad id the micro-batch's; ``mtp``: a model with MTP
-    layers trained (``model_config.mtp``), the loss not per token (``tf_config.calculate_per_token_loss`` off)."""
+    layers trained (``model_config.mtp``), the loss not per token (``tf_config.calculate_per_token_loss`` off); ``replay``:
+    router replay's mode (``router_replay.mode``, R2 or R3; the routers' model and ``tf_config`` are the caller's);
+    ``dynamic``: dynamic context parallelism (the micro-batch carries its CP size and router padding mask)."""
     cls = impl.MegatronEngineWithLMHead
     hf_config = SimpleNamespace(architectures=["Qwen2_5_VLForConditionalGeneration" if vision else "Qwen2ForCausalLM"])
     if vision:
@@ -112,10 +108,11 @@ def engine_namespace(impl: Any, micro_batch: Any, *, packed: bool, chunk: int | 
     engine = SimpleNamespace(
         engine_config=SimpleNamespace(use_fused_kernels=False, pad_to_length=bucket is not None,
                                       pad_to_length_bucket=None if bucket is None else int(bucket),
-                                      use_remove_padding=packed, dynamic_context_parallel=False,
+                                      use_remove_padding=packed, dynamic_context_parallel=dynamic,
+                                      router_replay=SimpleNamespace(mode=replay or "disabled"),
                                       entropy_from_logits_with_chunking=chunk is not None,
                                       entropy_from_logits_chunk_size=2048 if chunk is None else int(chunk)),
-        enable_routing_replay=False, _get_context_parallel_layout=cls._get_context_parallel_layout,
+        enable_routing_replay=replay is not None, _get_context_parallel_layout=cls._get_context_parallel_layout,
         model_config=SimpleNamespace(hf_config=hf_config,
                                      tokenizer=SimpleNamespace(pad_token_id=read_flags(micro_batch)["pad_token_id"]),
                                      mtp=SimpleNamespace(enable=mtp, enable_train=mtp)),
@@ -142,9 +139,8 @@ def _all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_o
         raise AssertionError(f"an all-reduce over {group!r}: only the tensor-parallel group of one rank is simulated")
 
 
-@lru_cache(maxsize=None)
-def _modules() -> tuple[Any, Any, Any, Any]:
-    """verl's Megatron engine and vocab-parallel kernels (imported with their stubs once), megatron-core's cross entropy
+def engine_modules() -> tuple[Any, Any, Any, Any]:
+    """verl's Megatron engine and vocab-parallel kernels (imported with their stubs), megatron-core's cross entropy
     and parallel state."""
     return (import_verl_module("verl-megatron", IMPL, ("megatron",))[1].module,
             import_verl_module("verl-megatron", _TP, ("megatron",))[1].module,
@@ -160,34 +156,49 @@ def _all_gather(output_list: list[torch.Tensor], tensor: torch.Tensor, group: An
     output_list[0].copy_(tensor)
 
 
+def one_rank(rank_context: Callable[..., Any], modules: tuple[Any, Any, Any, Any]) -> ExitStack:
+    """The seams of ``forward_step`` run to its end on one rank (TP = CP = 1; ``rank_context``: the packer's fake
+    parallel state; ``modules``: :func:`engine_modules`): the CPU for the device, the vocab-parallel kernels'
+    tensor-parallel group of one rank (whose all-reduces and all-gathers are then the identity), ``torch.compile``
+    off."""
+    impl, tp, cross_entropy, parallel_state = modules
+    tp_state = dict(get_tensor_model_parallel_group=lambda *a, **k: "tp-group(1)",
+                    get_tensor_model_parallel_rank=lambda *a, **k: 0,
+                    get_tensor_model_parallel_world_size=lambda *a, **k: 1)
+    stack = ExitStack()
+    stack.enter_context(rank_context(PackSpec(1, 1, ShardLayout.ZIGZAG), 0))
+    stack.enter_context(mock.patch.object(impl, "get_device_id", lambda: "cpu"))
+    stack.enter_context(mock.patch.object(tp, "mpu", SimpleNamespace(**tp_state)))
+    stack.enter_context(mock.patch.multiple(cross_entropy, **tp_state))  # imported by name there
+    stack.enter_context(mock.patch.multiple(parallel_state, **tp_state))  # verl's top-K KL imports them late
+    stack.enter_context(mock.patch.object(torch.distributed, "all_reduce", _all_reduce))
+    stack.enter_context(mock.patch.object(torch.distributed, "all_gather", _all_gather))
+    # _VocabParallelEntropy.forward's torch.compile(dynamic=True) mul_reduce ((a * b).sum(-1)) runs eagerly: the same
+    # function, without inductor's compile of seconds per new shape and dtype on CPU
+    stack.enter_context(mock.patch.object(torch._dynamo.config, "disable", True))
+    return stack
+
+
+#: :func:`engine_modules`, imported once for every engine object
+_cached_modules = lru_cache(maxsize=None)(engine_modules)
+
+
 class MegatronEngineObject:
     """``MegatronEngineWithLMHead.forward_step`` on one rank (the module docstring); ``rank_context`` is the packer's
     fake parallel state (:meth:`spec.engines.megatron.adapter.VerlMegatronPacker._rank`)."""
 
     def __init__(self, rank_context: Callable[..., Any], *, head: str = "lm", chunk: int | None = None,
-                 bucket: int | None = None, mtp: bool = False):
-        self.impl, self.tp, self.cross_entropy, self.parallel_state = _modules()
+                 bucket: int | None = None, mtp: bool = False, replay: Any = None):
+        self.impl, self.tp, self.cross_entropy, self.parallel_state = _cached_modules()
         self.rank_context, self.chunk, self.bucket, self.mtp = rank_context, chunk, bucket, mtp
+        #: R3 router replay (spec/engines/megatron/routing.py ``EngineReplay``): None where the switch is off
+        self.replay = replay
         #: the LM head's engine, or the value head's (MegatronEngineWithValueHead: forward_fn(value_model=True), the
         #: model's (.., 1) output squeezed, no logits processor)
         self.cls = self.impl.MegatronEngineWithValueHead if head == "value" else self.impl.MegatronEngineWithLMHead
 
     def _one_rank(self) -> ExitStack:
-        tp_state = dict(get_tensor_model_parallel_group=lambda *a, **k: "tp-group(1)",
-                        get_tensor_model_parallel_rank=lambda *a, **k: 0,
-                        get_tensor_model_parallel_world_size=lambda *a, **k: 1)
-        stack = ExitStack()
-        stack.enter_context(self.rank_context(ONE_RANK, 0))
-        stack.enter_context(mock.patch.object(self.impl, "get_device_id", lambda: "cpu"))
-        stack.enter_context(mock.patch.object(self.tp, "mpu", SimpleNamespace(**tp_state)))
-        stack.enter_context(mock.patch.multiple(self.cross_entropy, **tp_state))  # imported by name there
-        stack.enter_context(mock.patch.multiple(self.parallel_state, **tp_state))  # verl's top-K KL imports them late
-        stack.enter_context(mock.patch.object(torch.distributed, "all_reduce", _all_reduce))
-        stack.enter_context(mock.patch.object(torch.distributed, "all_gather", _all_gather))
-        # _VocabParallelEntropy.forward's torch.compile(dynamic=True) mul_reduce ((a * b).sum(-1)) runs eagerly: the same
-        # function, without inductor's compile of seconds per new shape and dtype on CPU
-        stack.enter_context(mock.patch.object(torch._dynamo.config, "disable", True))
-        return stack
+        return one_rank(self.rank_context, (self.impl, self.tp, self.cross_entropy, self.parallel_state))
 
     def _step(self, micro_batch: Any, call: Callable[..., Any], logits_processor_func: Callable | None = None,
               labels: list | None = None):
@@ -198,9 +209,12 @@ class MegatronEngineObject:
             processor = engine._lm_head_logits_processor
             engine._lm_head_logits_processor = lambda logits, label, *a, **k: (labels.append(label),
                                                                                 processor(logits, label, *a, **k))[1]
-        with self._one_rank():
-            output, _ = self.cls.forward_step(
-                engine, iter([micro_batch]), MegatronModel(call, ONE_RANK), logits_processor_func, _no_loss)
+        model = MegatronModel(call, ONE_RANK)
+        replay = self.replay if self.replay is not None and (flags["use_remove_padding"] or self.replay.bshd) else None
+        if replay is not None:
+            model = replay.armed(engine, call, ONE_RANK)
+        with self._one_rank(), (replay.active() if replay is not None else nullcontext()):
+            output, _ = self.cls.forward_step(engine, iter([micro_batch]), model, logits_processor_func, no_loss)
         return output
 
     def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -211,8 +225,8 @@ class MegatronEngineObject:
         itself, the same way)."""
         labels: list[torch.Tensor] = []
         lm = self.cls is self.impl.MegatronEngineWithLMHead
-        handed = calls_seen_by_model(lambda model: self._step(micro_batch, model, _no_terms, labels if lm else None),
-                                     _zero_logits)[0]
+        handed = calls_seen_by_model(lambda model: self._step(micro_batch, model, no_terms, labels if lm else None),
+                                     zero_logits)[0]
         params = handed.pop("packed_seq_params", None)
         rows = handed.get("attention_mask")
         if _vision(micro_batch):
@@ -220,15 +234,18 @@ class MegatronEngineObject:
         elif params is not None:
             handed["cu_seqlens"] = params.cu_seqlens_q_padded.to(torch.int64)
             handed["position_ids"] = _restarting(handed["cu_seqlens"]).unsqueeze(0)
+        routes = None
+        if self.replay is not None and (params is not None or self.replay.bshd):
+            routes = self.replay.per_sample(handed, params, micro_batch["input_ids"].offsets().diff().tolist())
         return handed, {"params": params, "rows": rows if params is not None else None,
-                        "labels": labels[0] if labels else None,
+                        "labels": labels[0] if labels else None, "routes": routes,
                         "total": int(micro_batch["input_ids"].offsets()[-1])}
 
     def prepare_model_outputs(self, output: Any, output_args: dict[str, Any], micro_batch: Any,
                               logits_processor_func: Callable | None = None) -> dict[str, torch.Tensor]:
         logits = output.logits
         if output_args.get("rows") is not None:  # a VL model packs its rows' outputs with the handed boundaries
-            logits = _packed(logits, output_args["rows"], output_args["params"].cu_seqlens_q_padded.to(torch.int64))
+            logits = packed_rows(logits, output_args["rows"], output_args["params"].cu_seqlens_q_padded.to(torch.int64))
         return self.cls.prepare_model_outputs(None, self._step(micro_batch, lambda **_: logits, logits_processor_func),
                                               micro_batch)
 
@@ -248,7 +265,7 @@ def _own_rows(micro_batch: Any, width: int) -> torch.Tensor:
     return rows
 
 
-def _packed(logits: torch.Tensor, rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def packed_rows(logits: torch.Tensor, rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Row logits ``(B, L, V)`` packed as THD ``(1, bounds[-1], V)``: row i's real tokens from ``bounds[i]``."""
     index = (bounds[:-1].unsqueeze(1) + torch.arange(rows.shape[1]).unsqueeze(0))[rows]
     packed = logits.new_zeros((1, int(bounds[-1]), logits.shape[-1]))
@@ -256,7 +273,7 @@ def _packed(logits: torch.Tensor, rows: torch.Tensor, bounds: torch.Tensor) -> t
     return packed
 
 
-def _zero_logits(handed: dict[str, Any]) -> torch.Tensor:
+def zero_logits(handed: dict[str, Any]) -> torch.Tensor:
     """The recording run's model output: zero logits over a vocabulary of one, THD ``(1, T, 1)`` (a VL model's rows
     packed at its boundaries), BSHD ``(B, L, 1)``: enough for ``forward_step`` to reach its logits processor."""
     params = handed.get("packed_seq_params")
@@ -264,12 +281,12 @@ def _zero_logits(handed: dict[str, Any]) -> torch.Tensor:
     return torch.zeros((1, int(params.cu_seqlens_q_padded[-1]), 1) if params is not None else (*ids.shape, 1))
 
 
-def _no_terms(**kwargs: Any) -> dict[str, torch.Tensor]:
+def no_terms(**kwargs: Any) -> dict[str, torch.Tensor]:
     """The recording run's top-K processor: no terms (the run records the model's inputs and the labels only)."""
     return {}
 
 
-def _no_loss(*args: Any, **kwargs: Any) -> None:
+def no_loss(*args: Any, **kwargs: Any) -> None:
     """``forward_step``'s ``postprocess_micro_batch_func``: bound, never called here (the step's loss is the step
     layer's)."""
 
@@ -291,21 +308,22 @@ def megatron_view(model_inputs: dict[str, Any], output_args: dict[str, Any]) -> 
     if params is None:  # BSHD
         if labels is not None:
             labels = labels[mask.bool()] if mask is not None else labels.reshape(-1)
-        return InputsView(ids, positions, mask, labels=labels, media=media_view(model_inputs))
+        return InputsView(ids, positions, mask, labels=labels, media=media_view(model_inputs),
+                          routes=output_args.get("routes"))
     real, padded = params.cu_seqlens_q.to(torch.int64), params.cu_seqlens_q_padded.to(torch.int64)
     if not torch.equal(real[:-1], padded[:-1]):
         raise ValueError(f"packed_seq_params: cu_seqlens_q {real.tolist()} and cu_seqlens_q_padded "
                          f"{padded.tolist()} differ before the last boundary (per-sequence padding: TP or CP > 1)")
     if mask is not None:  # a VL model's rows, packed as it packs them
-        ids = _packed(ids.unsqueeze(-1), mask, padded).squeeze(-1)
+        ids = packed_rows(ids.unsqueeze(-1), mask, padded).squeeze(-1)
         if positions.dim() == 3:  # mRoPE (4, B, L) -> (4, 1, T)
-            positions = _packed(positions.permute(1, 2, 0), mask, padded).permute(2, 0, 1)
+            positions = packed_rows(positions.permute(1, 2, 0), mask, padded).permute(2, 0, 1)
         else:
-            positions = _packed(positions.unsqueeze(-1), mask, padded).squeeze(-1)
+            positions = packed_rows(positions.unsqueeze(-1), mask, padded).squeeze(-1)
     bounds = torch.cat([real, padded[-1:]]) if padded[-1] > real[-1] else real
     return InputsView(ids, positions, None, cu_seqlens=bounds, labels=None if labels is None else labels.reshape(-1),
                       pad_size=ids.shape[-1] - output_args["total"],
-                      media=media_view(model_inputs))
+                      media=media_view(model_inputs), routes=output_args.get("routes"))
 
 
 def megatron_precision(key: str, case: Any) -> Precision:
@@ -328,6 +346,7 @@ MEGATRON_REFUSES: dict[str, str] = {
     "sum_pi_squared_fused": "a per-batch use_fused_kernels other than the engine's setting (RuntimeError), and "
                             "sum_pi_squared with fused kernels (NotImplementedError)",
     "bucket_distillation": "pad_to_length is not supported with top-K distillation (RuntimeError)",
+    "bucket_replay": "pad_to_length is not supported with router replay (RuntimeError)",
 }
 
 #: the engine configuration ``forward_step`` reads that the engine object draws (McoreEngineConfig's), and the top-K
@@ -345,6 +364,10 @@ MEGATRON_CONFIG_SPACE: tuple[ConfigSwitch, ...] = (
                  text="model_config.mtp.enable / enable_train: a model with multi-token prediction layers, trained "
                       "(gptmodel_forward_model_engine hands it labels, a loss mask and positions besides the ids: "
                       "INV-MEG-008 checks them; the main outputs must not change)"),
+    ConfigSwitch(ROUTES_SWITCH, (None, *ROUTE_DTYPES),
+                 text="engine_config.router_replay.mode R3: the micro-batch's routed_experts (the rollout's, in this "
+                      "dtype) replayed by the MoE model's routers (set_router_replay_data; the routers' own route "
+                      "where build_r3_replay_mask says not), THD and BSHD (spec/engines/megatron/routing.py)"),
     ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
                  text="distillation.distillation_loss.log_prob_min_clamp: megatron's _VocabParallelKLDivergence "
                       "clamps both top-K log-probs below (the oracle computes it: spec.truth.oracle.topk_terms)"),
