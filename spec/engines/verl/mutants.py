@@ -112,4 +112,17 @@ VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
         "partitions of equal count, no particular grouping among them (the balance is the heuristic's)",
     "verl.utils.tensordict_utils:list_of_dict_to_tensordict:927 compare: Gt -> GtE":
         "the assert only guards an empty list, which raises either way (IndexError at list_of_dicts[0])",
+    f"{_SB}:karmarkar_karp:92 compare: Lt -> LtE":
+        "Set.__lt__ compares the items lists only after the sums and the counts were found equal; the items are "
+        "(index, length) pairs and no sample is in two sets, so two sets' lists are never equal: < and <= agree",
+    f"{_SB}:rearrange_micro_batches:411 cast: .long() removed":
+        "seq_len_effective is int64 already: the offsets' diff of a jagged tensor, or an attention mask's sum "
+        "(torch sums bool and int masks to int64)",
+    "verl.utils.tensordict_utils:index_select_tensor_dict:498 arith: Sub -> Add":
+        "getattr's default for _ragged_idx: every jagged nested tensor has _ragged_idx, so the default is never used",
+    "verl.utils.tensordict_utils:nested_tensor_from_tensor_list:178 dim: dim -> other dim":
+        "lengths is 1-D (one length a tensor): cumsum along dim 0 is along dim -1",
+    "verl.utils.tensordict_utils:concat_tensordict:270 compare: Gt -> GtE":
+        "the assert only guards an empty list, which raises either way (IndexError at data[0] instead of "
+        "AssertionError); every non-empty list passes both",
 }
