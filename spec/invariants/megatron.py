@@ -74,15 +74,16 @@ def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
             fail(f"{what}: sequence {i} is {a.tolist()}, expected {b.tolist()}")
 
 
-def _poisoned_thd(ctx: Ctx, x: torch.Tensor, spec: PackSpec):
-    """Every rank's shard with each padded row replaced by NaN (pads found by packing ones)."""
+def _poisoned_thd(ctx: Ctx, x: torch.Tensor, spec: PackSpec, fill: float | None = None):
+    """Every rank's shard with each padded row's values replaced by ``fill`` (default NaN; pads found by packing
+    ones)."""
     packer = ctx.engine.packer
     ones = nested_from([torch.ones_like(t) for t in x.unbind()])
     shards = []
     for rank in range(spec.cp):
         shard = packer.pack_thd(x, spec, rank)
         valid = packer.pack_thd(ones, spec, rank).rows
-        shard.rows = shard.rows.masked_fill(valid == 0, POISON)
+        shard.rows = shard.rows.masked_fill(valid == 0, POISON if fill is None else fill)
         shards.append(shard)
     return shards
 

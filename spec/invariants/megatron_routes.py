@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from ..protocol.engine import ShardLayout
 from ..truth.megatron_packing import PackSpec, full_loss_mask, nested_from
 from .core import Ctx, fail, invariant
-from .megatron import ANY, NEEDS, _at, _replaced, _same, _sampled, _specs
+from .megatron import ANY, NEEDS, _at, _poisoned_thd, _replaced, _same, _sampled, _specs
 
 
 def _routes_batch(ctx: Ctx) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -58,12 +58,11 @@ def _reassembled(packer: Any, handed: list, routes: torch.Tensor, spec: PackSpec
     shards = [packer.pack_thd(routes, spec, rank) for rank in range(spec.cp)]
     rows = [torch.cat(h.routes).unsqueeze(0) for h in handed]
     got = packer.unpack_thd(_replaced(shards, rows, f"{what} routes"), routes, spec)
-    lens = routes.offsets().diff()
+    tokens = nested_from([torch.zeros(int(n)) for n in routes.offsets().diff()])  # one value a token
     masks = [torch.cat([m if m is not None else torch.ones(r.shape[0], dtype=torch.bool) for m, r in
                         zip(h.masks, h.routes)]).unsqueeze(0) for h in handed]
-    flat = [packer.pack_thd(nested_from([torch.zeros(int(n)) for n in lens]), spec, rank) for rank in range(spec.cp)]
-    replayed = packer.unpack_thd(_replaced(flat, masks, f"{what} replay mask"), nested_from(
-        [torch.zeros(int(n)) for n in lens]), spec)
+    flat = [packer.pack_thd(tokens, spec, rank) for rank in range(spec.cp)]
+    replayed = packer.unpack_thd(_replaced(flat, masks, f"{what} replay mask"), tokens, spec)
     return got, replayed
 
 
@@ -100,13 +99,8 @@ def router_replay(ctx: Ctx) -> None:
     pad = torch.iinfo(torch.int16).max
     for spec in _route_specs(ctx):
         with _at(spec):
-            ones = nested_from([torch.ones(n, dtype=torch.int64) for n in lens])
-            recorded = []
-            for rank in range(spec.cp):
-                rows = packer.pack_thd(routes, spec, rank).rows[0]
-                valid = packer.pack_thd(ones, spec, rank).rows[0] != 0
-                rows = rows.masked_fill(~valid.view(-1, 1, 1), pad)  # a padding row's route: never a token's
-                recorded.append(list(rows.chunk(spec.tp)))
+            # what each TP rank's routers recorded on their rows; a padding row's route is never a token's
+            recorded = [list(shard.rows[0].chunk(spec.tp)) for shard in _poisoned_thd(ctx, routes, spec, pad)]
             merged = packer.recorded_routes(micro_batch, recorded, spec)
         _same(merged.to(torch.int64), routes.to(torch.int64), f"R2 recorded routes [{spec}]")
         for mode, given in (("R2", merged), ("R3", rollout)):

@@ -57,8 +57,8 @@ import torch
 from ..protocol.engine import ShardLayout, read_flags
 from .media_checks import samples_media, stack_entries
 
-__all__ = ["PackSpec", "ThdShard", "MtpTargets", "RoutesHanded", "Packer", "ReferencePacker", "thd_alignment", "nested_from",
-           "case_bucket", "full_loss_mask"]
+__all__ = ["PackSpec", "ThdShard", "MtpTargets", "RoutesHanded", "Packer", "ReferencePacker", "thd_alignment",
+           "nested_from", "case_bucket", "full_loss_mask"]
 
 
 @dataclass(frozen=True)

@@ -206,22 +206,22 @@ class VerlMegatronPacker:
                           handed.get("position_ids") if packed else None,
                           getattr(params, "_verl_mtp_loss_normalization_factor", None))
 
-
     def replayed_routes(self, micro_batch: Any, spec: PackSpec, rank: int, *, mode: str) -> RoutesHanded:
         """What ``forward_step`` hands ``rank``'s routers to replay (spec/engines/megatron/routing.py), the routers
         found in REPLAY_BACKWARD (a micro-batch after another's backward) and the model a virtual stage's chunk on
         every other setting."""
-        if self._routing is None:
-            self._routing = VerlRouterReplay()
         turn = (spec.tp + spec.cp + rank) % 2 == 1
-        return self._routing.replayed(micro_batch, spec, rank, self._rank, mode=mode, backward_first=turn,
+        return self._router_replay().replayed(micro_batch, spec, rank, self._rank, mode=mode, backward_first=turn,
                                       vp_stage=turn)
 
     def recorded_routes(self, micro_batch: Any, recorded: list[list[torch.Tensor]], spec: PackSpec) -> torch.Tensor:
         """``merge_router_topk_indices`` over every TP and CP rank (spec/engines/megatron/routing.py)."""
-        if self._routing is None:
+        return self._router_replay().recorded(micro_batch, recorded, spec, self._rank, _local_cp_size(spec))
+
+    def _router_replay(self) -> VerlRouterReplay:
+        if self._routing is None:  # router_replay_utils imported at the first routed batch
             self._routing = VerlRouterReplay()
-        return self._routing.recorded(micro_batch, recorded, spec, self._rank, _local_cp_size(spec))
+        return self._routing
 
 
 def _bucket_breaks_alignment(case: Any) -> bool:

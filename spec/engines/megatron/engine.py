@@ -44,7 +44,7 @@ from ...truth.megatron_packing import PackSpec
 from ..kit import calls_seen_by_model
 from ..kit.stubs import import_verl_module
 
-__all__ = ["MegatronEngineObject", "MegatronModel", "one_rank", "engine_modules", "packed_rows", "zero_logits",
+__all__ = ["MegatronEngineObject", "MegatronModel", "ONE_RANK", "one_rank", "engine_modules", "packed_rows", "zero_logits",
            "no_terms", "no_loss", "engine_namespace", "megatron_view", "megatron_precision",
            "megatron_processor", "ENGINE_SURFACE", "ENGINE_UNREACHABLE", "MEGATRON_REFUSES", "MEGATRON_CONFIG_SPACE"]
 
@@ -209,13 +209,18 @@ class MegatronEngineObject:
             processor = engine._lm_head_logits_processor
             engine._lm_head_logits_processor = lambda logits, label, *a, **k: (labels.append(label),
                                                                                 processor(logits, label, *a, **k))[1]
-        model = MegatronModel(call, ONE_RANK)
-        replay = self.replay if self.replay is not None and (flags["use_remove_padding"] or self.replay.bshd) else None
-        if replay is not None:
-            model = replay.armed(engine, call, ONE_RANK)
+        replay = self._replay_for(micro_batch)
         with self._one_rank(), (replay.active() if replay is not None else nullcontext()):
+            model = replay.armed(engine, call, ONE_RANK) if replay is not None else MegatronModel(call, ONE_RANK)
             output, _ = self.cls.forward_step(engine, iter([micro_batch]), model, logits_processor_func, no_loss)
         return output
+
+    def _replay_for(self, micro_batch: Any) -> Any:
+        """The R3 replay this micro-batch runs: the switch's, on THD micro-batches (BSHD only for F28's reproduction,
+        ``EngineReplay.bshd``); None where it runs none."""
+        if self.replay is None or not (read_flags(micro_batch)["use_remove_padding"] or self.replay.bshd):
+            return None
+        return self.replay
 
     def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's inputs as ``forward_step`` hands them (THD: the positions the model takes from its boundaries;
@@ -234,9 +239,9 @@ class MegatronEngineObject:
         elif params is not None:
             handed["cu_seqlens"] = params.cu_seqlens_q_padded.to(torch.int64)
             handed["position_ids"] = _restarting(handed["cu_seqlens"]).unsqueeze(0)
-        routes = None
-        if self.replay is not None and (params is not None or self.replay.bshd):
-            routes = self.replay.per_sample(handed, params, micro_batch["input_ids"].offsets().diff().tolist())
+        replay = self._replay_for(micro_batch)
+        routes = None if replay is None else replay.per_sample(handed, params,
+                                                               micro_batch["input_ids"].offsets().diff().tolist())
         return handed, {"params": params, "rows": rows if params is not None else None,
                         "labels": labels[0] if labels else None, "routes": routes,
                         "total": int(micro_batch["input_ids"].offsets()[-1])}
@@ -367,7 +372,8 @@ MEGATRON_CONFIG_SPACE: tuple[ConfigSwitch, ...] = (
     ConfigSwitch(ROUTES_SWITCH, (None, *ROUTE_DTYPES),
                  text="engine_config.router_replay.mode R3: the micro-batch's routed_experts (the rollout's, in this "
                       "dtype) replayed by the MoE model's routers (set_router_replay_data; the routers' own route "
-                      "where build_r3_replay_mask says not), THD and BSHD (spec/engines/megatron/routing.py)"),
+                      "where build_r3_replay_mask says not), on THD micro-batches (BSHD: finding F28, the profile's routes_note; "
+                      "spec/engines/megatron/routing.py)"),
     ConfigSwitch(LOG_PROB_MIN_CLAMP, (None, -10.0, -1.0), needs=("distillation",),
                  text="distillation.distillation_loss.log_prob_min_clamp: megatron's _VocabParallelKLDivergence "
                       "clamps both top-K log-probs below (the oracle computes it: spec.truth.oracle.topk_terms)"),

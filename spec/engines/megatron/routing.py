@@ -28,10 +28,10 @@ Dynamic CP hands the micro-batch's ``local_cp_size`` and the router padding mask
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack
 from functools import lru_cache, partial
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 from unittest import mock
 
 import torch
@@ -41,8 +41,8 @@ from ...truth.megatron_packing import PackSpec, RoutesHanded
 from ...truth.routes import ROUTE_DTYPES, ROUTED_LAYERS, ROUTED_TOPK, model_routes
 from ..kit import calls_seen_by_model, inputs_seen_by_model
 from ..kit.stubs import import_verl_module
-from .engine import (MegatronModel, engine_modules, engine_namespace, no_loss, no_terms, one_rank, packed_rows,
-                     zero_logits)
+from .engine import (ONE_RANK, MegatronModel, engine_modules, engine_namespace, no_loss, no_terms, one_rank,
+                     packed_rows, zero_logits)
 
 __all__ = ["VerlRouterReplay", "EngineReplay", "MoeModel", "moe_config", "BSHD_REPLAY", "ROUTING_SURFACE",
            "ROUTING_UNREACHABLE"]
@@ -120,6 +120,26 @@ def _router_replay_utils() -> Any:
     return import_verl_module("verl-megatron", _RR, ("megatron",))[1].module
 
 
+def replay_seams(utils: Any, spec: PackSpec, tp_rank: int, gather: Callable[..., torch.Tensor]) -> ExitStack:
+    """What router replay reads of a real run's setup (``utils``: router_replay_utils), patched now until the stack
+    closes, as :func:`~spec.engines.megatron.engine.one_rank`: megatron's sequence-parallel scatter over TP as TP rank
+    ``tp_rank`` sees it (the ``tp_rank``-th of TP equal parts of the first dim), the gather ``gather``, router
+    replay's device (the CPU), and a registry of routers of this run's own (every ``RouterReplay`` registers itself
+    process-wide: without it each run's routers, and the routes they hold, would stay)."""
+    def scatter(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
+        if input_.shape[0] % spec.tp:
+            raise ValueError(f"scatter_to_sequence_parallel_region: first dim {input_.shape[0]} is not divisible "
+                             f"by the TP size {spec.tp}")
+        return input_.chunk(spec.tp)[tp_rank].contiguous()
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(utils, "scatter_to_sequence_parallel_region", scatter))
+    stack.enter_context(mock.patch.object(utils, "gather_from_sequence_parallel_region", gather))
+    stack.enter_context(mock.patch.object(utils.RouterReplay, "router_instances", []))
+    stack.enter_context(mock.patch.object(utils, "device_name", "cpu"))
+    return stack
+
+
 class EngineReplay:
     """R3 router replay on the engine object (one rank, spec/engines/megatron/engine.py): ``forward_step`` with
     ``router_replay.mode`` R3 hands the model's routers the micro-batch's ``routed_experts`` (the rollout's,
@@ -156,13 +176,10 @@ class EngineReplay:
             router.router_replay_action = self.utils.RouterReplayAction.REPLAY_FORWARD
         return model
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        """While ``forward_step`` runs: router replay's device, the CPU, and megatron's sequence-parallel scatter over
-        a TP group of one rank (the rows as they are)."""
-        with mock.patch.object(self.utils, "device_name", "cpu"), \
-                mock.patch.object(self.utils, "scatter_to_sequence_parallel_region", _one_tp_rank):
-            yield
+    def active(self) -> ExitStack:
+        """The seams while ``forward_step`` runs (:func:`replay_seams`), one TP rank: the model is made inside them
+        (:meth:`armed`), so its routers never join the process-wide registry."""
+        return replay_seams(self.utils, ONE_RANK, 0, _no_gather)
 
     def _fire(self, model: MoeModel, ids: torch.Tensor) -> torch.Tensor:
         """Every router's route per token row, ``(rows, layers, top_k)`` in megatron's row order."""
@@ -188,11 +205,6 @@ class EngineReplay:
         return [dense[i, :n] for i, n in enumerate(lens)]
 
 
-def _one_tp_rank(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Megatron's sequence-parallel scatter over a TP group of one rank: the input, all of it."""
-    return input_
-
-
 def _topk(scores: torch.Tensor, topk: int, num_groups: Any = None, group_topk: Any = None) -> tuple[Any, Any]:
     """A router's own top-k (megatron's ``topk_routing_with_score_function`` without groups): probabilities, experts."""
     top = scores.topk(topk, dim=-1)
@@ -207,22 +219,6 @@ class VerlRouterReplay:
         self.impl = self.modules[0]
         self.utils = import_verl_module("verl-megatron", _RR, ("megatron",))[1].module
         self.scheduler = import_verl_module("verl-megatron", _SCHEDULER, ("megatron",))[1].module
-
-    @contextmanager
-    def _tp_rank(self, spec: PackSpec, tp_rank: int, gather: Callable[..., torch.Tensor]) -> Iterator[None]:
-        """Megatron's sequence-parallel scatter over TP as TP rank ``tp_rank`` sees it (the module docstring), the
-        gather ``gather``, and a registry of routers of this run's own."""
-        def scatter(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
-            if input_.shape[0] % spec.tp:
-                raise ValueError(f"scatter_to_sequence_parallel_region: first dim {input_.shape[0]} is not divisible "
-                                 f"by the TP size {spec.tp}")
-            return input_.chunk(spec.tp)[tp_rank].contiguous()
-
-        with mock.patch.object(self.utils, "scatter_to_sequence_parallel_region", scatter), \
-                mock.patch.object(self.utils, "gather_from_sequence_parallel_region", gather), \
-                mock.patch.object(self.utils.RouterReplay, "router_instances", []), \
-                mock.patch.object(self.utils, "device_name", "cpu"):
-            yield
 
     def replayed(self, micro_batch: Any, spec: PackSpec, rank: int, rank_context: Callable[..., Any], *, mode: str,
                  backward_first: bool = False, vp_stage: bool = False) -> RoutesHanded:
@@ -255,10 +251,10 @@ class VerlRouterReplay:
                                                                        no_loss)
 
             if _one(spec):  # forward_step to its end (the routers then left for the backward's replay)
-                with one_rank(rank_context, self.modules), self._tp_rank(spec, tp_rank, _no_gather):
+                with one_rank(rank_context, self.modules), replay_seams(self.utils, spec, tp_rank, _no_gather):
                     calls_seen_by_model(forward, zero_logits)
             else:
-                with rank_context(spec, rank), self._tp_rank(spec, tp_rank, _no_gather), \
+                with rank_context(spec, rank), replay_seams(self.utils, spec, tp_rank, _no_gather), \
                         mock.patch.object(self.impl, "get_device_id", lambda: "cpu"):
                     inputs_seen_by_model(forward)
             routers = models[0].routers()
@@ -285,7 +281,7 @@ class VerlRouterReplay:
         def merge(cp_rank: int, tp_rank: int, gather: Callable[..., torch.Tensor],
                   cp_gathered: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
             into: list[torch.Tensor] = []
-            with rank_context(spec, cp_rank, cp_gathered), self._tp_rank(spec, tp_rank, gather):
+            with rank_context(spec, cp_rank, cp_gathered), replay_seams(self.utils, spec, tp_rank, gather):
                 model = MoeModel(self.utils, _never_called, spec, layers)
                 for layer, router in enumerate(model.routers()):
                     router.recorded_topk_idx = recorded[cp_rank][tp_rank][:, layer]
@@ -334,7 +330,7 @@ class VerlRouterReplay:
                 router.router_replay_action = self.utils.RouterReplayAction.RECORD
             return self.impl.MegatronEngineWithLMHead.forward_step(engine, iter([batch]), model, no_terms, no_loss)
 
-        with one_rank(rank_context, self.modules), self._tp_rank(spec, 0, partial(_concatenated, [])):
+        with one_rank(rank_context, self.modules), replay_seams(self.utils, spec, 0, partial(_concatenated, [])):
             calls_seen_by_model(forward, zero_logits)
         if len(engine.mini_layer_topk_idx_list) != 1:
             raise AssertionError(f"[{spec}] forward_step with record_r2_routes merged "
