@@ -179,6 +179,28 @@ def test_veomni_replays_the_rollouts_routes_at_each_samples_tokens(bucket, monke
 
 
 @needs_verl
+@pytest.mark.parametrize("bucket", [None, 4])
+def test_veomni_records_each_samples_routes_under_r2(bucket, monkeypatch) -> None:
+    """With routed_experts drawn to ``record`` (R2's compute_log_prob), VeOmni's engine arms its controller in RECORD,
+    the stand-in routers' own routes are recorded and prepare_model_outputs returns them per sample (the pad suffix
+    dropped), and INV-ROUTE-002 holds; a record whose pad suffix is cut from the head, or rolled by one token, fails it,
+    by the check."""
+    engine = load_engine("verl-veomni")
+    if engine.lacks("routes_record"):
+        pytest.skip(engine.lacks("routes_record"))
+    case = _ROUTED.with_(pad_to_length=bucket, engine_config=(("routed_experts", "record"),))
+    run = execute(engine, case)
+    assert "routed_experts" not in run.outputs and [t.shape[0] for t in run.rank_routes[0]] == [5, 2, 2]
+    CATALOGUE["INV-ROUTE-002"].check(Ctx(engine, case, "cpu", case.mode))
+    take = engine.stubs.module.VeOmniRouterReplay.take_recorded
+    for wrong in ((lambda v: v.roll(-int(bucket or 1), 0)), (lambda v: v.roll(1, 0))):
+        monkeypatch.setattr(engine.stubs.module.VeOmniRouterReplay, "take_recorded",
+                            lambda self, wrong=wrong: wrong(take(self)))
+        with pytest.raises(AssertionError, match="recorded routes of sample 0 at token 0"):
+            CATALOGUE["INV-ROUTE-002"].check(Ctx(engine, case, "cpu", case.mode))
+
+
+@needs_verl
 def test_verl_torchtitan_capabilities_are_probed() -> None:
     caps = load_engine("verl-torchtitan").capabilities()
     assert {Feature.VALUE, Feature.DISTILLATION, Feature.BUCKET, Feature.FUSED, Feature.SP} <= set(caps.missing)

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from ..protocol.profile import POSITIONS, ROUTES_SWITCH, VISION, EngineProfile, takes_mode
+from ..protocol.profile import POSITIONS, ROUTES_RECORDED, ROUTES_SWITCH, VISION, EngineProfile, takes_mode
 from ..truth.audio import AUDIO_STRIDE
 from ..truth.vision import MERGE, MIN_MEDIA_VOCAB
 from .structure import (CONTEXTS, DISTILLATION_KEYS, LOGITS_DTYPES, LONG_ROW, ROUTED_DTYPES, SMALL_VOCAB,
@@ -261,7 +261,7 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
                  modes: tuple[str, ...] = MODES, positions: tuple[str, ...] = POSITIONS,
                  media: tuple[str, ...] = (), media_modes: tuple[str, ...] = MODES,
                  mrope_modes: tuple[str, ...] = MODES, pin_tail_rule: bool = False,
-                 pin_routes: bool = False) -> EngineCase:
+                 pin_routes: bool | str = False) -> EngineCase:
     """An :class:`EngineCase` with every flag combination the contract allows.
 
     ``mode`` pins packed/padded (``None`` draws one of ``modes``). ``modes``, ``positions`` (``rope``: 2-D,
@@ -281,7 +281,8 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     ``pin_tail_rule``: a switch that sets the packed row's tail multiple (``ConfigSwitch.tail_multiple``) is drawn
     from its values off the default only (INV-PAD-003, which checks that rule, runs where it applies);
     ``pin_routes`` likewise the switch collating routed experts (``spec.protocol.profile.ROUTES_SWITCH``,
-    INV-ROUTE-001).
+    INV-ROUTE-001): drawn to a dtype of the rollout's routes; ``pin_routes="record"`` to its value having the engine
+    record the routes instead (``ROUTES_RECORDED``, INV-ROUTE-002).
     ``media``: the media kinds the engine hands its model (its profile's); drawn last, in two cases in three of the
     small and batch tiers' mRoPE cases (images and videos) and, where it takes audio, of their 1-D cases (audio
     clips) (:func:`media_items`), so every earlier draw stays where it was; only in
@@ -385,14 +386,20 @@ def engine_cases(draw, *, mode: str | None = None, max_batch: int = 5, max_len: 
     return _with_media(draw, case, media, tier, media_modes, pinned=mode is not None)
 
 
-def _pinned(switch, tail_rule: bool, routes: bool) -> bool:
-    """Whether ``switch`` is drawn off its default only: the one setting the tail multiple (``tail_rule``), the one
-    collating routed experts (``routes``)."""
-    return tail_rule and switch.tail_multiple or routes and switch.name == ROUTES_SWITCH
+def _pinned(switch, tail_rule: bool, routes: bool | str) -> tuple | None:
+    """The values ``switch`` is drawn from where it is drawn off its default only, else None: the one setting the tail
+    multiple (``tail_rule``), the one collating routed experts (``routes``: to a dtype of the rollout's routes;
+    ``"record"``: to :data:`ROUTES_RECORDED`, the R2 record, where the switch has it)."""
+    if tail_rule and switch.tail_multiple:
+        return switch.values[1:]
+    if routes and switch.name == ROUTES_SWITCH:
+        record = routes == ROUTES_RECORDED
+        return tuple(v for v in switch.values[1:] if (v == ROUTES_RECORDED) == record) or None
+    return None
 
 
 def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False,
-                   pin_routes: bool = False) -> tuple[tuple[str, object], ...]:
+                   pin_routes: bool | str = False) -> tuple[tuple[str, object], ...]:
     """The drawn values of the switches of ``space`` that differ from their defaults (the first value); a switch
     needing the value head is drawn for value-head cases only; with ``pin_tail_rule`` (``pin_routes``), a switch
     setting the tail multiple (collating routed experts) is drawn off its default."""
@@ -403,20 +410,20 @@ def _engine_config(draw, space: tuple, head: str, pin_tail_rule: bool = False,
         if "value" in switch.needs and head != "value":
             continue
         pinned = _pinned(switch, pin_tail_rule, pin_routes)
-        value = draw(st.sampled_from(switch.values[1:] if pinned else switch.values))
+        value = draw(st.sampled_from(pinned or switch.values))
         if value != switch.values[0]:
             drawn.append((switch.name, value))
     return tuple(drawn)
 
 
 def with_pinned_switches(case: EngineCase, space: tuple, *, tail_rule: bool = False,
-                         routes: bool = False) -> EngineCase:
+                         routes: bool | str = False) -> EngineCase:
     """``case`` with each switch of ``space`` that ``engine_cases`` draws off its default only (:func:`_pinned`: with
     ``tail_rule`` the one setting the tail multiple, ``ConfigSwitch.tail_multiple``; with ``routes`` the one
     collating routed experts) at its first value off the default, as ``engine_cases(pin_tail_rule=True)``
     (``pin_routes``) draws it (the pinned seed cases of INV-PAD-003, INV-ROUTE-001)."""
-    pinned = {switch.name: switch.values[1] for switch in space
-              if _pinned(switch, tail_rule, routes) and len(switch.values) > 1}
+    pinned = {switch.name: _pinned(switch, tail_rule, routes)[0] for switch in space
+              if _pinned(switch, tail_rule, routes)}
     if not pinned:
         return case
     kept = tuple((name, value) for name, value in case.engine_config if name not in pinned)

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from ..cases.structure import EngineCase
-from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, PaddedLayout
+from ..protocol.engine import EngineUnderTest, HeadInput, InputsView, OutputsView, PaddedLayout
 from ..protocol.profile import drawn_config
 from ..truth.audio import AUDIO_KEYS, AUDIO_STRIDE, N_MELS, audio_token_id
 from ..truth.rules import layout_mask
@@ -26,7 +26,7 @@ from .attribution import EngineFault, check_outputs, note_fault, read_engine
 
 __all__ = ["Run", "ThreadedAllGather", "POISONS", "model_for", "attach_views", "nested_parts", "snapshot",
            "check_model_inputs", "check_media_inputs",
-           "execution_context", "rank_outputs", "view_outputs"]
+           "execution_context", "rank_outputs", "view_outputs", "attach_outputs"]
 
 #: what fills every padded logit slot and the packed tail: nothing of it may reach an output
 POISONS = {"nan": float("nan"), "huge": 3.0e38, "neg": -3.0e38}
@@ -127,6 +127,8 @@ class Run:
     output_args_snapshots: list[dict[str, Any]] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's result
     rank_outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: each rank's routes recorded under router replay's R2 (``OutputsView.routes``: per sample), None where none
+    rank_routes: list[list[torch.Tensor] | None] = field(default_factory=list)
     #: on real ranks, every SP group's run in the case's topology order (this one first; spec.cases.topology)
     groups: list["Run"] = field(default_factory=list)
 
@@ -139,15 +141,23 @@ def attach_views(run: Run, engine: EngineUnderTest) -> None:
                  for r, (mi, args) in enumerate(zip(run.inputs, run.output_args))]
 
 
-def view_outputs(engine: EngineUnderTest, outputs: Any, rank: int) -> dict[str, Any]:
+def attach_outputs(run: Run, engine: EngineUnderTest, raw: list[Any]) -> None:
+    """Fill ``run.rank_outputs`` (and ``run.outputs``, rank 0's) and ``run.rank_routes`` from each rank's
+    ``prepare_model_outputs`` result ``raw`` (:func:`view_outputs`)."""
+    views = [view_outputs(engine, outputs, r) for r, outputs in enumerate(raw)]
+    run.rank_outputs = [view.per_sequence for view in views]
+    run.rank_routes = [view.routes for view in views]
+    run.outputs = run.rank_outputs[0]
+
+
+def view_outputs(engine: EngineUnderTest, outputs: Any, rank: int) -> OutputsView:
     """One rank's outputs through the engine's own view, validated where the suite first touches them
     (:func:`.attribution.check_outputs`): a malformed one is noted for the running example
     (:func:`.attribution.note_fault`), so that an exception the suite raises reading it is the engine's failed check
     naming the key, the rank and the shape."""
-    viewed = read_engine(lambda: engine.view_outputs(outputs).per_sequence,
-                         "the engine's outputs (view_outputs)", rank)
+    viewed = read_engine(lambda: engine.view_outputs(outputs), "the engine's outputs (view_outputs)", rank)
     try:
-        check_outputs(viewed, rank)
+        check_outputs(viewed.per_sequence, rank)
     except EngineFault as fault:  # kept for the runner: a check that then crashes reading it failed the engine
         note_fault(fault)
     return viewed

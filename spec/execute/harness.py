@@ -28,11 +28,11 @@ from .handoff import (
     _call_model,
     _fields,
     _settings,
+    attach_outputs,
     attach_views,
     execution_context,
     model_for,
     snapshot,
-    view_outputs,
 )
 
 __all__ = ["Run", "execute", "sp_runner_of", "processor_for", "FUSED_AUX_KEYS", "fused_linear_aux", "ThreadedAllGather", "POISONS", "model_for", "attach_views"]
@@ -151,6 +151,5 @@ def _execute(engine: EngineUnderTest, case: EngineCase, run: Run, mb: TensorDict
     else:
         with coverage_hook.engine_code():  # the ranks' threads run the engine's code: measured (a gated measurement)
             raw = _in_threads(calls, gather)
-    run.rank_outputs = [view_outputs(engine, outputs, r) for r, outputs in enumerate(raw)]
-    run.outputs = run.rank_outputs[0]
+    attach_outputs(run, engine, raw)
     return run

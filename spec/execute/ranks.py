@@ -55,7 +55,7 @@ from ..cases.topology import Topology
 from ..protocol.engine import EngineUnderTest
 from ..protocol.errors import RankFailure, RankFault
 from . import probe
-from .handoff import Run, attach_views, model_for, snapshot, view_outputs
+from .handoff import Run, attach_views, model_for, snapshot, attach_outputs
 from ..cases.materialize import materialize
 from .rank_worker import WORLDS, ShardedTopKProcessor, dumps, on_device, task_timeout, worker_main
 
@@ -367,8 +367,7 @@ def _group_run(engine: EngineUnderTest, case: EngineCase, device: str, ordered: 
     run.model_outputs = [SimpleNamespace(**to_dev(b["model_output"])) for b in ordered]
     run.model_output_snapshots = [to_dev(b["model_output_snapshot"]) for b in ordered]
     run.output_args_snapshots = [to_dev(b["output_args_snapshot"]) for b in ordered]
-    run.rank_outputs = [view_outputs(engine, to_dev(b["outputs"]), r) for r, b in enumerate(ordered)]
-    run.outputs = run.rank_outputs[0]
+    attach_outputs(run, engine, [to_dev(b["outputs"]) for b in ordered])
     run.micro_batch = on_device(ordered[0]["micro_batch"], device)
     return run
 

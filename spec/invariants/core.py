@@ -154,7 +154,7 @@ def mode_reason(info: InvariantInfo, engine: EngineUnderTest, mode: str) -> str 
     profile = profile_of(engine)
     return (profile.mode_reason(mode) or (profile.media_mode_reason(mode) if {"media", "audio"} & set(info.needs)
                                           else None)
-            or (profile.routes_mode_reason(mode) if "routes" in info.needs else None))
+            or (profile.routes_mode_reason(mode) if {"routes", "routes_record"} & set(info.needs) else None))
 
 
 def shares_one_temperature(engine: EngineUnderTest) -> bool:

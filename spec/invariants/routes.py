@@ -1,9 +1,10 @@
 """Routed experts (docs/contract.md, "Routed experts"; contract clause 16): an MoE rollout's captured routes, where the
 engine collates them for router replay (a switch of its configuration named ``routed_experts``), are handed on at
-each sample's own tokens.
+each sample's own tokens (INV-ROUTE-001); where the engine records the routes instead (R2's ``compute_log_prob``: the
+switch's value ``record``), it returns each sample's own (INV-ROUTE-002).
 
-The strategy pins the switch on (``pin_routes``), so every example carries routes; the micro-batch holds each sample's
-captured routes (:mod:`spec.cases.materialize`, the rule :mod:`spec.truth.routes`).
+The strategy pins the switch on (``pin_routes``), so every example carries routes (or records them); the
+micro-batch holds each sample's captured routes (:mod:`spec.cases.materialize`, the rule :mod:`spec.truth.routes`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 import torch
 
 from ..cases.materialize import draws
-from ..protocol.profile import routes_dtype
-from ..truth.routes import routes_handed
+from ..protocol.profile import ROUTES_RECORDED, routes_dtype, routes_recorded
+from ..truth.routes import routes_handed, routes_record
 from .core import Ctx, invariant
 from .reproduction import Plan
 
@@ -34,6 +35,26 @@ def routes_handed_on(ctx: Ctx) -> None:
     ids = d.ids.split(list(ctx.case.seq_lens))
     for view in ctx.inputs_run.views:
         routes_handed(view.routes, list(ids), dtype, read_rows(d.loss_mask, ctx.case))
+
+
+@invariant("INV-ROUTE-002", "router replay's R2 record: the routes an engine records and returns (routed_experts, "
+           "per sample) are those its MoE routers took at each of the sample's own tokens, every token's, in token "
+           "order, none of another sample's or of the padding's", contract=16,
+           protects="R2 replays in the policy update the routes recorded in compute_log_prob: a route recorded one "
+                    "token off, or another sample's, or the padding's, replays a token through experts it was never "
+                    "routed to (the update's log-probs silently drift from the old policy's)",
+           needs=("routes_record",), strategy_kwargs={"pin_routes": ROUTES_RECORDED},
+           repro=Plan(("routes_recorded",)))
+def routes_recorded_on(ctx: Ctx) -> None:
+    if not routes_recorded(ctx.case):
+        ctx.not_exercised("the case records no routes (its engine's routed_experts switch not drawn to record)")
+        return
+    ids = list(draws(ctx.case).ids.split(list(ctx.case.seq_lens)))
+    for r, routes in enumerate(ctx.run.rank_routes):
+        try:
+            routes_record(routes, ids)
+        except AssertionError as error:
+            raise AssertionError(f"rank {r}: {error}" if len(ctx.run.rank_routes) > 1 else str(error)) from None
 
 
 def read_rows(loss_mask: torch.Tensor, case: Any) -> list[int]:

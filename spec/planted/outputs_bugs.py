@@ -8,6 +8,8 @@ import impl
 from impl.dense import jagged_to_padded
 from impl.flags import read_flag
 
+from ..protocol.profile import ROUTES_RECORDED, ROUTES_SWITCH, ConfigSwitch
+from ..truth.routes import RECORDED_DTYPE, model_routes
 from .inputs_bugs import _is_padded
 
 
@@ -191,3 +193,51 @@ class FreesOutputArgs(impl.LMHeadEngine):
         out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
         oa.pop("input_ids_rmpad_rolled", None)
         return out
+
+
+#: router replay's R2 record on (the switch an engine records routes with: spec.protocol.profile.ROUTES_RECORDED)
+RECORDS = ConfigSwitch(ROUTES_SWITCH, (None, ROUTES_RECORDED),
+                       "router replay's R2 record: the MoE routers' own routes recorded and returned per sample")
+
+
+class _RecordsRoutes(impl.LMHeadEngine):
+    """An engine recording the MoE routers' routes under R2 (``routed_experts`` drawn to ``record``): the routes the
+    stand-in model's routers take at every row of the packed row (each token by its id and place in its sequence;
+    the tail padding's too), returned per sample as the output ``routed_experts``; :meth:`_cut` drops the padding."""
+
+    def __init__(self, **settings):
+        self.record = settings.pop(ROUTES_SWITCH, None) == ROUTES_RECORDED
+        super().__init__(**settings)
+
+    def _cut(self, rows: torch.Tensor, pad: int) -> torch.Tensor:
+        return rows[:rows.shape[0] - pad]
+
+    def prepare_model_outputs(self, output, oa, mb, logits_processor_func=None, **kw):
+        out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
+        if self.record:
+            ids = mb["input_ids"]
+            lens = ids.offsets().diff()
+            place = torch.arange(int(lens.sum())) - torch.repeat_interleave(ids.offsets()[:-1].cpu(), lens.cpu())
+            pad = 0 if _is_padded(mb) else int(oa.get("pad_size", 0) or 0)
+            row = torch.cat([ids.values().cpu(), torch.zeros(pad, dtype=torch.int64)])
+            place = torch.cat([place, torch.arange(pad)])
+            rows = self._cut(model_routes(row, RECORDED_DTYPE, place), pad)
+            out["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(torch.int16), ids.offsets().cpu())
+        return out
+
+
+class RecordPadAtHead(_RecordsRoutes):
+    """Under router replay's R2 record, the recorded routes of the packed row drop the tail padding's rows from the
+    row's head instead of its tail: with tail padding (a static bucket, sequence parallelism), every recorded route
+    is that of a token ``pad_size`` places later (INV-ROUTE-002)."""
+
+    def _cut(self, rows: torch.Tensor, pad: int) -> torch.Tensor:
+        return rows[pad:]
+
+
+class RecordOneTokenLate(_RecordsRoutes):
+    """Under router replay's R2 record, the routes are recorded against the labels' row (rolled by one): each token
+    gets the recorded route of the token before it, the row's first that of the last (INV-ROUTE-002)."""
+
+    def _cut(self, rows: torch.Tensor, pad: int) -> torch.Tensor:
+        return rows[:rows.shape[0] - pad].roll(1, 0)

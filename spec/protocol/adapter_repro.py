@@ -25,5 +25,9 @@ def view_outputs(outputs):
     return _ENGINE.view_outputs(outputs).per_sequence
 
 
+def view_recorded_routes(outputs):
+    return _ENGINE.view_outputs(outputs).routes
+
+
 def logits_processor(case, sp_size, sp_rank):
     return _ENGINE.logits_processor(case, sp_size, sp_rank)

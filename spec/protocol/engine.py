@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .profile import (AUDIO_INPUT_KEYS, DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ROUTES_SWITCH, VISION, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
+from .profile import (AUDIO_INPUT_KEYS, DEFAULT_PROFILE, MEDIA_INPUT_KEYS, ROUTES_RECORDED, ROUTES_SWITCH, VISION, ConfigSwitch, EngineProfile, Feature, HeadInput, OutputSpan,
                       PaddedLayout, drawn_config, token_columns)
 from .vendor import source
 
@@ -201,9 +201,12 @@ CONTRACT_PRECISION = Precision()
 
 @dataclass
 class OutputsView:
-    """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens)."""
+    """Per-token outputs, each a nested tensor over the full sequences (offsets = cu_seqlens); ``routes``: the MoE
+    routes the engine recorded (router replay's R2 record: the output ``routed_experts``), one ``(n_i, layers,
+    top_k)`` tensor per sample, or None where it records none."""
 
     per_sequence: dict[str, torch.Tensor]
+    routes: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -398,9 +401,14 @@ class EngineUnderTest:
         if feature is Feature.MEDIA and not set(self.profile.media) & set(VISION):
             return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
                     f"media={self.profile.media!r})")
-        if feature is Feature.ROUTES and not any(switch.name == ROUTES_SWITCH for switch in self.config_space()):
-            return (f"engine {self.name} collates no routed experts (no switch {ROUTES_SWITCH!r} in its configuration: "
-                    "MoE router replay)")
+        if feature is Feature.ROUTES and not any(switch.name == ROUTES_SWITCH and set(switch.values) - {None, ROUTES_RECORDED}
+                                                 for switch in self.config_space()):
+            return (f"engine {self.name} collates no routed experts (no switch {ROUTES_SWITCH!r} in its configuration "
+                    "with a dtype of the rollout's routes: MoE router replay)")
+        if feature is Feature.ROUTES_RECORD and not any(switch.name == ROUTES_SWITCH and ROUTES_RECORDED in switch.values
+                                                        for switch in self.config_space()):
+            return (f"engine {self.name} records no routes (its configuration's switch {ROUTES_SWITCH!r} has no value "
+                    f"{ROUTES_RECORDED!r}: MoE router replay's R2 record)")
         if feature is Feature.AUDIO and "audio" not in self.profile.media:
             return (f"engine {self.name} hands its model no audio clips from multi_modal_inputs (its profile: "
                     f"media={self.profile.media!r})")
@@ -447,8 +455,11 @@ class EngineUnderTest:
     def view_outputs(self, outputs: Mapping[str, torch.Tensor]) -> OutputsView:
         """The normalized view of one rank's ``prepare_model_outputs`` result: the contract's keys
         (``log_probs``, ``entropy``, ...), each nested over the full sequences. The default takes the dict as
-        it is (verl's convention); an engine returning another shape or other names maps it here."""
-        return OutputsView(dict(outputs))
+        it is (verl's convention), but for the routes recorded under router replay's R2 (``routed_experts``, nested
+        per sample: :attr:`OutputsView.routes`); an engine returning another shape or other names maps it here."""
+        per_sequence = dict(outputs)
+        routes = per_sequence.pop(ROUTES_SWITCH, None)
+        return OutputsView(per_sequence, routes=None if routes is None else list(routes.unbind()))
 
     def repro_snippet(self, settings: Mapping[str, Any]) -> ReproSnippet | None:
         """How a standalone reproducer builds this engine for ``settings`` (:class:`ReproSnippet`), or None

@@ -79,7 +79,7 @@ import torch
 
 __all__ = ["Convention", "EngineProfile", "OutputSpan", "HeadInput", "Feature", "ConfigSwitch", "DEFAULT_PROFILE", "MODES",
            "POSITIONS", "MEDIA", "VISION", "MEDIA_INPUT_KEYS", "AUDIO_INPUT_KEYS", "CONTEXTS", "AUTOGRAD_CONTEXTS", "AUTOCAST_DTYPES", "PaddedLayout",
-           "layout_starts", "token_columns", "profile_of", "ROUTES_SWITCH", "routes_dtype", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
+           "layout_starts", "token_columns", "profile_of", "ROUTES_SWITCH", "ROUTES_RECORDED", "routes_dtype", "routes_recorded", "padded_layout_of", "tail_multiple_of", "VERL_CONVENTIONS", "METRIC_OUTPUTS",
            "takes_mode", "drawn_config", "equivalents_on"]
 
 #: the two ways a trainer feeds the model
@@ -169,6 +169,9 @@ class Feature(str, Enum):
     #: MoE router replay: the rollout's routed experts handed on per token (a switch of its configuration named
     #: :data:`ROUTES_SWITCH` collates them: the micro-batch then carries ``routed_experts``)
     ROUTES = "routes"
+    #: MoE router replay's record (R2): the routers' own routes recorded and returned per sample (the switch
+    #: :data:`ROUTES_SWITCH` has the value :data:`ROUTES_RECORDED`)
+    ROUTES_RECORD = "routes_record"
 
     @classmethod
     def parse(cls, name: "str | Feature") -> "Feature":
@@ -470,9 +473,22 @@ def equivalents_on(declared: Mapping[str, str], surface: tuple[str, ...]) -> dic
     return out
 
 
+#: the value of :data:`ROUTES_SWITCH` that has the engine record the routes instead (R2's ``compute_log_prob``: the
+#: MoE routers route on their own, their routes are recorded and returned as the output ``routed_experts``, per
+#: sample; the micro-batch carries none): INV-ROUTE-002 reads the record (``OutputsView.routes``)
+ROUTES_RECORDED = "record"
+
+
 def routes_dtype(case: Any) -> str | None:
-    """The dtype of the rollout's routes ``case`` carries (its :data:`ROUTES_SWITCH` drawn), or None."""
-    return drawn_config(case).get(ROUTES_SWITCH)
+    """The dtype of the rollout's routes ``case`` carries (its :data:`ROUTES_SWITCH` drawn to a dtype), or None (off,
+    or drawn to :data:`ROUTES_RECORDED`: an R2 record, whose micro-batch carries no routes)."""
+    value = drawn_config(case).get(ROUTES_SWITCH)
+    return None if value == ROUTES_RECORDED else value
+
+
+def routes_recorded(case: Any) -> bool:
+    """Whether ``case`` has its engine record the MoE routers' own routes (:data:`ROUTES_RECORDED` drawn)."""
+    return drawn_config(case).get(ROUTES_SWITCH) == ROUTES_RECORDED
 
 
 def drawn_config(case: Any) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
              "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT", "SETTINGS_OFFERED")
 #: the engine block's names read only where it defines them
-OPTIONAL = ("view_inputs", "view_outputs", "logits_processor")
+OPTIONAL = ("view_inputs", "view_outputs", "view_recorded_routes", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
 #: harness.py, spec/invariants/settings.py, spec/truth/rules.py and oracle.py)
 FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call_model", "_in_threads",
@@ -59,7 +59,7 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "joined_ids", "media_inputs_handed",
               # an MoE rollout's routed experts: the check of what is handed on, and a micro-batch's routes
               # (spec/truth/routes.py)
-              "routes_handed", "routes_of", "without_last_routes", "ROUTES_SWITCH", "drawn_config")
+              "routes_handed", "routes_record", "routes_of", "without_last_routes", "ROUTES_SWITCH", "drawn_config")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -151,7 +151,19 @@ def _views_in(model_inputs, output_args):
 
 
 def _views_out(outputs):
-    return view_outputs(outputs) if "view_outputs" in globals() else dict(outputs)
+    """The per-token outputs (the engine block's view, or verl's convention less the recorded routes)."""
+    if "view_outputs" in globals():
+        return view_outputs(outputs)
+    return {key: value for key, value in outputs.items() if key != ROUTES_SWITCH}
+
+
+def _routes_out(outputs):
+    """The routes the engine recorded (router replay's R2: ``routed_experts``), per sample, or None: the engine
+    block's ``view_recorded_routes`` where it defines one, else verl's convention."""
+    if "view_recorded_routes" in globals():
+        return view_recorded_routes(outputs)
+    routes = outputs.get(ROUTES_SWITCH)
+    return None if routes is None else list(routes.unbind())
 
 
 #: who raised each exception seen leaving a call (by id): "engine" (the engine's own calls) or "suite" (the
@@ -235,7 +247,7 @@ def _execute(c, mb, poison, model, inputs_only=False, kept=None):
     raw = [calls[0]()] if gather is None else _in_threads(calls, gather)
     return SimpleNamespace(model=model, inputs=inputs, output_args=output_args, views=views, args_before=args_before,
                            model_outputs=model_outputs, outputs_before=outputs_before,
-                           rank_outputs=[_views_out(o) for o in raw])
+                           rank_outputs=[_views_out(o) for o in raw], rank_routes=[_routes_out(o) for o in raw])
 
 
 # ---- the reference: the suite's oracle, float64, each sequence alone, with its tolerance rule ----
@@ -398,6 +410,16 @@ def check_routes_handed(c, mb, run, fresh):
         return
     for view in run.views:
         routes_handed(view["routes"], list(fresh["input_ids"].unbind()), dtype)
+
+
+def check_routes_recorded(c, mb, run, fresh):
+    """INV-ROUTE-002 (spec/truth/routes.py): under router replay's R2 record, every rank returns each sample's routes
+    as its own tokens were routed, in token order; the samples' ids read off the micro-batch built afresh."""
+    if drawn_config(c).get(ROUTES_SWITCH) != "record":
+        print("NOT EXERCISED: the case records no routes")
+        return
+    for routes in run.rank_routes:
+        routes_record(routes, list(fresh["input_ids"].unbind()))
 
 
 def check_grad(c, mb, run):
@@ -756,7 +778,7 @@ CHECKS = {"padded_ids": check_padded_ids, "padded_positions": check_padded_posit
           "flags_default": check_flags_default, "flags_recoded": check_flags_recoded, "bad_flags": check_bad_flags,
           "rejects_pad_mode": check_rejects_pad_mode, "rejects": check_rejects, "bad_settings": check_bad_settings, "refused": check_refused,
           "reused": check_reused, "earlier_kept": check_earlier_kept, "on_cuda": check_on_cuda,
-          "routes_handed": check_routes_handed}
+          "routes_handed": check_routes_handed, "routes_recorded": check_routes_recorded}
 #: checks that need no run of the case (the helpers on tensors built here; the rejections run the engine themselves)
 NO_RUN = {"slice_reads", "from_nested", "round_trip", "slice_dtypes", "mask_helper", "bad_flags", "rejects_pad_mode",
           "rejects", "bad_settings", "refused"}
@@ -766,7 +788,8 @@ INPUTS_ONLY = {"padded_ids", "padded_positions", "packed_inputs", "mask", "mask_
                "token_temperature", "padded_temperature", "fused_inputs", "return_dict", "cu_seqlens", "cu_seqlens_cpu",
                "media_handed", "routes_handed"}
 #: checks that also read the micro-batch built afresh (what the engine was handed, untouched)
-WITH_FRESH = {"unchanged": check_unchanged, "media_handed": check_media_handed, "routes_handed": check_routes_handed}
+WITH_FRESH = {"unchanged": check_unchanged, "media_handed": check_media_handed, "routes_handed": check_routes_handed,
+              "routes_recorded": check_routes_recorded}
 #: checks of one engine object kept across RUNS[0] and then RUNS[1] (the case)
 REUSED = {"reused", "earlier_kept"}
 

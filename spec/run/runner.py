@@ -227,7 +227,7 @@ def _seed_examples(info: InvariantInfo, mode: str, engine: EngineUnderTest | Non
             case = case.with_(head=info.head, temperature=1.0, distillation_keys=(), calculate_entropy=False)
         if engine is not None:  # the engine's tail rule on (INV-PAD-003), its routed experts collated (INV-ROUTE-001)
             case = with_pinned_switches(case, tuple(engine.config_space()), tail_rule=bool(limits.get("pin_tail_rule")),
-                                        routes=bool(limits.get("pin_routes")))
+                                        routes=limits.get("pin_routes", False))
         case = info.adjust(case) if info.adjust else case
         cases.append(honour_engine(case, engine) if engine is not None else case)
     return cases

@@ -13,6 +13,9 @@ contract asks of nothing else.
   each token's id, its place and the layer, so a route moved to another token or sample differs);
 * :func:`routes_handed`: the check that the routes handed on per sample are those (AssertionError naming the sample
   and token);
+* :func:`routes_record`: the check of router replay's R2 record, the routes an engine returns per sample: those the
+  stand-in MoE model's routers took at the sample's own tokens (:func:`model_routes`, in :data:`RECORDED_DTYPE`'s
+  experts);
 * :func:`routes_of`, :func:`captured_rows`, :func:`without_last_routes`: a micro-batch's routes per sample, the
   captured rows of one (a library that takes only those: SkyRL's), and a copy of the micro-batch whose routes miss
   the last sample's (routes of another batch: the refusal ``routes_misaligned``).
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "model_routes",
-           "routes_handed",
+           "routes_handed", "RECORDED_DTYPE", "routes_record",
            "routes_of", "captured_rows", "without_last_routes"]
 
 #: the micro-batch's key for each sample's routes, nested ``(B, n_i, layers, top_k)`` (verl's name and layout): its
@@ -95,6 +98,32 @@ def routes_handed(handed: list[torch.Tensor] | None, sequences: list[torch.Tenso
         if own.numel() and bool((own.sort(-1).values.diff(dim=-1) == 0).any()):
             raise AssertionError(f"routed experts of sample {i}: a token without the rollout's route gets a "
                                  f"duplicate expert in its top-k {own.tolist()}")
+
+
+#: the dtype an engine records routes in under R2 (verl's: int16), whose experts (:data:`ROUTE_DTYPES`) the stand-in
+#: MoE model routes over while recording
+RECORDED_DTYPE = "int16"
+
+
+def routes_record(recorded: list[torch.Tensor] | None, sequences: list[torch.Tensor]) -> None:
+    """Router replay's R2 record: the routes an engine returns, one ``(n_i, layers, top_k)`` tensor per sample
+    (``recorded``), are those the stand-in MoE model's routers took at each of the sample's own tokens
+    (:func:`model_routes` of its ``sequences`` ids, in :data:`RECORDED_DTYPE`'s experts), every token's, in token
+    order: none of another sample's, none of the padding's (AssertionError naming the sample and token)."""
+    if recorded is None:
+        raise AssertionError("the engine returns no recorded routes (routed_experts) although it records them (R2)")
+    if len(recorded) != len(sequences):
+        raise AssertionError(f"routes recorded for {len(recorded)} samples, the micro-batch has {len(sequences)}")
+    for i, (got, ids) in enumerate(zip(recorded, sequences)):
+        want = model_routes(ids, RECORDED_DTYPE)
+        if tuple(got.shape) != tuple(want.shape):
+            raise AssertionError(f"recorded routes of sample {i}: shape {tuple(got.shape)}, expected "
+                                 f"{tuple(want.shape)}: one route per token")
+        wrong = (got.to(torch.int64).cpu() != want).flatten(1).any(1).nonzero().flatten()
+        if wrong.numel():
+            t = int(wrong[0])
+            raise AssertionError(f"recorded routes of sample {i} at token {t}: got {got[t].tolist()}, expected "
+                                 f"{want[t].tolist()} (the route the model's routers took at that token)")
 
 
 def routes_of(micro_batch) -> list[torch.Tensor] | None:

@@ -39,9 +39,6 @@ MODULE = "verl.workers.engine.veomni.transformer_impl"
 _ULYSSES, _FSDP = "verl.utils.ulysses:", "verl.workers.engine.fsdp.transformer_impl"
 _SP = ("needs VeOmni's sequence parallelism (veomni.distributed.parallel_state's process group): sp > 1 is not run "
        "(VeOmniEngine.lacks)")
-_RECORD = ("gap: R2 router replay's RECORD: a trainer's compute_log_prob under R2 records the MoE routers' own routes "
-           "and returns them as an output (routed_experts, per sample); the contract states no routes output yet, so "
-           "the switch draws R3's REPLAY only (spec/engines/veomni/router_replay.py)")
 #: branches of the surface no CPU run of the suite reaches (verl 0.9.1's lines): the FSDP ones but verl's Ulysses
 #: helpers' (off the surface here), and VeOmni's own
 UNREACHABLE: dict[str, str] = {
@@ -51,7 +48,6 @@ UNREACHABLE: dict[str, str] = {
     f"{MODULE}:117": "needs a vision-language model type and sequence parallelism (VeOmni's sp_shard_collator on the "
                      "image/video masks); " + _SP, f"{MODULE}:123->124": _SP,
     f"{MODULE}:873": _SP, f"{MODULE}:920->921": _SP,
-    f"{MODULE}:902->903": _RECORD, f"{MODULE}:936->937": _RECORD,
 }
 
 #: failures of VeOmni beyond the FSDP ones it inherits (spec/engines/veomni/README.md)

@@ -48,6 +48,8 @@ class VeOmniEngineObject(VerlEngineObject):
         if replay is not None:
             replay.arm(self.verl_engine, packed)
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        if packed:  # the MoE model's routers fire on the inputs, as in its forward
-            output_args["routes"] = replay.fire(model_inputs, output_args, micro_batch)
+        if packed:  # the MoE model's routers fire on the inputs, as in its forward (R2: recording their own)
+            taken = replay.fire(model_inputs, output_args, micro_batch)
+            if not replay.record:
+                output_args["routes"] = taken
         return model_inputs, output_args
