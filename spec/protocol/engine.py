@@ -459,7 +459,8 @@ class EngineUnderTest:
         per sample: :attr:`OutputsView.routes`); an engine returning another shape or other names maps it here."""
         per_sequence = dict(outputs)
         routes = per_sequence.pop(ROUTES_SWITCH, None)
-        return OutputsView(per_sequence, routes=None if routes is None else list(routes.unbind()))
+        return OutputsView(per_sequence, routes=None if routes is None else list(
+            routes.unbind() if isinstance(routes, torch.Tensor) else routes))
 
     def repro_snippet(self, settings: Mapping[str, Any]) -> ReproSnippet | None:
         """How a standalone reproducer builds this engine for ``settings`` (:class:`ReproSnippet`), or None
