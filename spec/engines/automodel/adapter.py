@@ -18,6 +18,7 @@ from ...protocol.engine import InputsView, verl_fsdp_view
 from ...protocol.profile import ConfigSwitch
 from ..kit.hf_batch import BatchFlags
 from ..verl.native import NativeVerlEngine, native_profile
+from ..verl.mutants import ENTROPY_CHECKPOINT, INT64_ZEROS_LIKE
 from ..verl.records import (LOW_PRECISION_RECORDS, SETTINGS_UNCHECKED, entropy_cancellation, flag_types,
                             fp16_clamp_cast_records, fused_padded_dense_slices, loss_mask_attention)
 from ..verl.profile import NO_DTENSOR
@@ -48,21 +49,17 @@ _DENSE_SLICES = ("masked by a recorded engine bug, not a behaviour the contract 
                  "sequences (fused_padded_dense_slices' records), so every check of that path fails on the layout "
                  "first; a slice one column off is another wrong layout of the same recorded failure")
 _AUTOMODEL = "verl.workers.engine.automodel.transformer_impl:AutomodelEngineWithLMHead.prepare_model_outputs"
-_CHECKPOINT = ("entropy_checkpointing only chooses torch.utils.checkpoint around the same entropy function: the same "
-               "values and the same gradients (it recomputes in the backward instead of storing)")
 AUTOMODEL_EQUIVALENT_MUTANTS: dict[str, str] = {
     **{f"{_AUTOMODEL}:{mutant}": _DENSE_SLICES for mutant in (
         "649 slice: slice lower + 1", "648 slice: slice upper + 1", "649 slice: slice upper + 1",
         "648 arith: Sub -> Add", "649 slice: slice upper sign", "648 slice: slice upper sign",
         "648 slice: slice lower + 1", "649 arith: Sub -> Add")},
-    f"{_AUTOMODEL}:624 branch: condition negated": _CHECKPOINT,
-    f"{_AUTOMODEL}:660 branch: condition negated": _CHECKPOINT,
+    f"{_AUTOMODEL}:624 branch: condition negated": ENTROPY_CHECKPOINT,
+    f"{_AUTOMODEL}:660 branch: condition negated": ENTROPY_CHECKPOINT,
     f"{_AUTOMODEL}:615 branch: condition negated":
         "no effect without flash-attn: inplace_backward is read only by flash-attn's Triton cross-entropy "
         "(logprobs_from_logits' CUDA branch, declared unreachable here); the pure-torch path ignores it",
-    f"{_AUTOMODEL}:668 dtype: dtype= dropped":
-        "torch.zeros_like(seq_lengths, dtype=torch.int64): seq_lengths is the diff of a jagged tensor's int64 "
-        "offsets, so zeros_like already gives int64",
+    f"{_AUTOMODEL}:668 dtype: dtype= dropped": INT64_ZEROS_LIKE,
 }
 
 

@@ -36,6 +36,7 @@ from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precisio
 from ...truth.rules import TEMPERATURE_FLOOR
 from ..kit.records import SAMPLE_MISMATCH, UNCLAMPED, VALUE_MISMATCH
 from ..verl.native import NATIVE_LOGITS_HELPERS, NativeVerlEngine, native_profile
+from ..verl.mutants import ENTROPY_CHECKPOINT, INT64_ZEROS_LIKE
 from ..verl.records import (
     FP16_WIDE_VOCAB,
     FP16_WIDE_VOCAB_REASON,
@@ -145,6 +146,15 @@ class TorchTitanObject:
         return self.verl_engine.prepare_model_outputs(output.logits, output_args, micro_batch)
 
 
+#: survivors of ``spec mutate --engine verl-torchtitan`` no check can tell from TorchTitan's code, each with why
+_TORCHTITAN = "verl.workers.engine.torchtitan.transformer_impl:TorchTitanEngineWithLMHead.prepare_model_outputs"
+TORCHTITAN_EQUIVALENT_MUTANTS: dict[str, str] = {
+    f"{_TORCHTITAN}:819 branch: condition negated": ENTROPY_CHECKPOINT,
+    f"{_TORCHTITAN}:836 branch: condition negated": ENTROPY_CHECKPOINT,
+    f"{_TORCHTITAN}:842 dtype: dtype= dropped": INT64_ZEROS_LIKE,
+}
+
+
 class TorchTitanEngine(NativeVerlEngine):
     name = "verl-torchtitan"
     module = "verl.workers.engine.torchtitan.transformer_impl"
@@ -156,7 +166,8 @@ class TorchTitanEngine(NativeVerlEngine):
     profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class, {
         "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
                     "prepare_context_parallel_input shards over it)"},
-        helpers=tuple(h for h in NATIVE_LOGITS_HELPERS if not h.endswith(":expand_as_nested")))  # one temperature
+        helpers=tuple(h for h in NATIVE_LOGITS_HELPERS if not h.endswith(":expand_as_nested")),  # one temperature
+        equivalents=TORCHTITAN_EQUIVALENT_MUTANTS)
     records = {"torchtitan.models.common.attention": {"VarlenMetadata": VarlenMetadata},
                # a base class of verl's NoOpDataLoader (torchtitan/utils.py) must be a class
                "torchtitan.components.dataloader": {"BaseDataLoader": type("BaseDataLoader", (), {

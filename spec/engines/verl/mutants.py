@@ -8,17 +8,21 @@ Every other survivor is a gap of the suite: closed by a case or a check, never d
 
 from __future__ import annotations
 
-__all__ = ["VERL_EQUIVALENT_MUTANTS"]
+__all__ = ["VERL_EQUIVALENT_MUTANTS", "INT64_ZEROS_LIKE", "ENTROPY_CHECKPOINT"]
 
 _FSDP = "verl.workers.engine.fsdp.transformer_impl"
 _SB = "verl.utils.seqlen_balancing"
 
+#: reasons shared with verl's native engines (Automodel, TorchTitan), whose output steps repeat FSDP's code
+INT64_ZEROS_LIKE = ("torch.zeros_like(seq_lengths, dtype=torch.int64): seq_lengths is the diff of a jagged tensor's "
+                    "int64 offsets, so zeros_like already gives int64")
+ENTROPY_CHECKPOINT = ("entropy_checkpointing only chooses torch.utils.checkpoint around the same entropy function: the "
+                      "same values and the same gradients (it recomputes in the backward instead of storing)")
+
 _ONE_BATCH_DIM = "the micro-batch TensorDicts have a 1-D batch size: TensorDict.cat along dim -1 is along dim 0"
 
 VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
-    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs:1501 dtype: dtype= dropped":
-        "torch.zeros_like(seq_lengths, dtype=torch.int64): seq_lengths is the diff of a jagged tensor's int64 "
-        "offsets, so zeros_like already gives int64",
+    f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs:1501 dtype: dtype= dropped": INT64_ZEROS_LIKE,
     f"{_SB}:karmarkar_karp:127 compare: Gt -> GtE":
         "State.__lt__ returns self.spread > other.spread only after the spreads were found to differ: > and >= "
         "agree there",
