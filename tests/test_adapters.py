@@ -148,6 +148,27 @@ _ROUTED = EngineCase(prompt_lens=(3, 1, 2), response_lens=(2, 1, 0), vocab=16, t
 
 
 @needs_verl
+def test_veomni_hands_the_masks_its_vl_models_place_features_at(monkeypatch) -> None:
+    """VeOmni's VL models place the image and video features at the image_mask / video_mask its input transform hands
+    (its profile's media_marks): INV-MM-001 holds, and a transform that hands no video_mask fails it, by the check,
+    naming the key (a text-only model type hands none: no media, nothing to place)."""
+    engine = load_engine("verl-veomni")
+    assert engine.profile.media_marks == ("image_mask", "video_mask")
+    case = EngineCase(prompt_lens=(5, 2), response_lens=(2, 1), vocab=16, mrope=True, seed=4,
+                      media=((Media("image", 1, 2, 4, 1),), (Media("video", 2, 2, 2, 0),)))
+    CATALOGUE["INV-MM-001"].check(Ctx(engine, case, "cpu", case.mode))
+    cls = engine.stubs.module.VeOmniEngine
+    transform = cls._apply_veomni_input_transforms
+
+    def no_video_mask(self, model_inputs, micro_batch):
+        transform(self, model_inputs, micro_batch)
+        model_inputs.pop("video_mask", None)
+    monkeypatch.setattr(cls, "_apply_veomni_input_transforms", no_video_mask)
+    with pytest.raises(AssertionError, match="handed no 'video_mask'"):
+        CATALOGUE["INV-MM-001"].check(Ctx(engine, case, "cpu", case.mode))
+
+
+@needs_verl
 @pytest.mark.parametrize("bucket", [None, 4])
 def test_veomni_replays_the_rollouts_routes_at_each_samples_tokens(bucket, monkeypatch) -> None:
     """With routed_experts drawn (R3), VeOmni's engine arms its controller with the micro-batch's routes, the stand-in

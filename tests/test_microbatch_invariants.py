@@ -125,6 +125,9 @@ def test_check_nested_rejects_wrong_samples_and_wrong_layouts() -> None:
     dense = torch.zeros(3, 5)
     with pytest.raises(AssertionError, match="dense"):
         check_nested(dense, ids, [0, 1, 2], "ids")
+    float_offsets = torch.nested.nested_tensor_from_jagged(ids.values(), ids.offsets().float())
+    with pytest.raises(AssertionError, match="offsets of dtype torch.float32"):  # the same samples, float offsets
+        check_nested(float_offsets, ids, [0, 1, 2], "ids")
 
 
 def test_check_sample_keys_rejects_a_dropped_flag_and_a_misplaced_uid() -> None:

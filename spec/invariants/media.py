@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..cases.materialize import draws
 from ..cases.media import with_audio, with_media
-from ..protocol.profile import MEDIA_INPUT_KEYS
+from ..protocol.profile import MEDIA_INPUT_KEYS, profile_of
 from ..truth.audio import audio_token_id
 from ..truth.media_checks import joined_ids, media_inputs_handed
 from ..truth.vision import media_token_ids
@@ -49,7 +49,8 @@ def _handed(ctx: Ctx) -> None:
     media_inputs_handed([(view.input_ids, view.media) for view in views], draws(ctx.case).media_inputs(),
                         *media_token_ids(ctx.case.vocab), joined, groups,
                         own_positions=[view.position_ids is None for view in views],
-                        audio_id=audio_token_id(ctx.case.vocab) if ctx.case.has_audio else None)
+                        audio_id=audio_token_id(ctx.case.vocab) if ctx.case.has_audio else None,
+                        marks=profile_of(ctx.engine).media_marks)
 
 
 @invariant("INV-MM-002", "with images and videos (text-only samples among them) log_probs equal the oracle's: each "

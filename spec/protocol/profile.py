@@ -13,6 +13,9 @@ for an engine under test (``EngineUnderTest.profile``):
   ``multi_modal_inputs`` (docs/contract.md, "Images and videos", "Audio"); the strategies draw media cases (images
   and videos: mRoPE positions from the grids, features per sample; audio clips: 1-D positions, a Qwen2-Audio-style
   model's) only for these; default none;
+* ``media_marks``: the marks of the media tokens its model reads to place the features (VeOmni's ``image_mask`` and
+  ``video_mask``): every rank hands each with a media micro-batch (INV-MM-001), default none (a model placing them by
+  the ids' media token ids);
 * ``media_modes``: the modes in which it takes them (default both; a library that refuses to pack a vision-language
   batch, as TRL's trainers do, lists ``("padded",)``): media cases are drawn only in these, and a target comparing
   both modes draws none unless both are listed;
@@ -314,6 +317,9 @@ class EngineProfile:
     positions: tuple[str, ...] = POSITIONS
     media: tuple[str, ...] = ()
     media_modes: tuple[str, ...] = MODES
+    #: the marks of the media tokens its model reads to place the features (``MEDIA_TOKEN_MARKS``: VeOmni's VL models
+    #: place them at ``image_mask`` / ``video_mask``), which every rank must hand with a media micro-batch (INV-MM-001)
+    media_marks: tuple[str, ...] = ()
     routes_modes: tuple[str, ...] = MODES
     #: why router replay is not run in the modes ``routes_modes`` leaves out (the skip reason says it), where the
     #: engine has them but the suite runs them elsewhere (verl Megatron's BSHD: a finding with its own reproducer)

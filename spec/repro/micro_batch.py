@@ -75,7 +75,8 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
         "REFUSES": sorted(profile_of(engine).refuses),
         "HEAD_INPUT": HeadInput(getattr(engine, "head_input", HeadInput.LOGITS)).value,
         "HANDS_TEMPERATURE": engine.lacks(Feature.TEMPERATURE_HANDOFF) is None,
-        "SETTINGS_OFFERED": offered_settings(engine)}, {
+        "SETTINGS_OFFERED": offered_settings(engine),
+        "MEDIA_MARKS": list(profile_of(engine).media_marks)}, {
         "PADDED_LAYOUT": "where the engine puts each sequence in its padded (B, L) model input",
         "OUTPUT_SPAN": "which positions of each sequence its per-token outputs cover",
         "INT32_ATTENTION_MASK": "its profile declares verl's int32 attention mask",
@@ -86,7 +87,8 @@ def declarations(engine: EngineUnderTest, case: Any = None) -> str:
         "HANDS_TEMPERATURE": "its input step hands its output step a per-token temperature (the rank checks read "
                              "it; an engine lacking the hand-off takes one float)",
         "SETTINGS_OFFERED": "the engine settings it takes of sp, bucket and chunking (INV-SET-001 hands it only "
-                            "impossible values of those)"})
+                            "impossible values of those)",
+        "MEDIA_MARKS": "the marks of the media tokens its model places the features at (handed with media)"})
 
 
 def _plain(value: Any) -> Any:

@@ -29,7 +29,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 #: the names the file binds here (:func:`share`): its engine block's, its case's, and the suite module's it loads
 FROM_FILE = ("make_engine", "helper", "INVARIANT", "CHECK_NAMES", "POISON", "PADDED_LAYOUT", "OUTPUT_SPAN", "RUNS",
-             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT", "SETTINGS_OFFERED")
+             "DATA", "KEYS", "INT32_ATTENTION_MASK", "TAIL_MULTIPLE", "REFUSES", "HEAD_INPUT", "SETTINGS_OFFERED", "MEDIA_MARKS")
 #: the engine block's names read only where it defines them
 OPTIONAL = ("view_inputs", "view_outputs", "view_recorded_routes", "logits_processor")
 #: the suite's pieces (``repro_suite.py``, written out from spec/truth/toy_model.py, spec/execute/handoff.py,
@@ -398,7 +398,7 @@ def check_media_handed(c, mb, run, fresh):
     media_inputs_handed([(v["input_ids"], v["media"]) for v in run.views], samples_media(entries),
                         *media_token_ids(c.vocab), joined, groups,
                         own_positions=[v["position_ids"] is None for v in run.views],
-                        audio_id=audio_token_id(c.vocab) if c.has_audio else None)
+                        audio_id=audio_token_id(c.vocab) if c.has_audio else None, marks=MEDIA_MARKS)
 
 
 def check_routes_handed(c, mb, run, fresh):

@@ -78,7 +78,7 @@ def _marks_for_own_positions(rank: int, media: dict) -> None:
 
 
 def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined: torch.Tensor,
-                        groups: dict, own_positions=None, audio_id: int | None = None) -> None:
+                        groups: dict, own_positions=None, audio_id: int | None = None, marks=()) -> None:
     """INV-MM-001: ``handed`` is each rank's ``(input_ids, media)`` as handed to the model (media by the model's key
     names, :data:`MEDIA_TOKEN_MARKS` among them where handed); ``want`` the samples' features and grids concatenated
     in sample order (:func:`samples_media`); ``joined`` the ids the model embeds (:func:`joined_ids`); ``groups`` the
@@ -87,9 +87,16 @@ def media_inputs_handed(handed, want: dict, image_id: int, video_id: int, joined
     on its ids' device, and the ids hold as many tokens of each kind as its groups (``audio_id``: the audio token id,
     None for a case without audio). ``own_positions``:
     for each rank, whether it hands the model no ``position_ids`` (a Hugging Face model then computes them, from
-    the marks); None where the model computes its positions by a rule of its own (Megatron's)."""
+    the marks); None where the model computes its positions by a rule of its own (Megatron's). ``marks``: the marks
+    of the media tokens the engine's model reads to place the features (its profile's ``media_marks``), each handed
+    on every rank where the samples carry images or videos."""
+    vision = any(key in want for pair in MEDIA_INPUT_KEYS.values() for key in pair)
     for rank, (input_ids, media) in enumerate(handed):
         ids = input_ids.detach().cpu()
+        missing = [key for key in marks if key not in media] if vision else []
+        if missing:
+            fail(f"rank {rank}: the model places the image and video features at {list(marks)}, and is handed no "
+                 f"{missing[0]!r} (the features of those tokens land nowhere)", key=missing[0])
         if own_positions is not None and own_positions[rank]:
             _marks_for_own_positions(rank, media)
         _marks_match(rank, ids, media, image_id, video_id)

@@ -73,6 +73,9 @@ def check_nested(got: Any, want: torch.Tensor, rows: list[int], what: str) -> No
         fail(f"{what}: {got.dim()}-D, expected {want.dim()}-D like the mini-batch's")
     if int(got.size(0)) != len(rows):
         fail(f"{what}: {got.size(0)} samples, expected {len(rows)}")
+    if got.offsets().dtype.is_floating_point or got.offsets().dtype == torch.bool:
+        fail(f"{what}: offsets of dtype {got.offsets().dtype}, expected integers like the mini-batch's "
+             f"{want.offsets().dtype} (a consumer hands them to varlen attention as cu_seqlens)")
     for d in range(1, want.dim()):
         if d != ragged:
             size = got.size(d)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...protocol.known import KnownFailure, When
+from ...protocol.profile import Convention
 from ...protocol.engine import CONTRACT_PRECISION, Feature, InputsView, Precision, media_view
 from ...truth.rules import TEMPERATURE_FLOOR
 from ..kit.records import SAMPLE_MISMATCH, UNCLAMPED, VALUE_MISMATCH
@@ -163,7 +164,9 @@ class TorchTitanEngine(NativeVerlEngine):
     #: its own prepare_model_inputs / prepare_model_outputs, verl's helpers and micro-batch layer
     # one float temperature drawn: the per-sample temperature bug (TEMPERATURE) would fail every invariant that draws
     # one; those that force per-sample temperatures carry its record
-    profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False), module, lm_class, {
+    # its padded path builds the attention mask as int32 (torch.ones_like(..., dtype=torch.int32)): verl's convention
+    profile = native_profile(replace(NativeVerlEngine.profile, per_sample_temperature=False,
+                                     conventions=frozenset({Convention.INT32_ATTENTION_MASK})), module, lm_class, {
         "776->777": "needs context parallelism: a CP device mesh (parallel_dims.cp_enabled; "
                     "prepare_context_parallel_input shards over it)"},
         helpers=tuple(h for h in NATIVE_LOGITS_HELPERS if not h.endswith(":expand_as_nested")),  # one temperature

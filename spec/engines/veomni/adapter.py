@@ -74,7 +74,8 @@ class VeOmniEngine(VerlEngine):
             "VeOmniEngineWithLMHead._prepare_router_replay_inputs", "VeOmniEngineWithLMHead.prepare_model_outputs",
             "VeOmniEngineWithValueHead.prepare_model_inputs"))), unreachable=UNREACHABLE,
         off_path=VERL_OFF_PATH, refuses={},  # VeOmni's own preparation: its refusals not declared (not checked here)
-        config_space=(*VerlEngine.profile.config_space, ROUTER_REPLAY), routes_modes=("packed",))
+        config_space=(*VerlEngine.profile.config_space, ROUTER_REPLAY), routes_modes=("packed",),
+        media_marks=("image_mask", "video_mask"))  # VeOmni's VL models place the features at these
 
     def __init__(self) -> None:
         super().__init__()

@@ -23,6 +23,13 @@ _ONE_BATCH_DIM = "the micro-batch TensorDicts have a 1-D batch size: TensorDict.
 
 VERL_EQUIVALENT_MUTANTS: dict[str, str] = {
     f"{_FSDP}:FSDPEngineWithLMHead.prepare_model_outputs:1501 dtype: dtype= dropped": INT64_ZEROS_LIKE,
+    "verl.utils.model:_pad_last_dim_and_cat:744 compare: Eq -> NotEq":
+        "the shortcut `if all(value.shape[-1] == max_len ...): return torch.cat(values)`: the mutant never takes it "
+        "(some value always has max_len), and the padding path below pads only the narrower values, so it returns "
+        "the same concatenation",
+    f"{_SB}:rearrange_micro_batches:430 dtype: dtype= dropped":
+        "torch.tensor([max_group_token_len, -num_groups], dtype=torch.long): both are Python ints, so the tensor is "
+        "int64 without the dtype",
     f"{_SB}:karmarkar_karp:127 compare: Gt -> GtE":
         "State.__lt__ returns self.spread > other.spread only after the spreads were found to differ: > and >= "
         "agree there",
