@@ -422,8 +422,7 @@ def with_pinned_switches(case: EngineCase, space: tuple, *, tail_rule: bool = Fa
     ``tail_rule`` the one setting the tail multiple, ``ConfigSwitch.tail_multiple``; with ``routes`` the one
     collating routed experts) at its first value off the default, as ``engine_cases(pin_tail_rule=True)``
     (``pin_routes``) draws it (the pinned seed cases of INV-PAD-003, INV-ROUTE-001)."""
-    pinned = {switch.name: _pinned(switch, tail_rule, routes)[0] for switch in space
-              if _pinned(switch, tail_rule, routes)}
+    pinned = {switch.name: values[0] for switch in space if (values := _pinned(switch, tail_rule, routes))}
     if not pinned:
         return case
     kept = tuple((name, value) for name, value in case.engine_config if name not in pinned)

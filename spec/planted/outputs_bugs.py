@@ -9,7 +9,7 @@ from impl.dense import jagged_to_padded
 from impl.flags import read_flag
 
 from ..protocol.profile import ROUTES_RECORDED, ROUTES_SWITCH, ConfigSwitch
-from ..truth.routes import RECORDED_DTYPE, model_routes
+from ..truth.routes import RECORDED_DTYPE, model_routes, places
 from .inputs_bugs import _is_padded
 
 
@@ -216,12 +216,9 @@ class _RecordsRoutes(impl.LMHeadEngine):
         out = super().prepare_model_outputs(output, oa, mb, logits_processor_func, **kw)
         if self.record:
             ids = mb["input_ids"]
-            lens = ids.offsets().diff()
-            place = torch.arange(int(lens.sum())) - torch.repeat_interleave(ids.offsets()[:-1].cpu(), lens.cpu())
             pad = 0 if _is_padded(mb) else int(oa.get("pad_size", 0) or 0)
             row = torch.cat([ids.values().cpu(), torch.zeros(pad, dtype=torch.int64)])
-            place = torch.cat([place, torch.arange(pad)])
-            rows = self._cut(model_routes(row, RECORDED_DTYPE, place), pad)
+            rows = self._cut(model_routes(row, RECORDED_DTYPE, places(ids.offsets(), row.numel())), pad)
             out["routed_experts"] = torch.nested.nested_tensor_from_jagged(rows.to(torch.int16), ids.offsets().cpu())
         return out
 

@@ -401,12 +401,10 @@ class EngineUnderTest:
         if feature is Feature.MEDIA and not set(self.profile.media) & set(VISION):
             return (f"engine {self.name} hands its model no images or videos from multi_modal_inputs (its profile: "
                     f"media={self.profile.media!r})")
-        if feature is Feature.ROUTES and not any(switch.name == ROUTES_SWITCH and set(switch.values) - {None, ROUTES_RECORDED}
-                                                 for switch in self.config_space()):
+        if feature is Feature.ROUTES and not self._route_values() - {None, ROUTES_RECORDED}:
             return (f"engine {self.name} collates no routed experts (no switch {ROUTES_SWITCH!r} in its configuration "
                     "with a dtype of the rollout's routes: MoE router replay)")
-        if feature is Feature.ROUTES_RECORD and not any(switch.name == ROUTES_SWITCH and ROUTES_RECORDED in switch.values
-                                                        for switch in self.config_space()):
+        if feature is Feature.ROUTES_RECORD and ROUTES_RECORDED not in self._route_values():
             return (f"engine {self.name} records no routes (its configuration's switch {ROUTES_SWITCH!r} has no value "
                     f"{ROUTES_RECORDED!r}: MoE router replay's R2 record)")
         if feature is Feature.AUDIO and "audio" not in self.profile.media:
@@ -451,6 +449,11 @@ class EngineUnderTest:
         object's ``prepare_model_inputs`` returned). The default reads verl's FSDP convention
         (:func:`verl_fsdp_view`); an engine with another one overrides this."""
         return verl_fsdp_view(model_inputs, output_args)
+
+    def _route_values(self) -> set[Any]:
+        """The values its configuration's router-replay switch (:data:`ROUTES_SWITCH`) takes: route dtypes, the
+        R2 record; empty without one."""
+        return {value for switch in self.config_space() if switch.name == ROUTES_SWITCH for value in switch.values}
 
     def view_outputs(self, outputs: Mapping[str, torch.Tensor]) -> OutputsView:
         """The normalized view of one rank's ``prepare_model_outputs`` result: the contract's keys

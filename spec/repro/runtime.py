@@ -59,7 +59,7 @@ FROM_SUITE = ("ToyCausalLM", "POISONS", "ThreadedAllGather", "_settings", "_call
               "joined_ids", "media_inputs_handed",
               # an MoE rollout's routed experts: the check of what is handed on, and a micro-batch's routes
               # (spec/truth/routes.py)
-              "routes_handed", "routes_record", "routes_of", "without_last_routes", "ROUTES_SWITCH", "drawn_config")
+              "routes_handed", "routes_record", "routes_of", "without_last_routes", "ROUTES_SWITCH", "ROUTES_RECORDED", "drawn_config")
 BOUND = FROM_FILE + OPTIONAL + FROM_SUITE
 
 
@@ -415,7 +415,7 @@ def check_routes_handed(c, mb, run, fresh):
 def check_routes_recorded(c, mb, run, fresh):
     """INV-ROUTE-002 (spec/truth/routes.py): under router replay's R2 record, every rank returns each sample's routes
     as its own tokens were routed, in token order; the samples' ids read off the micro-batch built afresh."""
-    if drawn_config(c).get(ROUTES_SWITCH) != "record":
+    if drawn_config(c).get(ROUTES_SWITCH) != ROUTES_RECORDED:
         print("NOT EXERCISED: the case records no routes")
         return
     for routes in run.rank_routes:

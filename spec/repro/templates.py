@@ -18,7 +18,7 @@ from pathlib import Path
 from ..execute import handoff, harness
 from ..protocol import engine as protocol_engine
 from ..protocol.engine import MEDIA_TOKEN_MARKS, MEDIA_TOKEN_TYPES, OutputSpan, PaddedLayout, ReproSnippet
-from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS, ROUTES_SWITCH, drawn_config, layout_starts
+from ..protocol.profile import AUDIO_INPUT_KEYS, MEDIA_INPUT_KEYS, ROUTES_RECORDED, ROUTES_SWITCH, drawn_config, layout_starts
 from ..protocol.vendor import assignments, definitions, source
 from ..truth import (audio, closeness, failing, handoff_checks, media_checks, microbatch_checks, oracle, outputs_checks,
                      rank_checks, routes, rules, settings_checks, slice_checks, state_checks, toy_model, vision)
@@ -81,7 +81,7 @@ def suite_blocks() -> str:
               definitions(slice_checks), definitions(microbatch_checks), definitions(rank_checks),
               definitions(state_checks), definitions(settings_checks),
               "# ---- an MoE rollout's routed experts (spec/truth/routes.py, spec/protocol/profile.py) ----",
-              assignments({"ROUTES_SWITCH": ROUTES_SWITCH}), definitions(routes)]
+              assignments({"ROUTES_SWITCH": ROUTES_SWITCH, "ROUTES_RECORDED": ROUTES_RECORDED}), definitions(routes)]
     return "\n".join(parts)
 
 

@@ -13,6 +13,8 @@ contract asks of nothing else.
   each token's id, its place and the layer, so a route moved to another token or sample differs);
 * :func:`routes_handed`: the check that the routes handed on per sample are those (AssertionError naming the sample
   and token);
+* :func:`places`: each packed token's place in its own sequence, by the row's boundaries (what the stand-in routers
+  route by);
 * :func:`routes_record`: the check of router replay's R2 record, the routes an engine returns per sample: those the
   stand-in MoE model's routers took at the sample's own tokens (:func:`model_routes`, in :data:`RECORDED_DTYPE`'s
   experts);
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "model_routes",
+__all__ = ["ROUTES_KEY", "ROUTED_LAYERS", "ROUTED_TOPK", "ROUTE_DTYPES", "captured", "rollout_routes", "places", "model_routes",
            "routes_handed", "RECORDED_DTYPE", "routes_record",
            "routes_of", "captured_rows", "without_last_routes"]
 
@@ -58,6 +60,16 @@ def rollout_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = N
     layer = torch.arange(ROUTED_LAYERS).reshape(1, -1, 1)
     slot = torch.arange(ROUTED_TOPK).reshape(1, 1, -1)
     return ((ids * 7 + place * 3 + layer * 5) % experts + slot).remainder(experts).to(torch_dtype)
+
+
+def places(bounds: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of a packed row's ``n`` tokens' place in its own sequence (what :func:`model_routes` reads): its index
+    less its sequence's start by the boundaries ``bounds`` (``(B + 1,)``, from 0); rows past the last boundary (a
+    tail padding) count from it."""
+    index = torch.arange(n)
+    bounds = bounds.reshape(-1).to(torch.int64).cpu()
+    start = bounds[(torch.searchsorted(bounds, index, right=True) - 1).clamp(min=0, max=bounds.numel() - 1)]
+    return index - start
 
 
 def model_routes(ids: torch.Tensor, dtype: str, place: torch.Tensor | None = None) -> torch.Tensor:

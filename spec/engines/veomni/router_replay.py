@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...protocol.profile import ROUTES_RECORDED, ROUTES_SWITCH, ConfigSwitch
-from ...truth.routes import RECORDED_DTYPE, ROUTE_DTYPES, ROUTED_LAYERS, ROUTED_TOPK, model_routes
+from ...truth.routes import RECORDED_DTYPE, ROUTE_DTYPES, ROUTED_LAYERS, ROUTED_TOPK, model_routes, places
 
-__all__ = ["ROUTER_REPLAY", "StandInRouter", "RouterReplay", "replay_hooks", "places"]
+__all__ = ["ROUTER_REPLAY", "StandInRouter", "RouterReplay", "replay_hooks", "row_places"]
 
 #: VeOmni's router hook module (``set_active_replay``, ``maybe_replay_indices``)
 HOOKS = "veomni.utils.moe_router_replay"
@@ -82,17 +82,12 @@ class StandInRouter(torch.nn.Module):
         return self.hook(self, scores, scores.topk(ROUTED_TOPK, dim=-1).indices)
 
 
-def places(model_inputs: dict, n: int) -> torch.Tensor:
-    """Each of a packed row's ``n`` tokens' place in its own sequence: its index less its sequence's start, by the
+def row_places(model_inputs: dict, n: int) -> torch.Tensor:
+    """Each of a packed row's ``n`` tokens' place in its own sequence (:func:`~spec.truth.routes.places`), by the
     boundaries the model's varlen attention reads (``cu_seq_lens_q``; the pad suffix past the last boundary counts
     from there); the row's index where the engine hands none."""
-    index = torch.arange(n)
     bounds = model_inputs.get("cu_seq_lens_q")
-    if not isinstance(bounds, torch.Tensor):
-        return index
-    bounds = bounds.reshape(-1).to(torch.int64).cpu()
-    start = bounds[(torch.searchsorted(bounds, index, right=True) - 1).clamp(min=0, max=bounds.numel() - 1)]
-    return index - start
+    return places(bounds, n) if isinstance(bounds, torch.Tensor) else torch.arange(n)
 
 
 class RouterReplay:
@@ -133,7 +128,7 @@ class RouterReplay:
         ``input_ids`` (the pad suffix included, as the model sees it), the pad cut off, split at the micro-batch's
         offsets."""
         ids = model_inputs["input_ids"].reshape(-1)
-        place = places(model_inputs, ids.numel())
+        place = row_places(model_inputs, ids.numel())
         with self._active():
             taken = torch.stack([router(ids, place, self.dtype) for router in self.routers], dim=1).to(torch.int64)
         pad = int(output_args.get("pad_size", 0) or 0)
